@@ -1,0 +1,11 @@
+"""lightning-precision: fast, observable and safe low-precision training for PyTorch Lightning.
+
+Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric plugins of the same names live in
+``lightning_precision.fabric``.
+"""
+
+from lightning_precision.plugins import BF16MixedPrecision, FP16MixedPrecision
+
+__version__ = "0.1.0"
+
+__all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "__version__"]

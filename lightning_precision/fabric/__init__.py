@@ -1,0 +1,6 @@
+"""Precision plugins for Lightning Fabric: ``Fabric(plugins=[BF16MixedPrecision()])``."""
+
+from lightning_precision.fabric.bf16_mixed import BF16MixedPrecision
+from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision
+
+__all__ = ["BF16MixedPrecision", "FP16MixedPrecision"]

@@ -1,0 +1,49 @@
+"""bf16 mixed precision for Fabric: bf16 autocast, no scaler (bf16 has fp32's exponent range)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from typing_extensions import override
+
+from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
+
+
+def _check_bf16_supported(device_type: str) -> None:
+    if device_type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name()
+        capability = ".".join(map(str, torch.cuda.get_device_capability()))
+        raise RuntimeError(
+            f"BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0), found {name!r}"
+            f" (compute capability {capability}). Use `FP16MixedPrecision()` on this GPU."
+        )
+
+
+class BF16MixedPrecision(_AutocastPrecision):
+    """bf16 autocast: ``Fabric(plugins=[BF16MixedPrecision()])``.
+
+    Args:
+        device: autocast device type; ``None`` takes it from where the model lives.
+        matmul_precision: ``torch.set_float32_matmul_precision`` for the run, restored at teardown.
+        scaler: must stay ``None``. Accepted only to say clearly that bf16 needs no loss scaling.
+    """
+
+    precision = "bf16-mixed"
+
+    def __init__(
+        self,
+        device: Optional[str] = None,
+        matmul_precision: Optional[MatmulPrecision] = None,
+        scaler: Any = None,
+    ) -> None:
+        if scaler is not None:
+            raise ValueError(
+                f"`{type(self).__name__}(scaler={scaler!r})`: bf16 has fp32's exponent range, so gradients do not"
+                " underflow and need no loss scaling. Remove `scaler`, or use `FP16MixedPrecision(...)` for fp16."
+            )
+        super().__init__(torch.bfloat16, device=device, matmul_precision=matmul_precision)
+
+    @override
+    def _on_device_resolved(self, device_type: str) -> None:
+        _check_bf16_supported(device_type)

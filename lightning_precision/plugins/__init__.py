@@ -1,0 +1,6 @@
+"""Precision plugins for the Trainer: ``Trainer(plugins=[FP16MixedPrecision()])``."""
+
+from lightning_precision.plugins.bf16_mixed import BF16MixedPrecision
+from lightning_precision.plugins.fp16_mixed import FP16MixedPrecision
+
+__all__ = ["BF16MixedPrecision", "FP16MixedPrecision"]

@@ -1,0 +1,38 @@
+"""What every Trainer plugin adds to its Fabric class: device resolution at ``connect`` and checkpoint compatibility."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+# Keys under which Lightning's own plugin saves the scaler: its class name, and the pre-1.6 name.
+_LIGHTNING_AMP_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+
+
+class _TrainerAutocast(TrainerPrecision):
+    """Mixed into ``class X(_TrainerAutocast, FabricX)``: Trainer hooks first, Fabric behaviour after (see MRO)."""
+
+    @override
+    def connect(
+        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[Module, list[Optimizer], list[Any]]:
+        # Strategies call this after moving the model: the first moment its device is known.
+        self._module_ref = weakref.ref(model)
+        _ = self.device_type  # type: ignore[attr-defined]
+        return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The Trainer loads `checkpoint[type(self).__qualname__]` right after this hook; a run started with
+        # Lightning's MixedPrecision saved its scaler under another key, so take it from there.
+        if type(self).__qualname__ in checkpoint:
+            return
+        for key in _LIGHTNING_AMP_KEYS:
+            if key in checkpoint:
+                self.load_state_dict(checkpoint[key])
+                return

@@ -1,0 +1,137 @@
+"""Small real models and loops shared by the tests: nothing here is mocked."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+IN, HIDDEN, OUT = 16, 32, 4
+
+
+def make_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+
+
+def make_data(n_batches: int, batch_size: int = 8, seed: int = 1, overflow_batches: tuple[int, ...] = ()) -> TensorDataset:
+    """A learnable task (labels from a fixed linear map); ``overflow_batches`` get inputs that overflow fp16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_batches * batch_size, IN, generator=g)
+    y = (x @ torch.randn(IN, OUT, generator=g)).argmax(dim=1)
+    for b in overflow_batches:
+        x[b * batch_size : (b + 1) * batch_size] *= 1e6  # fp16 max is 65504: the first linear output becomes inf
+    return TensorDataset(x, y)
+
+
+def loader(ds: TensorDataset, batch_size: int = 8) -> DataLoader:
+    return DataLoader(ds, batch_size=batch_size, shuffle=False)
+
+
+class LitNet(L.LightningModule):
+    def __init__(self, seed: int = 0, lr: float = 0.1, scheduler: bool = False) -> None:
+        super().__init__()
+        self.net = make_net(seed)
+        self.lr = lr
+        self.scheduler = scheduler
+        self.losses: list[float] = []
+        self.output_dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        self.output_dtypes.append(out.dtype)
+        loss = nn.functional.cross_entropy(out, y)
+        self.losses.append(float(loss))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    if plugin is not None:
+        defaults["plugins"] = [plugin]
+    return L.Trainer(**defaults)
+
+
+def hand_loop(
+    dtype: torch.dtype,
+    ds: TensorDataset,
+    steps: int,
+    scaler_kwargs: Optional[dict] = None,
+    lr: float = 0.1,
+) -> tuple[list[float], nn.Module, Optional[torch.amp.GradScaler]]:
+    """The plain PyTorch AMP recipe the plugins must reproduce."""
+    net = make_net(0)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **(scaler_kwargs or {})) if dtype == torch.float16 else None
+    losses = []
+    for step, (x, y) in enumerate(loader(ds)):
+        if step == steps:
+            break
+        with torch.autocast("cpu", dtype=dtype):
+            loss = nn.functional.cross_entropy(net(x), y)
+        losses.append(float(loss))
+        opt.zero_grad()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+    return losses, net, scaler
+
+
+def fabric_loop(plugin: Any, ds: TensorDataset, steps: int, lr: float = 0.1) -> tuple[list[float], nn.Module, L.Fabric]:
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_net(0)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    model, opt = fabric.setup(net, opt)
+    losses = []
+    for step, (x, y) in enumerate(fabric.setup_dataloaders(loader(ds))):
+        if step == steps:
+            break
+        loss = nn.functional.cross_entropy(model(x), y)
+        losses.append(float(loss))
+        opt.zero_grad()
+        fabric.backward(loss)
+        opt.step()
+    return losses, net, fabric
+
+
+def params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def assert_params_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y)
+
+

@@ -1,0 +1,52 @@
+"""Lightning's DDP strategy on CPU: gloo backend, 2 processes (spawned), real all-reduce."""
+
+import json
+
+import pytest
+import torch
+
+from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
+from tests.helpers import LitNet, loader, make_data, trainer
+
+
+class RankReport(LitNet):
+    """Rank 0 alone gets an overflowing batch at step 2; every rank writes what it ended with."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 2 and self.global_rank == 0:
+            x = x * 1e6
+        return super().training_step((x, y), batch_idx)
+
+    def on_train_end(self):
+        plugin = self.trainer.precision_plugin
+        report = {
+            "rank": self.global_rank,
+            "backend": torch.distributed.get_backend(),
+            "precision": plugin.precision,
+            "loss_scale": getattr(plugin, "loss_scale", None),
+            "skipped_steps": getattr(plugin, "skipped_steps", None),
+            "weights": [p.detach().double().sum().item() for p in self.parameters()],
+        }
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump(report, f)
+
+
+@pytest.mark.parametrize("plugin_cls", [FP16MixedPrecision, BF16MixedPrecision])
+def test_ddp_gloo_two_processes_agree(tmp_path, plugin_cls):
+    plugin = plugin_cls(init_scale=1024.0) if plugin_cls is FP16MixedPrecision else plugin_cls()
+    t = trainer(plugin, strategy="ddp_spawn", devices=2, max_steps=5)
+    t.fit(RankReport(str(tmp_path)), loader(make_data(10)))
+
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["backend"] for r in reports] == ["gloo", "gloo"]
+    assert reports[0]["precision"] == reports[1]["precision"] == plugin.precision
+    assert reports[0]["weights"] == reports[1]["weights"]  # replicas stayed identical
+    if plugin_cls is FP16MixedPrecision:
+        # rank 1's gradients were finite, but the all-reduce carried rank 0's inf to it: both skipped, both backed off
+        assert [r["skipped_steps"] for r in reports] == [1, 1]
+        assert [r["loss_scale"] for r in reports] == [512.0, 512.0]

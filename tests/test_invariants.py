@@ -1,0 +1,102 @@
+"""Invariants every plugin of the package must keep. Plugins are discovered, so new ones are checked for free."""
+
+import inspect
+import pickle
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+
+import lightning_precision
+import lightning_precision.fabric
+import lightning_precision.plugins
+from tests.helpers import LitNet, loader, make_data, make_net, trainer
+
+
+def _discover(module, base):
+    found = [obj for name in module.__all__ if inspect.isclass(obj := getattr(module, name)) and issubclass(obj, base)]
+    assert found, f"no plugin found in {module.__name__}"
+    return found
+
+
+FABRIC_PLUGINS = _discover(lightning_precision.fabric, FabricPrecision)
+TRAINER_PLUGINS = _discover(lightning_precision.plugins, TrainerPrecision)
+ALL = [pytest.param(cls, id=f"{cls.__module__.split('.')[1]}.{cls.__name__}") for cls in FABRIC_PLUGINS + TRAINER_PLUGINS]
+# Each plugin's standard precision string and the dtype autocast must run in.
+EXPECTED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def test_discovery_pairs_every_trainer_plugin_with_its_fabric_class():
+    assert {c.__name__ for c in FABRIC_PLUGINS} == {c.__name__ for c in TRAINER_PLUGINS}
+    assert set(lightning_precision.__all__) >= {c.__name__ for c in TRAINER_PLUGINS}
+    for cls in TRAINER_PLUGINS:
+        fabric_cls = getattr(lightning_precision.fabric, cls.__name__)
+        assert issubclass(cls, fabric_cls), f"{cls} must inherit {fabric_cls}, not copy it"
+        assert cls.__qualname__ == fabric_cls.__qualname__  # checkpoint key: type(plugin).__qualname__
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_precision_string_and_compute_dtype(cls):
+    plugin = cls()
+    assert EXPECTED[plugin.precision] == plugin.compute_dtype
+    with plugin.forward_context():
+        assert torch.get_autocast_dtype("cpu") == plugin.compute_dtype
+        assert make_net()(torch.randn(2, 16)).dtype == plugin.compute_dtype
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_state_restored_after_an_exception_in_the_forward_context(cls):
+    plugin = cls()
+    default_dtype = torch.get_default_dtype()
+    with pytest.raises(RuntimeError, match="boom"):
+        with plugin.forward_context():
+            raise RuntimeError("boom")
+    assert torch.get_default_dtype() == default_dtype
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_state_dict_round_trips(cls):
+    plugin = cls()
+    state = plugin.state_dict()
+    other = cls()
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+    # and survives pickling (ddp_spawn pickles the plugin)
+    assert pickle.loads(pickle.dumps(plugin)).state_dict() == state
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_matmul_precision_is_applied_for_the_run_and_restored(cls):
+    torch.set_float32_matmul_precision("highest")
+    plugin = cls(matmul_precision="medium")
+    seen = []
+    if cls in TRAINER_PLUGINS:
+
+        class Probe(LitNet):
+            def training_step(self, batch, batch_idx):
+                seen.append(torch.get_float32_matmul_precision())
+                return super().training_step(batch, batch_idx)
+
+        trainer(plugin, max_steps=1).fit(Probe(), loader(make_data(1)))
+    else:
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        fabric.setup(make_net())
+        seen.append(torch.get_float32_matmul_precision())
+        plugin.teardown()
+    assert seen == ["medium"]
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_device_comes_from_the_model_not_the_accelerator(cls):
+    plugin = cls()
+    model = make_net()
+    plugin.convert_module(model)
+    assert plugin.device_type == "cpu"
+    meta = make_net().to("meta")
+    plugin.convert_module(meta)
+    assert plugin.device_type == "meta"  # whatever the model's device is, not a guess such as "cuda"
+    assert cls(device="cpu").device_type == "cpu"
