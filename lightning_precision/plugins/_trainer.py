@@ -5,7 +5,9 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -25,6 +27,17 @@ class _TrainerAutocast(TrainerPrecision):
         self._module_ref = weakref.ref(model)
         _ = self.device_type  # type: ignore[attr-defined]
         return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+        # Fabric accepts any Precision, Trainer plugins included, and then fails deep inside `fabric.backward`.
+        if not isinstance(module, pl.LightningModule):
+            name = type(self).__name__
+            raise TypeError(
+                f"`lightning_precision.{name}` is the Trainer plugin and cannot run `fabric.backward`. With Fabric,"
+                f" use `from lightning_precision.fabric import {name}`."
+            )
+        return super().pre_backward(tensor, module)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
