@@ -1,0 +1,6 @@
+"""Callbacks; each is a thin layer over a pure function in ``lightning_precision.functional`` or beside it."""
+
+from lightning_precision.callbacks.channels_last import ChannelsLast, apply_channels_last, to_channels_last
+from lightning_precision.callbacks.underflow import GradientUnderflowMonitor
+
+__all__ = ["ChannelsLast", "GradientUnderflowMonitor", "apply_channels_last", "to_channels_last"]

@@ -1,0 +1,123 @@
+"""ChannelsLast: convolution weights and image batches in channels-last memory format."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_precision.warnings import NoEffectWarning
+
+_FORMAT_OF_DIM = {4: torch.channels_last, 5: torch.channels_last_3d}
+_CONVS = (nn.modules.conv._ConvNd,)
+
+
+def _convs(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, _CONVS) and m.weight.dim() in _FORMAT_OF_DIM]
+
+
+def apply_channels_last(module: nn.Module) -> int:
+    """Convert every 2-d convolution's weight to ``channels_last`` and every 3-d one's to ``channels_last_3d``.
+
+    Per module, because ``model.to(memory_format=torch.channels_last)`` raises on a Conv3d; a mixed 2-d/3-d model
+    works. Returns how many convolutions were converted; warns ``NoEffectWarning`` when there are none.
+    """
+    convs = _convs(module)
+    for _, conv in convs:
+        conv.to(memory_format=_FORMAT_OF_DIM[conv.weight.dim()])
+    if not convs:
+        warnings.warn(
+            f"apply_channels_last: `{type(module).__name__}` has no 2-d or 3-d convolution, so channels-last changes"
+            " nothing. Remove the transform.",
+            NoEffectWarning,
+            stacklevel=2,
+        )
+    return len(convs)
+
+
+def _to_channels_last(x: Tensor) -> Tensor:
+    return x.contiguous(memory_format=_FORMAT_OF_DIM[x.dim()]) if x.dim() in _FORMAT_OF_DIM else x
+
+
+def to_channels_last(batch: Any) -> Any:
+    """Every 4-d (``channels_last``) and 5-d (``channels_last_3d``) floating-point tensor in a nested batch."""
+    return apply_to_collection(batch, Tensor, lambda t: _to_channels_last(t) if t.is_floating_point() else t)
+
+
+def is_channels_last(x: Tensor) -> bool:
+    return x.dim() in _FORMAT_OF_DIM and x.is_contiguous(memory_format=_FORMAT_OF_DIM[x.dim()])
+
+
+class _ConvertAfter:
+    """Wraps a batch-transfer hook so the batch it returns is channels-last."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+        self.__wrapped__ = hook  # Lightning's `is_overridden` looks through it to the hook it wraps
+
+    def __call__(self, batch: Any, dataloader_idx: int) -> Any:
+        return to_channels_last(self.hook(batch, dataloader_idx))
+
+
+class ChannelsLast(Callback):
+    """Channels-last convolutions and batches for the Trainer: ``Trainer(callbacks=[ChannelsLast()])``.
+
+    The model is converted in ``setup``, before the strategy moves and wraps it (moving keeps the memory format).
+    A callback cannot replace the batch from ``on_train_batch_start``, so every batch is converted in the
+    ``on_after_batch_transfer`` hook, after it reaches the device, for fit, validate, test and predict: the callback
+    wraps that hook on the LightningModule and the DataModule (whichever Lightning calls) and restores it at teardown.
+    On the first forward, it checks that the first convolution really receives channels-last input, and warns if
+    something in between (a ``.contiguous()``, a transform) converted it back.
+    """
+
+    def __init__(self) -> None:
+        self.converted = 0
+        self.first_conv_input_channels_last: Optional[bool] = None
+        self._wrapped: list[Any] = []
+        self._probe: Optional[Any] = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.converted = apply_channels_last(pl_module)
+        if not self.converted:
+            return
+        for owner in (pl_module, trainer.datamodule):
+            if owner is not None and "on_after_batch_transfer" not in vars(owner):
+                owner.on_after_batch_transfer = _ConvertAfter(owner.on_after_batch_transfer)
+                self._wrapped.append(owner)
+        name, first = _convs(pl_module)[0]
+        self._probe = first.register_forward_pre_hook(self._check_first_input(name))
+
+    def _check_first_input(self, name: str) -> Any:
+        def check(module: nn.Module, args: tuple) -> None:
+            x = args[0] if args else None
+            if isinstance(x, Tensor):
+                self.first_conv_input_channels_last = is_channels_last(x)
+                if not self.first_conv_input_channels_last:
+                    rank_zero_warn(
+                        f"ChannelsLast: the first convolution (`{name}`) received a contiguous (channels-first) input:"
+                        " something between the batch and it converted it back (a `.contiguous()`, `.view`, or a"
+                        " transform). Convolutions still run, with a layout conversion each step.",
+                        category=NoEffectWarning,
+                    )
+            if self._probe is not None:
+                self._probe.remove()
+                self._probe = None
+
+        return check
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for owner in self._wrapped:
+            del owner.on_after_batch_transfer
+        self._wrapped.clear()
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None

@@ -1,0 +1,288 @@
+"""GradientUnderflowMonitor: how many gradients flush to zero (or overflow) in each low-precision format."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_precision.formats import get_format
+from lightning_precision.functional import (
+    HIST_MAX,
+    HIST_MIN,
+    CastStats,
+    cast_stats,
+    exponent_histogram,
+    recommend_loss_scale,
+)
+
+Reduce = Callable[[Tensor], Tensor]
+
+
+def loss_scale_of(plugin: Any) -> Optional[Tensor]:
+    """The loss scale of a precision plugin with an enabled ``GradScaler`` (ours or Lightning's), as a device tensor
+    (no synchronisation), or None when gradients are not scaled."""
+    scaler = getattr(plugin, "scaler", None)
+    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+        return None
+    scale = scaler._scale
+    return scale.detach().clone() if scale is not None else torch.tensor(float(scaler._init_scale))
+
+
+def _module_path(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+class _Counts:
+    """Accumulated ``CastStats`` per key, flattened into one tensor so one all-reduce syncs them all."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, CastStats] = {}
+
+    def add(self, key: str, stats: CastStats) -> None:
+        self.stats[key] = stats if key not in self.stats else self.stats[key] + stats
+
+    def reduced(self, reduce: Optional[Reduce]) -> dict[str, CastStats]:
+        if not self.stats or reduce is None:
+            return self.stats
+        keys = list(self.stats)
+        flat = reduce(torch.stack([torch.stack(self.stats[k]._fields()) for k in keys]))
+        return {k: CastStats(*row) for k, row in zip(keys, flat)}
+
+
+class GradientUnderflowMonitor(Callback):
+    """Measures, for each format in ``formats``, the fraction of gradients whose cast flushes to zero or overflows.
+
+    Parameter gradients are measured unscaled, just before the optimizer step (``precision/underflow/<fmt>``); when a
+    loss scaler is active, fp16 is also measured on ``g * S``, the values the fp16 backward really carries
+    (``precision/underflow/fp16/scaled``). With ``activations=True``, gradients of module outputs (where fp16 autocast
+    keeps its fp16 tensors) are measured as they flow in backward, scaled when a scaler is active (key suffix
+    ``/scaled``). Exact zeros are reported apart (``precision/exact_zero``): they are not underflow.
+
+    Measurements happen on logging steps (or every ``measure_every_n_steps``), accumulate on the device, and are
+    all-reduced across processes and read only when logged. An exponent histogram of log2|g| (unscaled) accumulates
+    over the run: ``save_plot`` draws it with each format's range, and ``recommend_loss_scale`` reads it.
+
+    Args:
+        formats: formats to check; a bf16 run can ask "would fp16 or fp8 flush these?".
+        activations: also measure activation gradients (forward hooks on leaf modules).
+        top_k: log the ``top_k`` modules with the most underflow in ``formats[0]``
+            (``precision/underflow/<fmt>/<module path>``).
+        measure_every_n_steps: ``None`` measures on logging steps only.
+        log_every_n_steps: ``None`` follows ``Trainer(log_every_n_steps=...)``.
+        warn_threshold: warn once when the fp16 underflow fraction at the current scale exceeds this.
+        target_underflow: the fp16 underflow fraction the loss-scale recommendation aims for.
+        plot_path: if set, the histogram plot is written there at the end of training.
+    """
+
+    def __init__(
+        self,
+        formats: Sequence[str] = ("fp16", "bf16", "e4m3fn", "e5m2"),
+        activations: bool = False,
+        top_k: int = 5,
+        measure_every_n_steps: Optional[int] = None,
+        log_every_n_steps: Optional[int] = None,
+        warn_threshold: float = 0.01,
+        target_underflow: float = 1e-3,
+        plot_path: Optional[str] = None,
+    ) -> None:
+        if not formats:
+            raise ValueError("`GradientUnderflowMonitor(formats=())`: name at least one format, e.g. ('fp16',).")
+        self.formats = tuple(get_format(f).name for f in formats)
+        for name, value in (("measure_every_n_steps", measure_every_n_steps), ("log_every_n_steps", log_every_n_steps)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"`GradientUnderflowMonitor({name}={value!r})`: use a positive int, or None.")
+        if top_k < 0:
+            raise ValueError(f"`GradientUnderflowMonitor(top_k={top_k!r})`: use 0 (no per-layer keys) or more.")
+        for name, value in (("warn_threshold", warn_threshold), ("target_underflow", target_underflow)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"`GradientUnderflowMonitor({name}={value!r})`: a fraction, in [0, 1].")
+        self.activations = activations
+        self.top_k = top_k
+        self.measure_every_n_steps = measure_every_n_steps
+        self.log_every_n_steps = log_every_n_steps
+        self.warn_threshold = warn_threshold
+        self.target_underflow = target_underflow
+        self.plot_path = plot_path
+        self.histogram = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)
+        self.activation_histogram = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)
+        self._counts = _Counts()
+        self._capturing = False
+        self._hooks: list[Any] = []
+        self._warned = False
+        self._act_scale: Optional[Tensor] = None
+
+    # ---- the part Fabric and plain PyTorch use directly -------------------------------------------------------------
+
+    def measure_gradients(self, named_grads: Mapping[str, Tensor], loss_scale: Union[Tensor, float, None] = None) -> None:
+        """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question."""
+        grads = {n: g for n, g in named_grads.items() if g is not None}
+        if not grads:
+            return
+        for fmt in self.formats:
+            for name, g in grads.items():
+                stats = cast_stats(g, fmt)
+                self._counts.add(f"param/{fmt}", stats)
+                if fmt == self.formats[0] and self.top_k:
+                    self._counts.add(f"layer/{_module_path(name)}", stats)
+        if loss_scale is not None:
+            for g in grads.values():
+                self._counts.add("param_scaled/fp16", cast_stats(g, "fp16", loss_scale))
+        hist = exponent_histogram(grads)
+        self.histogram = self.histogram.to(hist.device) + hist
+
+    def attach(self, module: nn.Module) -> None:
+        """Hook every leaf module's output so its gradient is measured while ``capturing(True)``."""
+        for name, sub in module.named_modules():
+            if next(sub.children(), None) is None:
+                self._hooks.append(sub.register_forward_hook(self._forward_hook))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def capturing(self, on: bool, loss_scale: Union[Tensor, float, None] = None) -> None:
+        """Measure activation gradients of the coming backward passes (``loss_scale``: the scale they carry)."""
+        self._capturing = on
+        self._act_scale = torch.as_tensor(loss_scale) if loss_scale is not None else None
+
+    def compute(self, reduce: Optional[Reduce] = None) -> dict[str, Tensor]:
+        """The metrics accumulated since the last call, as 0-d tensors; resets the counts (not the histograms).
+
+        ``reduce`` sums a tensor across processes (``fabric.all_reduce(t, reduce_op="sum")``); the Trainer glue passes
+        the strategy's.
+        """
+        stats = self._counts.reduced(reduce)
+        self._counts = _Counts()
+        metrics: dict[str, Tensor] = {}
+        for key, s in stats.items():
+            kind, name = key.split("/", 1)
+            if kind == "param":
+                metrics[f"precision/underflow/{name}"] = s.underflow_fraction
+                metrics[f"precision/overflow/{name}"] = s.overflow_fraction
+                metrics["precision/exact_zero"] = s.exact_zero_fraction
+            elif kind == "param_scaled":
+                metrics[f"precision/underflow/{name}/scaled"] = s.underflow_fraction
+                metrics[f"precision/overflow/{name}/scaled"] = s.overflow_fraction
+            elif kind.startswith("act"):
+                suffix = "/scaled" if kind == "act_scaled" else ""
+                metrics[f"precision/act_underflow/{name}{suffix}"] = s.underflow_fraction
+                metrics[f"precision/act_overflow/{name}{suffix}"] = s.overflow_fraction
+                metrics["precision/act_exact_zero"] = s.exact_zero_fraction
+        layers = {k.split("/", 1)[1]: s.underflow_fraction for k, s in stats.items() if k.startswith("layer/")}
+        for path in sorted(layers, key=lambda p: -float(layers[p]))[: self.top_k]:
+            metrics[f"precision/underflow/{self.formats[0]}/{path}"] = layers[path]
+        return metrics
+
+    def recommend_loss_scale(self) -> tuple[float, float, float]:
+        """``(scale, fp16 underflow, overflow)`` from the activation histogram if measured, else the parameter one."""
+        hist = self.activation_histogram if int(self.activation_histogram.sum()) else self.histogram
+        return recommend_loss_scale(hist, self.target_underflow)
+
+    def save_plot(self, path: str) -> str:
+        from lightning_precision.plotting import plot_exponent_histogram
+
+        hists = {"parameter gradients": self.histogram}
+        if int(self.activation_histogram.sum()):
+            hists["activation gradients"] = self.activation_histogram
+        return plot_exponent_histogram(hists, path, formats=self.formats)
+
+    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._capturing and isinstance(output, Tensor) and output.requires_grad and output.is_floating_point():
+            # A hook on the output tensor, not a full backward hook: those fail when the next op is in-place
+            # (ReLU(inplace=True) in torchvision's ResNets); the gradient seen is the same.
+            output.register_hook(self._activation_grad)
+
+    def _activation_grad(self, grad: Tensor) -> None:
+        scale = self._act_scale
+        kind = "act_scaled" if scale is not None else "act"
+        for fmt in self.formats:
+            self._counts.add(f"{kind}/{fmt}", cast_stats(grad, fmt))
+        hist = exponent_histogram(grad, 1.0 / scale if scale is not None else 1.0)
+        self.activation_histogram = self.activation_histogram.to(hist.device) + hist
+
+    # ---- Trainer glue -----------------------------------------------------------------------------------------------
+
+    def _should_measure(self, trainer: pl.Trainer) -> bool:
+        every = self.measure_every_n_steps or self.log_every_n_steps
+        if every is None:
+            return trainer._logger_connector.should_update_logs
+        return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
+
+    def _should_log(self, trainer: pl.Trainer) -> bool:
+        if self.log_every_n_steps is None:
+            return trainer._logger_connector.should_update_logs
+        return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % self.log_every_n_steps == 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.activations and stage == "fit":
+            self.attach(pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.detach()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.activations:
+            measure = self._should_measure(trainer)
+            self.capturing(measure, loss_scale_of(trainer.precision_plugin) if measure else None)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.capturing(False)
+        if self._should_measure(trainer):
+            grads = {n: p.grad for n, p in pl_module.named_parameters() if p.grad is not None}
+            self.measure_gradients(grads, loss_scale_of(trainer.precision_plugin))
+        if not self._should_log(trainer):
+            return
+        reduce = (lambda t: trainer.strategy.reduce(t, reduce_op="sum")) if trainer.world_size > 1 else None
+        metrics = self.compute(reduce)
+        if not metrics:
+            return
+        for name, value in metrics.items():
+            pl_module.log(name, value.float(), on_step=True, on_epoch=False, batch_size=1)
+        self._maybe_warn(trainer, metrics)
+
+    def _maybe_warn(self, trainer: pl.Trainer, metrics: dict[str, Tensor]) -> None:
+        if self._warned:
+            return
+        key = next((k for k in ("precision/underflow/fp16/scaled", "precision/act_underflow/fp16/scaled",
+                                "precision/underflow/fp16") if k in metrics), None)
+        if key is None or float(metrics[key]) <= self.warn_threshold:
+            return
+        self._warned = True
+        scale, under, _ = self.recommend_loss_scale()
+        current = loss_scale_of(trainer.precision_plugin)
+        at = f"at loss scale {float(current):g}" if current is not None else "without loss scaling"
+        rank_zero_warn(
+            f"{float(metrics[key]):.2%} of gradients flush to zero in fp16 {at} ({key}). A loss scale of {scale:g}"
+            f" would leave {under:.3%}: `FP16MixedPrecision(init_scale={scale:g})`, or train in bf16."
+        )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plot_path is not None and trainer.is_global_zero:
+            self.save_plot(self.plot_path)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "histogram": self.histogram.cpu(),
+            "activation_histogram": self.activation_histogram.cpu(),
+            "warned": self._warned,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.histogram = state_dict["histogram"].clone()
+        self.activation_histogram = state_dict["activation_histogram"].clone()
+        self._warned = state_dict["warned"]

@@ -1,0 +1,178 @@
+"""Pure functions behind the callbacks: usable from a Trainer, a Fabric loop or plain PyTorch.
+
+Every count is a tensor on the input's device, so callers can accumulate without synchronising and read only when they
+log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from lightning_precision.formats import NumberFormat, get_format
+
+TensorsLike = Union[Tensor, Iterable[Tensor], Mapping[str, Tensor]]
+FormatLike = Union[str, torch.dtype, NumberFormat]
+
+
+@dataclass
+class CastStats:
+    """Counts for one tensor (or a total), as 0-d int64 tensors on the device.
+
+    - ``numel``: elements.
+    - ``exact_zero``: zero before any cast (not underflow: e.g. gradients of convolutions on 1x1 maps).
+    - ``underflow``: non-zero finite values whose cast (after multiplying by ``scale``) is zero.
+    - ``overflow``: finite values whose cast is inf, or, for formats without inf (e4m3fn), exceeds ``max``
+      and saturates.
+    - ``nonfinite``: inf or nan already before the cast (counted in nothing else).
+    """
+
+    numel: Tensor
+    exact_zero: Tensor
+    underflow: Tensor
+    overflow: Tensor
+    nonfinite: Tensor
+
+    def __add__(self, other: CastStats) -> CastStats:
+        return CastStats(*(a + b for a, b in zip(self._fields(), other._fields())))
+
+    def _fields(self) -> tuple[Tensor, ...]:
+        return (self.numel, self.exact_zero, self.underflow, self.overflow, self.nonfinite)
+
+    def _fraction(self, count: Tensor) -> Tensor:
+        return count.double() / self.numel.clamp(min=1).double()
+
+    @property
+    def underflow_fraction(self) -> Tensor:
+        return self._fraction(self.underflow)
+
+    @property
+    def overflow_fraction(self) -> Tensor:
+        return self._fraction(self.overflow)
+
+    @property
+    def exact_zero_fraction(self) -> Tensor:
+        return self._fraction(self.exact_zero)
+
+
+@dataclass
+class UnderflowReport:
+    """``underflow_stats``'s answer: the format, the scale applied, counts per tensor and in total."""
+
+    format: NumberFormat
+    scale: Union[float, Tensor]
+    per_tensor: dict[str, CastStats] = field(default_factory=dict)
+    total: CastStats | None = None
+
+
+def _named(tensors: TensorsLike) -> dict[str, Tensor]:
+    if isinstance(tensors, Tensor):
+        return {"0": tensors}
+    if isinstance(tensors, Mapping):
+        return dict(tensors)
+    return {str(i): t for i, t in enumerate(tensors)}
+
+
+def cast_stats(tensor: Tensor, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> CastStats:
+    """Counts for one tensor: what casting ``tensor * scale`` to ``fmt`` flushes to zero or overflows."""
+    f = get_format(fmt)
+    x = tensor.detach()
+    if not x.is_floating_point():
+        raise TypeError(f"cast_stats needs a floating-point tensor, got {x.dtype}.")
+    x = x.float() if x.element_size() < 4 else x  # the scaled value must not itself round or overflow first
+    finite = torch.isfinite(x)
+    nonzero = x != 0
+    scaled = x * scale if isinstance(scale, Tensor) or scale != 1.0 else x  # a tensor scale stays on the device
+    cast = f.cast(scaled)
+    underflow = finite & nonzero & (cast == 0)
+    if f.has_inf:
+        overflow = finite & ~torch.isfinite(cast)
+    else:
+        overflow = finite & (scaled.abs() > f.max)
+    zero = torch.zeros((), dtype=torch.int64, device=x.device)
+    return CastStats(
+        numel=zero + x.numel(),
+        exact_zero=(finite & ~nonzero).sum(),
+        underflow=underflow.sum(),
+        overflow=overflow.sum(),
+        nonfinite=(~finite).sum(),
+    )
+
+
+def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> UnderflowReport:
+    """Per tensor and in total: how many values of ``tensors * scale`` the cast to ``fmt`` flushes to zero or overflows.
+
+    Underflow is decided by the real cast (``(x != 0) & (cast(x * scale) == 0)``), not a ``|x| < 2**-24`` threshold,
+    which double-counts: fp16 rounds (2**-25, 2**-24) up to 2**-24. Exact zeros are reported apart.
+
+    Args:
+        tensors: a tensor, an iterable of tensors, or a mapping name -> tensor (e.g. parameter gradients).
+        fmt: ``"fp16"``, ``"bf16"``, ``"e4m3fn"``, ``"e5m2"``, ``"tf32"``, ``"fp32"``, a dtype or a ``NumberFormat``.
+        scale: multiplied in before the cast, e.g. the loss scale, to ask "would ``g * S`` flush?".
+
+    Returns:
+        An ``UnderflowReport``; counts are tensors on the device (read them when you log).
+    """
+    if not isinstance(scale, Tensor) and not scale > 0:
+        raise ValueError(f"`underflow_stats(scale={scale!r})`: the scale must be > 0 (a loss scale, 1.0 for none).")
+    f = get_format(fmt)
+    report = UnderflowReport(format=f, scale=scale)
+    for name, tensor in _named(tensors).items():
+        stats = cast_stats(tensor, f, scale)
+        report.per_tensor[name] = stats
+        report.total = stats if report.total is None else report.total + stats
+    if report.total is None:
+        zero = torch.zeros((), dtype=torch.int64)
+        report.total = CastStats(zero, zero, zero, zero, zero)
+    return report
+
+
+# Exponent histograms: one bin per power of two, log2|x| in [HIST_MIN, HIST_MAX), covering fp32 subnormals to max.
+HIST_MIN, HIST_MAX = -150, 129
+
+
+def exponent_histogram(tensors: TensorsLike, scale: Union[float, Tensor] = 1.0) -> Tensor:
+    """Counts of non-zero finite values by ``floor(log2|x * scale|)``, bins ``HIST_MIN .. HIST_MAX - 1`` (on device)."""
+    bins = HIST_MAX - HIST_MIN
+    hist = None
+    for tensor in _named(tensors).values():
+        x = tensor.detach().float().flatten()
+        x = x[torch.isfinite(x) & (x != 0)].abs() * scale
+        # frexp: x = m * 2**e with m in [0.5, 1), so floor(log2 x) = e - 1, exact even for subnormals.
+        exponent = torch.frexp(x).exponent.to(torch.int64) - 1
+        counts = torch.bincount((exponent - HIST_MIN).clamp(0, bins - 1), minlength=bins)
+        hist = counts if hist is None else hist + counts
+    return hist if hist is not None else torch.zeros(bins, dtype=torch.int64)
+
+
+def recommend_loss_scale(
+    histogram: Tensor, target_underflow: float = 1e-3, fmt: FormatLike = "fp16", max_log2_scale: int = 24
+) -> tuple[float, float, float]:
+    """The smallest power-of-two loss scale under which at most ``target_underflow`` of the histogrammed (unscaled)
+    values flush in ``fmt``, with none overflowing.
+
+    Returns ``(scale, underflow_fraction, overflow_fraction)`` at that scale; if no scale reaches the target without
+    overflow, the one with the least underflow among those without overflow (or 1.0).
+    """
+    f = get_format(fmt)
+    hist = histogram.detach().double().cpu()
+    total = hist.sum().item()
+    exponents = torch.arange(HIST_MIN, HIST_MAX, dtype=torch.float64)
+    best = None
+    for k in range(-max_log2_scale, max_log2_scale + 1):
+        scaled = exponents + k
+        # Round-to-nearest flushes only below half the smallest subnormal: the bin [2**(m-1), 2**m) rounds up to
+        # 2**m (all but its lower edge), so bins e < m - 1 flush. Bins e > max_exponent overflow.
+        under = hist[scaled < f.min_exponent - 1].sum().item() / max(total, 1)
+        over = hist[scaled > f.max_exponent].sum().item() / max(total, 1)
+        if over > 0:
+            continue
+        if under <= target_underflow:
+            return 2.0**k, under, over
+        if best is None or under < best[1]:
+            best = (2.0**k, under, over)
+    return best if best is not None else (1.0, 0.0, 0.0)
