@@ -5,7 +5,8 @@ Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric p
 """
 
 from lightning_precision.plugins import BF16MixedPrecision, FP16MixedPrecision
+from lightning_precision.warnings import NoEffectWarning
 
 __version__ = "0.1.0"
 
-__all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "__version__"]
+__all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "NoEffectWarning", "__version__"]

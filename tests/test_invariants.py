@@ -100,3 +100,21 @@ def test_device_comes_from_the_model_not_the_accelerator(cls):
     plugin.convert_module(meta)
     assert plugin.device_type == "meta"  # whatever the model's device is, not a guess such as "cuda"
     assert cls(device="cpu").device_type == "cpu"
+
+
+import lightning_precision.callbacks  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+CALLBACKS = _discover(lightning_precision.callbacks, Callback)
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda c: c.__name__)
+def test_every_callback_fits_and_round_trips_its_state(cls):
+    from tests.test_channels_last import ConvModule, _images
+
+    callback = cls()
+    trainer(None, max_steps=2, log_every_n_steps=1, callbacks=[callback]).fit(ConvModule(), _images())
+    state = callback.state_dict()
+    other = cls()
+    other.load_state_dict(state)
+    assert repr(other.state_dict()) == repr(state)

@@ -1,0 +1,112 @@
+"""Number formats and underflow_stats against hand-computed cases: underflow is the real cast."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_precision.formats import FORMATS, format_table, get_format
+from lightning_precision.functional import (
+    HIST_MIN,
+    exponent_histogram,
+    recommend_loss_scale,
+    underflow_stats,
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "exp", "man", "max_", "normal", "subnormal"),
+    [
+        ("fp32", 8, 23, torch.finfo(torch.float32).max, 2.0**-126, 2.0**-149),
+        ("tf32", 8, 10, (2 - 2.0**-10) * 2.0**127, 2.0**-126, 2.0**-136),
+        ("bf16", 8, 7, torch.finfo(torch.bfloat16).max, 2.0**-126, 2.0**-133),
+        ("fp16", 5, 10, 65504.0, 2.0**-14, 2.0**-24),
+        ("e4m3fn", 4, 3, 448.0, 2.0**-6, 2.0**-9),
+        ("e5m2", 5, 2, 57344.0, 2.0**-14, 2.0**-16),
+    ],
+)
+def test_format_table(name, exp, man, max_, normal, subnormal):
+    f = FORMATS[name]
+    assert (f.exponent_bits, f.mantissa_bits, f.max, f.smallest_normal, f.smallest_subnormal) == (exp, man, max_, normal, subnormal)
+    assert f.eps == 2.0**-man
+    assert f.bits == (torch.finfo(f.dtype).bits if f.dtype is not None else 19)
+    if f.dtype is not None:  # the smallest subnormal really is the last non-zero value of the cast
+        assert torch.tensor(subnormal).to(f.dtype).float().item() == subnormal
+        assert torch.tensor(subnormal / 2).to(f.dtype).float().item() == 0.0  # a tie, to even: zero
+
+
+def test_get_format_accepts_names_aliases_and_dtypes():
+    assert get_format("half") is get_format(torch.float16) is FORMATS["fp16"]
+    assert get_format("fp8_e4m3") is FORMATS["e4m3fn"]
+    with pytest.raises(ValueError, match=r"Unknown number format 'fp12'.*fp16"):
+        get_format("fp12")
+    assert "| e5m2 | 8 | 5 | 2 | 57344 |" in format_table()
+
+
+def test_tf32_cast_rounds_to_10_mantissa_bits():
+    x = torch.tensor([1 + 2.0**-10, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-12, -(1 + 2.0**-10)])
+    # 1+2^-11 is a tie between 1 and 1+2^-10: to even (1); 1+3*2^-11 ties up to 1+2^-9.
+    expected = torch.tensor([1 + 2.0**-10, 1.0, 1 + 2.0**-9, 1.0, -(1 + 2.0**-10)])
+    assert torch.equal(FORMATS["tf32"].cast(x), expected)
+
+
+def _counts(values, fmt, scale=1.0):
+    t = underflow_stats(torch.tensor(values, dtype=torch.float32), fmt, scale).total
+    return int(t.numel), int(t.exact_zero), int(t.underflow), int(t.overflow), int(t.nonfinite)
+
+
+def test_fp16_underflow_is_the_real_cast_not_a_threshold():
+    values = [
+        0.0,  # exact zero: not underflow
+        2.0**-26,  # flushes
+        2.0**-25,  # exactly half the smallest subnormal: ties to even, flushes
+        1.5 * 2.0**-25,  # between 2^-25 and 2^-24: rounds UP to 2^-24, a "< 2^-24" threshold would wrongly count it
+        2.0**-24,  # smallest subnormal: survives
+        2.0**-20,  # subnormal: survives
+        -(2.0**-30),  # negative, flushes
+        70000.0,  # overflows to inf
+        65510.0,  # rounds to 65504: not overflow
+        float("inf"),
+        float("nan"),
+    ]
+    assert _counts(values, "fp16") == (11, 1, 3, 1, 2)
+
+
+def test_loss_scale_is_applied_before_the_cast():
+    values = [2.0**-26, 2.0**-30, 2.0**-40, 1000.0]
+    assert _counts(values, "fp16") == (4, 0, 3, 0, 0)
+    # x 2^10: 2^-16 and 2^-20 survive, 2^-30 still flushes; 1000 * 1024 overflows.
+    assert _counts(values, "fp16", scale=2.0**10) == (4, 0, 1, 1, 0)
+    # a device tensor works as the scale (no synchronisation)
+    assert _counts(values, "fp16", scale=torch.tensor(2.0**10)) == (4, 0, 1, 1, 0)
+
+
+def test_bf16_and_fp8_cases():
+    assert _counts([2.0**-133, 2.0**-134, 2.0**-135, 1e38], "bf16") == (4, 0, 2, 0, 0)
+    # e4m3fn has no inf: 500 saturates to 448 (overflow), 450 too; 2^-10 ties to zero, 2^-9 survives.
+    assert _counts([2.0**-9, 2.0**-10, 2.0**-12, 448.0, 450.0, 500.0], "e4m3fn") == (6, 0, 2, 2, 0)
+    # e5m2: 60000 rounds to 57344 (not overflow), 70000 is inf; 2^-17 ties to zero.
+    assert _counts([2.0**-16, 2.0**-17, 60000.0, 70000.0], "e5m2") == (4, 0, 1, 1, 0)
+
+
+def test_per_tensor_and_total_with_names_and_fractions():
+    report = underflow_stats({"a": torch.tensor([0.0, 2.0**-30]), "b": torch.tensor([1.0, 2.0, 3.0, 2.0**-40])}, "fp16")
+    assert set(report.per_tensor) == {"a", "b"}
+    assert int(report.per_tensor["a"].underflow) == 1 and int(report.per_tensor["b"].underflow) == 1
+    assert float(report.total.underflow_fraction) == pytest.approx(2 / 6)
+    assert float(report.total.exact_zero_fraction) == pytest.approx(1 / 6)
+    with pytest.raises(ValueError, match=r"scale=0.*> 0"):
+        underflow_stats(torch.ones(2), "fp16", scale=0)
+
+
+def test_exponent_histogram_and_recommendation():
+    g = torch.tensor([2.0**-30] * 10 + [2.0**-10] * 90 + [0.0, float("inf")])
+    hist = exponent_histogram(g)
+    assert int(hist.sum()) == 100  # zeros and inf are not in it
+    assert int(hist[-30 - HIST_MIN]) == 10 and int(hist[-10 - HIST_MIN]) == 90
+    # 2^-30 needs x 2^5 to reach 2^-25 (whose bin rounds up to 2^-24) in fp16; 2^-10 * 2^5 is far from overflow.
+    scale, under, over = recommend_loss_scale(hist, target_underflow=0.0)
+    assert (scale, under, over) == (2.0**5, 0.0, 0.0)
+    # allowing 10% to flush, the scale only has to keep 2^-10 alive: 2^-10 * 2^-15 = 2^-25 rounds up to 2^-24
+    assert recommend_loss_scale(hist, target_underflow=0.2)[:2] == (2.0**-15, 0.1)
+    assert math.isclose(recommend_loss_scale(hist, target_underflow=0.0, fmt="bf16")[0], 2.0**-24)

@@ -1,0 +1,160 @@
+"""GradientUnderflowMonitor on real fits: logged numbers equal a direct computation on the same gradients."""
+
+import json
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
+from lightning_precision.callbacks import GradientUnderflowMonitor
+from lightning_precision.callbacks.underflow import loss_scale_of
+from lightning_precision.functional import underflow_stats
+from tests.helpers import LitNet, loader, make_data, make_net, trainer
+
+
+class GradCapture(Callback):
+    """Runs after the monitor (callbacks run in order) and keeps each step's gradients and loss scale."""
+
+    def __init__(self):
+        self.grads, self.scales = [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
+        scale = loss_scale_of(trainer.precision_plugin)
+        self.scales.append(None if scale is None else float(scale))
+
+
+class TinyGrads(LitNet):
+    """Loss scaled down so that a good share of gradients sit below fp16's range: there is underflow to count."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 1e-6
+
+
+@pytest.mark.parametrize("plugin", [None, BF16MixedPrecision(), FP16MixedPrecision()], ids=["fp32", "bf16", "fp16"])
+def test_logged_fractions_equal_a_direct_computation(plugin):
+    monitor = GradientUnderflowMonitor(top_k=2, warn_threshold=1.0)
+    capture = GradCapture()
+    t = trainer(plugin, max_steps=4, log_every_n_steps=4, callbacks=[monitor, capture])
+    t.fit(TinyGrads(), loader(make_data(4)))
+
+    grads, scale = capture.grads[-1], capture.scales[-1]  # step 4 is the logging step
+    logged = t.callback_metrics
+    for fmt in ("fp16", "bf16", "e4m3fn", "e5m2"):
+        direct = underflow_stats(grads, fmt).total
+        assert float(logged[f"precision/underflow/{fmt}"]) == pytest.approx(float(direct.underflow_fraction))
+        assert float(logged[f"precision/overflow/{fmt}"]) == pytest.approx(float(direct.overflow_fraction))
+    assert float(logged["precision/underflow/fp16"]) > 0.01  # the case is not vacuous
+    if scale is None:
+        assert "precision/underflow/fp16/scaled" not in logged
+    else:  # with a scaler, fp16 is also asked about g * S
+        direct = underflow_stats(grads, "fp16", scale).total
+        assert float(logged["precision/underflow/fp16/scaled"]) == pytest.approx(float(direct.underflow_fraction))
+        assert float(logged["precision/underflow/fp16/scaled"]) < float(logged["precision/underflow/fp16"])
+    per_layer = {k for k in logged if k.startswith("precision/underflow/fp16/") and not k.endswith("scaled")}
+    assert len(per_layer) == 2  # top_k
+    worst = max(
+        ("net.0", "net.2", "net.4"),
+        key=lambda m: float(underflow_stats({n: g for n, g in grads.items() if n.startswith(m + ".")}, "fp16").total.underflow_fraction),
+    )
+    assert f"precision/underflow/fp16/{worst}" in per_layer
+
+
+def test_measures_only_on_logging_steps_and_warns_once_with_advice():
+    monitor = GradientUnderflowMonitor(warn_threshold=0.01)
+    calls = []
+    original = monitor.measure_gradients
+    monitor.measure_gradients = lambda *a, **k: (calls.append(1), original(*a, **k))
+    with pytest.warns(UserWarning, match=r"flush to zero in fp16 without loss scaling.*FP16MixedPrecision\(init_scale="):
+        trainer(None, max_steps=6, log_every_n_steps=3, callbacks=[monitor]).fit(TinyGrads(), loader(make_data(6)))
+    assert len(calls) == 2  # steps 3 and 6 only
+    scale, under, over = monitor.recommend_loss_scale()
+    assert scale > 1 and under <= monitor.target_underflow and over == 0
+
+
+def test_activation_gradients_are_measured_scaled_under_fp16(tmp_path):
+    monitor = GradientUnderflowMonitor(activations=True, plot_path=str(tmp_path / "hist.png"), warn_threshold=1.0)
+    t = trainer(FP16MixedPrecision(), max_steps=2, log_every_n_steps=2, callbacks=[monitor])
+    t.fit(TinyGrads(), loader(make_data(2)))
+    logged = t.callback_metrics
+    assert "precision/act_underflow/fp16/scaled" in logged and "precision/act_exact_zero" in logged
+    # Activation gradients are the real fp16 tensors of the backward, already scaled: casting them to fp16 flushes
+    # nothing more, while the unscaled parameter gradients would flush in fp16.
+    assert float(logged["precision/act_underflow/fp16/scaled"]) == 0.0
+    assert int(monitor.activation_histogram.sum()) > 0
+    assert (tmp_path / "hist.png").stat().st_size > 10_000
+    assert not monitor._hooks  # removed at teardown
+
+
+def test_state_round_trips_through_a_checkpoint(tmp_path):
+    monitor = GradientUnderflowMonitor(warn_threshold=1.0)
+    t = trainer(None, max_steps=2, log_every_n_steps=1, callbacks=[monitor])
+    t.fit(LitNet(), loader(make_data(2)))
+    t.save_checkpoint(tmp_path / "c.ckpt")
+    other = GradientUnderflowMonitor(warn_threshold=1.0)
+    t2 = trainer(None, max_steps=3, log_every_n_steps=1, callbacks=[other])
+    t2.fit(LitNet(), loader(make_data(2)), ckpt_path=tmp_path / "c.ckpt")
+    assert int(other.histogram.sum()) > int(monitor.histogram.sum()) > 0  # resumed from, then added to
+
+
+def test_fabric_loop_uses_the_same_methods():
+    plugin = L.fabric.plugins.precision.Precision()  # plain fp32 Fabric
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_net()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    monitor = GradientUnderflowMonitor(formats=("fp16", "e5m2"))
+    x, y = make_data(1).tensors
+    fabric.backward(torch.nn.functional.cross_entropy(model(x), y) * 1e-6)
+    grads = {n: p.grad for n, p in net.named_parameters()}
+    monitor.measure_gradients(grads)
+    metrics = monitor.compute(reduce=lambda t: fabric.all_reduce(t, reduce_op="sum"))
+    fabric.log_dict(metrics)
+    assert float(metrics["precision/underflow/fp16"]) == pytest.approx(float(underflow_stats(grads, "fp16").total.underflow_fraction))
+    assert set(k.split("/")[2] for k in metrics if k.startswith("precision/underflow/")) == {"fp16", "e5m2"}
+    assert monitor.compute() == {}  # compute() reset the counts
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"Unknown number format 'fp7'"):
+        GradientUnderflowMonitor(formats=("fp7",))
+    with pytest.raises(ValueError, match=r"log_every_n_steps=0"):
+        GradientUnderflowMonitor(log_every_n_steps=0)
+    with pytest.raises(ValueError, match=r"warn_threshold=2"):
+        GradientUnderflowMonitor(warn_threshold=2)
+
+
+class RankActivations(TinyGrads):
+    """Each rank gets different data, so activation gradients (local, never all-reduced) differ between ranks."""
+
+    def __init__(self, out_dir):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_train_end(self):
+        monitor = next(c for c in self.trainer.callbacks if isinstance(c, GradientUnderflowMonitor))
+        local = monitor._last_local
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump({"local": local, "logged": float(self.trainer.callback_metrics["precision/act_underflow/fp16"])}, f)
+
+
+class RecordingMonitor(GradientUnderflowMonitor):
+    """Keeps the local (pre-all-reduce) counts of the logging step, to compare with the global fraction logged."""
+
+    def compute(self, reduce=None):
+        s = self._counts.stats["act/fp16"]
+        self._last_local = [int(s.underflow), int(s.numel)]
+        return super().compute(reduce)
+
+
+def test_ddp_logs_the_global_fraction_of_the_union(tmp_path):
+    monitor = RecordingMonitor(formats=("fp16",), activations=True, warn_threshold=1.0)
+    t = trainer(None, strategy="ddp_spawn", devices=2, max_steps=2, log_every_n_steps=2, callbacks=[monitor])
+    t.fit(RankActivations(str(tmp_path)), loader(make_data(4)))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    (u0, n0), (u1, n1) = reports[0]["local"], reports[1]["local"]
+    union = (u0 + u1) / (n0 + n1)
+    assert u0 / n0 != u1 / n1  # the ranks really saw different values
+    assert reports[0]["logged"] == reports[1]["logged"] == pytest.approx(union)
