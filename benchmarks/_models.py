@@ -1,0 +1,58 @@
+"""ResNet18 (He et al. 2016, torchvision's layout) without torchvision, so the benchmarks run on a bare CPU install."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + self.down(x))
+
+
+def resnet18(num_classes: int = 10) -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
+    return nn.Sequential(*layers)
+
+
+class ResNet18Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = resnet18()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def image_data(n: int, size: int, seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g))
