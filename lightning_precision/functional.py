@@ -80,27 +80,34 @@ def _named(tensors: TensorsLike) -> dict[str, Tensor]:
 def cast_stats(tensor: Tensor, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> CastStats:
     """Counts for one tensor: what casting ``tensor * scale`` to ``fmt`` flushes to zero or overflows."""
     f = get_format(fmt)
+    return multi_format_stats(tensor, (f,), scale)[f.name]
+
+
+def multi_format_stats(
+    tensor: Tensor, formats: Iterable[FormatLike], scale: Union[float, Tensor] = 1.0
+) -> dict[str, CastStats]:
+    """``cast_stats`` for several formats at once: the masks shared by all formats are computed once."""
     x = tensor.detach()
     if not x.is_floating_point():
         raise TypeError(f"cast_stats needs a floating-point tensor, got {x.dtype}.")
     x = x.float() if x.element_size() < 4 else x  # the scaled value must not itself round or overflow first
     finite = torch.isfinite(x)
-    nonzero = x != 0
+    finite_nonzero = finite & (x != 0)
     scaled = x * scale if isinstance(scale, Tensor) or scale != 1.0 else x  # a tensor scale stays on the device
-    cast = f.cast(scaled)
-    underflow = finite & nonzero & (cast == 0)
-    if f.has_inf:
-        overflow = finite & ~torch.isfinite(cast)
-    else:
-        overflow = finite & (scaled.abs() > f.max)
-    zero = torch.zeros((), dtype=torch.int64, device=x.device)
-    return CastStats(
-        numel=zero + x.numel(),
-        exact_zero=(finite & ~nonzero).sum(),
-        underflow=underflow.sum(),
-        overflow=overflow.sum(),
-        nonfinite=(~finite).sum(),
-    )
+    numel = torch.zeros((), dtype=torch.int64, device=x.device) + x.numel()
+    nonfinite = numel - finite.sum()
+    exact_zero = numel - nonfinite - finite_nonzero.sum()
+    out = {}
+    for fmt in formats:
+        f = get_format(fmt)
+        cast = f.cast(scaled)
+        underflow = (finite_nonzero & (cast == 0)).sum()
+        if f.has_inf:
+            overflow = (finite & ~torch.isfinite(cast)).sum()
+        else:
+            overflow = (finite & (scaled.abs() > f.max)).sum()
+        out[f.name] = CastStats(numel=numel, exact_zero=exact_zero, underflow=underflow, overflow=overflow, nonfinite=nonfinite)
+    return out
 
 
 def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> UnderflowReport:

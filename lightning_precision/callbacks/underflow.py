@@ -19,6 +19,7 @@ from lightning_precision.functional import (
     CastStats,
     cast_stats,
     exponent_histogram,
+    multi_format_stats,
     recommend_loss_scale,
 )
 
@@ -125,12 +126,12 @@ class GradientUnderflowMonitor(Callback):
         grads = {n: g for n, g in named_grads.items() if g is not None}
         if not grads:
             return
-        for fmt in self.formats:
-            for name, g in grads.items():
-                stats = cast_stats(g, fmt)
+        for name, g in grads.items():
+            per_format = multi_format_stats(g, self.formats)
+            for fmt, stats in per_format.items():
                 self._counts.add(f"param/{fmt}", stats)
-                if fmt == self.formats[0] and self.top_k:
-                    self._counts.add(f"layer/{_module_path(name)}", stats)
+            if self.top_k:
+                self._counts.add(f"layer/{_module_path(name)}", per_format[self.formats[0]])
         if loss_scale is not None:
             for g in grads.values():
                 self._counts.add("param_scaled/fp16", cast_stats(g, "fp16", loss_scale))
@@ -203,8 +204,8 @@ class GradientUnderflowMonitor(Callback):
     def _activation_grad(self, grad: Tensor) -> None:
         scale = self._act_scale
         kind = "act_scaled" if scale is not None else "act"
-        for fmt in self.formats:
-            self._counts.add(f"{kind}/{fmt}", cast_stats(grad, fmt))
+        for fmt, stats in multi_format_stats(grad, self.formats).items():
+            self._counts.add(f"{kind}/{fmt}", stats)
         hist = exponent_histogram(grad, 1.0 / scale if scale is not None else 1.0)
         self.activation_histogram = self.activation_histogram.to(hist.device) + hist
 
