@@ -41,6 +41,21 @@ class NumberFormat:
         """floor(log2(max)): values at 2**(max_exponent + 1) and above overflow."""
         return int(torch.floor(torch.log2(torch.tensor(self.max, dtype=torch.float64))).item())
 
+    @property
+    def flush_bound(self) -> float:
+        """Round-to-nearest-even sends ``0 < |x| <= flush_bound`` to zero: half the smallest subnormal (the tie at
+        exactly half goes to the even neighbour, zero) and nothing above it (fp16 rounds (2**-25, 2**-24) up)."""
+        return self.smallest_subnormal / 2
+
+    @property
+    def overflow_bound(self) -> float:
+        """The cast overflows for ``|x| >= overflow_bound``: ``max`` plus half its ulp, whose tie rounds away to inf
+        (``max`` has an odd mantissa). For a format without inf (e4m3fn), everything past ``max`` saturates: the bound
+        is then ``max`` itself, exclusive (see ``saturates``)."""
+        if not self.has_inf:
+            return self.max
+        return self.max + 2.0 ** (self.max_exponent - self.mantissa_bits) / 2
+
     def cast(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` rounded to this format and back to ``x.dtype`` (the real cast; tf32 is rounded in place)."""
         if self.dtype is not None:

@@ -110,3 +110,24 @@ def test_exponent_histogram_and_recommendation():
     # allowing 10% to flush, the scale only has to keep 2^-10 alive: 2^-10 * 2^-15 = 2^-25 rounds up to 2^-24
     assert recommend_loss_scale(hist, target_underflow=0.2)[:2] == (2.0**-15, 0.1)
     assert math.isclose(recommend_loss_scale(hist, target_underflow=0.0, fmt="bf16")[0], 2.0**-24)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "e4m3fn", "e5m2", "tf32"])
+def test_counts_equal_the_real_cast_element_for_element(name):
+    """underflow_stats uses the cast's rounding boundaries for speed: they must agree with the real cast everywhere,
+    above all at the boundaries (ties, the values just beside them) and across the whole exponent range."""
+    f = FORMATS[name]
+    edges = [f.flush_bound, f.smallest_subnormal, f.overflow_bound, f.max]
+    around = [torch.tensor(e, dtype=torch.float32) for e in edges]
+    near = torch.cat([torch.stack([torch.nextafter(t, torch.tensor(0.0)), t, torch.nextafter(t, torch.tensor(float("inf")))]) for t in around])
+    g = torch.Generator().manual_seed(0)
+    sweep = torch.exp2(torch.empty(200_000).uniform_(-150, 128, generator=g)) * torch.empty(200_000).uniform_(1, 2, generator=g)
+    x = torch.cat([near, -near, sweep, -sweep, torch.tensor([0.0, float("inf"), float("nan")])])
+    x = x[torch.isfinite(x) | torch.isnan(x) | torch.isinf(x)]
+    cast = f.cast(x)
+    finite = torch.isfinite(x)
+    real_under = int((finite & (x != 0) & (cast == 0)).sum())
+    real_over = int((finite & ~torch.isfinite(cast)).sum()) if f.has_inf else int((finite & (x.abs() > f.max)).sum())
+    stats = underflow_stats(x, f).total
+    assert (int(stats.underflow), int(stats.overflow)) == (real_under, real_over)
+    assert real_under > 0 and real_over > 0  # the sweep reaches both sides
