@@ -15,31 +15,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _models import ResNet18Module, image_data  # noqa: E402
+from _common import WARMUP, ResNet18Module, StepTimer, image_data  # noqa: E402
 
 from lightning_precision.callbacks import ChannelsLast, GradientUnderflowMonitor, apply_channels_last, to_channels_last
 
-WARMUP = 5
-
-
-class StepTimer(Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter() - self._t0)
 
 
 class ByHand(ResNet18Module):

@@ -11,30 +11,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
 import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
 
-WARMUP = 5
-
-
-class StepTimer(Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter() - self._t0)
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import WARMUP, StepTimer  # noqa: E402
 
 
 class MLP(L.LightningModule):

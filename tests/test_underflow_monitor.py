@@ -158,3 +158,16 @@ def test_ddp_logs_the_global_fraction_of_the_union(tmp_path):
     union = (u0 + u1) / (n0 + n1)
     assert u0 / n0 != u1 / n1  # the ranks really saw different values
     assert reports[0]["logged"] == reports[1]["logged"] == pytest.approx(union)
+
+
+def test_writes_to_a_real_logger(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    t = trainer(None, max_steps=4, log_every_n_steps=2, logger=CSVLogger(tmp_path, name="run"),
+                callbacks=[GradientUnderflowMonitor(formats=("fp16",), warn_threshold=1.0)])
+    t.fit(TinyGrads(), loader(make_data(4)))
+    rows = [r for r in csv.DictReader(open(t.logger.experiment.metrics_file_path)) if r.get("precision/underflow/fp16")]
+    assert [int(r["step"]) for r in rows] == [1, 3]
+    assert all(0 < float(r["precision/underflow/fp16"]) < 1 for r in rows)

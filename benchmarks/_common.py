@@ -1,10 +1,30 @@
-"""ResNet18 (He et al. 2016, torchvision's layout) without torchvision, so the benchmarks run on a bare CPU install."""
+"""What the benchmarks share: a step timer, and ResNet18 (He et al. 2016, torchvision's layout) without torchvision,
+so the benchmarks run on a bare CPU install."""
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import nn
+
+# Steps dropped from the start of every fit (allocator and thread-pool warm-up).
+WARMUP = 5
+
+
+class StepTimer(Callback):
+    """Wall time of each training step, from batch start to batch end (forward, backward, optimizer, hooks)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, *args) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.times.append(time.perf_counter() - self._t0)
 
 
 class BasicBlock(nn.Module):
