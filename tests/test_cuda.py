@@ -1,0 +1,24 @@
+"""What only a CUDA device can show: autocast for "cuda" because the model lives there. Skipped, with the reason,
+on the CPU CI machines."""
+
+import torch
+
+from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
+from tests.helpers import LitNet, loader, make_data, trainer
+from tests.runif import RunIf
+
+
+@RunIf(cuda=True)
+def test_fp16_on_cuda_autocasts_for_cuda_with_a_cuda_scaler():
+    plugin, model = FP16MixedPrecision(), LitNet()
+    trainer(plugin, accelerator="cuda", max_steps=3).fit(model, loader(make_data(3)))
+    assert plugin.device_type == "cuda" and plugin.scaler._device == "cuda"
+    assert set(model.output_dtypes) == {torch.float16}
+    assert plugin.skipped_steps >= 0 and plugin.loss_scale > 0
+
+
+@RunIf(cuda=True, min_sm=(8, 0))
+def test_bf16_on_cuda():
+    plugin, model = BF16MixedPrecision(), LitNet()
+    trainer(plugin, accelerator="cuda", max_steps=2).fit(model, loader(make_data(2)))
+    assert plugin.device_type == "cuda" and set(model.output_dtypes) == {torch.bfloat16}
