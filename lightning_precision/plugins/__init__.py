@@ -2,5 +2,6 @@
 
 from lightning_precision.plugins.bf16_mixed import BF16MixedPrecision
 from lightning_precision.plugins.fp16_mixed import FP16MixedPrecision
+from lightning_precision.plugins.fp8 import FP8Precision
 
-__all__ = ["BF16MixedPrecision", "FP16MixedPrecision"]
+__all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "FP8Precision"]

@@ -1,0 +1,13 @@
+"""fp8 training for the Trainer."""
+
+from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
+from lightning_precision.plugins._trainer import _TrainerAutocast
+
+
+class FP8Precision(_TrainerAutocast, _FabricFP8Precision):
+    """fp8 linear layers inside bf16 autocast for the Trainer: ``Trainer(plugins=[FP8Precision()])``.
+
+    Same arguments as :class:`lightning_precision.fabric.FP8Precision`. The model is converted in the strategy's
+    ``convert_module`` (before it is moved and wrapped), so checkpoints hold the converted layers: resume with the
+    same plugin.
+    """

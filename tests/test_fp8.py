@@ -1,0 +1,187 @@
+"""FP8Precision with the real torchao, emulated on CPU (emulate=True runs torchao's fp8 numerics without fp8
+hardware), on real Trainer and Fabric fits."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+torchao = pytest.importorskip("torchao", reason="the torchao backend needs `pip install 'lightning-precision[fp8]'`")
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+
+from lightning_precision import FP8Precision, NoEffectWarning  # noqa: E402
+from lightning_precision import fabric as lp_fabric  # noqa: E402
+from lightning_precision.fp8 import check_fp8_hardware, select_fp8_layers  # noqa: E402
+from tests.helpers import assert_params_equal, params, trainer  # noqa: E402
+
+STEPS = 12
+
+
+def fp8_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def fp8_data(n_batches=STEPS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_batches * 8, 32, generator=g)
+    y = (x @ torch.randn(32, 16, generator=g)).argmax(dim=1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+class FP8Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = fp8_net()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def hand_loop(recipe="tensorwise", steps=STEPS):
+    import dataclasses
+
+    net = fp8_net()
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    convert_to_float8_training(net, config=config, module_filter_fn=lambda m, fqn: fqn == "2")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step, (x, y) in enumerate(fp8_data(steps)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(net(x), y)
+        losses.append(float(loss))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses, net
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_trainer_matches_a_hand_written_torchao_loop(recipe):
+    expected_losses, expected_net = hand_loop(recipe)
+    plugin, model = FP8Precision(recipe=recipe, emulate=True, skip_small_layers=False), FP8Net()
+    trainer(plugin, max_steps=STEPS).fit(model, fp8_data())
+    assert isinstance(model.net[2], Float8Linear)  # the middle layer runs in fp8,
+    assert type(model.net[0]) is nn.Linear and type(model.net[4]) is nn.Linear  # first and last do not
+    torch.testing.assert_close(model.losses, expected_losses)
+    assert_params_equal(params(model.net), params(expected_net))
+
+
+def test_fabric_matches_a_hand_written_torchao_loop():
+    expected_losses, expected_net = hand_loop()
+    plugin = lp_fabric.FP8Precision(emulate=True, skip_small_layers=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = fp8_net()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    losses = []
+    for x, y in fp8_data():
+        loss = nn.functional.cross_entropy(model(x), y)
+        losses.append(float(loss))
+        opt.zero_grad()
+        fabric.backward(loss)
+        opt.step()
+    assert isinstance(net[2], Float8Linear)
+    torch.testing.assert_close(losses, expected_losses)
+    assert_params_equal(params(net), params(expected_net))
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    def plugin():
+        return FP8Precision(emulate=True, skip_small_layers=False)
+
+    straight = FP8Net()
+    trainer(plugin(), max_epochs=2).fit(straight, fp8_data(4))
+    first = trainer(plugin(), max_epochs=1)
+    first.fit(FP8Net(), fp8_data(4))
+    first.save_checkpoint(tmp_path / "fp8.ckpt")
+    resumed = FP8Net()
+    trainer(plugin(), max_epochs=2).fit(resumed, fp8_data(4), ckpt_path=tmp_path / "fp8.ckpt")
+    assert_params_equal(params(resumed), params(straight))
+
+
+def test_layer_selection_rules_and_summary():
+    model = nn.Sequential(
+        nn.Linear(4096, 8192),  # first: kept high
+        nn.Linear(8192, 8192),  # large: fp8
+        nn.Linear(8192, 1000),  # 1000 not divisible by 16
+        nn.Linear(1000, 512),
+        nn.Linear(512, 512),  # small for tensorwise: K <= 4096 and N <= 1024
+        nn.Linear(512, 10),  # last (and not divisible)
+    ).to("meta")
+    decisions = {d.fqn: d for d in select_fp8_layers(model, "tensorwise")}
+    assert [k for k, d in decisions.items() if d.fp8] == ["1"]
+    assert "first or last" in decisions["0"].reason
+    assert "not divisible by 16" in decisions["2"].reason and "not divisible by 16" in decisions["5"].reason
+    assert "too small" in decisions["4"].reason
+    # rowwise has stricter thresholds: 8192x8192 still gains, 4096->8192 (first) is excluded anyway
+    assert [d.fqn for d in select_fp8_layers(model, "rowwise") if d.fp8] == ["1"]
+    # a user filter decides alone, except for the hardware rule
+    chosen = select_fp8_layers(model, module_filter=lambda m, fqn: True)
+    assert [d.fqn for d in chosen if d.fp8] == ["0", "1", "4"]
+
+
+def test_no_fp8_layer_warns_and_the_plugin_logs_a_summary(caplog):
+    model = FP8Net()
+    with pytest.warns(NoEffectWarning, match="no linear layer runs in fp8.*too small"):
+        trainer(FP8Precision(emulate=True), max_steps=1).fit(model, fp8_data(1))
+    assert type(model.net[2]) is nn.Linear
+
+
+def test_hardware_errors_say_what_was_found_and_how_to_emulate(monkeypatch):
+    with pytest.raises(RuntimeError, match=r"compute capability >= 8\.9.*'cpu'.*emulate=True"):
+        check_fp8_hardware("cpu", "torchao", "tensorwise", emulate=False)
+    # No CUDA device here: torch.cuda's answers are stubbed to an A100's (8.0).
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(RuntimeError, match=r"A100.*8\.0.*BF16MixedPrecision"):
+        check_fp8_hardware("cuda", "torchao", "tensorwise", emulate=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    check_fp8_hardware("cuda", "torchao", "tensorwise", emulate=False)  # H100: fine
+    with pytest.raises(RuntimeError, match=r"\(mxfp8\) needs CUDA compute capability >= 10\.0"):
+        check_fp8_hardware("cuda", "transformer_engine", "mxfp8", emulate=False)
+
+
+def test_fit_without_emulation_on_cpu_fails_clearly():
+    with pytest.raises(RuntimeError, match="emulate=True"):
+        trainer(FP8Precision(skip_small_layers=False), max_steps=1).fit(FP8Net(), fp8_data(1))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"backend='tensorrt'"):
+        FP8Precision(backend="tensorrt")
+    with pytest.raises(ValueError, match=r"recipe='delayed'.*tensorwise"):
+        FP8Precision(recipe="delayed")  # a TE recipe name on the torchao backend
+    with pytest.raises(ValueError, match=r"compute_dtype=torch.float32"):
+        FP8Precision(compute_dtype=torch.float32)
+
+
+class RankReport(FP8Net):
+    def __init__(self, out_dir):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_train_end(self):
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump({"fp8": type(self.net[2]).__name__, "w": [p.double().sum().item() for p in self.parameters()]}, f)
+
+
+def _middle_only(module, fqn):
+    return fqn == "net.2"
+
+
+def test_ddp_gloo_two_processes_with_emulation(tmp_path):
+    plugin = FP8Precision(emulate=True, module_filter=_middle_only)  # a named function: ddp_spawn pickles it
+    trainer(plugin, strategy="ddp_spawn", devices=2, max_steps=3).fit(RankReport(str(tmp_path)), fp8_data(6))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert reports[0]["fp8"] == reports[1]["fp8"] == "Float8Linear"
+    assert reports[0]["w"] == reports[1]["w"]

@@ -1,0 +1,99 @@
+"""The Transformer Engine backend against a stand-in that mirrors TE's signatures (tests/te_standin.py): TE cannot be
+installed on these CPU machines. What runs here: recipe construction, module replacement (LayerNorm without affine
+included), the autocast call, `_extra_state` round trips, and the clear errors. Real TE runs are in test_cuda.py,
+gated on transformer_engine and a CUDA device."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_precision import FP8Precision
+from lightning_precision import fabric as lp_fabric
+from lightning_precision.fp8 import convert_with_te, select_fp8_layers, te_recipe
+from tests import te_standin
+
+
+@pytest.fixture
+def te(monkeypatch):
+    return te_standin.install(monkeypatch)
+
+
+def block():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.LayerNorm(64, elementwise_affine=False),
+        nn.Linear(64, 16),
+    )
+
+
+def test_recipes_by_name_mapping_and_object(te):
+    assert isinstance(te_recipe("delayed"), te_standin.DelayedScaling)
+    assert isinstance(te_recipe("current"), te_standin.Float8CurrentScaling)
+    assert isinstance(te_recipe("mxfp8"), te_standin.MXFP8BlockScaling)
+    assert isinstance(te_recipe("block"), te_standin.Float8BlockScaling)
+    r = te_recipe({"name": "delayed", "amax_history_len": 16, "margin": 1})
+    assert (r.amax_history_len, r.margin) == (16, 1)
+    own = te_standin.DelayedScaling(amax_compute_algo="most_recent")
+    assert te_recipe(own) is own
+    with pytest.raises(ValueError, match=r"recipe='tensorwise'.*delayed"):
+        te_recipe("tensorwise")
+
+
+def test_replaces_linear_and_layernorm_including_without_affine(te):
+    model = block()
+    x = torch.randn(4, 64)
+    expected = model(x)
+    decisions = select_fp8_layers(model, "delayed", skip_small_layers=False)
+    convert_with_te(model, decisions)
+    assert type(model[3]) is te.Linear
+    assert type(model[1]) is nn.Linear and type(model[5]) is nn.Linear  # first and last linear layers kept
+    assert type(model[0]) is te.LayerNorm and type(model[4]) is te.LayerNorm
+    # LayerNorm(elementwise_affine=False), where Lightning crashes: weight 1, bias 0, frozen
+    assert torch.equal(model[4].weight, torch.ones(64)) and not model[4].weight.requires_grad
+    torch.testing.assert_close(model(x), expected)  # weights were copied: same function
+
+
+def test_plugin_enters_te_autocast_with_its_recipe_inside_bf16_autocast(te):
+    plugin = lp_fabric.FP8Precision(backend="transformer_engine", recipe={"name": "delayed", "amax_history_len": 4})
+    assert plugin.precision == "transformer-engine" and plugin.recipe_name == "delayed"
+    with plugin.forward_context():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    (call,) = te_standin.AUTOCAST_CALLS
+    assert call["enabled"] and call["recipe"].amax_history_len == 4
+
+
+def test_extra_state_round_trips_through_a_checkpoint(te, tmp_path):
+    model = block()
+    convert_with_te(model, select_fp8_layers(model, "delayed", skip_small_layers=False, skip_first_last=False))
+    model[1].fp8_meta["scaling_fwd"].amax_history[0] = torch.tensor([1.0, 2.0, 3.0])
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    state = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert "1._extra_state" in state
+    other = block()
+    convert_with_te(other, select_fp8_layers(other, "delayed", skip_small_layers=False, skip_first_last=False))
+    other.load_state_dict(state)
+    assert torch.equal(other[1].fp8_meta["scaling_fwd"].amax_history[0], torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_te_has_no_emulation_and_needs_cuda(te):
+    with pytest.raises(ValueError, match="Transformer Engine has no emulation.*backend='torchao'"):
+        FP8Precision(backend="transformer_engine", emulate=True)
+    plugin = lp_fabric.FP8Precision(backend="transformer_engine", skip_small_layers=False)
+    model = plugin.convert_module(block())
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        with plugin.forward_context():
+            model(torch.randn(2, 64))
+
+
+def test_missing_transformer_engine_names_the_extra(monkeypatch):
+    from lightning_precision import _imports
+
+    class Missing:
+        message = "transformer-engine>=2.9 is not installed"
+
+        def __bool__(self):
+            return False
+
+    monkeypatch.setattr(_imports, "_TRANSFORMER_ENGINE_AVAILABLE", Missing())
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightning-precision\[te\]'"):
+        FP8Precision(backend="transformer_engine")
