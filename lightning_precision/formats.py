@@ -24,7 +24,7 @@ class NumberFormat:
     smallest_normal: float
     smallest_subnormal: float
     eps: float
-    # fp8 e4m3fn has no inf: values past `max` saturate (torch's cast clamps them to +-max).
+    # fp8 e4m3fn has no inf: values past `max` saturate (torch's cast clamps them to +-max), counted as overflow.
     has_inf: bool = True
 
     @property
@@ -49,11 +49,9 @@ class NumberFormat:
 
     @property
     def overflow_bound(self) -> float:
-        """The cast overflows for ``|x| >= overflow_bound``: ``max`` plus half its ulp, whose tie rounds away to inf
-        (``max`` has an odd mantissa). For a format without inf (e4m3fn), everything past ``max`` saturates: the bound
-        is then ``max`` itself, exclusive (see ``saturates``)."""
-        if not self.has_inf:
-            return self.max
+        """``|x| >= overflow_bound`` overflows: ``max`` plus half its ulp. Below it the cast rounds to at most ``max``
+        (plain rounding); from it on, an IEEE format rounds to inf (the tie goes away from ``max``, whose mantissa is
+        odd) and e4m3fn, which has no inf, saturates at ``max`` with an error beyond rounding."""
         return self.max + 2.0 ** (self.max_exponent - self.mantissa_bits) / 2
 
     def cast(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -26,8 +26,8 @@ class CastStats:
     - ``numel``: elements.
     - ``exact_zero``: zero before any cast (not underflow: e.g. gradients of convolutions on 1x1 maps).
     - ``underflow``: non-zero finite values whose cast (after multiplying by ``scale``) is zero.
-    - ``overflow``: finite values whose cast is inf, or, for formats without inf (e4m3fn), exceeds ``max``
-      and saturates.
+    - ``overflow``: finite values whose cast is inf or, for formats without inf (e4m3fn), saturates at ``max``
+      with an error beyond rounding (``|x| >= max + ulp(max)/2``).
     - ``nonfinite``: inf or nan already before the cast (counted in nothing else).
     """
 
@@ -105,8 +105,7 @@ def multi_format_stats(
         # comparing ``cast(x)`` with 0 and inf, element for element (tested against the real cast at every boundary),
         # in three passes instead of nine, so the monitor's measuring step stays cheap.
         underflow = (finite_nonzero & (magnitude <= f.flush_bound)).sum()
-        beyond = magnitude >= f.overflow_bound if f.has_inf else magnitude > f.overflow_bound
-        overflow = (finite & beyond).sum()
+        overflow = (finite & (magnitude >= f.overflow_bound)).sum()
         out[f.name] = CastStats(numel=numel, exact_zero=exact_zero, underflow=underflow, overflow=overflow, nonfinite=nonfinite)
     return out
 
@@ -191,3 +190,29 @@ def recommend_loss_scale(
         if best is None or under < best[1]:
             best = (2.0**k, under, over)
     return best if best is not None else (1.0, 0.0, 0.0)
+
+
+def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tensor]:
+    """Transformer Engine's delayed-scaling update: the amax to scale with, then the history rolled for the next step.
+
+    ``history[0]`` holds the step just finished. The amax is the max over the window (``"max"``) or that row alone
+    (``"most_recent"``); then the history rolls up by one and row 0 is cleared for the next step, so the window always
+    holds the last ``len(history)`` steps. Works on any trailing shape; stays on the device.
+    """
+    if algo == "max":
+        amax = history.amax(dim=0)
+    elif algo == "most_recent":
+        amax = history[0].clone()
+    else:
+        raise ValueError(f"`amax_compute_algo={algo!r}`: use 'max' or 'most_recent' (Transformer Engine's names).")
+    rolled = history.roll(-1, dims=0)
+    rolled[0] = 0
+    return rolled, amax
+
+
+def delayed_scale(amax: Tensor, fp8_max: Union[float, Tensor], margin: int = 0, previous: Optional[Tensor] = None) -> Tensor:
+    """``(fp8_max / amax) / 2**margin``, as Transformer Engine computes it; where amax is 0 (nothing seen, or all
+    zeros) the previous scale is kept (1.0 if none)."""
+    scale = (fp8_max / amax) / 2.0**margin
+    keep = previous if previous is not None else torch.ones_like(scale)
+    return torch.where((amax > 0) & torch.isfinite(scale), scale, keep)

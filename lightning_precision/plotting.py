@@ -61,3 +61,36 @@ def plot_exponent_histogram(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def plot_amax_history(
+    history: Tensor, layers: Sequence[str], tensors: Sequence[str], what_if: Mapping[str, Tensor | float], path: str
+) -> str:
+    """amax over the recorded steps, one panel per tensor (input, weight, output gradient), one line per layer, and
+    the what-if table of the last logging step: fp8 underflow/overflow with the delayed scale versus the current one."""
+    require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = history.detach().float().cpu()
+    fig, axes = plt.subplots(1, len(tensors) + 1, figsize=(5 * (len(tensors) + 1), 4.2))
+    for k, (ax, tensor) in enumerate(zip(axes, tensors)):
+        for i, layer in enumerate(layers):
+            ax.plot(range(h.shape[0]), h[:, i, k].clamp(min=1e-30).tolist(), label=layer, lw=1.2)
+        ax.set_yscale("log")
+        ax.set_title(f"amax of {tensor}")
+        ax.set_xlabel("step in window (oldest first)")
+    if len(layers) <= 12:
+        axes[0].legend(fontsize=7)
+    table = axes[-1]
+    table.axis("off")
+    rows = sorted(what_if.items())
+    text = "\n".join(f"{k.removeprefix('precision/fp8_whatif/')}: {float(v):.3%}" for k, v in rows) or "no what-if yet"
+    table.text(0, 1, "fp8 cast, delayed vs current scale\n\n" + text, va="top", family="monospace", fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)

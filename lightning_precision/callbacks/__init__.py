@@ -1,6 +1,7 @@
 """Callbacks; each is a thin layer over a pure function in ``lightning_precision.functional`` or beside it."""
 
+from lightning_precision.callbacks.amax import AmaxHistoryLogger
 from lightning_precision.callbacks.channels_last import ChannelsLast, apply_channels_last, to_channels_last
 from lightning_precision.callbacks.underflow import GradientUnderflowMonitor
 
-__all__ = ["ChannelsLast", "GradientUnderflowMonitor", "apply_channels_last", "to_channels_last"]
+__all__ = ["AmaxHistoryLogger", "ChannelsLast", "GradientUnderflowMonitor", "apply_channels_last", "to_channels_last"]

@@ -1,0 +1,157 @@
+"""AmaxHistoryLogger on real fits: ring buffer and delayed scale against a direct computation over the same steps;
+what-if fractions against underflow_stats; TE's own state read through a stand-in (tests/te_standin.py)."""
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_precision.callbacks import AmaxHistoryLogger
+from lightning_precision.callbacks.amax import te_amax_history
+from lightning_precision.functional import roll_amax_history, underflow_stats
+from tests.helpers import LitNet, loader, make_data, trainer
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def test_roll_amax_history_keeps_the_last_len_steps_like_te():
+    history = torch.zeros(3)
+    seen = []
+    for step, a in enumerate([5.0, 1.0, 2.0, 3.0, 0.5]):
+        history[0] = a
+        history, amax = roll_amax_history(history, "max")
+        seen.append(float(amax))
+    # window of 3: max(5), max(5,1), max(5,1,2), max(1,2,3), max(2,3,0.5)
+    assert seen == [5.0, 5.0, 5.0, 3.0, 3.0]
+    history[0] = 9.0
+    assert float(roll_amax_history(history, "most_recent")[1]) == 9.0
+    with pytest.raises(ValueError, match="most_recent"):
+        roll_amax_history(history, "mean")
+
+
+class Reference(Callback):
+    """Records each layer's input, weight and output-gradient amax independently, and keeps the logging step's
+    tensors and the logger's scales, to recompute everything by hand."""
+
+    def __init__(self, logger):
+        self.logger, self.amax, self.scales_before, self.tensors = logger, [], [], {}
+        self._step = {}
+
+    def setup(self, trainer, pl_module, stage):
+        for name, m in pl_module.named_modules():
+            if isinstance(m, nn.Linear):
+                m.register_forward_hook(self._hook(name))
+
+    def _hook(self, name):
+        def hook(module, args, out):
+            if not module.training or not torch.is_grad_enabled():
+                return
+            self._step[name] = {"input": args[0].detach(), "weight": module.weight.detach().clone()}
+            out.register_hook(lambda g: self._step[name].__setitem__("grad_output", g.detach()))
+
+        return hook
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # runs before the logger (callbacks run in order): the scale in effect for this step, not yet rolled
+        self.scales_before.append(self.logger.scale.clone())
+        self.amax.append({n: {k: float(t.abs().max()) for k, t in d.items()} for n, d in self._step.items()})
+        self.tensors = {n: dict(d) for n, d in self._step.items()}
+
+
+def test_history_and_delayed_scale_equal_a_direct_computation():
+    logger = AmaxHistoryLogger(history_len=3, log_every_n_steps=5)
+    ref = Reference(logger)
+    t = trainer(None, max_steps=5, callbacks=[ref, logger])
+    t.fit(LitNet(), loader(make_data(5)))
+    layers, tensors = logger.layers, ("input", "weight", "grad_output")
+    assert layers == ["net.0", "net.2", "net.4"]
+    # the window holds the last 2 completed steps (row 0 is cleared for the next), oldest first
+    window = logger.chronological_history()
+    expected = torch.tensor([[[ref.amax[s][layer][k] for k in tensors] for layer in layers] for s in (3, 4)])
+    torch.testing.assert_close(window, expected)
+    # the scale after step 5 comes from the max over the last 3 steps, per tensor, with e4m3/e5m2 maxima
+    window3 = torch.tensor([[[ref.amax[s][layer][k] for k in tensors] for layer in layers] for s in (2, 3, 4)])
+    expected_scale = torch.tensor([E4M3_MAX, E4M3_MAX, E5M2_MAX]) / window3.amax(dim=0)
+    torch.testing.assert_close(logger.scale, expected_scale)
+    # logged: the current amax and the scale in effect during the step
+    logged = t.callback_metrics
+    assert float(logged["precision/amax/weight/net.2"]) == pytest.approx(ref.amax[4]["net.2"]["weight"])
+    assert float(logged["precision/fp8_scale/input/net.0"]) == pytest.approx(float(ref.scales_before[4][0, 0]))
+
+
+def test_what_if_fractions_equal_underflow_stats():
+    logger = AmaxHistoryLogger(history_len=4, log_every_n_steps=3)
+    ref = Reference(logger)
+    t = trainer(None, max_steps=3, callbacks=[ref, logger])
+
+    class Tiny(LitNet):  # one input feature far below the rest: e4m3 flushes it at the scale the max allows
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            x = x.clone()
+            x[:, 0] = 1e-7
+            return super().training_step((x, y), batch_idx)
+
+    t.fit(Tiny(), loader(make_data(3)))
+    logged, scales = t.callback_metrics, ref.scales_before[-1]
+    for tensor, fmt, fp8_max in [("input", "e4m3fn", E4M3_MAX), ("grad_output", "e5m2", E5M2_MAX)]:
+        k = 0 if tensor == "input" else 2
+        captured = {n: ref.tensors[n][tensor] for n in logger.layers}
+        delayed = sum_stats([underflow_stats(captured[n], fmt, scales[i, k]).total for i, n in enumerate(logger.layers)])
+        current = sum_stats([underflow_stats(captured[n], fmt, fp8_max / captured[n].abs().max()).total for n in logger.layers])
+        for kind, stats in (("delayed", delayed), ("current", current)):
+            key = f"precision/fp8_whatif/{tensor}/{kind}"
+            assert float(logged[f"{key}/underflow"]) == pytest.approx(float(stats.underflow_fraction))
+            assert float(logged[f"{key}/overflow"]) == pytest.approx(float(stats.overflow_fraction))
+    assert float(logged["precision/fp8_whatif/input/current/underflow"]) > 0  # not vacuous
+
+
+def sum_stats(stats):
+    total = stats[0]
+    for s in stats[1:]:
+        total = total + s
+    return total
+
+
+def test_checkpoint_resume_continues_the_history(tmp_path):
+    first = AmaxHistoryLogger(history_len=8)
+    t = trainer(None, max_epochs=1, callbacks=[first])
+    t.fit(LitNet(), loader(make_data(3)))
+    t.save_checkpoint(tmp_path / "a.ckpt")
+    resumed = AmaxHistoryLogger(history_len=8)
+    trainer(None, max_epochs=2, callbacks=[resumed]).fit(LitNet(), loader(make_data(3)), ckpt_path=tmp_path / "a.ckpt")
+    assert resumed.steps == 6
+    torch.testing.assert_close(resumed.chronological_history()[:3], first.chronological_history())
+
+
+def test_save_writes_history_and_plot(tmp_path):
+    logger = AmaxHistoryLogger(history_len=4, save_dir=str(tmp_path))
+    trainer(None, max_steps=3, log_every_n_steps=1, callbacks=[logger]).fit(LitNet(), loader(make_data(3)))
+    saved = torch.load(tmp_path / "amax_history.pt", weights_only=False)
+    assert saved["layers"] == ["net.0", "net.2", "net.4"] and saved["history"].shape == (3, 3, 3)
+    assert (tmp_path / "amax_history.png").stat().st_size > 10_000
+
+
+def test_reads_transformer_engines_own_delayed_scaling_state(monkeypatch):
+    from tests import te_standin
+
+    te = te_standin.install(monkeypatch)
+    layer = te.Linear(16, 16, params_dtype=torch.float32, device="cpu")
+    layer.fp8_meta["scaling_fwd"].amax_history[0] = torch.tensor([3.0, 0.5, 7.0])  # input, weight, output
+    layer.fp8_meta["scaling_bwd"].amax_history[0] = torch.tensor([0.25, 9.0])  # grad_output, grad_input
+    layer.fp8_meta["scaling_fwd"].scale[:] = torch.tensor([10.0, 20.0, 30.0])
+    layer.fp8_meta["scaling_bwd"].scale[:] = torch.tensor([40.0, 50.0])
+    history, scale = te_amax_history(layer)
+    assert history[0].tolist() == [3.0, 0.5, 0.25] and scale.tolist() == [10.0, 20.0, 40.0]
+
+    logger = AmaxHistoryLogger(history_len=8)
+    logger.attach(nn.Sequential(layer))
+    metrics = logger.step()
+    assert float(metrics["precision/amax/grad_output/0"]) == 0.25
+    assert float(metrics["precision/fp8_scale/weight/0"]) == 20.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="history_len=0"):
+        AmaxHistoryLogger(history_len=0)
+    with pytest.raises(ValueError, match="amax_compute_algo='mean'"):
+        AmaxHistoryLogger(amax_compute_algo="mean")
