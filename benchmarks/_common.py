@@ -76,3 +76,17 @@ class ResNet18Module(L.LightningModule):
 def image_data(n: int, size: int, seed: int = 0) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return torch.utils.data.TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+class MLP(L.LightningModule):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)

@@ -24,21 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import WARMUP, StepTimer  # noqa: E402
-
-
-class MLP(L.LightningModule):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 10))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+from _common import MLP, WARMUP, StepTimer  # noqa: E402
 
 
 def step_times(plugin, steps: int, width: int, data: TensorDataset) -> list[float]:

@@ -74,13 +74,13 @@ def test_history_and_delayed_scale_equal_a_direct_computation():
     expected_scale = torch.tensor([E4M3_MAX, E4M3_MAX, E5M2_MAX]) / window3.amax(dim=0)
     torch.testing.assert_close(logger.scale, expected_scale)
     # logged: the current amax and the scale in effect during the step
-    logged = t.callback_metrics
+    logged = logger.last_metrics
     assert float(logged["precision/amax/weight/net.2"]) == pytest.approx(ref.amax[4]["net.2"]["weight"])
     assert float(logged["precision/fp8_scale/input/net.0"]) == pytest.approx(float(ref.scales_before[4][0, 0]))
 
 
 def test_what_if_fractions_equal_underflow_stats():
-    logger = AmaxHistoryLogger(history_len=4, log_every_n_steps=3)
+    logger = AmaxHistoryLogger(history_len=4, log_every_n_steps=3, what_if_sample=None)  # every element: exact
     ref = Reference(logger)
     t = trainer(None, max_steps=3, callbacks=[ref, logger])
 
@@ -92,7 +92,7 @@ def test_what_if_fractions_equal_underflow_stats():
             return super().training_step((x, y), batch_idx)
 
     t.fit(Tiny(), loader(make_data(3)))
-    logged, scales = t.callback_metrics, ref.scales_before[-1]
+    logged, scales = logger.last_metrics, ref.scales_before[-1]
     for tensor, fmt, fp8_max in [("input", "e4m3fn", E4M3_MAX), ("grad_output", "e5m2", E5M2_MAX)]:
         k = 0 if tensor == "input" else 2
         captured = {n: ref.tensors[n][tensor] for n in logger.layers}
@@ -103,6 +103,15 @@ def test_what_if_fractions_equal_underflow_stats():
             assert float(logged[f"{key}/underflow"]) == pytest.approx(float(stats.underflow_fraction))
             assert float(logged[f"{key}/overflow"]) == pytest.approx(float(stats.overflow_fraction))
     assert float(logged["precision/fp8_whatif/input/current/underflow"]) > 0  # not vacuous
+
+
+def test_what_if_sample_is_an_even_strided_view():
+    from lightning_precision.callbacks.amax import strided_sample
+
+    t = torch.arange(1000.0).reshape(10, 100)
+    sample = strided_sample(t, 100)
+    assert sample.numel() == 100 and sample[1] == 10 and sample.data_ptr() == t.data_ptr()
+    assert strided_sample(t, None).numel() == 1000 and strided_sample(t, 5000).numel() == 1000
 
 
 def sum_stats(stats):
@@ -155,3 +164,16 @@ def test_bad_arguments():
         AmaxHistoryLogger(history_len=0)
     with pytest.raises(ValueError, match="amax_compute_algo='mean'"):
         AmaxHistoryLogger(amax_compute_algo="mean")
+
+
+def test_writes_to_a_real_logger(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = AmaxHistoryLogger(history_len=4)
+    t = trainer(None, max_steps=4, log_every_n_steps=2, logger=CSVLogger(tmp_path, name="run"), callbacks=[logger])
+    t.fit(LitNet(), loader(make_data(4)))
+    rows = [r for r in csv.DictReader(open(t.logger.experiment.metrics_file_path)) if r.get("precision/amax/input/net.0")]
+    assert [int(r["step"]) for r in rows] == [1, 3]
+    assert float(rows[-1]["precision/amax/input/net.0"]) == pytest.approx(logger.last_metrics["precision/amax/input/net.0"])

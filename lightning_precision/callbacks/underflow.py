@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision.callbacks._cadence import check_every, on_cadence
 from lightning_precision.formats import get_format
 from lightning_precision.functional import (
     HIST_MAX,
@@ -96,9 +97,8 @@ class GradientUnderflowMonitor(Callback):
         if not formats:
             raise ValueError("`GradientUnderflowMonitor(formats=())`: name at least one format, e.g. ('fp16',).")
         self.formats = tuple(get_format(f).name for f in formats)
-        for name, value in (("measure_every_n_steps", measure_every_n_steps), ("log_every_n_steps", log_every_n_steps)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"`GradientUnderflowMonitor({name}={value!r})`: use a positive int, or None.")
+        check_every("GradientUnderflowMonitor", "measure_every_n_steps", measure_every_n_steps)
+        check_every("GradientUnderflowMonitor", "log_every_n_steps", log_every_n_steps)
         if top_k < 0:
             raise ValueError(f"`GradientUnderflowMonitor(top_k={top_k!r})`: use 0 (no per-layer keys) or more.")
         for name, value in (("warn_threshold", warn_threshold), ("target_underflow", target_underflow)):
@@ -211,17 +211,6 @@ class GradientUnderflowMonitor(Callback):
 
     # ---- Trainer glue -----------------------------------------------------------------------------------------------
 
-    def _should_measure(self, trainer: pl.Trainer) -> bool:
-        every = self.measure_every_n_steps or self.log_every_n_steps
-        if every is None:
-            return trainer._logger_connector.should_update_logs
-        return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
-
-    def _should_log(self, trainer: pl.Trainer) -> bool:
-        if self.log_every_n_steps is None:
-            return trainer._logger_connector.should_update_logs
-        return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % self.log_every_n_steps == 0
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.activations and stage == "fit":
@@ -234,16 +223,16 @@ class GradientUnderflowMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.activations:
-            measure = self._should_measure(trainer)
+            measure = on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps)
             self.capturing(measure, loss_scale_of(trainer.precision_plugin) if measure else None)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.capturing(False)
-        if self._should_measure(trainer):
+        if on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps):
             grads = {n: p.grad for n, p in pl_module.named_parameters() if p.grad is not None}
             self.measure_gradients(grads, loss_scale_of(trainer.precision_plugin))
-        if not self._should_log(trainer):
+        if not on_cadence(trainer, self.log_every_n_steps):
             return
         reduce = (lambda t: trainer.strategy.reduce(t, reduce_op="sum")) if trainer.world_size > 1 else None
         metrics = self.compute(reduce)

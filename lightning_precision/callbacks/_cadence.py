@@ -1,0 +1,20 @@
+"""When a callback measures and logs: the logger's cadence, or its own."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lightning.pytorch as pl
+
+
+def check_every(owner: str, name: str, value: Optional[int]) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"`{owner}({name}={value!r})`: use a positive int, or None to follow the Trainer.")
+
+
+def on_cadence(trainer: pl.Trainer, every: Optional[int]) -> bool:
+    """Whether the coming optimizer step falls on the cadence: ``every`` steps, or the Trainer's logging steps when
+    ``every`` is None. Answers the same from ``on_train_batch_start`` to ``on_before_optimizer_step``."""
+    if every is None:
+        return trainer._logger_connector.should_update_logs
+    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
