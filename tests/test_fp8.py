@@ -66,7 +66,7 @@ def hand_loop(recipe="tensorwise", steps=STEPS):
     return losses, net
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_trainer_matches_a_hand_written_torchao_loop(recipe):
     expected_losses, expected_net = hand_loop(recipe)
     plugin, model = FP8Precision(recipe=recipe, emulate=True, skip_small_layers=False), FP8Net()

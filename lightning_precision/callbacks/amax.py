@@ -107,6 +107,8 @@ class AmaxHistoryLogger(Callback):
         self._capture: Optional[list[dict[str, Tensor]]] = None
         self._last_whatif: dict[str, Tensor] = {}
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
+        self._index_cache: dict[tuple[int, ...], Tensor] = {}
+        self._fp8_max = _FP8_MAX
         self.last_metrics: dict[str, float] = {}
         self._weights_seen: set[int] = set()
 
@@ -125,6 +127,8 @@ class AmaxHistoryLogger(Callback):
         else:  # resumed: keep the restored state
             self.history, self.scale = self.history.to(device), self.scale.to(device)
         self._modules = [m for _, m in found]
+        self._index_cache.clear()
+        self._fp8_max = _FP8_MAX.to(device)  # copied once: a per-step host-to-device copy would sync the stream
         for i, (_, module) in enumerate(found):
             self._handles.append(module.register_forward_pre_hook(self._input_hook(i)))
             self._handles.append(module.register_forward_hook(self._output_hook(i)))
@@ -157,14 +161,13 @@ class AmaxHistoryLogger(Callback):
                 metrics.update(self._what_if(current))
         self._capture = None
         self.history, amax_window = roll_amax_history(self.history, self.amax_compute_algo)
-        self.scale = delayed_scale(amax_window, _FP8_MAX.to(self.history.device), self.margin, previous=self.scale)
+        self.scale = delayed_scale(amax_window, self._fp8_max, self.margin, previous=self.scale)
         self.steps += 1
         return metrics
 
     def _what_if(self, current: Tensor) -> dict[str, Tensor]:
         """Underflow/overflow fractions of this step's tensors cast with the delayed scale vs the current one."""
-        fp8_max = _FP8_MAX.to(current.device)
-        jit = delayed_scale(current, fp8_max, self.margin)  # the current (just-in-time) scale: this step's amax
+        jit = delayed_scale(current, self._fp8_max, self.margin)  # the current (just-in-time) scale: this step's amax
         totals: dict[str, Any] = {}
         for i, captured in enumerate(self._capture or []):
             for k, tensor in enumerate(TENSORS):
@@ -204,7 +207,10 @@ class AmaxHistoryLogger(Callback):
         """Write this step's recorded amaxes into row 0 (max over repeated calls: accumulation, re-used layers)."""
         if not self._records:
             return
-        index = torch.tensor([j for j, _ in self._records], device=self.history.device)
+        key = tuple(j for j, _ in self._records)
+        index = self._index_cache.get(key)
+        if index is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern, not per step
+            index = self._index_cache[key] = torch.tensor(key, device=self.history.device)
         low = torch.stack([lo for _, (lo, _) in self._records]).float()
         high = torch.stack([hi for _, (_, hi) in self._records]).float()
         values = torch.maximum(high, low.neg()).to(self.history.device)
