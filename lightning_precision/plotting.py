@@ -94,3 +94,36 @@ def plot_amax_history(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
+
+
+def plot_compare(rows: Sequence[Mapping], out: Path) -> list[str]:
+    """``loss.png`` (training loss per precision), ``throughput.png`` (samples/s) and ``memory.png`` (peak MB)."""
+    require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["precision"], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=100)
+    plt.close(fig)
+    files.append(str(out / "loss.png"))
+    for key, name, label in (("samples_per_s", "throughput.png", "samples / s"), ("peak_memory_mb", "memory.png", "peak memory (MB)")):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        names = [r["precision"] for r in rows]
+        values = [r[key] for r in rows]
+        bars = ax.bar(names, values, color=["tab:gray", "tab:blue", "tab:red", "tab:green"][: len(rows)])
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_ylabel(label)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        files.append(str(out / name))
+    return files

@@ -1,0 +1,62 @@
+"""Recipes: LightningModules and DataModules for DistilBERT, ViT and ResNet50, each with an embedded default task.
+
+``RECIPES[name].build(**overrides)`` gives a ``(model, datamodule)`` pair; the YAML configs under ``recipes/`` select
+the same classes for ``lightning-precision fit``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+
+from lightning_precision.recipes.data import ImageClassificationData, TextClassificationData
+from lightning_precision.recipes.text import DistilBertClassifier
+from lightning_precision.recipes.vision import ResNet50Classifier, ViTClassifier
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A model class, a data class and the arguments of their embedded CPU default."""
+
+    name: str
+    model: type
+    data: type
+    model_args: dict[str, Any] = field(default_factory=dict)
+    data_args: dict[str, Any] = field(default_factory=dict)
+    # The learning task of the embedded default, and its chance accuracy.
+    task: str = ""
+    chance: float = 0.0
+
+    def build(self, model_args: dict[str, Any] | None = None, data_args: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
+        return self.model(**{**self.model_args, **(model_args or {})}), self.data(**{**self.data_args, **(data_args or {})})
+
+
+RECIPES: dict[str, Recipe] = {
+    "distilbert": Recipe(
+        "distilbert", DistilBertClassifier, TextClassificationData,
+        {"size": "tiny"}, {"max_length": 48, "batch_size": 32, "num_samples": 4096},
+        "sentiment of generated movie reviews (2 classes)", 0.5,
+    ),
+    "vit": Recipe(
+        "vit", ViTClassifier, ImageClassificationData,
+        {"size": "tiny", "num_classes": 10, "channels": 3}, {"image_size": 32, "channels": 3, "num_classes": 10},
+        "orientation of generated gratings, 32x32 RGB (10 classes)", 0.1,
+    ),
+    "resnet50": Recipe(
+        "resnet50", ResNet50Classifier, ImageClassificationData,
+        {"size": "tiny", "num_classes": 10, "channels": 1}, {"image_size": 28, "channels": 1, "num_classes": 10},
+        "orientation of generated gratings, FashionMNIST-shaped 1x28x28 (10 classes)", 0.1,
+    ),
+}
+
+__all__ = [
+    "RECIPES",
+    "DistilBertClassifier",
+    "ImageClassificationData",
+    "Recipe",
+    "ResNet50Classifier",
+    "TextClassificationData",
+    "ViTClassifier",
+]

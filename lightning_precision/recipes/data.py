@@ -1,0 +1,242 @@
+"""Data for the recipes: real datasets from local folders (downloads only when asked), and embedded defaults that the
+package generates, small but learnable, so every recipe runs offline on a CPU."""
+
+from __future__ import annotations
+
+import gzip
+import random
+import struct
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_precision import _imports
+
+# ---- embedded text task ----------------------------------------------------------------------------------------------
+
+_POSITIVE = "good great excellent wonderful superb lovely brilliant enjoyable delightful moving charming fine".split()
+_NEGATIVE = "bad awful terrible boring dull poor weak horrible tedious messy bland clumsy".split()
+_NEUTRAL = ("the a film movie story plot actor actress scene music camera it was is and but with of this that very "
+            "quite rather really ending script cast director").split()
+
+
+def synthetic_reviews(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
+    """Movie-review-like sentences: filler words with sentiment words; label 1 when positive words outnumber negative
+    ones (never tied). Learnable, and only from the words' meaning: chance is 50%."""
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for _ in range(n):
+        pos, neg = rng.randint(0, 4), rng.randint(0, 4)
+        if pos == neg:
+            pos += 1
+        words = rng.choices(_NEUTRAL, k=rng.randint(8, 24)) + rng.choices(_POSITIVE, k=pos) + rng.choices(_NEGATIVE, k=neg)
+        rng.shuffle(words)
+        texts.append(" ".join(words))
+        labels.append(int(pos > neg))
+    return texts, labels
+
+
+def build_tokenizer(texts: list[str], max_vocab: int = 30522) -> Any:
+    """A word-level tokenizer trained here on ``texts`` (no hub download), as a transformers tokenizer."""
+    _imports.require(_imports._TRANSFORMERS_AVAILABLE, "transformers", "The text recipe's tokenizer")
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=max_vocab, special_tokens=special))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
+                                   cls_token="[CLS]", sep_token="[SEP]")
+
+
+def read_aclimdb(root: str, split: str) -> tuple[list[str], list[int]]:
+    """The IMDB ``aclImdb`` folder layout: ``<root>/<split>/{pos,neg}/*.txt``."""
+    texts, labels = [], []
+    for label, folder in ((1, "pos"), (0, "neg")):
+        path = Path(root) / split / folder
+        if not path.is_dir():
+            raise FileNotFoundError(f"No IMDB folder {path}: expected the aclImdb layout <root>/{split}/pos, .../neg.")
+        for file in sorted(path.glob("*.txt")):
+            texts.append(file.read_text(encoding="utf-8"))
+            labels.append(label)
+    return texts, labels
+
+
+class TextClassificationData(L.LightningDataModule):
+    """Batches ``(input_ids, attention_mask, labels)``.
+
+    Sources, first that is set: ``data_dir`` (IMDB's aclImdb layout), ``hf_dataset`` (a Hugging Face dataset name with
+    ``text`` and ``label`` columns: downloaded by the ``datasets`` package, only because you asked), else the embedded
+    synthetic reviews. Tokenizer: ``tokenizer`` (a Hugging Face name or path, e.g. the pretrained model's), else one
+    trained here on the training texts.
+    """
+
+    def __init__(self, data_dir: Optional[str] = None, hf_dataset: Optional[str] = None, tokenizer: Optional[str] = None,
+                 max_length: int = 64, batch_size: int = 32, num_samples: int = 4096, num_workers: int = 0,
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.num_classes = 2
+        self._train: Optional[TensorDataset] = None
+
+    def _texts(self) -> tuple[tuple[list[str], list[int]], tuple[list[str], list[int]]]:
+        h = self.hparams
+        if h.data_dir is not None:
+            return read_aclimdb(h.data_dir, "train"), read_aclimdb(h.data_dir, "test")
+        if h.hf_dataset is not None:
+            try:
+                import datasets
+            except ImportError as err:
+                raise ModuleNotFoundError("`hf_dataset=` needs `pip install datasets`.") from err
+            ds = datasets.load_dataset(h.hf_dataset)
+            return (list(ds["train"]["text"]), list(ds["train"]["label"])), (list(ds["test"]["text"]), list(ds["test"]["label"]))
+        n_val = max(h.num_samples // 4, 64)
+        return synthetic_reviews(h.num_samples, h.seed), synthetic_reviews(n_val, h.seed + 1)
+
+    def setup(self, stage: str) -> None:
+        if self._train is not None:
+            return
+        (train_x, train_y), (val_x, val_y) = self._texts()
+        if self.hparams.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.hparams.tokenizer)
+        else:
+            self.tokenizer = build_tokenizer(train_x)
+        self._train, self._val = self._encode(train_x, train_y), self._encode(val_x, val_y)
+
+    def _encode(self, texts: list[str], labels: list[int]) -> TensorDataset:
+        enc = self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.hparams.max_length,
+                             return_tensors="pt")
+        return TensorDataset(enc["input_ids"], enc["attention_mask"], torch.tensor(labels))
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(self._train, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
+                          num_workers=self.hparams.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._val, batch_size=self.hparams.batch_size * 2, num_workers=self.hparams.num_workers)
+
+
+# ---- images ----------------------------------------------------------------------------------------------------------
+
+
+def synthetic_images(n: int, size: int, channels: int, num_classes: int, seed: int = 0) -> TensorDataset:
+    """Oriented gratings in noise: class k is a sinusoidal grating at angle k * pi / num_classes with a random phase,
+    contrast and position of a bright blob. Learnable (orientation is visible) and not from a trivial pixel: chance is
+    1 / num_classes."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, num_classes, (n,), generator=g)
+    coords = torch.linspace(-1, 1, size)
+    yy, xx = torch.meshgrid(coords, coords, indexing="ij")
+    angle = labels.float() * torch.pi / num_classes
+    phase = torch.rand(n, generator=g) * 2 * torch.pi
+    freq = 3.0 + torch.rand(n, generator=g) * 2
+    proj = xx[None] * torch.cos(angle)[:, None, None] + yy[None] * torch.sin(angle)[:, None, None]
+    grating = torch.sin(freq[:, None, None] * torch.pi * proj + phase[:, None, None])
+    contrast = 0.5 + torch.rand(n, 1, 1, generator=g)
+    images = grating * contrast + 0.8 * torch.randn(n, size, size, generator=g)
+    images = images[:, None].expand(n, channels, size, size).contiguous()
+    return TensorDataset(images, labels)
+
+
+def read_fashion_mnist(root: str, train: bool) -> TensorDataset:
+    """FashionMNIST from its raw idx files (``train-images-idx3-ubyte[.gz]`` ...) under ``root`` or
+    ``root/FashionMNIST/raw`` (where torchvision puts them): no torchvision needed."""
+    prefix = "train" if train else "t10k"
+    for folder in (Path(root), Path(root) / "FashionMNIST" / "raw"):
+        for suffix in ("", ".gz"):
+            images = folder / f"{prefix}-images-idx3-ubyte{suffix}"
+            labels = folder / f"{prefix}-labels-idx1-ubyte{suffix}"
+            if images.exists() and labels.exists():
+                opener = gzip.open if suffix else open
+                with opener(images, "rb") as f:
+                    _, n, rows, cols = struct.unpack(">IIII", f.read(16))
+                    x = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).view(n, 1, rows, cols)
+                with opener(labels, "rb") as f:
+                    f.read(8)
+                    y = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
+                return TensorDataset((x.float() / 255 - 0.2860) / 0.3530, y)
+    raise FileNotFoundError(
+        f"No FashionMNIST idx files under {root} (or {root}/FashionMNIST/raw). Pass `download=True` to fetch them with"
+        " torchvision, or put the four files there."
+    )
+
+
+def read_image_folder(root: str, size: int, channels: int) -> tuple[TensorDataset, list[str]]:
+    """Any ``ImageFolder`` layout (``<root>/<class>/<image>``), read with Pillow and resized to ``size``."""
+    from PIL import Image
+
+    classes = sorted(p.name for p in Path(root).iterdir() if p.is_dir())
+    if not classes:
+        raise FileNotFoundError(f"No class folders under {root}: expected <root>/<class>/<image files>.")
+    xs, ys = [], []
+    for label, name in enumerate(classes):
+        for file in sorted((Path(root) / name).iterdir()):
+            if file.suffix.lower() not in (".png", ".jpg", ".jpeg", ".bmp", ".webp"):
+                continue
+            image = Image.open(file).convert("L" if channels == 1 else "RGB").resize((size, size))
+            t = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, channels)
+            xs.append(t.permute(2, 0, 1).float() / 255 * 2 - 1)
+            ys.append(label)
+    return TensorDataset(torch.stack(xs), torch.tensor(ys)), classes
+
+
+class ImageClassificationData(L.LightningDataModule):
+    """Batches ``(images, labels)``.
+
+    Sources: ``dataset="fashion_mnist"`` with ``data_dir`` (raw idx files; ``download=True`` fetches them with
+    torchvision, only when asked), ``data_dir`` alone (an ImageFolder layout, ``data_dir/train`` and ``data_dir/val``
+    if present), else embedded synthetic gratings of ``image_size`` x ``image_size`` with ``channels`` channels.
+    """
+
+    def __init__(self, data_dir: Optional[str] = None, dataset: Optional[str] = None, download: bool = False,
+                 image_size: int = 32, channels: int = 3, num_classes: int = 10, batch_size: int = 32,
+                 num_samples: int = 4096, num_workers: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        if dataset not in (None, "fashion_mnist"):
+            raise ValueError(f"`ImageClassificationData(dataset={dataset!r})`: use 'fashion_mnist', or data_dir alone.")
+        self.save_hyperparameters()
+        self.num_classes = num_classes
+        self._train: Optional[TensorDataset] = None
+
+    def setup(self, stage: str) -> None:
+        if self._train is not None:
+            return
+        h = self.hparams
+        if h.dataset == "fashion_mnist":
+            if h.data_dir is None:
+                raise ValueError("`ImageClassificationData(dataset='fashion_mnist')` needs `data_dir`.")
+            if h.download:
+                import torchvision
+
+                for train in (True, False):
+                    torchvision.datasets.FashionMNIST(h.data_dir, train=train, download=True)
+            self._train, self._val = read_fashion_mnist(h.data_dir, True), read_fashion_mnist(h.data_dir, False)
+        elif h.data_dir is not None:
+            root = Path(h.data_dir)
+            if (root / "train").is_dir():
+                self._train, classes = read_image_folder(str(root / "train"), h.image_size, h.channels)
+                self._val = read_image_folder(str(root / "val"), h.image_size, h.channels)[0] if (root / "val").is_dir() else self._train
+            else:
+                self._train, classes = read_image_folder(h.data_dir, h.image_size, h.channels)
+                self._val = self._train
+            self.num_classes = len(classes)
+        else:
+            n_val = max(h.num_samples // 4, 64)
+            self._train = synthetic_images(h.num_samples, h.image_size, h.channels, h.num_classes, h.seed)
+            self._val = synthetic_images(n_val, h.image_size, h.channels, h.num_classes, h.seed + 1)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(self._train, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
+                          num_workers=self.hparams.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._val, batch_size=self.hparams.batch_size * 2, num_workers=self.hparams.num_workers)
