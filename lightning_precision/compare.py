@@ -151,8 +151,9 @@ def write_reports(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
 
 
 def print_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from lightning_precision._console import console
 
     table = Table(title=f"{meta['recipe']}: {meta['task']} | {meta['steps']} steps, batch {meta['batch_size']}, "
                         f"{meta['device']}")
@@ -171,7 +172,7 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
                       fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""), fmt(r["peak_memory_mb"], ".0f"),
                       fmt(r["final_loss"], ".3f"), fmt(r["val_acc"], ".3f"), fmt(r["grad_underflow_fp16"], ".2e"),
                       str(r["skipped_steps"]))
-    Console(width=None if sys.stdout.isatty() else 150).print(table)
+    console().print(table)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -96,10 +96,11 @@ def device_rows() -> list[tuple[str, str, str, str, str, str]]:
 
 
 def main(argv: list[str]) -> int:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from lightning_precision._console import console as make_console
+
+    console = make_console()
     packages = Table(title="packages")
     for column in ("package", "version", "status"):
         packages.add_column(column)
