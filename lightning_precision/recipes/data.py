@@ -67,7 +67,22 @@ def read_aclimdb(root: str, split: str) -> tuple[list[str], list[int]]:
     return texts, labels
 
 
-class TextClassificationData(L.LightningDataModule):
+class _TensorData(L.LightningDataModule):
+    """Loaders over the ``_train``/``_val`` tensor datasets a subclass builds in ``setup``; shuffled with the seed."""
+
+    _train: Optional[TensorDataset]
+    _val: TensorDataset
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(self._train, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
+                          num_workers=self.hparams.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._val, batch_size=self.hparams.batch_size * 2, num_workers=self.hparams.num_workers)
+
+
+class TextClassificationData(_TensorData):
     """Batches ``(input_ids, attention_mask, labels)``.
 
     Sources, first that is set: ``data_dir`` (IMDB's aclImdb layout), ``hf_dataset`` (a Hugging Face dataset name with
@@ -114,14 +129,6 @@ class TextClassificationData(L.LightningDataModule):
         enc = self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.hparams.max_length,
                              return_tensors="pt")
         return TensorDataset(enc["input_ids"], enc["attention_mask"], torch.tensor(labels))
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(self._train, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
-                          num_workers=self.hparams.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._val, batch_size=self.hparams.batch_size * 2, num_workers=self.hparams.num_workers)
 
 
 # ---- images ----------------------------------------------------------------------------------------------------------
@@ -188,7 +195,7 @@ def read_image_folder(root: str, size: int, channels: int) -> tuple[TensorDatase
     return TensorDataset(torch.stack(xs), torch.tensor(ys)), classes
 
 
-class ImageClassificationData(L.LightningDataModule):
+class ImageClassificationData(_TensorData):
     """Batches ``(images, labels)``.
 
     Sources: ``dataset="fashion_mnist"`` with ``data_dir`` (raw idx files; ``download=True`` fetches them with
@@ -232,11 +239,3 @@ class ImageClassificationData(L.LightningDataModule):
             n_val = max(h.num_samples // 4, 64)
             self._train = synthetic_images(h.num_samples, h.image_size, h.channels, h.num_classes, h.seed)
             self._val = synthetic_images(n_val, h.image_size, h.channels, h.num_classes, h.seed + 1)
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(self._train, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
-                          num_workers=self.hparams.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._val, batch_size=self.hparams.batch_size * 2, num_workers=self.hparams.num_workers)
