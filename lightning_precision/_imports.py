@@ -29,3 +29,44 @@ def require(available: RequirementCache, package: str, feature: str) -> None:
             f"{feature} needs `{package}`, which is not installed ({available.message}). "
             f"Install it with `pip install 'lightning-precision[{extra}]'`."
         )
+
+
+def ipex_status() -> tuple[bool, str]:
+    """Whether intel-extension-for-pytorch can be imported beside this torch, from package metadata alone.
+
+    IPEX is archived (last release 2.8, pinned to torch 2.8) and calls ``os._exit(127)`` when imported beside another
+    torch major.minor, killing the process: so it is never imported before this check passes.
+    """
+    import importlib.metadata
+
+    import torch
+
+    try:
+        version = importlib.metadata.version("intel-extension-for-pytorch")
+    except importlib.metadata.PackageNotFoundError:
+        return False, "intel-extension-for-pytorch is not installed"
+    ours, theirs = torch.__version__.split("+")[0].split(".")[:2], version.split("+")[0].split(".")[:2]
+    if ours != theirs:
+        return False, (
+            f"intel-extension-for-pytorch {version} is built for torch {'.'.join(theirs)}, this is torch"
+            f" {torch.__version__} (importing it would end the process)"
+        )
+    return True, f"intel-extension-for-pytorch {version}"
+
+
+def load_ipex(mode: "bool | str") -> object:
+    """``intel_extension_for_pytorch`` for ``ipex=True`` (or an error saying why not), for ``"auto"`` when it matches
+    this torch (else None, quietly), None for ``False``."""
+    if mode is False:
+        return None
+    usable, why = ipex_status()
+    if not usable:
+        if mode == "auto":
+            return None
+        raise RuntimeError(
+            f"`XPUPrecision(ipex=True)`: {why}. Upstream torch >= 2.5 runs XPU without it: pass `ipex=False` (or"
+            " 'auto'), or install the IPEX release that matches your torch."
+        )
+    import intel_extension_for_pytorch
+
+    return intel_extension_for_pytorch

@@ -89,7 +89,10 @@ def device_rows() -> list[tuple[str, str, str, str, str, str]]:
                      "yes", fp8, f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB", recommended))
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         for i in range(torch.xpu.device_count()):
-            rows.append((f"xpu:{i} {torch.xpu.get_device_name(i)}", "yes", "yes", "no", "Intel GPU", "bf16 autocast on xpu"))
+            props = torch.xpu.get_device_properties(i)
+            fp16 = "yes" if getattr(props, "has_fp64", True) else "autocast only (no fp64: no GradScaler)"
+            rows.append((f"xpu:{i} {torch.xpu.get_device_name(i)}", "yes", fp16, "no", "Intel GPU",
+                         "XPUPrecision() (bf16)"))
     if torch.backends.mps.is_available():
         rows.append(("mps", "yes", "yes", "no", "Apple GPU", "BF16MixedPrecision"))
     return rows

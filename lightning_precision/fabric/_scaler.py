@@ -46,13 +46,14 @@ class ScalerConfig:
 
 
 class _TrackingGradScaler(torch.amp.GradScaler):
-    def __init__(self, device: str, config: ScalerConfig) -> None:
+    def __init__(self, device: str, config: ScalerConfig, enabled: bool = True) -> None:
         super().__init__(
             device,
             init_scale=config.init_scale,
             growth_factor=config.growth_factor,
             backoff_factor=config.backoff_factor,
             growth_interval=config.growth_interval,
+            enabled=enabled,
         )
         # Tensors on the scale's device, created with it; ints until then (or after a load).
         self._skipped: torch.Tensor | int = 0
@@ -77,6 +78,8 @@ class _TrackingGradScaler(torch.amp.GradScaler):
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` was skipped. Free for ordinary optimizers; reads the device for fused
         ones (which unscale inside ``step``). Call it between ``step`` and ``update``."""
+        if not self._enabled:
+            return False
         if id(optimizer) in self._host_skipped:
             return self._host_skipped[id(optimizer)]
         found = self._found_inf(optimizer)
@@ -103,12 +106,16 @@ class _TrackingGradScaler(torch.amp.GradScaler):
 
     def state_dict(self) -> dict[str, Any]:
         # Flat, as Lightning's MixedPrecision saves it, plus our counters: either plugin can load the other's state.
+        if not self._enabled:
+            return {}
         state = super().state_dict()
         state["skipped_steps"] = int(self._skipped)
         state["optimizer_steps"] = int(self._steps)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._enabled or not state_dict:
+            return
         super().load_state_dict(state_dict)
         self._skipped = int(state_dict.get("skipped_steps", 0))
         self._steps = int(state_dict.get("optimizer_steps", 0))

@@ -42,6 +42,8 @@ class FP16MixedPrecision(_AutocastPrecision):
     """
 
     precision = "16-mixed"
+    # Subclasses whose dtype needs no scaling (XPUPrecision in bf16) keep the same code with a disabled scaler.
+    _uses_scaler = True
 
     def __init__(
         self,
@@ -58,14 +60,14 @@ class FP16MixedPrecision(_AutocastPrecision):
         self.scaler_config.validate(type(self).__name__)
         self.skip_schedulers_on_overflow = skip_schedulers_on_overflow
         # Built for cpu until the model's device is known, then rebuilt there with its state.
-        self.scaler = _TrackingGradScaler(device or "cpu", self.scaler_config)
+        self.scaler = _TrackingGradScaler(device or "cpu", self.scaler_config, enabled=self._uses_scaler)
         self.step_was_skipped = False
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
         if self.scaler._device != device_type:
             state = self.scaler.state_dict()
-            self.scaler = _TrackingGradScaler(device_type, self.scaler_config)
+            self.scaler = _TrackingGradScaler(device_type, self.scaler_config, enabled=self._uses_scaler)
             self.scaler.load_state_dict(state)
 
     @property
@@ -84,6 +86,8 @@ class FP16MixedPrecision(_AutocastPrecision):
         Nothing is synchronised until a logger reads them, so calling this only on logging steps costs nothing
         elsewhere: ``if step % 50 == 0: fabric.log_dict(plugin.metrics(), step)``.
         """
+        if not self._uses_scaler:
+            return {}
         return {
             "precision/loss_scale": self.scaler.scale_tensor().float(),
             "precision/skipped_steps": self.scaler.skipped_tensor().float(),

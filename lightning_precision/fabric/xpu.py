@@ -1,0 +1,88 @@
+"""Mixed precision on Intel XPU for Fabric: bf16 (default) or fp16 autocast for ``"xpu"``, the dtype always explicit
+(XPU autocast defaults to fp16), a loss scaler only for fp16, and IPEX only when it matches this torch."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_precision import _imports
+from lightning_precision.fabric._autocast import MatmulPrecision
+from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision
+
+_DTYPES = {"bf16": (torch.bfloat16, "bf16-mixed"), "fp16": (torch.float16, "16-mixed")}
+
+
+def check_fp64(props: Any) -> None:
+    """GradScaler keeps its inf checks in fp64; XPUs without fp64 (Arc A-series) cannot run it."""
+    if not getattr(props, "has_fp64", True):
+        raise RuntimeError(
+            f"`XPUPrecision(dtype='fp16')` needs a loss scaler, and torch's GradScaler needs fp64, which"
+            f" {getattr(props, 'name', 'this XPU')!r} does not have. Use `XPUPrecision(dtype='bf16')`: bf16 needs no"
+            " scaler."
+        )
+
+
+class XPUPrecision(FP16MixedPrecision):
+    """Mixed precision on Intel GPUs: ``Fabric(accelerator="xpu", plugins=[XPUPrecision()])``.
+
+    Args:
+        dtype: ``"bf16"`` (default; no scaler) or ``"fp16"`` (with ``torch.amp.GradScaler("xpu")``, the same skipped-step
+            counting, logging and scheduler holding as ``FP16MixedPrecision``; needs fp64 on the device).
+        ipex: ``False`` (default): upstream torch only. ``True``: ``intel_extension_for_pytorch.optimize`` the model (and
+            optimizer, with the Trainer), or an error if IPEX is missing or built for another torch. ``"auto"``: IPEX
+            when it matches, else upstream torch, quietly. IPEX is checked from package metadata before any import.
+        init_scale, growth_factor, backoff_factor, growth_interval, skip_schedulers_on_overflow: fp16 only, as in
+            ``FP16MixedPrecision``.
+        matmul_precision: as for every plugin.
+        device: ``"xpu"``; another device type only to exercise the logic where no XPU exists (the tests do).
+    """
+
+    def __init__(
+        self,
+        dtype: Literal["bf16", "fp16"] = "bf16",
+        ipex: Union[bool, Literal["auto"]] = False,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        matmul_precision: Optional[MatmulPrecision] = None,
+        skip_schedulers_on_overflow: bool = True,
+        device: str = "xpu",
+    ) -> None:
+        owner = type(self).__name__
+        if dtype not in _DTYPES:
+            raise ValueError(f"`{owner}(dtype={dtype!r})`: use 'bf16' (recommended on XPU) or 'fp16'.")
+        if ipex not in (False, True, "auto"):
+            raise ValueError(f"`{owner}(ipex={ipex!r})`: use False, True or 'auto'.")
+        self._uses_scaler = dtype == "fp16"
+        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, device=device,
+                         matmul_precision=matmul_precision, skip_schedulers_on_overflow=skip_schedulers_on_overflow)
+        self.dtype = dtype
+        self.compute_dtype, self.precision = _DTYPES[dtype]
+        self.ipex = ipex
+        self._ipex_module = _imports.load_ipex(ipex)
+
+    @override
+    def _on_device_resolved(self, device_type: str) -> None:
+        super()._on_device_resolved(device_type)
+        if self._uses_scaler and device_type == "xpu":
+            check_fp64(torch.xpu.get_device_properties())
+
+    def ipex_optimize(self, model: Module, optimizer: Any = None) -> Any:
+        """``ipex.optimize`` in place with this plugin's dtype when IPEX is in use; the identity otherwise."""
+        if self._ipex_module is None:
+            return model if optimizer is None else (model, optimizer)
+        return self._ipex_module.optimize(model, optimizer=optimizer, dtype=self.compute_dtype, inplace=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_ipex_module"] = None  # a module cannot be pickled; loaded again in the new process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._ipex_module = _imports.load_ipex(self.ipex)

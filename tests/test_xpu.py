@@ -1,0 +1,154 @@
+"""Intel XPU support. No XPU exists on these machines: what runs here is the registration, the strategy choice, the
+device parsing, the errors, the IPEX version guard (with package metadata made to disagree), and XPUPrecision's
+autocast and scaler logic through the shared core on CPU (``device="cpu"``). Where a test needs torch to report an
+XPU, ``torch.xpu``'s answers are stubbed, and the test says so. Nothing here has run on real Intel hardware."""
+
+import importlib.metadata
+import math
+import sys
+import types
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lightning_precision import XPUPrecision
+from lightning_precision import fabric as lp_fabric
+from lightning_precision.accelerators import TrainerXPUAccelerator, XPUAccelerator
+from lightning_precision.accelerators.xpu import parse_xpu_devices
+from lightning_precision.fabric.xpu import check_fp64
+from tests.helpers import LitNet, loader, make_data, params, trainer
+
+
+def test_registered_under_xpu_in_both_registries():
+    assert AcceleratorRegistry.get("xpu").__class__ is TrainerXPUAccelerator
+    assert ACCELERATOR_REGISTRY.get("xpu").__class__ is XPUAccelerator
+    assert issubclass(TrainerXPUAccelerator, XPUAccelerator)
+
+
+@pytest.mark.parametrize("make", [lambda: L.Trainer(accelerator="xpu"), lambda: L.Fabric(accelerator="xpu")],
+                         ids=["trainer", "fabric"])
+def test_no_xpu_is_a_clear_error_naming_what_was_found(make):
+    with pytest.raises(RuntimeError, match=r"accelerator='xpu'.*no Intel XPU is available: torch .*found instead: .*cpu"):
+        make()
+
+
+@pytest.fixture
+def fake_xpus(monkeypatch):
+    """torch.xpu reports two devices (stubbed: no XPU exists here)."""
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "device_count", lambda: 2)
+
+
+def test_parse_devices(fake_xpus):
+    assert parse_xpu_devices(1) == [0] and parse_xpu_devices(-1) == [0, 1] and parse_xpu_devices("auto") == [0, 1]
+    assert parse_xpu_devices("0,1") == [0, 1] and parse_xpu_devices([1]) == [1]
+    with pytest.raises(ValueError, match="asks for 3 XPU.*2 are available"):
+        parse_xpu_devices(3)
+    with pytest.raises(ValueError, match=r"indices \[5\] do not exist"):
+        parse_xpu_devices([5])
+
+
+def test_default_strategies(fake_xpus):
+    single = L.Trainer(accelerator="xpu", devices=1, logger=False).strategy
+    assert type(single) is SingleDeviceStrategy and single.root_device == torch.device("xpu", 0)  # Lightning: cpu
+    ddp = L.Trainer(accelerator="xpu", devices=2, logger=False).strategy
+    assert isinstance(ddp, DDPStrategy) and ddp.process_group_backend == "xccl"  # Lightning: gloo
+    assert ddp.parallel_devices == [torch.device("xpu", 0), torch.device("xpu", 1)]
+    fabric = L.Fabric(accelerator="xpu", devices=1)
+    assert fabric.device == torch.device("xpu", 0)
+    assert L.Fabric(accelerator="xpu", devices=2)._strategy._process_group_backend == "xccl"
+    assert L.Trainer(accelerator="cpu", devices=1, logger=False).strategy.root_device.type == "cpu"  # others untouched
+
+
+def test_precision_bf16_autocasts_with_the_dtype_passed_and_no_scaler():
+    plugin = lp_fabric.XPUPrecision(device="cpu")
+    assert (plugin.precision, plugin.compute_dtype, plugin.scaler.is_enabled()) == ("bf16-mixed", torch.bfloat16, False)
+    with plugin.forward_context():
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert plugin.state_dict() == {} and plugin.metrics() == {}
+    assert XPUPrecision().autocast_context_manager().device == "xpu"  # the real target, dtype explicit
+    assert XPUPrecision().autocast_context_manager().fast_dtype == torch.bfloat16
+
+
+def test_precision_fp16_trains_with_the_scaler_on_a_real_fit():
+    plugin = XPUPrecision(dtype="fp16", device="cpu", init_scale=1024.0)
+    model = LitNet()
+    trainer(plugin, max_steps=4).fit(model, loader(make_data(4, overflow_batches=(1,))))
+    assert set(model.output_dtypes) == {torch.float16}
+    assert plugin.skipped_steps == 1 and plugin.loss_scale == 512.0
+    assert not math.isfinite(model.losses[1]) and all(math.isfinite(x) for i, x in enumerate(model.losses) if i != 1)
+
+
+def test_bf16_trains_on_a_real_fit_and_resumes(tmp_path):
+    model = LitNet()
+    t = trainer(XPUPrecision(device="cpu"), max_epochs=1)
+    t.fit(model, loader(make_data(2)))
+    t.save_checkpoint(tmp_path / "x.ckpt")
+    assert set(model.output_dtypes) == {torch.bfloat16}
+    resumed = LitNet()
+    trainer(XPUPrecision(device="cpu"), max_epochs=1).fit(resumed, loader(make_data(2)), ckpt_path=tmp_path / "x.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(model)))
+
+
+def test_fp16_without_fp64_says_use_bf16():
+    check_fp64(types.SimpleNamespace(name="Intel Arc A770", has_fp64=True))
+    with pytest.raises(RuntimeError, match=r"GradScaler needs fp64.*Intel Arc A770.*dtype='bf16'"):
+        check_fp64(types.SimpleNamespace(name="Intel Arc A770", has_fp64=False))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"dtype='fp8'"):
+        XPUPrecision(dtype="fp8")
+    with pytest.raises(ValueError, match=r"ipex='yes'"):
+        XPUPrecision(ipex="yes")
+
+
+@pytest.fixture
+def ipex_metadata(monkeypatch):
+    """Make package metadata report an IPEX version (no IPEX is installed: it pins torch 2.8)."""
+    real = importlib.metadata.version
+
+    def set_version(version):
+        def fake(name):
+            if name == "intel-extension-for-pytorch":
+                if version is None:
+                    raise importlib.metadata.PackageNotFoundError(name)
+                return version
+            return real(name)
+
+        monkeypatch.setattr(importlib.metadata, "version", fake)
+
+    return set_version
+
+
+def test_ipex_for_another_torch_is_never_imported(ipex_metadata):
+    ipex_metadata("2.8.10+xpu")  # IPEX's last release, for torch 2.8: importing it here would os._exit(127)
+    with pytest.raises(RuntimeError, match=r"built for torch 2\.8, this is torch 2\.13.*ipex=False"):
+        XPUPrecision(ipex=True)
+    assert XPUPrecision(ipex="auto")._ipex_module is None  # quiet fallback to upstream torch
+    assert "intel_extension_for_pytorch" not in sys.modules
+
+
+def test_ipex_not_installed(ipex_metadata):
+    ipex_metadata(None)
+    with pytest.raises(RuntimeError, match="not installed"):
+        XPUPrecision(ipex=True)
+    assert XPUPrecision(ipex="auto")._ipex_module is None
+
+
+def test_matching_ipex_optimizes_model_and_optimizer_in_place(ipex_metadata, monkeypatch):
+    """A stand-in IPEX module (IPEX cannot be installed beside this torch) records the call."""
+    ipex_metadata(torch.__version__.split("+")[0])
+    calls = []
+    stand_in = types.ModuleType("intel_extension_for_pytorch")
+    stand_in.optimize = lambda model, optimizer=None, dtype=None, inplace=False: calls.append((model, optimizer, dtype, inplace)) or (model, optimizer)
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", stand_in)
+    plugin = XPUPrecision(ipex=True, device="cpu")
+    model = LitNet()
+    trainer(plugin, max_steps=1).fit(model, loader(make_data(1)))
+    ((optimized, optimizer, dtype, inplace),) = calls
+    assert optimized is model and isinstance(optimizer, torch.optim.SGD) and dtype == torch.bfloat16 and inplace
