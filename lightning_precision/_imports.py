@@ -8,14 +8,14 @@ from lightning_utilities.core.imports import RequirementCache
 
 _TORCHAO_AVAILABLE = RequirementCache("torchao>=0.10")
 _TRANSFORMER_ENGINE_AVAILABLE = RequirementCache("transformer-engine>=2.9")
-_TORCHVISION_AVAILABLE = RequirementCache("torchvision")
+_DATASETS_AVAILABLE = RequirementCache("datasets")
 _TRANSFORMERS_AVAILABLE = RequirementCache("transformers")
 _MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
 
 _EXTRA_OF = {
     "torchao": "fp8",
     "transformer-engine": "te",
-    "torchvision": "recipes",
+    "datasets": "recipes",
     "transformers": "recipes",
     "matplotlib": "plots",
 }

@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_precision.callbacks import GradientUnderflowMonitor
+from lightning_precision.fp8 import fp8_gpu_available
 from lightning_precision.recipes import RECIPES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8")
@@ -32,10 +33,6 @@ WARMUP = 3
 
 class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
-
-
-def fp8_hardware() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 def make_plugin(precision: str, emulate: bool) -> Any:
@@ -48,7 +45,7 @@ def make_plugin(precision: str, emulate: bool) -> Any:
     if precision == "16-mixed":
         return FP16MixedPrecision()
     # Emulated fp8 is for numerics on small models: run every eligible layer in fp8, not only the large ones.
-    return FP8Precision(emulate=emulate and not fp8_hardware(), skip_small_layers=not emulate)
+    return FP8Precision(emulate=emulate and not fp8_gpu_available(), skip_small_layers=not emulate)
 
 
 def _rss_bytes() -> int:
@@ -61,7 +58,7 @@ class RunStats(Callback):
 
     def __init__(self, on_step: Any = None) -> None:
         self.times: list[float] = []
-        self.losses: list[float] = []
+        self._losses: list[torch.Tensor] = []
         self.on_step = on_step
         self.cuda = torch.cuda.is_available()
         self.rss_start = self.rss_peak = 0
@@ -80,10 +77,14 @@ class RunStats(Callback):
         if self.cuda:
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t0)
-        self.losses.append(float(outputs["loss"]))  # the report needs every loss: one read per step, after timing
+        self._losses.append(outputs["loss"].detach())  # read once, after the run: no device read inside the timing
         self.rss_peak = max(self.rss_peak, _rss_bytes())
         if self.on_step:
             self.on_step()
+
+    @property
+    def losses(self) -> list[float]:
+        return torch.stack(self._losses).float().tolist() if self._losses else []
 
     def peak_memory_mb(self) -> float:
         if self.cuda:
@@ -111,7 +112,7 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, on_step: Any 
     trainer.fit(model, data)
     metrics = dict(trainer.callback_metrics)
     val = trainer.validate(model, datamodule=data, verbose=False)[0] if args.val_batches else {}
-    times = stats.times[WARMUP:] or stats.times
+    times, losses = stats.times[WARMUP:] or stats.times, stats.losses
     step = statistics.median(times)
     underflow = metrics.get("precision/underflow/fp16/scaled", metrics.get("precision/underflow/fp16"))
     return {
@@ -119,11 +120,11 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, on_step: Any 
         "median_step_ms": step * 1e3,
         "samples_per_s": args.batch_size / step,
         "peak_memory_mb": stats.peak_memory_mb(),
-        "final_loss": statistics.mean(stats.losses[-5:]),
+        "final_loss": statistics.mean(losses[-5:]),
         "val_acc": float(val["val_acc"]) if "val_acc" in val else None,
         "grad_underflow_fp16": float(underflow) if underflow is not None else None,
         "skipped_steps": getattr(trainer.precision_plugin, "skipped_steps", 0),
-        "losses": stats.losses,
+        "losses": losses,
     }
 
 
@@ -193,13 +194,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.recipe not in RECIPES:
         raise UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
     if args.precisions is None:
-        args.precisions = ["32-true", "bf16-mixed", "16-mixed"] + (["fp8"] if fp8_hardware() or args.emulate else [])
+        args.precisions = ["32-true", "bf16-mixed", "16-mixed"] + (["fp8"] if fp8_gpu_available() or args.emulate else [])
     else:
         args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     for p in args.precisions:
         if p not in PRECISIONS:
             raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
-    if "fp8" in args.precisions and not (fp8_hardware() or args.emulate):
+    if "fp8" in args.precisions and not (fp8_gpu_available() or args.emulate):
         raise UsageError("fp8 needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics emulated")
     if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
         raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")

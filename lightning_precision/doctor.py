@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from lightning_precision.fp8 import MXFP8_MIN_CAPABILITY, fp8_capable
+
 
 def _version(dist: str) -> Optional[str]:
     try:
@@ -82,8 +84,8 @@ def device_rows() -> list[tuple[str, str, str, str, str, str]]:
     )]
     for i in range(torch.cuda.device_count()):
         cc = torch.cuda.get_device_capability(i)
-        fp8 = "yes" + (", MXFP8" if cc >= (10, 0) else "") if cc >= (8, 9) else "no (needs 8.9)"
-        recommended = "FP8Precision for large layers, else BF16MixedPrecision" if cc >= (8, 9) else (
+        fp8 = "yes" + (", MXFP8" if cc >= MXFP8_MIN_CAPABILITY else "") if fp8_capable(cc) else "no (needs 8.9)"
+        recommended = "FP8Precision for large layers, else BF16MixedPrecision" if fp8_capable(cc) else (
             "BF16MixedPrecision" if cc >= (8, 0) else "FP16MixedPrecision")
         rows.append((f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{cc[0]}{cc[1]})", "yes" if cc >= (8, 0) else "no",
                      "yes", fp8, f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB", recommended))

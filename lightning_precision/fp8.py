@@ -228,6 +228,20 @@ def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
 # ---- hardware --------------------------------------------------------------------------------------------------------
 
 
+# fp8 tensor cores: Ada and Hopper (8.9, 9.0); MXFP8 block scaling: Blackwell (10.0).
+FP8_MIN_CAPABILITY = (8, 9)
+MXFP8_MIN_CAPABILITY = (10, 0)
+
+
+def fp8_capable(capability: tuple[int, int]) -> bool:
+    return capability >= FP8_MIN_CAPABILITY
+
+
+def fp8_gpu_available() -> bool:
+    """A CUDA device that runs fp8 GEMMs for real."""
+    return torch.cuda.is_available() and fp8_capable(torch.cuda.get_device_capability())
+
+
 def check_fp8_hardware(device_type: str, backend: str, recipe_name: str, emulate: bool) -> None:
     """fp8 GEMMs need CUDA compute capability >= 8.9 (Ada, Hopper), MXFP8 >= 10.0 (Blackwell); ``emulate=True``
     (torchao only) runs the same numerics anywhere."""
@@ -238,7 +252,7 @@ def check_fp8_hardware(device_type: str, backend: str, recipe_name: str, emulate
                 " Use `backend='torchao'` to emulate fp8 numerics without an fp8 GPU."
             )
         return
-    need = (10, 0) if recipe_name == "mxfp8" else (8, 9)
+    need = MXFP8_MIN_CAPABILITY if recipe_name == "mxfp8" else FP8_MIN_CAPABILITY
     if device_type != "cuda":
         raise RuntimeError(
             f"FP8Precision needs a CUDA GPU with compute capability >= {need[0]}.{need[1]} for fp8 matmuls; the model"

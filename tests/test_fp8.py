@@ -130,11 +130,16 @@ def test_layer_selection_rules_and_summary():
     assert [d.fqn for d in chosen if d.fp8] == ["0", "1", "4"]
 
 
-def test_no_fp8_layer_warns_and_the_plugin_logs_a_summary(caplog):
-    model = FP8Net()
+def test_no_fp8_layer_warns_and_the_plugin_keeps_a_summary():
+    from lightning_precision.fp8 import format_summary
+
+    model, plugin = FP8Net(), FP8Precision(emulate=True)
     with pytest.warns(NoEffectWarning, match="no linear layer runs in fp8.*too small"):
-        trainer(FP8Precision(emulate=True), max_steps=1).fit(model, fp8_data(1))
+        trainer(plugin, max_steps=1).fit(model, fp8_data(1))
     assert type(model.net[2]) is nn.Linear
+    assert [(d.fqn, d.fp8) for d in plugin.layer_decisions] == [("net.0", False), ("net.2", False), ("net.4", False)]
+    summary = format_summary(plugin.layer_decisions)
+    assert summary.startswith("fp8: 0 of 3 linear layers") and "too small to gain (64x64" in summary
 
 
 def test_hardware_errors_say_what_was_found_and_how_to_emulate(monkeypatch):

@@ -61,7 +61,6 @@ class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        _check_optimizer(type(self).__name__, optimizer)
         closure_result = closure()
         # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
         skipped_backward = closure_result is None and model.automatic_optimization

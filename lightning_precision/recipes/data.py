@@ -104,10 +104,9 @@ class TextClassificationData(_TensorData):
         if h.data_dir is not None:
             return read_aclimdb(h.data_dir, "train"), read_aclimdb(h.data_dir, "test")
         if h.hf_dataset is not None:
-            try:
-                import datasets
-            except ImportError as err:
-                raise ModuleNotFoundError("`hf_dataset=` needs `pip install datasets`.") from err
+            _imports.require(_imports._DATASETS_AVAILABLE, "datasets", "`TextClassificationData(hf_dataset=...)`")
+            import datasets
+
             ds = datasets.load_dataset(h.hf_dataset)
             return (list(ds["train"]["text"]), list(ds["train"]["label"])), (list(ds["test"]["text"]), list(ds["test"]["label"]))
         n_val = max(h.num_samples // 4, 64)
