@@ -5,9 +5,18 @@ Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric p
 """
 
 import lightning_precision.accelerators  # noqa: F401  (registers accelerator='xpu')
+from lightning_precision.fabric._scaler import SkippedStepsError
 from lightning_precision.plugins import BF16MixedPrecision, FP8Precision, FP16MixedPrecision, XPUPrecision
 from lightning_precision.warnings import NoEffectWarning
 
 __version__ = "0.1.0"
 
-__all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "FP8Precision", "NoEffectWarning", "XPUPrecision", "__version__"]
+__all__ = [
+    "BF16MixedPrecision",
+    "FP16MixedPrecision",
+    "FP8Precision",
+    "NoEffectWarning",
+    "SkippedStepsError",
+    "XPUPrecision",
+    "__version__",
+]

@@ -31,6 +31,16 @@ def require(available: RequirementCache, package: str, feature: str) -> None:
         )
 
 
+def version_of(distribution: str) -> str:
+    """The installed version of a distribution, or "(not installed)"."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def ipex_status() -> tuple[bool, str]:
     """Whether intel-extension-for-pytorch can be imported beside this torch, from package metadata alone.
 

@@ -6,7 +6,10 @@ The pure functions here are what ``FP8Precision`` calls; use them directly where
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,13 +43,37 @@ def _too_small(recipe_name: str, n: int, k: int) -> bool:
 
 @dataclass(frozen=True)
 class LayerDecision:
-    """Whether one linear layer runs in fp8, and why."""
+    """Whether one linear layer runs in fp8, and why. ``aliases`` are its other paths in the model (one module
+    registered under several names is one layer, converted once)."""
 
     fqn: str
     in_features: int
     out_features: int
     fp8: bool
     reason: str
+    aliases: tuple[str, ...] = ()
+
+
+def _linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear, tuple[str, ...]]]:
+    """Each ``nn.Linear`` once, with its first path and its other paths, in module order."""
+    paths: dict[int, list[str]] = {}
+    layers: dict[int, nn.Linear] = {}
+    for fqn, m in module.named_modules(remove_duplicate=False):
+        if isinstance(m, nn.Linear):
+            layers.setdefault(id(m), m)
+            if fqn not in paths.setdefault(id(m), []):
+                paths[id(m)].append(fqn)
+    return [(paths[i][0], layers[i], tuple(paths[i][1:])) for i in layers]
+
+
+def functional_linears(module: nn.Module) -> dict[int, str]:
+    """``nn.Linear`` layers whose forward never runs because their owner uses the weight functionally, with why.
+    ``nn.MultiheadAttention`` passes ``out_proj.weight`` to ``F.multi_head_attention_forward``."""
+    return {
+        id(m.out_proj): "nn.MultiheadAttention uses its weight functionally (its forward never runs, so it cannot be fp8)"
+        for m in module.modules()
+        if isinstance(m, nn.MultiheadAttention) and isinstance(m.out_proj, nn.Linear)
+    }
 
 
 def select_fp8_layers(
@@ -59,18 +86,24 @@ def select_fp8_layers(
     """Decide, for every ``nn.Linear`` in ``module``, whether it runs in fp8. Rules, in order:
 
     1. GEMM dims (in and out features) must be divisible by 16: the fp8 tensor-core requirement. Always applied.
-    2. ``module_filter(module, fqn)``, when given, decides alone for the rest.
-    3. Otherwise the first and last linear layers stay in high precision (``skip_first_last``): they see raw inputs
+    2. A layer whose forward never runs (``nn.MultiheadAttention.out_proj``) stays as it is. Always applied.
+    3. ``module_filter(module, fqn)``, when given, decides alone for the rest.
+    4. Otherwise the first and last linear layers stay in high precision (``skip_first_last``): they see raw inputs
        and produce logits, where fp8's 3-bit (e4m3) mantissa hurts accuracy most, and they are usually small.
-    4. Layers too small to gain are skipped (``skip_small_layers``; thresholds above).
+    5. Layers too small to gain are skipped (``skip_small_layers``; thresholds above).
+
+    A layer registered under several names is decided (and converted) once, under its first name.
     """
-    linears = [(fqn, m) for fqn, m in module.named_modules() if isinstance(m, nn.Linear)]
+    linears = _linear_layers(module)
+    functional = functional_linears(module)
     edge = {linears[0][0], linears[-1][0]} if linears else set()
     decisions = []
-    for fqn, linear in linears:
+    for fqn, linear, aliases in linears:
         n, k = linear.out_features, linear.in_features
         if n % 16 or k % 16:
             fp8, reason = False, f"dims {k}x{n} not divisible by 16 (fp8 GEMM requirement)"
+        elif id(linear) in functional:
+            fp8, reason = False, functional[id(linear)]
         elif module_filter is not None:
             fp8 = bool(module_filter(linear, fqn))
             reason = "module_filter" if fp8 else "excluded by module_filter"
@@ -80,8 +113,37 @@ def select_fp8_layers(
             fp8, reason = False, f"too small to gain ({k}x{n} is under the {recipe_name} thresholds)"
         else:
             fp8, reason = True, "fp8"
-        decisions.append(LayerDecision(fqn, k, n, fp8, reason))
+        decisions.append(LayerDecision(fqn, k, n, fp8, reason, aliases))
     return decisions
+
+
+def check_module_filter(owner: str, module_filter: Any) -> None:
+    """``module_filter`` must be callable as ``module_filter(module, fqn)``: checked now, not mid-setup."""
+    if module_filter is None:
+        return
+    if not callable(module_filter):
+        raise ValueError(f"`{owner}(module_filter={module_filter!r})`: pass a callable (module, fqn) -> bool.")
+    try:
+        inspect.signature(module_filter).bind(nn.Identity(), "fqn")
+    except TypeError as err:
+        raise ValueError(
+            f"`{owner}(module_filter={module_filter!r})`: it is called as module_filter(module, fqn) -> bool, with two"
+            f" arguments, and cannot take them ({err}). Example: `module_filter=lambda module, fqn: 'attn' in fqn`."
+        ) from None
+    except ValueError:  # no signature to inspect (a builtin): trust it
+        pass
+
+
+def replace_modules(root: nn.Module, replacements: dict[int, nn.Module]) -> nn.Module:
+    """Put ``replacements[id(old)]`` wherever ``old`` is registered in ``root`` (every path, aliases included), so one
+    module stays one module. Returns the new root if ``root`` itself is replaced."""
+    if id(root) in replacements:
+        return replacements[id(root)]
+    targets = [(fqn, m) for fqn, m in root.named_modules(remove_duplicate=False) if id(m) in replacements]
+    for fqn, old in targets:
+        parent_name, _, name = fqn.rpartition(".")
+        setattr(root.get_submodule(parent_name) if parent_name else root, name, replacements[id(old)])
+    return root
 
 
 def format_summary(decisions: list[LayerDecision]) -> str:
@@ -89,7 +151,9 @@ def format_summary(decisions: list[LayerDecision]) -> str:
     lines = [f"fp8: {n} of {len(decisions)} linear layers run in fp8"]
     width = max((len(d.fqn) for d in decisions), default=5)
     for d in decisions:
-        lines.append(f"  {d.fqn:<{width}}  {d.in_features:>6} -> {d.out_features:<6}  {'fp8 ' if d.fp8 else 'high'}  {d.reason}")
+        also = f" (also {', '.join(d.aliases)})" if d.aliases else ""
+        lines.append(f"  {d.fqn:<{width}}  {d.in_features:>6} -> {d.out_features:<6}  {'fp8 ' if d.fp8 else 'high'}"
+                     f"  {d.reason}{also}")
     return "\n".join(lines)
 
 
@@ -108,13 +172,86 @@ def warn_if_no_fp8(decisions: list[LayerDecision]) -> None:
         )
 
 
+NEVER_RAN = "converted, but its forward did not run in the first training step (its weight is used elsewhere): not fp8"
+
+
+class ForwardWatch:
+    """Counts forward calls of the layers chosen for fp8 until ``close()``, which removes the hooks and returns the
+    paths of the layers that never ran."""
+
+    def __init__(self, layers: dict[str, nn.Module]) -> None:
+        self.calls = dict.fromkeys(layers, 0)
+        self._handles = [m.register_forward_pre_hook(self._counter(fqn)) for fqn, m in layers.items()]
+
+    def _counter(self, fqn: str) -> Callable[..., None]:
+        def count(module: nn.Module, args: Any) -> None:
+            self.calls[fqn] += 1
+
+        return count
+
+    def close(self) -> list[str]:
+        for handle in self._handles:
+            handle.remove()
+        return [fqn for fqn, n in self.calls.items() if n == 0]
+
+
+def warn_never_ran(paths: list[str]) -> None:
+    warnings.warn(
+        f"FP8Precision: {len(paths)} layer(s) chosen for fp8 did not run their forward in the first training step, so"
+        f" they do not compute in fp8: {', '.join(paths)}. Their weights are used by another module directly (as"
+        " nn.MultiheadAttention does with out_proj). `plugin.layer_decisions` now lists them as high precision; exclude"
+        " them with `module_filter` to silence this.",
+        NoEffectWarning,
+        stacklevel=2,
+    )
+
+
+# torchao's float8 training tensors do not run under torch.inference_mode (aten.to.dtype is not implemented there),
+# which Lightning's validate/test/predict use by default. Each converted layer leaves inference mode for its own
+# forward, with gradients off: the same fp8 numerics as training, an ordinary (non-inference) output tensor, and the
+# rest of the model stays in inference mode. A forward hook with always_call=True restores the mode on errors too.
+_INFERENCE_EXITS = threading.local()
+
+
+def _leave_inference_mode(module: nn.Module, args: Any) -> None:
+    stack = getattr(_INFERENCE_EXITS, "stack", None)
+    if stack is None:
+        stack = _INFERENCE_EXITS.stack = []
+    if torch.is_inference_mode_enabled():
+        exits = contextlib.ExitStack()
+        exits.enter_context(torch.inference_mode(False))
+        exits.enter_context(torch.no_grad())
+        stack.append(exits)
+    else:
+        stack.append(None)
+
+
+def _restore_inference_mode(module: nn.Module, args: Any, output: Any) -> None:
+    exits = _INFERENCE_EXITS.stack.pop()
+    if exits is not None:
+        exits.close()
+
+
+def run_outside_inference_mode(layer: nn.Module) -> None:
+    """Make ``layer`` (a torchao ``Float8Linear``) work under ``torch.inference_mode``: see above."""
+    layer.register_forward_pre_hook(_leave_inference_mode)
+    layer.register_forward_hook(_restore_inference_mode, always_call=True)
+
+
 # ---- torchao ---------------------------------------------------------------------------------------------------------
 
 
 def torchao_config(recipe: Any, emulate: bool) -> Any:
     """A ``Float8LinearConfig`` from a recipe name or a config, with ``emulate`` applied."""
     _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", "FP8Precision(backend='torchao')")
-    from torchao.float8 import Float8LinearConfig
+    try:
+        from torchao.float8 import Float8LinearConfig
+    except Exception as err:  # a torchao built for another torch fails in many ways (AttributeError, OSError, ...)
+        raise ImportError(
+            f"FP8Precision(backend='torchao'): torchao {_imports.version_of('torchao')} does not import beside torch"
+            f" {torch.__version__} ({type(err).__name__}: {err}). Install the torchao release built for your torch"
+            " (see the compatibility table in the README)."
+        ) from err
 
     if isinstance(recipe, Float8LinearConfig):
         config = recipe
@@ -137,10 +274,15 @@ def torchao_recipe_name(config: Any) -> str:
 
 
 def convert_with_torchao(module: nn.Module, config: Any, decisions: list[LayerDecision]) -> nn.Module:
+    """The chosen layers as torchao ``Float8Linear`` (same Parameter objects), by module: a layer registered under
+    several names becomes one ``Float8Linear`` under all of them."""
     from torchao.float8 import convert_to_float8_training
 
     chosen = {d.fqn for d in decisions if d.fp8}
-    return convert_to_float8_training(module, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+    # torchao's public verb converts a bare nn.Linear into its Float8Linear, reusing weight and bias.
+    replacements = {id(m): convert_to_float8_training(m, config=config) for fqn, m, _ in _linear_layers(module)
+                    if fqn in chosen}
+    return replace_modules(module, replacements)
 
 
 # ---- Transformer Engine ----------------------------------------------------------------------------------------------
@@ -188,41 +330,56 @@ def te_recipe_name(recipe: Any) -> str:
 
 
 def convert_with_te(module: nn.Module, decisions: list[LayerDecision]) -> nn.Module:
-    """Replace the chosen ``nn.Linear`` layers and every ``nn.LayerNorm`` over the last dim with TE modules, weights
-    copied. ``LayerNorm(elementwise_affine=False)`` (which crashes Lightning's conversion, #21755) becomes a TE
-    LayerNorm with weight 1 and bias 0, frozen: the same function."""
+    """Replace the chosen ``nn.Linear`` layers and every ``nn.LayerNorm`` over the last dim with TE modules that hold
+    the *same* Parameter objects (so an optimizer built before the conversion, as with Fabric, still trains them).
+    ``LayerNorm(elementwise_affine=False)`` (which crashes Lightning's conversion, #21755) becomes a TE LayerNorm with
+    weight 1 and bias 0, frozen: the same function. A module registered under several names is replaced once."""
     te, _ = _te()
     chosen = {d.fqn for d in decisions if d.fp8}
-    for fqn, child in list(module.named_modules()):
-        if fqn in chosen:
+    linears = {id(m) for fqn, m, _ in _linear_layers(module) if fqn in chosen}
+    replacements: dict[int, nn.Module] = {}
+    for child in module.modules():
+        if id(child) in replacements:
+            continue
+        if id(child) in linears:
             replacement = te.Linear(
                 child.in_features, child.out_features, bias=child.bias is not None,
                 params_dtype=child.weight.dtype, device=child.weight.device,
             )
-            with torch.no_grad():
-                replacement.weight.copy_(child.weight)
-                if child.bias is not None:
-                    replacement.bias.copy_(child.bias)
+            _adopt_parameters(replacement, child)
         elif isinstance(child, nn.LayerNorm) and len(child.normalized_shape) == 1:
             affine = child.weight is not None
             like = child.weight if affine else next(module.parameters(), torch.empty(0))
             replacement = te.LayerNorm(child.normalized_shape[0], eps=child.eps, params_dtype=like.dtype, device=like.device)
+            if affine:
+                _adopt_parameters(replacement, child)
             with torch.no_grad():
-                replacement.weight.copy_(child.weight if affine else torch.ones_like(replacement.weight))
-                replacement.bias.copy_(child.bias if child.bias is not None else torch.zeros_like(replacement.bias))
-            if not affine:
-                replacement.weight.requires_grad_(False)
-                replacement.bias.requires_grad_(False)
+                if not affine:
+                    replacement.weight.fill_(1.0)
+                    replacement.weight.requires_grad_(False)
+                if child.bias is None:
+                    replacement.bias.zero_()
+                    replacement.bias.requires_grad_(False)
         else:
             continue
-        _set_submodule(module, fqn, replacement)
-    return module
+        replacements[id(child)] = replacement
+    return replace_modules(module, replacements)
 
 
-def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, name = fqn.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, name, new)
+def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
+    """Give ``new`` the Parameter objects of ``old`` (same name, shape, dtype, device), keeping the attributes the new
+    module set on its own Parameters (TE's tensor-parallel marks) and TE's deferred-init records (``param_init_meta``)."""
+    init_meta = dict(getattr(new, "param_init_meta", {}) or {})
+    for name, fresh in list(new.named_parameters(recurse=False)):
+        kept = getattr(old, name, None)
+        if not isinstance(kept, nn.Parameter) or (kept.shape, kept.dtype, kept.device) != (fresh.shape, fresh.dtype,
+                                                                                               fresh.device):
+            continue
+        for attribute, value in vars(fresh).items():
+            setattr(kept, attribute, value)
+        setattr(new, name, kept)
+    if init_meta:
+        new.param_init_meta.update(init_meta)
 
 
 # ---- hardware --------------------------------------------------------------------------------------------------------

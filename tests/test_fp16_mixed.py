@@ -227,3 +227,32 @@ def test_no_extra_device_reads_on_steps_that_log_nothing(monkeypatch):
     ours = _device_reads_per_step(FP16MixedPrecision(), monkeypatch, log_every_n_steps=3)
     assert lightning == [1] * 6
     assert ours == lightning
+
+
+def test_lr_find_sweeps_the_same_learning_rates_as_with_lightnings_plugin(tmp_path):
+    """The hold applies to the schedulers the user configured, never to the sweep `Tuner.lr_find` swaps in: at high
+    learning rates the loss overflows and steps are skipped, and a held sweep would repeat learning rates."""
+    from lightning.pytorch.tuner import Tuner
+
+    found = {}
+    for name, plugin in [("ours", FP16MixedPrecision()), ("lightning", MixedPrecision("16-mixed", "cpu"))]:
+        L.seed_everything(0)
+        t = trainer(plugin, max_epochs=1, default_root_dir=tmp_path / name)
+        found[name] = Tuner(t).lr_find(LitNet(scheduler=True), train_dataloaders=loader(make_data(60)), min_lr=1e-6,
+                                       max_lr=100.0, num_training=60, early_stop_threshold=None)
+    ours, theirs = found["ours"].results, found["lightning"].results
+    assert len(set(ours["lr"])) == len(ours["lr"]) == 60  # a sweep: no learning rate repeated
+    assert ours["lr"] == pytest.approx(theirs["lr"]) and ours["lr"][-1] == pytest.approx(100.0)
+    assert found["ours"].suggestion() == found["lightning"].suggestion()
+
+
+def test_held_schedulers_keep_their_class_state_and_work_with_lr_monitor(tmp_path):
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    t = trainer(FP16MixedPrecision(), max_steps=3, logger=CSVLogger(tmp_path), callbacks=[LearningRateMonitor()],
+                log_every_n_steps=1)
+    t.fit(LitNet(scheduler=True), loader(make_data(3, overflow_batches=(1,))))
+    scheduler = t.lr_scheduler_configs[0].scheduler
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+    assert scheduler.state_dict()["last_epoch"] == 2  # 3 steps, one of them skipped and held

@@ -190,3 +190,125 @@ def test_ddp_gloo_two_processes_with_emulation(tmp_path):
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert reports[0]["fp8"] == reports[1]["fp8"] == "Float8Linear"
     assert reports[0]["w"] == reports[1]["w"]
+
+
+class EvalNet(FP8Net):
+    """Records, in each evaluation step, whether the loop ran it under inference mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.inference_mode_seen = []
+
+    def _eval(self, batch):
+        self.inference_mode_seen.append(torch.is_inference_mode_enabled())
+        x, y = batch
+        return self.net(x)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.cross_entropy(self._eval(batch).float(), batch[1]))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", nn.functional.cross_entropy(self._eval(batch).float(), batch[1]))
+
+    def predict_step(self, batch, batch_idx):
+        return self._eval(batch)
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_evaluation_after_fit_runs_the_fp8_layers_under_inference_mode(stage):
+    """Lightning evaluates under torch.inference_mode by default, where torchao's float8 tensors fail
+    (aten.to.dtype); each fp8 layer leaves it for its own forward, so evaluation runs the same fp8 numerics."""
+    model = EvalNet()
+    t = trainer(FP8Precision(emulate=True, skip_small_layers=False), max_steps=2)
+    t.fit(model, fp8_data(2))
+    assert isinstance(model.net[2], Float8Linear)
+    result = getattr(t, stage)(model, dataloaders=fp8_data(2))
+    assert model.inference_mode_seen and all(model.inference_mode_seen)  # the loop really used inference mode
+    if stage == "predict":
+        x, _ = next(iter(fp8_data(2)))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model.net(x)
+        torch.testing.assert_close(result[0], expected)
+    else:
+        assert all(torch.isfinite(torch.tensor(list(r.values()))).all() for r in result)
+    assert not torch.is_inference_mode_enabled()
+
+
+class Aliased(L.LightningModule):
+    """One nn.Linear registered twice in one parent and once in another."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+        self.again = self.mid
+        self.block = nn.ModuleDict({"shared": self.mid})
+
+    def forward(self, x):
+        return self.out(self.block["shared"](self.again(self.mid(self.inp(x)).relu()).relu()).relu())
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_layer_under_several_names_is_converted_once_under_all_of_them():
+    model, plugin = Aliased(), FP8Precision(emulate=True, skip_small_layers=False)
+    trainer(plugin, max_steps=2).fit(model, fp8_data(2))
+    assert isinstance(model.mid, Float8Linear)
+    assert model.again is model.mid and model.block["shared"] is model.mid  # identity kept: one module
+    [decision] = [d for d in plugin.layer_decisions if d.fp8]
+    assert (decision.fqn, decision.aliases) == ("mid", ("again", "block.shared"))
+
+
+class Attention(L.LightningModule):
+    """nn.MultiheadAttention (out_proj used functionally), and a projection whose weight a custom op uses directly."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(32, 64)
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.tied = nn.Linear(64, 64)  # its weight is used through F.linear below: its forward never runs
+        self.head = nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.inp(x).unsqueeze(1)
+        h = self.attn(h, h, h, need_weights=False)[0].squeeze(1)
+        return self.head(nn.functional.linear(h, self.tied.weight).relu())
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_only_layers_that_really_run_are_reported_as_fp8():
+    model = Attention()
+    plugin = FP8Precision(emulate=True, skip_small_layers=False, skip_first_last=False)
+    calls = {}
+    with pytest.warns(NoEffectWarning, match=r"did not run their forward.*tied"):
+        t = trainer(plugin, max_steps=1)
+        t.fit(model, fp8_data(1))
+    decisions = {d.fqn: d for d in plugin.layer_decisions}
+    assert not decisions["attn.out_proj"].fp8 and "MultiheadAttention" in decisions["attn.out_proj"].reason
+    assert not decisions["tied"].fp8 and "did not run" in decisions["tied"].reason
+    # every layer still reported as fp8 runs its forward, in fp8
+    for fqn in (d.fqn for d in plugin.layer_decisions if d.fp8):
+        module = model.get_submodule(fqn)
+        assert isinstance(module, Float8Linear)
+        module.register_forward_hook(lambda m, a, o, fqn=fqn: calls.__setitem__(fqn, calls.get(fqn, 0) + 1))
+    t2 = trainer(plugin, max_steps=1)
+    t2.fit(model, fp8_data(1))
+    assert set(calls) == {d.fqn for d in plugin.layer_decisions if d.fp8} == {"inp", "head"}
+
+
+def test_module_filter_with_the_wrong_arity_fails_at_construction():
+    with pytest.raises(ValueError, match=r"module_filter=.*module_filter\(module, fqn\).*two arguments"):
+        FP8Precision(emulate=True, module_filter=lambda m: True)
+    with pytest.raises(ValueError, match=r"module_filter=3.*callable"):
+        FP8Precision(emulate=True, module_filter=3)
+    FP8Precision(emulate=True, module_filter=lambda module, fqn, *rest: True)  # compatible signatures pass

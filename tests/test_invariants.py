@@ -26,8 +26,10 @@ TRAINER_PLUGINS = _discover(lightning_precision.plugins, TrainerPrecision)
 ALL = [pytest.param(cls, id=f"{cls.__module__.split('.')[1]}.{cls.__name__}") for cls in FABRIC_PLUGINS + TRAINER_PLUGINS]
 # Each plugin's standard precision string and the dtype autocast must run in.
 EXPECTED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-# Arguments that let a plugin run its logic here: XPUPrecision targets "xpu", which does not exist on these machines.
-RUNNABLE_HERE = {"XPUPrecision": {"device": "cpu"}}
+# Arguments that let a plugin run its logic here: XPUPrecision targets "xpu", which does not exist on these machines;
+# FP8Precision needs torchao's emulation on a CPU, and converts the one layer of the test net that fp8 can take.
+RUNNABLE_HERE = {"XPUPrecision": {"device": "cpu"}, "FP8Precision": {"emulate": True, "skip_small_layers": False}}
+OWN_DEVICE = {"XPUPrecision"}
 
 
 def make(cls, **kwargs):
@@ -54,13 +56,16 @@ def test_precision_string_and_compute_dtype(cls):
 
 @pytest.mark.parametrize("cls", ALL)
 def test_state_restored_after_an_exception_in_the_forward_context(cls):
-    plugin = make(cls)
+    torch.set_float32_matmul_precision("highest")
+    plugin = make(cls, matmul_precision="medium")
     default_dtype = torch.get_default_dtype()
     with pytest.raises(RuntimeError, match="boom"):
         with plugin.forward_context():
+            assert torch.get_float32_matmul_precision() == "medium"
             raise RuntimeError("boom")
     assert torch.get_default_dtype() == default_dtype
     assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_float32_matmul_precision() == "highest"
 
 
 @pytest.mark.parametrize("cls", ALL)
@@ -74,31 +79,42 @@ def test_state_dict_round_trips(cls):
     assert pickle.loads(pickle.dumps(plugin)).state_dict() == state
 
 
+def _record_matmul_precision(net, seen):
+    """Records the float32 matmul precision in effect inside the forward and the backward pass of ``net``."""
+
+    def hook(module, args, out):
+        seen.append(("forward", torch.get_float32_matmul_precision()))
+        if out.requires_grad:
+            out.register_hook(lambda g: seen.append(("backward", torch.get_float32_matmul_precision())))
+
+    net.register_forward_hook(hook)
+
+
 @pytest.mark.parametrize("cls", ALL)
-def test_matmul_precision_is_applied_for_the_run_and_restored(cls):
+def test_matmul_precision_holds_in_forward_and_backward_and_is_restored(cls):
+    """Fabric never calls the plugin's teardown: the setting must not outlive the passes it is for."""
     torch.set_float32_matmul_precision("highest")
     plugin = make(cls, matmul_precision="medium")
     seen = []
     if cls in TRAINER_PLUGINS:
-
-        class Probe(LitNet):
-            def training_step(self, batch, batch_idx):
-                seen.append(torch.get_float32_matmul_precision())
-                return super().training_step(batch, batch_idx)
-
-        trainer(plugin, max_steps=1).fit(Probe(), loader(make_data(1)))
+        model = LitNet()
+        _record_matmul_precision(model.net, seen)
+        trainer(plugin, max_steps=1).fit(model, loader(make_data(1)))
     else:
         fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-        fabric.setup(make_net())
-        seen.append(torch.get_float32_matmul_precision())
-        plugin.teardown()
-    assert seen == ["medium"]
+        net = make_net()
+        _record_matmul_precision(net, seen)
+        model = fabric.setup(net)
+        fabric.backward(model(torch.randn(2, 16)).sum())
+        assert torch.get_float32_matmul_precision() == "highest"  # between the passes too
+    assert ("forward", "medium") in seen and ("backward", "medium") in seen
+    assert {p for _, p in seen} == {"medium"}
     assert torch.get_float32_matmul_precision() == "highest"
 
 
 @pytest.mark.parametrize("cls", ALL)
 def test_device_comes_from_the_model_not_the_accelerator(cls):
-    if cls.__name__ in RUNNABLE_HERE:
+    if cls.__name__ in OWN_DEVICE:
         pytest.skip(f"{cls.__name__} autocasts for its own device by design")
     plugin = cls()
     model = make_net()
@@ -108,6 +124,115 @@ def test_device_comes_from_the_model_not_the_accelerator(cls):
     plugin.convert_module(meta)
     assert plugin.device_type == "meta"  # whatever the model's device is, not a guess such as "cuda"
     assert cls(device="cpu").device_type == "cpu"
+
+
+def _trainable(module):
+    return {id(p) for p in module.parameters() if p.requires_grad}
+
+
+def _optimized(optimizer):
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_the_optimizer_holds_the_parameters_the_model_trains(cls):
+    """Fabric builds the optimizer before `setup` converts the model: a conversion that made new Parameters would
+    leave the converted layers untrained."""
+    if cls in TRAINER_PLUGINS:
+        model = LitNet()
+        t = trainer(make(cls), max_steps=1)
+        t.fit(model, loader(make_data(1)))
+        assert _optimized(t.optimizers[0]) == _trainable(model)
+        return
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[make(cls)])
+    model, optimizer = fabric.setup(net, optimizer)
+    assert _optimized(optimizer) == _trainable(net)
+    before = [p.detach().clone() for p in net.parameters()]
+    fabric.backward(model(torch.randn(4, 16)).square().mean())
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, net.parameters()))  # every layer trained
+
+
+def test_the_optimizer_holds_the_parameters_after_a_transformer_engine_conversion(monkeypatch):
+    """Transformer Engine needs CUDA: its modules here are the stand-in of tests/te_standin.py (TE's signatures, and
+    fresh Parameters in every new module, as TE makes them)."""
+    from tests import te_standin
+
+    te = te_standin.install(monkeypatch)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 32),
+                              torch.nn.Linear(32, 16))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    plugin = lightning_precision.fabric.FP8Precision(backend="transformer_engine", skip_small_layers=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    fabric.setup(net, optimizer)
+    assert type(net[2]) is te.Linear and type(net[1]) is te.LayerNorm
+    assert _optimized(optimizer) == _trainable(net)
+
+
+class TeacherFirst(LitNet):
+    """Runs a no_grad forward (a teacher, an EMA target, a metric) before the forward it trains on."""
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self(batch[0])
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_a_no_grad_forward_first_does_not_break_the_training_forward(cls):
+    """Before pytorch#165068, autocast's weight cache kept the no_grad forward's casts, without grad history, and the
+    next backward failed ("element 0 of tensors does not require grad"; Lightning #20644). Only older torch releases
+    show it: CI runs this on the oldest torch the package admits."""
+    if cls in TRAINER_PLUGINS:
+        model = TeacherFirst()
+        trainer(make(cls), max_steps=2).fit(model, loader(make_data(2)))
+        assert len(model.losses) == 2
+        return
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[make(cls)])
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model(x)
+    fabric.backward(model(x).square().mean())
+    assert all(p.grad is not None for p in net.parameters())
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_throughput_monitor_sees_the_real_compute_dtype(cls, monkeypatch):
+    """Lightning's ThroughputMonitor takes the device's peak FLOPs for the plugin's dtype. On a CPU there is no peak to
+    look up, so `get_available_flops` is replaced by a recorder of the dtype it is asked about (a GPU is what cannot
+    exist here); the monitor itself is Lightning's own."""
+    from lightning.fabric.utilities import throughput as fabric_throughput
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.callbacks import throughput_monitor as trainer_throughput
+
+    asked = []
+    for module in (fabric_throughput, trainer_throughput):
+        monkeypatch.setattr(module, "get_available_flops", lambda device, dtype: asked.append(dtype))
+    plugin = make(cls)
+    if cls in TRAINER_PLUGINS:
+        monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0])
+        trainer(plugin, max_steps=1, callbacks=[monitor]).fit(LitNet(), loader(make_data(1)))
+    else:
+        fabric_throughput.ThroughputMonitor(L.Fabric(accelerator="cpu", devices=1, plugins=[plugin]))
+    assert asked == [plugin.compute_dtype]  # not torch.float32, as for every plugin Lightning does not know
+
+
+def test_fp8_counts_against_the_fp8_peak_and_other_plugins_are_left_to_lightning():
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    lightning_precision.FP8Precision()  # installs the dispatch (no model: nothing checks the hardware yet)
+    assert _plugin_to_compute_dtype(lightning_precision.FP8Precision()) == torch.int8  # Lightning's key for the fp8 peak
+    assert _plugin_to_compute_dtype(lightning_precision.FP8Precision(emulate=True)) == torch.bfloat16
+    assert _plugin_to_compute_dtype(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16
+    assert _plugin_to_compute_dtype(FabricMixed("16-mixed", "cpu")) == torch.float16
+    assert _plugin_to_compute_dtype(TrainerPrecision()) == torch.float32
 
 
 import lightning_precision.callbacks  # noqa: E402

@@ -14,11 +14,30 @@ from lightning_precision import fabric as lp_fabric
         ({"growth_interval": -1}, r"growth_interval=-1.*positive int"),
         ({"growth_interval": 0}, r"growth_interval=0.*positive int"),
         ({"growth_interval": 2.5}, r"growth_interval=2\.5.*positive int"),
-        ({"init_scale": 0.0}, r"init_scale=0\.0.*> 0"),
-        ({"init_scale": -2.0}, r"init_scale=-2\.0.*> 0"),
+        ({"init_scale": 0.0}, r"init_scale=0\.0.*\[min_scale, max_scale\]"),
+        ({"init_scale": -2.0}, r"init_scale=-2\.0.*\[min_scale, max_scale\]"),
         ({"growth_factor": 1.0}, r"growth_factor=1\.0.*> 1"),
         ({"backoff_factor": 1.5}, r"backoff_factor=1\.5.*\(0, 1\)"),
         ({"matmul_precision": "low"}, r"matmul_precision='low'.*highest"),
+        ({"init_scale": float("inf")}, r"init_scale=inf.*finite number"),
+        ({"init_scale": float("nan")}, r"init_scale=nan.*finite number"),
+        ({"init_scale": 1e39}, r"init_scale=1e\+39.*\[min_scale, max_scale\]"),
+        ({"init_scale": 1e-40}, r"init_scale=1e-40.*\[min_scale, max_scale\]"),
+        ({"init_scale": "1024"}, r"init_scale='1024'.*finite number"),
+        ({"init_scale": None}, r"init_scale=None.*finite number"),
+        ({"growth_factor": float("inf")}, r"growth_factor=inf.*finite number"),
+        ({"growth_factor": "2"}, r"growth_factor='2'.*finite number"),
+        ({"growth_factor": None}, r"growth_factor=None.*finite number"),
+        ({"backoff_factor": "0.5"}, r"backoff_factor='0.5'.*finite number"),
+        ({"backoff_factor": None}, r"backoff_factor=None.*finite number"),
+        ({"backoff_factor": 1e-300}, r"backoff_factor=1e-300.*one backoff would take the scale.*below min_scale"),
+        ({"skip_schedulers_on_overflow": "no"}, r"skip_schedulers_on_overflow='no'.*True or False"),
+        ({"min_scale": 0.0}, r"min_scale=0\.0.*2\*\*-126 <= min_scale < max_scale"),
+        ({"max_scale": 2.0**200}, r"max_scale=.*max_scale <= 2\*\*126"),
+        ({"min_scale": 2.0**10, "max_scale": 2.0**5}, r"min_scale=1024\.0.*min_scale < max_scale"),
+        ({"max_consecutive_skips": 0}, r"max_consecutive_skips=0.*positive int.*or None"),
+        ({"max_consecutive_skips": 2.5}, r"max_consecutive_skips=2\.5.*positive int"),
+        ({"growth_interval": True}, r"growth_interval=True.*positive int"),
     ],
 )
 @pytest.mark.parametrize("cls", [FP16MixedPrecision, lp_fabric.FP16MixedPrecision])
@@ -44,3 +63,37 @@ def test_bf16_on_a_cuda_gpu_without_bf16_says_use_fp16(monkeypatch):
     with pytest.raises(RuntimeError, match=r"Tesla V100.*7\.0.*FP16MixedPrecision"):
         with plugin.forward_context():
             pass
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: __import__("lightning_precision").XPUPrecision(),
+        lambda: FP16MixedPrecision(device="mps"),
+        lambda: BF16MixedPrecision(device="xpu"),
+    ],
+    ids=["XPUPrecision()", "FP16MixedPrecision(device='mps')", "BF16MixedPrecision(device='xpu')"],
+)
+def test_an_explicit_device_that_is_not_where_the_model_lives_is_an_error(make):
+    """Autocast for another device type leaves the model's operations alone: it would train in fp32 while reporting
+    bf16-mixed or 16-mixed."""
+    from tests.helpers import LitNet, loader, make_data, trainer
+
+    with pytest.raises(ValueError, match=r"autocasts for '(xpu|mps)', but the model lives on 'cpu'.*fp32"):
+        trainer(make(), max_steps=1).fit(LitNet(), loader(make_data(1)))
+
+
+def test_an_explicit_device_that_is_not_where_the_model_lives_is_an_error_with_fabric():
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[lp_fabric.BF16MixedPrecision(device="xpu")])
+    model = fabric.setup(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"autocasts for 'xpu', but the model lives on 'cpu'"):
+        model(torch.ones(1, 4))
+
+
+def test_a_model_partly_offloaded_to_the_cpu_is_not_a_mismatch():
+    plugin = lp_fabric.BF16MixedPrecision(device="cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to("meta"))
+    plugin.convert_module(model)
+    assert plugin.device_type == "cpu"

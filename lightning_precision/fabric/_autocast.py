@@ -1,8 +1,9 @@
 """The one autocast core every plugin builds on.
 
 It owns what all mixed-precision plugins share: the autocast device (taken from where the model lives, never
-guessed from the accelerator), the explicit dtype, the ``float32_matmul_precision`` of the run, and casting outputs
-back to the default dtype. Scaling, fp8 and XPU specifics live in the small modules beside it.
+guessed from the accelerator, and checked against an explicit ``device``), the explicit dtype, the
+``float32_matmul_precision`` of the forward and backward passes, and casting outputs back to the default dtype.
+Scaling, fp8 and XPU specifics live in the small modules beside it.
 """
 
 from __future__ import annotations
@@ -14,26 +15,26 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
+
+from lightning_precision._lightning import convert_fp_tensor, install_throughput_dtype
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 MatmulPrecision = Literal["highest", "high", "medium"]
 
 
-def _module_device_type(module: Optional[Module]) -> Optional[str]:
-    """The device type of the first parameter or buffer, or None when the module holds no tensor."""
+def _module_device_types(module: Optional[Module]) -> list[str]:
+    """The device types the module's parameters and buffers live on, in order of first appearance (meta excluded)."""
     if module is None:
-        return None
-    for tensor in module.parameters():
-        return tensor.device.type
-    for tensor in module.buffers():
-        return tensor.device.type
-    return None
+        return []
+    seen: dict[str, None] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        seen.setdefault(tensor.device.type, None)
+    return [t for t in seen if t != "meta"]
 
 
 def _validate_device(owner: str, device: Optional[str]) -> None:
@@ -71,24 +72,42 @@ class _AutocastPrecision(FabricPrecision):
         self.compute_dtype = compute_dtype
         self.device = device
         self.matmul_precision = matmul_precision
-        self._device_type: Optional[str] = device
+        self._device_type: Optional[str] = None
+        self._checked_device: Optional[str] = None
         self._module_ref: Optional[weakref.ref] = None
-        self._resolved = False
-        self._previous_matmul_precision: Optional[str] = None
+        install_throughput_dtype()
+
+    @property
+    def peak_flops_dtype(self) -> torch.dtype:
+        """The dtype whose peak FLOPs bound this plugin's matmuls: what Lightning's ThroughputMonitor computes MFU
+        against (it sees this instead of taking every plugin it does not know for fp32)."""
+        return self.compute_dtype
 
     @property
     def device_type(self) -> str:
-        """The device type autocast runs for: the explicit ``device``, else where the model lives (cpu if unknown)."""
+        """The device type autocast runs for: where the model lives (the explicit ``device`` must be one of those
+        places); before a model with real tensors is known, the explicit ``device``, else cpu (not remembered)."""
         if self._device_type is None:
             module = self._module_ref() if self._module_ref is not None else None
-            found = _module_device_type(module)
-            if found is None:
-                # Nothing to look at (no model set up yet, or a model without tensors): do not cache the guess.
-                return "cpu"
-            self._device_type = found
-        if not self._resolved:
-            self._resolved = True
-            self._on_device_resolved(self._device_type)
+            found = _module_device_types(module)
+            if not found:
+                # Nothing to look at yet (no model set up, a model without tensors, or one on meta): do not remember.
+                if self.device is not None and self._checked_device != self.device:
+                    self._on_device_resolved(self.device)  # an explicit device is checked right away
+                    self._checked_device = self.device
+                return self.device or ("meta" if module is not None and next(module.parameters(), None) is not None
+                                       else "cpu")
+            if self.device is not None and self.device not in found:
+                raise ValueError(
+                    f"`{type(self).__name__}(device={self.device!r})` autocasts for {self.device!r}, but the model lives"
+                    f" on {' and '.join(map(repr, found))}: autocast would not touch its operations, and it would train"
+                    f" in fp32 while reporting precision={self.precision!r}. Move the model to {self.device!r} (the"
+                    f" Trainer's or Fabric's `accelerator`), or pass the device it lives on."
+                )
+            # Several device types (layers offloaded to the CPU): autocast for the accelerator.
+            resolved = self.device or next((t for t in found if t != "cpu"), found[0])
+            self._on_device_resolved(resolved)  # may raise (unsupported hardware): then nothing is remembered
+            self._device_type = resolved
         return self._device_type
 
     def _on_device_resolved(self, device_type: str) -> None:
@@ -98,36 +117,60 @@ class _AutocastPrecision(FabricPrecision):
     def convert_module(self, module: Module) -> Module:
         # Called before the model is moved, so only remember it; the device is read on first use.
         self._module_ref = weakref.ref(module)
-        self._device_type = self.device
-        self._resolved = False
-        if self.matmul_precision is not None and self._previous_matmul_precision is None:
-            self._previous_matmul_precision = torch.get_float32_matmul_precision()
-            torch.set_float32_matmul_precision(self.matmul_precision)
+        self._device_type = None
         return module
 
+    @contextmanager
+    def _matmul_precision_scope(self) -> Generator[None, None, None]:
+        # Scoped to the passes this plugin runs, so the process state is restored whatever happens, Fabric included
+        # (Fabric never calls `teardown`).
+        if self.matmul_precision is None:
+            yield
+            return
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(self.matmul_precision)
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(previous)
+
+    @contextmanager
+    def _backward_scope(self) -> Generator[None, None, None]:
+        """Around every backward pass, Trainer and Fabric alike."""
+        with self._matmul_precision_scope():
+            yield
+        self._after_backward()
+
+    def _after_backward(self) -> None:
+        """Hook for subclasses: runs after each successful backward pass."""
+
     def autocast_context_manager(self) -> torch.autocast:
-        return torch.autocast(self.device_type, dtype=self.compute_dtype)
+        # No weight cache: before pytorch#165068 (torch < 2.10 or so), a `no_grad` forward inside the autocast region
+        # cached casts without grad history, and the next forward's backward failed (Lightning #20644). Lightning makes
+        # the same choice; the cache only saves re-casting weights used twice in one forward.
+        return torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False)
 
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        with self.autocast_context_manager():
+        with self._matmul_precision_scope(), self.autocast_context_manager():
             yield
+
+    @override
+    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        with self._backward_scope():
+            super().backward(tensor, model, *args, **kwargs)
 
     @override
     def convert_output(self, data: Any) -> Any:
         # Casting a low-precision output up is exact, and code after the model (a loss outside the model, metrics)
         # then runs in full precision as it would without the plugin.
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
+        return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
 
     @override
     def teardown(self) -> None:
-        if self._previous_matmul_precision is not None:
-            torch.set_float32_matmul_precision(self._previous_matmul_precision)
-            self._previous_matmul_precision = None
         self._module_ref = None
-        self._device_type = self.device
-        self._resolved = False
+        self._device_type = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A weak reference cannot be pickled (ddp_spawn pickles the plugin); the module is found again at setup.

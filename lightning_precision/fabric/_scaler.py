@@ -1,14 +1,28 @@
-"""A ``torch.amp.GradScaler`` that counts the steps it skips, without asking the device.
+"""A ``torch.amp.GradScaler`` that cannot write NaN into the weights, counts the steps it skips without asking the
+device, and stops a run that skips every step.
 
-``GradScaler`` decides to skip from its ``found_inf`` tensors and forgets them at ``update()``. This subclass adds
-those flags to an on-device counter just before they are forgotten (no synchronisation), and keeps the host-side
-answer the scaler already computed for ordinary optimizers, so that "was this step skipped?" is free there.
-It relies on ``_per_optimizer_states`` and ``_maybe_opt_step``, stable since torch 1.6; the overflow tests break if
-torch changes them.
+Three holes of torch's scaler are closed here:
+
+- **The scale is bounded.** At a scale <= 2**-128, ``1/scale`` is inf in fp32, and torch's unscale checks gradients for
+  inf *before* multiplying, so a clean step computes ``0 * inf = nan`` into every weight, unflagged. 144 non-finite steps
+  in a row with torch's defaults get there. After every update the scale is clamped to ``[min_scale, max_scale]`` (an
+  on-device op: no synchronisation); arguments and checkpoints are validated against the same bounds.
+- **A run that skips every step stops.** After ``max_consecutive_skips`` skipped steps in a row it raises
+  :class:`SkippedStepsError` instead of training nothing (at ``min_scale`` fp16 flushes almost every gradient, and the
+  scale takes ``growth_interval`` clean steps to double).
+- **Skipped steps are counted**: ``found_inf`` flags are added to an on-device counter just before ``update()`` forgets
+  them, and the host-side answer torch already computed for ordinary optimizers is kept, so that "was this step
+  skipped?" is free there.
+
+It relies on torch's ``_per_optimizer_states``, ``_maybe_opt_step`` and ``_scale`` (stable since torch 1.6); the tests
+of this module fail if torch changes them.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -16,9 +30,17 @@ import torch
 from torch.optim import Optimizer
 
 
+class SkippedStepsError(RuntimeError):
+    """Raised when the loss scaler skipped ``max_consecutive_skips`` optimizer steps in a row."""
+
+
+# 1/scale must be a normal fp32 number in both directions, or unscaling is no longer exact (and at 2**-128, inf).
+_SCALE_RANGE = (2.0**-126, 2.0**126)
+
+
 @dataclass(frozen=True)
 class ScalerConfig:
-    """Arguments of ``torch.amp.GradScaler``, validated with errors that say the fix."""
+    """Arguments of the loss scaler, validated with errors that say the fix. The defaults are written here only."""
 
     # 2**16 is torch's default: large enough that small gradients survive fp16, and the first few steps back off.
     init_scale: float = 2.0**16
@@ -28,36 +50,72 @@ class ScalerConfig:
     backoff_factor: float = 0.5
     # Overflow-free steps before the scale grows; larger is steadier, smaller adapts faster.
     growth_interval: int = 2000
+    # Floor of the scale: fp16's smallest subnormal. Below it a scale flushes every gradient under 0.5 anyway, and far
+    # below it (2**-128) unscaling turns clean gradients into NaN weights.
+    min_scale: float = 2.0**-24
+    # Ceiling of the scale: gradients of 2**-48 still survive fp16 at it; more only invites overflow.
+    max_scale: float = 2.0**24
+    # Skipped steps in a row before the run stops with SkippedStepsError (None: never). From max_scale to min_scale is
+    # 48 backoffs: a run that keeps skipping at the floor has non-finite gradients at every scale (a NaN in the loss,
+    # a diverged model, activations beyond fp16's range), and training on would change nothing.
+    max_consecutive_skips: Optional[int] = 50
 
     def validate(self, owner: str) -> None:
-        def fail(name: str, value: Any, fix: str) -> None:
-            raise ValueError(f"`{owner}({name}={value!r})` is invalid: {fix}")
+        def fail(name: str, fix: str) -> None:
+            raise ValueError(f"`{owner}({name}={getattr(self, name)!r})` is invalid: {fix}")
 
-        if not self.init_scale > 0:
-            fail("init_scale", self.init_scale, "the initial loss scale must be > 0, e.g. 2.0**16 (the default).")
-        if not self.growth_factor > 1:
-            fail("growth_factor", self.growth_factor, "the scale must grow, so use a factor > 1, e.g. 2.0.")
-        if not 0 < self.backoff_factor < 1:
-            fail("backoff_factor", self.backoff_factor, "the scale must shrink on overflow: use a value in (0, 1).")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
-            fail("growth_interval", self.growth_interval, "it is a number of steps: pass a positive int.")
-        if self.growth_interval < 1:
-            fail("growth_interval", self.growth_interval, "it is a number of steps: pass a positive int, e.g. 2000.")
+        def real(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                fail(name, f"pass a finite number, e.g. {getattr(ScalerConfig, name)!r} (the default).")
+            return float(value)
+
+        def steps(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(name, f"it is a number of steps: pass a positive int, e.g. {getattr(ScalerConfig, name)!r}"
+                           + (", or None" if allow_none else "") + ".")
+
+        low, high = real("min_scale"), real("max_scale")
+        if not _SCALE_RANGE[0] <= low < high <= _SCALE_RANGE[1]:
+            fail("min_scale" if not _SCALE_RANGE[0] <= low < high else "max_scale",
+                 f"the scale bounds need 2**-126 <= min_scale < max_scale <= 2**126 (got [{low:g}, {high:g}]), so that"
+                 " 1/scale stays a normal fp32 number; the defaults are 2**-24 and 2**24.")
+        if not low <= real("init_scale") <= high:
+            fail("init_scale", f"the initial loss scale must lie in [min_scale, max_scale] = [{low:g}, {high:g}],"
+                               " e.g. 2.0**16 (the default).")
+        if not real("growth_factor") > 1:
+            fail("growth_factor", "the scale must grow, so use a factor > 1, e.g. 2.0.")
+        backoff = real("backoff_factor")
+        if not 0 < backoff < 1:
+            fail("backoff_factor", "the scale must shrink on overflow: use a value in (0, 1), e.g. 0.5.")
+        if backoff < low / high:
+            fail("backoff_factor", f"one backoff would take the scale from max_scale below min_scale ({low:g}): use a"
+                                   " value in (0, 1) such as 0.5.")
+        steps("growth_interval")
+        steps("max_consecutive_skips", allow_none=True)
 
 
 class _TrackingGradScaler(torch.amp.GradScaler):
     def __init__(self, device: str, config: ScalerConfig, enabled: bool = True) -> None:
         super().__init__(
             device,
-            init_scale=config.init_scale,
-            growth_factor=config.growth_factor,
-            backoff_factor=config.backoff_factor,
+            init_scale=float(config.init_scale),
+            growth_factor=float(config.growth_factor),
+            backoff_factor=float(config.backoff_factor),
             growth_interval=config.growth_interval,
             enabled=enabled,
         )
+        self.config = config
         # Tensors on the scale's device, created with it; ints until then (or after a load).
         self._skipped: torch.Tensor | int = 0
         self._steps: torch.Tensor | int = 0
+        self._streak: torch.Tensor | int = 0  # skipped updates in a row
+        # The same streak where the host knows every step's answer for free (ordinary optimizers); None where it does not.
+        self._host_streak: Optional[int] = 0
+        self._unread_updates = 0
         self._host_skipped: dict[int, bool] = {}
 
     def _found_inf(self, optimizer: Optional[Optimizer] = None) -> Optional[torch.Tensor]:
@@ -86,13 +144,65 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         return bool(found is not None and found.item() > 0)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        if self._enabled and new_scale is None:
-            found = self._found_inf()
-            if found is not None:
-                self._skipped = self._skipped + (found > 0).to(torch.int64)
-                self._steps = self._steps + 1
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            value = float(new_scale)
+            if not self.config.min_scale <= value <= self.config.max_scale:
+                raise ValueError(
+                    f"`update(new_scale={value!r})`: the loss scale must lie in [min_scale, max_scale] ="
+                    f" [{self.config.min_scale:g}, {self.config.max_scale:g}]."
+                )
+            self._host_skipped.clear()
+            super().update(new_scale)
+            return
+        found = self._found_inf()
+        if found is not None:
+            skipped = (found > 0).to(torch.int64)
+            self._skipped = self._skipped + skipped
+            self._steps = self._steps + 1
+            self._streak = (self._streak + 1) * skipped
+        host = self._host_answer()
         self._host_skipped.clear()
-        super().update(new_scale)
+        super().update()
+        if self._scale is not None:
+            self._scale.clamp_(self.config.min_scale, self.config.max_scale)
+        self._check_streak(host)
+
+    def _host_answer(self) -> Optional[bool]:
+        """Whether this iteration skipped, if every optimizer stepped since the last update answered on the host."""
+        ids = list(self._per_optimizer_states)
+        if not ids or any(i not in self._host_skipped for i in ids):
+            return None
+        return any(self._host_skipped[i] for i in ids)
+
+    def _check_streak(self, host: Optional[bool]) -> None:
+        limit = self.config.max_consecutive_skips
+        if host is None:
+            self._host_streak = None
+        elif host is False:
+            self._host_streak = 0
+        elif self._host_streak is not None:
+            self._host_streak += 1
+        if limit is None:
+            return
+        streak = self._host_streak
+        if streak is None:
+            # Fused optimizers answer only on the device: look once every `limit` updates (one read, not one a step).
+            self._unread_updates += 1
+            if self._unread_updates < limit:
+                return
+            self._unread_updates = 0
+            streak = int(self._streak)
+        if streak >= limit:
+            raise SkippedStepsError(
+                f"The loss scaler skipped {streak} optimizer steps in a row (max_consecutive_skips={limit}): every"
+                f" gradient had inf or nan, now at loss scale {float(self._scale):g} (min_scale ="  # type: ignore[arg-type]
+                f" {self.config.min_scale:g}), so the weights have not changed for {streak} steps. Usual causes: a"
+                " nan/inf in the loss itself (check the data, and the forward in fp32), a learning rate that made the"
+                " model diverge, or activations beyond fp16's range (65504): train in bf16 (BF16MixedPrecision). Pass"
+                " `max_consecutive_skips=None` to train on regardless."
+            )
 
     def skipped_tensor(self) -> torch.Tensor:
         """Skipped optimizer steps, on the scale's device when it exists (no synchronisation)."""
@@ -111,11 +221,53 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         state = super().state_dict()
         state["skipped_steps"] = int(self._skipped)
         state["optimizer_steps"] = int(self._steps)
+        state["consecutive_skips"] = int(self._streak)
+        state["min_scale"] = self.config.min_scale
+        state["max_scale"] = self.config.max_scale
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The checkpoint gives the state (scale, growth tracker, counters); the arguments of this scaler stay in force
+        (a warning names any that differ from the checkpoint's). A scale that is not a finite positive number restarts
+        from ``init_scale``; one outside ``[min_scale, max_scale]`` is clamped into it; both with a warning."""
         if not self._enabled or not state_dict:
             return
         super().load_state_dict(state_dict)
+        config = self.config
+        changed = [f"{name}: checkpoint {state_dict[name]!r}, now {getattr(config, name)!r}"
+                   for name in ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale")
+                   if name in state_dict and state_dict[name] != getattr(config, name)]
+        if changed:
+            warnings.warn(
+                "Resuming the loss scaler with other arguments than the checkpoint's: " + "; ".join(changed) + ". The"
+                " arguments you pass are in force; the scale, growth tracker and counters come from the checkpoint.",
+                stacklevel=2,
+            )
+        self.set_growth_factor(float(config.growth_factor))
+        self.set_backoff_factor(float(config.backoff_factor))
+        self.set_growth_interval(config.growth_interval)
+        scale = float(state_dict["scale"])
+        bounded = min(max(scale, config.min_scale), config.max_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            bounded = float(config.init_scale)
+            self._init_growth_tracker = 0
+            warnings.warn(
+                f"The checkpoint's loss scale is {scale!r}, which would turn the next clean step into NaN weights"
+                f" (it was saved by a scaler without bounds). Restarting the scale from init_scale={bounded:g}.",
+                stacklevel=2,
+            )
+        elif bounded != scale:
+            warnings.warn(
+                f"The checkpoint's loss scale {scale:g} lies outside [min_scale, max_scale] = [{config.min_scale:g},"
+                f" {config.max_scale:g}]: clamped to {bounded:g}.",
+                stacklevel=2,
+            )
+        self._init_scale = bounded
+        if self._scale is not None:
+            self._scale.fill_(bounded)
+            self._growth_tracker.fill_(self._init_growth_tracker)  # type: ignore[union-attr]
         self._skipped = int(state_dict.get("skipped_steps", 0))
         self._steps = int(state_dict.get("optimizer_steps", 0))
+        self._streak = int(state_dict.get("consecutive_skips", 0))
+        self._host_streak = self._streak
+

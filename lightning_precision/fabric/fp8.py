@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, Literal, Optional
@@ -64,8 +65,7 @@ class FP8Precision(_AutocastPrecision):
                 f"`{owner}(compute_dtype={compute_dtype})`: the high-precision parts run in torch.bfloat16 (default)"
                 " or torch.float16."
             )
-        if module_filter is not None and not callable(module_filter):
-            raise ValueError(f"`{owner}(module_filter={module_filter!r})`: pass a callable (module, fqn) -> bool.")
+        _fp8.check_module_filter(owner, module_filter)
         super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision)
         self.precision = _PRECISION_OF[(backend, compute_dtype)]
         self.backend = backend
@@ -82,12 +82,24 @@ class FP8Precision(_AutocastPrecision):
             self.recipe = _fp8.te_recipe(recipe if recipe is not None else "delayed")
         self.recipe_name = _fp8.recipe_name_of(backend, self.recipe)
         self.layer_decisions: list[_fp8.LayerDecision] = []
+        self._forward_watch: Optional[_fp8.ForwardWatch] = None
+
+    @property
+    def peak_flops_dtype(self) -> torch.dtype:
+        """ThroughputMonitor's MFU counts against the fp8 peak (Lightning's tables list it under ``torch.int8``, as for
+        its own TransformerEnginePrecision) when layers really run in fp8; against ``compute_dtype`` when emulated or
+        when no layer was chosen."""
+        if self.emulate or (self.layer_decisions and not any(d.fp8 for d in self.layer_decisions)):
+            return self.compute_dtype
+        return torch.int8
 
     @override
     def convert_module(self, module: Module) -> Module:
-        module = super().convert_module(module)
-        if getattr(module, _CONVERTED, False):  # validate/test after fit: converting twice would nest
-            return module
+        if not getattr(module, _CONVERTED, False):  # validate/test after fit: converting twice would nest
+            module = self._convert(module)
+        return super().convert_module(module)
+
+    def _convert(self, module: Module) -> Module:
         self.layer_decisions = _fp8.select_fp8_layers(
             module, self.recipe_name, self.module_filter, self.skip_small_layers, self.skip_first_last
         )
@@ -97,8 +109,28 @@ class FP8Precision(_AutocastPrecision):
             module = _fp8.convert_with_torchao(module, self.recipe, self.layer_decisions)
         else:
             module = _fp8.convert_with_te(module, self.layer_decisions)
+        fp8_layers = {d.fqn: module.get_submodule(d.fqn) for d in self.layer_decisions if d.fp8}
+        if self.backend == "torchao":
+            for layer in fp8_layers.values():
+                _fp8.run_outside_inference_mode(layer)
+        self._forward_watch = _fp8.ForwardWatch(fp8_layers)
         setattr(module, _CONVERTED, True)
         return module
+
+    @override
+    def _after_backward(self) -> None:
+        # After the first backward every layer that runs has run its forward: the others are not fp8, whatever was
+        # decided (a weight used functionally elsewhere). Say so, and make the decisions tell the truth.
+        watch, self._forward_watch = self._forward_watch, None
+        if watch is None:
+            return
+        idle = watch.close()
+        if idle:
+            self.layer_decisions = [
+                dataclasses.replace(d, fp8=False, reason=_fp8.NEVER_RAN) if d.fqn in idle else d
+                for d in self.layer_decisions
+            ]
+            _fp8.warn_never_ran(idle)
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
@@ -108,10 +140,15 @@ class FP8Precision(_AutocastPrecision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        with self.autocast_context_manager():
+        with super().forward_context():
             if self.backend == "torchao":  # Float8Linear casts to fp8 by itself
                 yield
             else:
                 te, _ = _fp8._te()
                 with te.autocast(enabled=True, recipe=self.recipe):
                     yield
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_forward_watch"] = None  # hook handles stay with the process that set them
+        return state

@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
+from lightning_precision.fabric._scaler import ScalerConfig
 from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision
 
 _DTYPES = {"bf16": (torch.bfloat16, "bf16-mixed"), "fp16": (torch.float16, "16-mixed")}
@@ -35,8 +36,8 @@ class XPUPrecision(FP16MixedPrecision):
         ipex: ``False`` (default): upstream torch only. ``True``: ``intel_extension_for_pytorch.optimize`` the model (and
             optimizer, with the Trainer), or an error if IPEX is missing or built for another torch. ``"auto"``: IPEX
             when it matches, else upstream torch, quietly. IPEX is checked from package metadata before any import.
-        init_scale, growth_factor, backoff_factor, growth_interval, skip_schedulers_on_overflow: fp16 only, as in
-            ``FP16MixedPrecision``.
+        init_scale, growth_factor, backoff_factor, growth_interval, skip_schedulers_on_overflow, min_scale, max_scale,
+            max_consecutive_skips: fp16 only, as in ``FP16MixedPrecision``.
         matmul_precision: as for every plugin.
         device: ``"xpu"``; another device type only to exercise the logic where no XPU exists (the tests do).
     """
@@ -45,13 +46,16 @@ class XPUPrecision(FP16MixedPrecision):
         self,
         dtype: Literal["bf16", "fp16"] = "bf16",
         ipex: Union[bool, Literal["auto"]] = False,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = ScalerConfig.init_scale,
+        growth_factor: float = ScalerConfig.growth_factor,
+        backoff_factor: float = ScalerConfig.backoff_factor,
+        growth_interval: int = ScalerConfig.growth_interval,
         matmul_precision: Optional[MatmulPrecision] = None,
         skip_schedulers_on_overflow: bool = True,
         device: str = "xpu",
+        min_scale: float = ScalerConfig.min_scale,
+        max_scale: float = ScalerConfig.max_scale,
+        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         owner = type(self).__name__
         if dtype not in _DTYPES:
@@ -60,7 +64,8 @@ class XPUPrecision(FP16MixedPrecision):
             raise ValueError(f"`{owner}(ipex={ipex!r})`: use False, True or 'auto'.")
         self._uses_scaler = dtype == "fp16"
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, device=device,
-                         matmul_precision=matmul_precision, skip_schedulers_on_overflow=skip_schedulers_on_overflow)
+                         matmul_precision=matmul_precision, skip_schedulers_on_overflow=skip_schedulers_on_overflow,
+                         min_scale=min_scale, max_scale=max_scale, max_consecutive_skips=max_consecutive_skips)
         self.dtype = dtype
         self.compute_dtype, self.precision = _DTYPES[dtype]
         self.ipex = ipex

@@ -13,7 +13,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 # Keys under which Lightning's own plugin saves the scaler: its class name, and the pre-1.6 name.
-_LIGHTNING_AMP_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+LIGHTNING_AMP_KEY = "MixedPrecision"
+_LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")
 
 
 class _TrainerAutocast(TrainerPrecision):
@@ -27,6 +28,13 @@ class _TrainerAutocast(TrainerPrecision):
         self._module_ref = weakref.ref(model)
         _ = self.device_type  # type: ignore[attr-defined]
         return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        with self._backward_scope():  # type: ignore[attr-defined]
+            super().backward(tensor, model, optimizer, *args, **kwargs)
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -16,7 +17,10 @@ from typing_extensions import override
 
 from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricFP16MixedPrecision
 from lightning_precision.fabric.fp16_mixed import _check_optimizer
-from lightning_precision.plugins._trainer import _TrainerAutocast
+from lightning_precision._lightning import optimizer_handles_unscaling as _optimizer_handles_unscaling
+from lightning_precision._lightning import should_update_logs
+from lightning_precision.plugins._schedulers import hold_step_schedulers
+from lightning_precision.plugins._trainer import LIGHTNING_AMP_KEY, _TrainerAutocast
 
 
 class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
@@ -24,8 +28,12 @@ class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
 
     Same arguments as :class:`lightning_precision.fabric.FP16MixedPrecision`. In addition, at the logger's cadence it
     logs ``precision/loss_scale`` and ``precision/skipped_steps`` (no device read on other steps), and with
-    ``skip_schedulers_on_overflow=True`` (the default) step-interval LR schedulers of an optimizer whose step the
-    scaler skipped are not advanced for that batch.
+    ``skip_schedulers_on_overflow=True`` (the default) the step-interval LR schedulers you configured are not advanced
+    after a step the scaler skipped (Lightning's own schedulers, such as ``Tuner.lr_find``'s sweep, are left alone).
+
+    The scale is updated after the optimizer step with automatic optimization (one optimizer per backward), and at the
+    end of ``training_step`` with manual optimization, so that several optimizers stepped after one backward are all
+    unscaled with the same scale.
 
     Which hooks see scaled values:
 
@@ -38,7 +46,7 @@ class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._held_optimizers: set[int] = set()
-        self._patched_loop: Optional[Any] = None
+        self._manual_model: Optional[pl.LightningModule] = None
 
     @override
     def connect(
@@ -46,12 +54,17 @@ class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
     ) -> tuple[Module, list[Optimizer], list[Any]]:
         for optimizer in optimizers:
             _check_optimizer(type(self).__name__, optimizer)
-        return super().connect(model, optimizers, lr_schedulers)
+        model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
+        if self.skip_schedulers_on_overflow:
+            lr_schedulers = hold_step_schedulers(lr_schedulers, lambda opt: id(opt) in self._held_optimizers)
+        return model, optimizers, lr_schedulers
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         # Hooks see the real loss; only the tensor handed to backward is scaled.
-        return self.scaler.scale(super().pre_backward(tensor, module))
+        tensor = super().pre_backward(tensor, module)
+        self.apply_pending_update()
+        return self.scaler.scale(tensor)
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -70,13 +83,31 @@ class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
         if skipped_backward:
             return closure_result
         output = self._scaler_step(optimizer, **kwargs)
-        trainer = model.trainer
         if self.step_was_skipped:
-            self._hold_schedulers(trainer, optimizer)
-        if trainer._logger_connector.should_update_logs:
+            self._held_optimizers.add(id(optimizer))
+        else:
+            self._held_optimizers.discard(id(optimizer))
+        if model.automatic_optimization:  # one optimizer per backward: its update is due now
+            self._update_and_log(model)
+        else:
+            self._manual_model = model
+        return output
+
+    @override
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        with super().train_step_context():
+            yield
+        # With manual optimization every optimizer step of this training_step has happened by now.
+        model, self._manual_model = self._manual_model, None
+        if model is not None:
+            self._update_and_log(model)
+
+    def _update_and_log(self, model: pl.LightningModule) -> None:
+        self.apply_pending_update()
+        if should_update_logs(model.trainer):
             for name, value in self.metrics().items():
                 model.log(name, value, on_step=True, on_epoch=False, batch_size=1)
-        return output
 
     @override
     def clip_gradients(
@@ -92,47 +123,20 @@ class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
             )
         TrainerPrecision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
-    def _hold_schedulers(self, trainer: pl.Trainer, optimizer: Optimizable) -> None:
-        """Keep this batch's step-interval schedulers of ``optimizer`` where they are (Lightning issue #5558).
-
-        Lightning steps schedulers from its epoch loop after ``on_train_batch_end``, with no hook in between, so the
-        loop's ``update_lr_schedulers`` is wrapped (on the instance, removed at teardown) to leave those out once.
-        """
-        self._held_optimizers.add(id(optimizer))
-        loop = trainer.fit_loop.epoch_loop
-        if self._patched_loop is loop:
-            return
-        original = type(loop).update_lr_schedulers
-        plugin = self
-
-        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
-            held = plugin._held_optimizers
-            if interval != "step" or not held:
-                return original(loop, interval, update_plateau_schedulers)
-            strategy = trainer.strategy
-            configs = strategy.lr_scheduler_configs
-            strategy.lr_scheduler_configs = [
-                c for c in configs if c.interval != "step" or id(getattr(c.scheduler, "optimizer", None)) not in held
-            ]
-            try:
-                original(loop, interval, update_plateau_schedulers)
-            finally:
-                strategy.lr_scheduler_configs = configs
-                if update_plateau_schedulers:  # the batch's last scheduler update
-                    held.clear()
-
-        loop.update_lr_schedulers = update_lr_schedulers
-        self._patched_loop = loop
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Also under Lightning's key, so that a run resumed with `precision="16-mixed"` keeps its scale.
+        state = self.state_dict()
+        if state:
+            checkpoint[LIGHTNING_AMP_KEY] = state
 
     @override
     def teardown(self) -> None:
-        if self._patched_loop is not None:
-            del self._patched_loop.update_lr_schedulers
-            self._patched_loop = None
         self._held_optimizers.clear()
+        self._manual_model = None
         super().teardown()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_patched_loop"] = None
+        state["_manual_model"] = None
         return state

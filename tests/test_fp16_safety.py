@@ -1,0 +1,217 @@
+"""FP16MixedPrecision never writes NaN into good weights, stops a run that skips every step, updates the scale once per
+backward, and resumes checkpoints by one documented rule in both directions with Lightning's plugin."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from lightning_precision import FP16MixedPrecision, SkippedStepsError
+from lightning_precision import fabric as lp_fabric
+from tests.helpers import LitNet, assert_params_equal, loader, make_data, params, trainer
+
+BIG = 1e6  # fp16 max is 65504: inputs this large make the first layer's output (and the loss) inf
+
+
+def fabric_run(plugin, batches, seed=0):
+    """A Fabric loop over ``batches`` of (x, y); returns the net and the losses."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in batches:
+        opt.zero_grad()
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+    return net
+
+
+def batches(n_bad, n_good):
+    x, y = make_data(1).tensors
+    return [(x * BIG, y)] * n_bad + [(x, y)] * n_good
+
+
+def all_finite(net):
+    return all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_a_long_run_of_overflows_cannot_turn_the_next_clean_step_into_nan_weights():
+    """torch's GradScaler halves its scale to 2**16 * 2**-150 -> 0 here; 1/0 = inf, and the clean step's unscale
+    computes 0 * inf = nan into every weight. Ours stops at min_scale."""
+    plugin = lp_fabric.FP16MixedPrecision(max_consecutive_skips=None)
+    net = fabric_run(plugin, batches(150, 3))
+    assert all_finite(net)
+    assert plugin.loss_scale == 2.0**-24  # the floor, not 0
+    assert plugin.skipped_steps == 150
+
+
+def test_skipping_every_step_stops_the_run_with_a_clear_error():
+    """60 non-finite steps then 40 clean ones: without the stop, the clean steps would run at the floor scale, where
+    fp16 flushes the gradients, and the weights would never change, silently."""
+    plugin = lp_fabric.FP16MixedPrecision()
+    with pytest.raises(SkippedStepsError, match=r"skipped 50 optimizer steps in a row.*max_consecutive_skips=None"):
+        fabric_run(plugin, batches(60, 40))
+    assert plugin.skipped_steps == 50
+
+
+def test_the_streak_resets_on_a_clean_step():
+    plugin = lp_fabric.FP16MixedPrecision(max_consecutive_skips=3, init_scale=2.0**10)
+    x, y = make_data(1).tensors
+    net = fabric_run(plugin, [(x * BIG, y)] * 2 + [(x, y)] + [(x * BIG, y)] * 2 + [(x, y)])
+    assert plugin.skipped_steps == 4 and all_finite(net)
+
+
+def test_fused_optimizers_are_checked_too_without_a_read_every_step():
+    """A fused optimizer unscales inside step(): the host never learns about skips for free, so the streak is read
+    from the device once every max_consecutive_skips updates."""
+    plugin = lp_fabric.FP16MixedPrecision(max_consecutive_skips=4)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = nn.Linear(16, 4)
+    model, opt = fabric.setup(net, torch.optim.Adam(net.parameters(), fused=True))
+    x = torch.full((2, 16), BIG)
+    with pytest.raises(SkippedStepsError, match="skipped 4 optimizer steps"):
+        for _ in range(8):
+            fabric.backward(model(x).sum())
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), -8.0, float("inf")])
+def test_a_checkpoint_with_an_unusable_scale_restarts_it(bad, tmp_path):
+    ds = make_data(4)
+    first = trainer(FP16MixedPrecision(init_scale=256.0), max_epochs=1)
+    first.fit(LitNet(), loader(ds))
+    first.save_checkpoint(tmp_path / "c.ckpt")
+    checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    checkpoint["FP16MixedPrecision"]["scale"] = bad
+    torch.save(checkpoint, tmp_path / "c.ckpt")
+
+    plugin, model = FP16MixedPrecision(init_scale=256.0), LitNet()
+    with pytest.warns(UserWarning, match="loss scale is .*Restarting the scale from init_scale=256"):
+        trainer(plugin, max_epochs=2).fit(model, loader(ds), ckpt_path=tmp_path / "c.ckpt")
+    assert all_finite(model) and plugin.loss_scale == 256.0
+
+
+def test_a_checkpoint_scale_outside_the_bounds_is_clamped():
+    plugin = lp_fabric.FP16MixedPrecision()
+    state = plugin.state_dict()
+    with pytest.warns(UserWarning, match=r"outside \[min_scale, max_scale\].*clamped to 1.67772e\+07"):
+        plugin.load_state_dict({**state, "scale": 2.0**40})
+    assert plugin.loss_scale == 2.0**24
+
+
+# ---- several optimizers after one backward ---------------------------------------------------------------------------
+
+
+def two_nets():
+    torch.manual_seed(0)
+    return nn.Linear(8, 4), nn.Linear(8, 4)
+
+
+def two_loss(a, b, x):
+    # `a` overflows in fp16 (its input is cast to inf), `b` is clean: a's step is skipped, b's is taken.
+    return a(x * BIG).sum() + b(x).sum()
+
+
+def hand_written_two_optimizers(steps):
+    """torch's documented pattern: one scaled backward, step each optimizer, then one update."""
+    a, b = two_nets()
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for x in steps:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = two_loss(a, b, x)
+        scaler.scale(loss).backward()
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    return a, b, scaler.get_scale()
+
+
+STEPS = [torch.ones(2, 8), torch.ones(2, 8) * 0.5, torch.ones(2, 8) * 2]
+
+
+def test_fabric_updates_the_scale_once_per_backward():
+    expected_a, expected_b, expected_scale = hand_written_two_optimizers(STEPS)
+    plugin = lp_fabric.FP16MixedPrecision(init_scale=1024.0)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    a, b = two_nets()
+    (ma, opt_a), (mb, opt_b) = fabric.setup(a, torch.optim.SGD(a.parameters(), lr=0.1)), fabric.setup(
+        b, torch.optim.SGD(b.parameters(), lr=0.1))
+    for x in STEPS:
+        fabric.backward(two_loss(ma, mb, x))
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    assert_params_equal(params(b), params(expected_b))  # b's update is the true gradient's, not twice it
+    assert_params_equal(params(a), params(expected_a))
+    assert plugin.loss_scale == expected_scale == 1024.0 * 0.5**3
+    assert plugin.skipped_steps == 3
+
+
+class TwoOptimizers(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = two_nets()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        self.manual_backward(two_loss(self.a, self.b, batch[0]))
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+
+def test_trainer_manual_optimization_updates_the_scale_once_per_training_step():
+    expected_a, expected_b, expected_scale = hand_written_two_optimizers(STEPS)
+    plugin, model = FP16MixedPrecision(init_scale=1024.0), TwoOptimizers()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.stack(STEPS)), batch_size=None)
+    trainer(plugin, max_steps=2 * len(STEPS)).fit(model, data)  # the Trainer counts each optimizer's step
+    assert_params_equal(params(model.b), params(expected_b))
+    assert_params_equal(params(model.a), params(expected_a))
+    assert plugin.loss_scale == expected_scale
+
+
+# ---- resuming ----------------------------------------------------------------------------------------------------------
+
+
+def test_resuming_with_other_arguments_keeps_yours_and_says_so(tmp_path):
+    first = lp_fabric.FP16MixedPrecision(init_scale=256.0, growth_interval=2)
+    fabric_run(first, batches(1, 3))
+    saved = first.state_dict()
+    other = lp_fabric.FP16MixedPrecision(init_scale=256.0, growth_interval=1000, backoff_factor=0.25)
+    with pytest.warns(UserWarning, match=r"backoff_factor: checkpoint 0.5, now 0.25; growth_interval: checkpoint 2, now 1000.*arguments you pass"):
+        other.load_state_dict(saved)
+    assert other.scaler.get_growth_interval() == other.scaler_config.growth_interval == 1000
+    assert other.scaler.get_backoff_factor() == other.scaler_config.backoff_factor == 0.25
+    assert other.loss_scale == first.loss_scale and other.skipped_steps == first.skipped_steps == 1
+
+
+def test_lightnings_plugin_resumes_our_checkpoint_with_its_scale(tmp_path):
+    """The docs promise both directions; Lightning looks for its state under "MixedPrecision"."""
+    ds = make_data(4, overflow_batches=(1,))
+    config = dict(init_scale=256.0, growth_interval=3)
+    first = trainer(FP16MixedPrecision(**config), max_epochs=1)
+    first.fit(LitNet(), loader(ds))
+    first.save_checkpoint(tmp_path / "ours.ckpt")
+
+    lightning_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    resumed = LitNet()
+    trainer(lightning_plugin, max_epochs=2).fit(resumed, loader(ds), ckpt_path=tmp_path / "ours.ckpt")
+
+    straight_plugin, straight = FP16MixedPrecision(**config), LitNet()
+    trainer(straight_plugin, max_epochs=2).fit(straight, loader(ds))
+    assert lightning_plugin.scaler.get_scale() == straight_plugin.loss_scale != 2.0**16
+    assert_params_equal(params(resumed), params(straight))
+    assert math.isfinite(lightning_plugin.scaler.get_scale())
