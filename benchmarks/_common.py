@@ -79,10 +79,16 @@ def image_data(n: int, size: int, seed: int = 0) -> torch.utils.data.TensorDatas
 
 
 class MLP(L.LightningModule):
-    def __init__(self, width: int) -> None:
+    """Linear layers of the given widths with GELU between them; ``MLP(width)`` is five layers: width x4, then 10."""
+
+    def __init__(self, width: int = 512, dims: tuple[int, ...] = ()) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 10))
+        dims = dims or (width,) * 5 + (10,)
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(dims, dims[1:])):
+            layers += [nn.Linear(a, b)] + ([nn.GELU()] if i < len(dims) - 2 else [])
+        self.net = nn.Sequential(*layers)
 
     def training_step(self, batch, batch_idx):
         x, y = batch

@@ -82,6 +82,31 @@ class TimedAmaxLogger(AmaxHistoryLogger):
         return self._timed(super().on_train_batch_start)(*args)
 
 
+class AlternatingAmaxLogger(AmaxHistoryLogger):
+    """Measures on odd steps only (the logging steps, (step + 1) % 50 == 0, are odd); on even steps its hooks return at
+    once. Comparing the two kinds of step inside one fit cancels the fit-to-fit drift of a shared machine (the baseline
+    moved 12 -> 15 ms between runs here)."""
+
+    active = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        AlternatingAmaxLogger.active = trainer.global_step % 2 == 1
+        if self.active:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def _input_hook(self, i):
+        hook = super()._input_hook(i)
+        return lambda *args: hook(*args) if AlternatingAmaxLogger.active else None
+
+    def _output_hook(self, i):
+        hook = super()._output_hook(i)
+        return lambda *args: hook(*args) if AlternatingAmaxLogger.active else None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.active:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+
 def fit(module: L.LightningModule, callbacks: list, steps: int, data, log_every: int = CADENCE, keep_all: bool = False) -> list[float]:
     timer = StepTimer()
     trainer = L.Trainer(
@@ -116,13 +141,34 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--width", type=int, default=2048, help="MLP width for the AmaxHistoryLogger run")
-    parser.add_argument("--only", choices=("monitor", "channels_last", "amax"), default=None)
+    parser.add_argument("--dims", default=None, help="MLP layer widths for the AmaxHistoryLogger run, e.g. 256,1024,1024,10"
+                                                      " (instead of --width)")
+    parser.add_argument("--only", choices=("monitor", "channels_last", "amax", "sample"), default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     data = image_data(args.batch * args.steps, args.size)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ResNet18 fp32, batch {args.batch}, "
           f"{args.size}x{args.size}, {args.rounds} rounds x {args.steps} steps (first {WARMUP} dropped)")
 
+    if args.only in (None, "sample"):
+        # The what-if statistics on 65,536 elements of an 8192x8192 weight (256 MB): an element-wise strided view (before)
+        # against evenly spaced contiguous runs (now), same statistics. Strided, every element sits on its own page.
+        from lightning_precision.callbacks.amax import block_sample
+        from lightning_precision.functional import multi_format_stats
+
+        weight = torch.randn(8192, 8192)
+        strided = weight.reshape(-1)[:: weight.numel() // 2**16]
+        timings = {}
+        for name, make in (("strided view", lambda: strided), ("contiguous runs", lambda: block_sample(weight, 2**16))):
+            make_and_measure = lambda: multi_format_stats(make(), ("e4m3fn",), torch.tensor(3.0))  # noqa: E731
+            for _ in range(3):
+                make_and_measure()
+            start = time.perf_counter()
+            for _ in range(20):
+                make_and_measure()
+            timings[name] = (time.perf_counter() - start) / 20
+        print(f"what-if sample of 65,536 elements: strided view {timings['strided view'] * 1e3:.2f} ms, contiguous runs"
+              f" {timings['contiguous runs'] * 1e3:.2f} ms per call ({timings['strided view'] / timings['contiguous runs']:.0f}x)")
     if args.only in (None, "monitor"):
         none, with_monitor = [], []
         for _ in range(args.rounds):
@@ -139,25 +185,43 @@ if __name__ == "__main__":
         # on logging steps also the what-if casts. Same amortisation as the monitor.
         # On the MLP of plugin_overhead.py (5 linear layers): linear layers are all it has. --width 2048 is the
         # smallest square size torchao's tensorwise filter would run in fp8 (N > 1024).
-        mlp_data = torch.utils.data.TensorDataset(torch.randn(args.batch * args.steps, args.width), torch.randint(0, 10, (args.batch * args.steps,)))
+        dims = tuple(int(d) for d in args.dims.split(",")) if args.dims else (args.width,) * 5 + (10,)
+        shape = "-".join(map(str, dims))
+        mlp_data = torch.utils.data.TensorDataset(torch.randn(args.batch * args.steps, dims[0]),
+                                                  torch.randint(0, dims[-1], (args.batch * args.steps,)))
         none, with_logger = [], []
         for _ in range(args.rounds):
-            none += fit(MLP(args.width), [], args.steps, mlp_data)
-            with_logger.append(fit(MLP(args.width), [AmaxHistoryLogger()], args.steps, mlp_data, keep_all=True))
+            none += fit(MLP(dims=dims), [], args.steps, mlp_data)
+            with_logger.append(fit(MLP(dims=dims), [AmaxHistoryLogger()], args.steps, mlp_data, keep_all=True))
         base = statistics.median(none)
         amort, ordinary, measuring = amortised(with_logger)
         # Fit-to-fit noise on a shared 2-core machine reaches +-10% at this size, more than the effect: also time the
         # logger's own code inside the same fit (CPU ops are synchronous, so this is its real cost).
         timed = TimedAmaxLogger()
-        steps_timed = fit(MLP(args.width), [timed], args.steps, mlp_data, keep_all=True)
+        steps_timed = fit(MLP(dims=dims), [timed], args.steps, mlp_data, keep_all=True)
         own = timed.seconds / len(steps_timed)
         step_time = statistics.mean(steps_timed) - own
-        print(f"AmaxHistoryLogger (MLP width {args.width}, batch {args.batch}): its own code takes {own * 1e3:.2f} ms"
+        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}): its own code takes {own * 1e3:.2f} ms"
               f" per step on average (logging steps included) = {1 + own / step_time:.3f} of the step without it")
-        print(f"AmaxHistoryLogger (MLP width {args.width}, batch {args.batch}): without {base * 1e3:.1f} ms; with: ordinary steps {ordinary * 1e3:.1f} ms,"
+        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}): without {base * 1e3:.1f} ms; with: ordinary steps {ordinary * 1e3:.1f} ms,"
               f" logging steps {measuring * 1e3:.1f} ms, amortised {amort * 1e3:.1f} ms; ratio {amort / base:.3f}"
               f" against the fits without it (goal <= 1.03)")
-    if args.only in ("monitor", "amax"):
+        # The same, measured inside one fit: odd steps with the logger, even steps without.
+        alternating = AlternatingAmaxLogger(log_every_n_steps=CADENCE)
+        on, off, logging = [], [], []
+        for _ in range(args.rounds):
+            for step, t in enumerate(fit(MLP(dims=dims), [alternating], args.steps * 2, mlp_data, keep_all=True)):
+                if step < WARMUP:
+                    continue
+                if (step + 1) % CADENCE == 0:
+                    logging.append(t)
+                else:
+                    (on if step % 2 == 1 else off).append(t)
+        amort_ab = (statistics.median(on) * (CADENCE - 1) + statistics.mean(logging)) / CADENCE
+        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}), A/B inside one fit: without {statistics.median(off) * 1e3:.2f}"
+              f" ms, with {statistics.median(on) * 1e3:.2f} ms (logging steps {statistics.mean(logging) * 1e3:.1f} ms),"
+              f" amortised ratio {amort_ab / statistics.median(off):.3f} (goal <= 1.03)")
+    if args.only in ("monitor", "amax", "sample"):
         sys.exit(0)
 
     c = compare({

@@ -6,14 +6,15 @@ log.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_precision.formats import NumberFormat, get_format
+from lightning_precision.formats import FORMATS, NumberFormat, get_format
 
 TensorsLike = Union[Tensor, Iterable[Tensor], Mapping[str, Tensor]]
 FormatLike = Union[str, torch.dtype, NumberFormat]
@@ -77,6 +78,80 @@ def _named(tensors: TensorsLike) -> dict[str, Tensor]:
     return {str(i): t for i, t in enumerate(tensors)}
 
 
+# Elements per pass. Every temporary is a few bytes per element of one chunk (about 20 in all), so the extra memory of a
+# measurement stays near 20 MB whatever the size of the tensor, and a chunk stays in cache between the passes.
+CHUNK = 2**20
+
+# Exponent histograms: one bin per power of two, log2|x| in [HIST_MIN, HIST_MAX), covering fp32 subnormals to max.
+HIST_MIN, HIST_MAX = -150, 129
+
+
+def measurable_values(tensor: Tensor) -> Tensor:
+    """The real floating-point values a tensor holds, flat and, where the layout allows, without a copy: a sparse
+    tensor's stored values, a complex tensor's real and imaginary parts."""
+    x = tensor.detach()
+    if x.layout != torch.strided:
+        x = x.coalesce().values() if x.layout == torch.sparse_coo else x.values()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if not x.is_floating_point():
+        raise TypeError(f"cast statistics need a floating-point tensor, got {x.dtype}.")
+    if not x.is_contiguous():
+        # A dense layout in another order (channels-last, a transpose): permute to it for a view; counts ignore order.
+        order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+        permuted = x.permute(order)
+        x = permuted if permuted.is_contiguous() else x.contiguous()
+    return x.view(-1)
+
+
+def _chunks(flat: Tensor) -> Iterable[Tensor]:
+    for start in range(0, flat.numel(), CHUNK):
+        yield flat[start : start + CHUNK]
+
+
+def _magnitudes(chunk: Tensor) -> Tensor:
+    # At least fp32, so that scaling cannot itself round or overflow first.
+    return chunk.float().abs() if chunk.element_size() < 4 else chunk.abs()
+
+
+def _counts(a: Tensor, formats: Sequence[NumberFormat]) -> Tensor:
+    """For |x| values ``a``: [zeros, finite, inf, then (at most flush bound, at least overflow bound) per format],
+    as one int64 tensor on the device. Each count is one compare-and-count pass (the cheapest on CPU and GPU alike)."""
+    count = torch.count_nonzero
+    passes = [count(a == 0), count(a <= torch.finfo(a.dtype).max), count(a == math.inf)]
+    for f in formats:
+        passes += [count(a <= f.flush_bound), count(a >= f.overflow_bound)]
+    return torch.stack(passes)
+
+
+def _stats_from_counts(numel: Tensor, counts: Tensor, n_formats: int) -> list[CastStats]:
+    zeros, finite, inf = counts[0], counts[1], counts[2]
+    nonfinite = numel - finite
+    out = []
+    for i in range(n_formats):
+        under, over = counts[3 + 2 * i], counts[4 + 2 * i]
+        # at most the flush bound: zeros too (subtracted); at least the overflow bound: inf too (subtracted).
+        out.append(CastStats(numel=numel, exact_zero=zeros, underflow=under - zeros, overflow=over - inf,
+                             nonfinite=nonfinite))
+    return out
+
+
+def _histogram_add(hist: Optional[Tensor], a: Tensor) -> Tensor:
+    """Add the exponent histogram of |x| values ``a`` to ``hist``. frexp's exponent e gives floor(log2) = e - 1 for
+    every finite non-zero fp32 value, subnormals included; zero, inf and nan get e = 0 and land in the bin of [0.5, 1),
+    from which ``_histogram_finish`` removes them."""
+    _, exponent = torch.frexp(a.float())
+    counts = torch.bincount(exponent.add_(-1 - HIST_MIN).clamp_(0, HIST_MAX - HIST_MIN - 1),
+                            minlength=HIST_MAX - HIST_MIN)
+    return counts if hist is None else hist + counts
+
+
+def _histogram_finish(hist: Tensor, not_counted: Tensor) -> Tensor:
+    hist = hist.clone()
+    hist[-1 - HIST_MIN] -= not_counted
+    return hist
+
+
 def cast_stats(tensor: Tensor, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> CastStats:
     """Counts for one tensor: what casting ``tensor * scale`` to ``fmt`` flushes to zero or overflows."""
     f = get_format(fmt)
@@ -86,28 +161,74 @@ def cast_stats(tensor: Tensor, fmt: FormatLike, scale: Union[float, Tensor] = 1.
 def multi_format_stats(
     tensor: Tensor, formats: Iterable[FormatLike], scale: Union[float, Tensor] = 1.0
 ) -> dict[str, CastStats]:
-    """``cast_stats`` for several formats at once: the masks shared by all formats are computed once."""
-    x = tensor.detach()
-    if not x.is_floating_point():
-        raise TypeError(f"cast_stats needs a floating-point tensor, got {x.dtype}.")
-    x = x.float() if x.element_size() < 4 else x  # the scaled value must not itself round or overflow first
-    finite = torch.isfinite(x)
-    finite_nonzero = finite & (x != 0)
-    scaled = x * scale if isinstance(scale, Tensor) or scale != 1.0 else x  # a tensor scale stays on the device
-    numel = torch.zeros((), dtype=torch.int64, device=x.device) + x.numel()
-    nonfinite = numel - finite.sum()
-    exact_zero = numel - nonfinite - finite_nonzero.sum()
-    magnitude = scaled.abs()
-    out = {}
-    for fmt in formats:
-        f = get_format(fmt)
-        # The cast's own rounding boundaries (``NumberFormat.flush_bound``/``overflow_bound``): the same answer as
-        # comparing ``cast(x)`` with 0 and inf, element for element (tested against the real cast at every boundary),
-        # in three passes instead of nine, so the monitor's measuring step stays cheap.
-        underflow = (finite_nonzero & (magnitude <= f.flush_bound)).sum()
-        overflow = (finite & (magnitude >= f.overflow_bound)).sum()
-        out[f.name] = CastStats(numel=numel, exact_zero=exact_zero, underflow=underflow, overflow=overflow, nonfinite=nonfinite)
-    return out
+    """``cast_stats`` for several formats at once: one compare-and-count pass per count over each chunk, temporaries
+    bounded by the chunk (see ``CHUNK``), nothing read from the device."""
+    fmts = [get_format(f) for f in formats]
+    flat = measurable_values(tensor)
+    total = None
+    for chunk in _chunks(flat):
+        a = _magnitudes(chunk)
+        if isinstance(scale, Tensor) or scale != 1.0:
+            a = a.mul_(scale)  # a tensor scale stays on the device
+        counts = _counts(a, fmts)
+        total = counts if total is None else total + counts
+    numel = torch.zeros((), dtype=torch.int64, device=flat.device) + flat.numel()
+    if total is None:
+        total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=flat.device)
+    return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
+
+
+def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[Union[float, Tensor]]) -> list[CastStats]:
+    """``cast_stats`` of one tensor at several scales (per-element scale tensors allowed): |x| and the counts of zeros
+    and of non-finite values are computed once, then two compare-and-count passes per scale."""
+    f = get_format(fmt)
+    flat = measurable_values(tensor)
+    shared = per_scale = None
+    for start in range(0, flat.numel(), CHUNK):
+        a = _magnitudes(flat[start : start + CHUNK])
+        count = torch.count_nonzero
+        common = torch.stack([count(a == 0), count(a <= torch.finfo(a.dtype).max), count(a == math.inf)])
+        rows = []
+        for scale in scales:
+            if isinstance(scale, Tensor) and scale.numel() == flat.numel():
+                scale = scale[start : start + CHUNK]
+            m = a * scale
+            rows.append(torch.stack([count(m <= f.flush_bound), count(m >= f.overflow_bound)]))
+        shared = common if shared is None else shared + common
+        per_scale = torch.stack(rows) if per_scale is None else per_scale + torch.stack(rows)
+    numel = torch.zeros((), dtype=torch.int64, device=flat.device) + flat.numel()
+    if shared is None or per_scale is None:
+        shared = torch.zeros(3, dtype=torch.int64, device=flat.device)
+        per_scale = torch.zeros(len(scales), 2, dtype=torch.int64, device=flat.device)
+    # a scaled zero stays zero and inf stays inf; a finite value scaled to inf counts as overflow, as in _counts.
+    return [_stats_from_counts(numel, torch.cat([shared, row]), 1)[0] for row in per_scale]
+
+
+def gradient_stats(
+    tensor: Tensor, formats: Sequence[FormatLike], scale: Union[float, Tensor, None] = None
+) -> tuple[dict[str, CastStats], Optional[CastStats], Tensor]:
+    """Everything the monitor measures on one gradient, in one sweep of its chunks: the unscaled counts per format, the
+    fp16 counts of ``tensor * scale`` when a scale is given, and the exponent histogram of the unscaled values."""
+    fmts = [get_format(f) for f in formats]
+    flat = measurable_values(tensor)
+    total = scaled_total = hist = None
+    for chunk in _chunks(flat):
+        a = _magnitudes(chunk)
+        counts = _counts(a, fmts)
+        total = counts if total is None else total + counts
+        hist = _histogram_add(hist, a)
+        if scale is not None:
+            scaled = _counts(a.mul_(scale), (FORMATS["fp16"],))
+            scaled_total = scaled if scaled_total is None else scaled_total + scaled
+    device = flat.device
+    numel = torch.zeros((), dtype=torch.int64, device=device) + flat.numel()
+    if total is None or hist is None:  # an empty tensor
+        total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=device)
+        hist = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64, device=device)
+    per_format = {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
+    scaled_stats = _stats_from_counts(numel, scaled_total, 1)[0] if scaled_total is not None else None
+    first = next(iter(per_format.values()))
+    return per_format, scaled_stats, _histogram_finish(hist, first.exact_zero + first.nonfinite)
 
 
 def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> UnderflowReport:
@@ -138,58 +259,53 @@ def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, T
     return report
 
 
-# Exponent histograms: one bin per power of two, log2|x| in [HIST_MIN, HIST_MAX), covering fp32 subnormals to max.
-HIST_MIN, HIST_MAX = -150, 129
-
-
 def exponent_histogram(tensors: TensorsLike, scale: Union[float, Tensor] = 1.0) -> Tensor:
-    """Counts of non-zero finite values by ``floor(log2|x * scale|)``, bins ``HIST_MIN .. HIST_MAX - 1`` (on device)."""
-    bins = HIST_MAX - HIST_MIN
-    hist = None
+    """Counts of non-zero finite values by ``floor(log2|x * scale|)``, bins ``HIST_MIN .. HIST_MAX - 1`` (on device),
+    computed chunk by chunk (bounded memory, no host read)."""
+    hist = not_counted = None
     for tensor in _named(tensors).values():
-        x = tensor.detach().float().flatten()
-        x = x * scale if isinstance(scale, Tensor) or scale != 1.0 else x
-        # Read fp32 bits instead of taking logs: the exponent field is floor(log2|x|) + 127 for normal values. An fp32
-        # subnormal (field 0) is mantissa * 2**-149, and its mantissa, exact as a float, gives floor(log2) the same
-        # way. Zeros, inf and nan go to a dump bin. No compaction and no host read: it stays on the device.
-        bits = x.view(torch.int32)
-        field = (bits >> 23) & 0xFF
-        mantissa_field = ((bits & 0x7FFFFF).float().view(torch.int32) >> 23) & 0xFF
-        # bin index = exponent - HIST_MIN, with exponent = field - 127 (normal) or mantissa_field - 276 (subnormal)
-        index = torch.where(field == 0, mantissa_field - (276 + HIST_MIN), field - (127 + HIST_MIN)).clamp_(0, bins - 1)
-        index = index.masked_fill_((field == 0xFF) | (x == 0), bins)
-        counts = torch.bincount(index, minlength=bins + 1)[:bins]
-        hist = counts if hist is None else hist + counts
-    return hist if hist is not None else torch.zeros(bins, dtype=torch.int64)
+        for chunk in _chunks(measurable_values(tensor)):
+            a = chunk.float().abs()
+            if isinstance(scale, Tensor) or scale != 1.0:
+                a = a.mul_(scale)
+            hist = _histogram_add(hist, a)
+            skip = torch.count_nonzero(a == 0) + a.numel() - torch.count_nonzero(a <= torch.finfo(torch.float32).max)
+            not_counted = skip if not_counted is None else not_counted + skip
+    if hist is None or not_counted is None:
+        return torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)
+    return _histogram_finish(hist, not_counted)
 
 
 def recommend_loss_scale(
     histogram: Tensor, target_underflow: float = 1e-3, fmt: FormatLike = "fp16", max_log2_scale: int = 24
 ) -> tuple[float, float, float]:
     """The smallest power-of-two loss scale under which at most ``target_underflow`` of the histogrammed (unscaled)
-    values flush in ``fmt``, with none overflowing.
+    values flush in ``fmt`` and none can overflow.
 
-    Returns ``(scale, underflow_fraction, overflow_fraction)`` at that scale; if no scale reaches the target without
-    overflow, the one with the least underflow among those without overflow (or 1.0).
+    A bin ``[2**e, 2**(e+1))`` scaled by ``2**k`` is certainly below ``max`` only if ``e + k < max_exponent`` (the bin
+    ``e + k = max_exponent`` reaches ``2**(max_exponent + 1)``, beyond ``max``), so scales are tried from
+    ``2**-max_log2_scale`` up to the largest safe one. Returns ``(scale, underflow_fraction, overflow_fraction)``; the
+    overflow is always 0. If no scale in the window reaches the target, the largest safe one (least underflow); if even
+    ``2**-max_log2_scale`` could overflow, the largest safe scale below it: a scale is never recommended that overflows
+    what was seen.
     """
     f = get_format(fmt)
     hist = histogram.detach().double().cpu()
     total = hist.sum().item()
+    if total == 0:
+        return 1.0, 0.0, 0.0
     exponents = torch.arange(HIST_MIN, HIST_MAX, dtype=torch.float64)
-    best = None
-    for k in range(-max_log2_scale, max_log2_scale + 1):
-        scaled = exponents + k
+    top = int(exponents[hist > 0].max().item())
+    safe = f.max_exponent - 1 - top
+    candidates = range(-max_log2_scale, min(max_log2_scale, safe) + 1) if safe >= -max_log2_scale else [safe]
+    under = 1.0
+    for k in candidates:
         # Round-to-nearest flushes only below half the smallest subnormal: the bin [2**(m-1), 2**m) rounds up to
-        # 2**m (all but its lower edge), so bins e < m - 1 flush. Bins e > max_exponent overflow.
-        under = hist[scaled < f.min_exponent - 1].sum().item() / max(total, 1)
-        over = hist[scaled > f.max_exponent].sum().item() / max(total, 1)
-        if over > 0:
-            continue
+        # 2**m (all but its lower edge), so bins e < m - 1 flush.
+        under = hist[exponents + k < f.min_exponent - 1].sum().item() / total
         if under <= target_underflow:
-            return 2.0**k, under, over
-        if best is None or under < best[1]:
-            best = (2.0**k, under, over)
-    return best if best is not None else (1.0, 0.0, 0.0)
+            return 2.0**k, under, 0.0
+    return 2.0 ** candidates[-1], under, 0.0
 
 
 def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tensor]:
@@ -212,7 +328,7 @@ def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tenso
 
 def delayed_scale(amax: Tensor, fp8_max: Union[float, Tensor], margin: int = 0, previous: Optional[Tensor] = None) -> Tensor:
     """``(fp8_max / amax) / 2**margin``, as Transformer Engine computes it; where amax is 0 (nothing seen, or all
-    zeros) the previous scale is kept (1.0 if none)."""
-    scale = (fp8_max / amax) / 2.0**margin
+    zeros) or the scale would not be finite, the previous scale is kept (1.0 if none). Five small ops, no host read."""
+    scale = (fp8_max / 2.0**margin) / amax
     keep = previous if previous is not None else torch.ones_like(scale)
     return torch.where((amax > 0) & torch.isfinite(scale), scale, keep)

@@ -105,13 +105,16 @@ def test_what_if_fractions_equal_underflow_stats():
     assert float(logged["precision/fp8_whatif/input/current/underflow"]) > 0  # not vacuous
 
 
-def test_what_if_sample_is_an_even_strided_view():
-    from lightning_precision.callbacks.amax import strided_sample
+def test_what_if_sample_is_evenly_spaced_contiguous_runs():
+    from lightning_precision.callbacks.amax import block_sample
 
-    t = torch.arange(1000.0).reshape(10, 100)
-    sample = strided_sample(t, 100)
-    assert sample.numel() == 100 and sample[1] == 10 and sample.data_ptr() == t.data_ptr()
-    assert strided_sample(t, None).numel() == 1000 and strided_sample(t, 5000).numel() == 1000
+    t = torch.arange(10_000.0).reshape(100, 100)
+    sample = block_sample(t, 1000, block=100)
+    assert sample.numel() == 1000 and sample.is_contiguous()
+    runs = sample.view(10, 100)
+    assert torch.equal(runs[:, 1] - runs[:, 0], torch.ones(10))  # each run is contiguous in the tensor
+    assert runs[0, 0] == 0 and runs[-1, -1] > 9_000  # and the runs span the whole tensor, evenly
+    assert block_sample(t, None).numel() == 10_000 and block_sample(t, 50_000).numel() == 10_000
 
 
 def sum_stats(stats):
@@ -177,3 +180,65 @@ def test_writes_to_a_real_logger(tmp_path):
     rows = [r for r in csv.DictReader(open(t.logger.experiment.metrics_file_path)) if r.get("precision/amax/input/net.0")]
     assert [int(r["step"]) for r in rows] == [1, 3]
     assert float(rows[-1]["precision/amax/input/net.0"]) == pytest.approx(logger.last_metrics["precision/amax/input/net.0"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"margin": "1"}, r"margin='1'.*whole number"),
+        ({"margin": None}, r"margin=None.*whole number"),
+        ({"margin": float("nan")}, r"margin=nan.*whole number"),
+        ({"margin": -1}, r"margin=-1.*>= 0"),
+        ({"history_len": True}, r"history_len=True.*from 1 to 65536"),
+        ({"history_len": 10**9}, r"history_len=1000000000.*from 1 to 65536"),
+        ({"what_if_sample": 0}, r"what_if_sample=0.*positive number"),
+        ({"what_if_sample": -5}, r"what_if_sample=-5.*positive number"),
+        ({"what_if_sample": 2.5}, r"what_if_sample=2\.5.*positive number"),
+        ({"what_if": "yes"}, r"what_if='yes'.*True or False"),
+        ({"save_dir": 3}, r"save_dir=3.*folder path"),
+    ],
+)
+def test_more_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AmaxHistoryLogger(**kwargs)
+
+
+def test_an_unwritable_save_dir_fails_before_the_first_step(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    steps = []
+
+    class Counting(LitNet):
+        def training_step(self, batch, batch_idx):
+            steps.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match=r"AmaxHistoryLogger\(save_dir=.*a-file.*not a folder"):
+        trainer(None, max_steps=2, callbacks=[AmaxHistoryLogger(save_dir=str(blocker))]).fit(Counting(),
+                                                                                          loader(make_data(2)))
+    assert steps == []
+
+
+class WithAttention(LitNet):
+    """nn.MultiheadAttention (whose out_proj never runs its forward) and a linear layer the model skips."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.unused = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.net[1](self.net[0](x)).unsqueeze(1)
+        h = self.attn(h, h, h, need_weights=False)[0].squeeze(1)
+        return self.net[4](self.net[3](self.net[2](h)))
+
+
+def test_layers_that_never_run_are_left_out_of_the_logs_and_the_plot(tmp_path):
+    logger = AmaxHistoryLogger(history_len=4, save_dir=str(tmp_path))
+    trainer(None, max_steps=2, log_every_n_steps=1, callbacks=[logger]).fit(WithAttention(), loader(make_data(2)))
+    assert "attn.out_proj" not in logger.layers  # its weight is used functionally: no hook would ever fire
+    logged_layers = {k.rsplit("/", 1)[1] for k in logger.last_metrics if k.startswith("precision/amax/")}
+    assert logged_layers == {"net.0", "net.2", "net.4"}  # `unused` never ran: no amax 0 plotted at 1e-30
+    assert all(logger.last_metrics[f"precision/amax/weight/{layer}"] > 0 for layer in logged_layers)
+    saved = torch.load(tmp_path / "amax_history.pt", weights_only=False)
+    assert saved["ran"] == [layer in logged_layers for layer in saved["layers"]]

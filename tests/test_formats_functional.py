@@ -130,9 +130,10 @@ def test_counts_equal_the_real_cast_element_for_element(name):
     real_under = int((finite & (x != 0) & (cast == 0)).sum())
     if f.has_inf:
         real_over = int((finite & ~torch.isfinite(cast)).sum())
-    else:  # saturation: the cast lands on max with an error of half an ulp or more
+    else:  # saturation (the cast lands on max with an error of half an ulp or more), or nan on older torch (2.7)
         half_ulp = 2.0 ** (f.max_exponent - f.mantissa_bits) / 2
-        real_over = int((finite & (cast.abs() == f.max) & ((x - cast).abs() >= half_ulp)).sum())
+        saturated = (cast.abs() == f.max) & ((x - cast).abs() >= half_ulp)
+        real_over = int((finite & (saturated | torch.isnan(cast))).sum())
     stats = underflow_stats(x, f).total
     assert (int(stats.underflow), int(stats.overflow)) == (real_under, real_over)
     assert real_under > 0 and real_over > 0  # the sweep reaches both sides

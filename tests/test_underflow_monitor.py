@@ -7,11 +7,12 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
 from lightning_precision.callbacks import GradientUnderflowMonitor
 from lightning_precision.callbacks.underflow import loss_scale_of
-from lightning_precision.functional import underflow_stats
+from lightning_precision.functional import exponent_histogram, recommend_loss_scale, underflow_stats
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
 
@@ -54,7 +55,7 @@ def test_logged_fractions_equal_a_direct_computation(plugin):
         direct = underflow_stats(grads, "fp16", scale).total
         assert float(logged["precision/underflow/fp16/scaled"]) == pytest.approx(float(direct.underflow_fraction))
         assert float(logged["precision/underflow/fp16/scaled"]) < float(logged["precision/underflow/fp16"])
-    per_layer = {k for k in logged if k.startswith("precision/underflow/fp16/") and not k.endswith("scaled")}
+    per_layer = {k for k in logged if k.startswith("precision/underflow/fp16/") and k.split("/")[-1] not in ("scaled", "lost")}
     assert len(per_layer) == 2  # top_k
     worst = max(
         ("net.0", "net.2", "net.4"),
@@ -171,3 +172,119 @@ def test_writes_to_a_real_logger(tmp_path):
     rows = [r for r in csv.DictReader(open(t.logger.experiment.metrics_file_path)) if r.get("precision/underflow/fp16")]
     assert [int(r["step"]) for r in rows] == [1, 3]
     assert all(0 < float(r["precision/underflow/fp16"]) < 1 for r in rows)
+
+
+class TinyLoss(LitNet):
+    """The issue's case: a loss scaled by 1e-5 under fp16 at loss scale 1, so the fp16 backward flushes gradients."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 1e-5
+
+
+def _first_step_metrics(plugin, monitor):
+    t = trainer(plugin, max_steps=1, log_every_n_steps=1, callbacks=[monitor])
+    t.fit(TinyLoss(), loader(make_data(1)))
+    return t.callback_metrics
+
+
+@pytest.mark.parametrize("make", [lambda: FP16MixedPrecision(init_scale=1.0),
+                                  lambda: MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1.0))],
+                         ids=["ours", "lightning"])
+def test_what_fp16_already_flushed_is_underflow_not_exact_zero(make):
+    """Parameter gradients are measured after the fp16 backward flushed them: without a reference, the loss reads as
+    exact zeros. The probe backward finds them: what remains as exact zero equals the fp32 run's true zeros."""
+    true_zero = float(_first_step_metrics(None, GradientUnderflowMonitor(formats="fp16", warn_threshold=1.0))
+                      ["precision/exact_zero"])
+    monitor = GradientUnderflowMonitor(formats="fp16", top_k=0)
+    with pytest.warns(UserWarning, match=r"flush to zero in fp16 at loss scale 1 .*A loss scale of \d+ would leave"):
+        logged = _first_step_metrics(make(), monitor)
+    lost = float(logged["precision/underflow/fp16/lost"])
+    assert lost > 0.2  # the case is not vacuous
+    assert float(logged["precision/underflow/fp16/scaled"]) >= lost
+    assert float(logged["precision/exact_zero"]) == pytest.approx(true_zero)
+    scale, under, over = monitor.recommend_loss_scale()
+    assert scale > 1 and over == 0  # raise the scale, never lower it
+
+
+def test_the_probe_can_be_turned_off_and_an_overflowing_probe_is_discarded():
+    off = GradientUnderflowMonitor(formats="fp16", warn_threshold=1.0, probe_factor=None)
+    assert "precision/underflow/fp16/lost" not in _first_step_metrics(FP16MixedPrecision(init_scale=1.0), off)
+    # at 2**16 x 2**16 an ordinary loss's gradients overflow fp16: the probe says nothing, and the next one is smaller
+    big = GradientUnderflowMonitor(formats="fp16", warn_threshold=1.0)
+    t = trainer(FP16MixedPrecision(), max_steps=1, log_every_n_steps=1, callbacks=[big])
+    t.fit(LitNet(), loader(make_data(1)))
+    assert float(t.callback_metrics["precision/underflow/fp16/lost"]) == 0.0
+    assert big.probe_factor == 2.0**8
+
+
+def test_recommendation_never_overflows_what_it_saw():
+    hist = exponent_histogram(torch.full((100,), 2.0**40))
+    scale, under, over = recommend_loss_scale(hist)
+    assert 2.0**40 * scale < 65504 and over == 0.0  # fp16 overflows every value at scale 1
+    assert scale == 2.0**-26
+    mixed = exponent_histogram(torch.tensor([2.0**-30, 2.0**14]))  # the large one leaves room for scale 1 only
+    assert recommend_loss_scale(mixed, target_underflow=0.0)[0] == 1.0
+
+
+class OddGradients(LitNet):
+    """A sparse embedding (sparse gradient) and a complex parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 16, sparse=True)
+        self.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return super().forward(x + self.emb(torch.arange(x.shape[0]) % 10)) + (self.phase * self.phase.conj()).real.sum()
+
+
+class CountingMonitor(GradientUnderflowMonitor):
+    def compute(self, reduce=None):
+        self.numel = int(self._counts.stats["param/fp16"].numel)
+        return super().compute(reduce)
+
+
+def test_sparse_and_complex_gradients_are_measured_not_fatal():
+    monitor = CountingMonitor(formats="fp16", warn_threshold=1.0, top_k=2)
+    model = OddGradients()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(None, max_steps=1, log_every_n_steps=1, callbacks=[monitor]).fit(model, loader(make_data(1)))
+    assert not [w for w in caught if "cannot measure" in str(w.message)]
+    dense = sum(p.numel() for n, p in model.named_parameters() if n.startswith("net."))
+    assert monitor.numel == dense + 8 * 16 + 4 * 2  # 8 embedding rows looked up; real and imaginary parts
+
+
+def test_a_gradient_that_cannot_be_measured_is_skipped_with_one_warning():
+    monitor = GradientUnderflowMonitor(formats="fp16")
+    grads = {"ok": torch.tensor([1.0, 2.0**-30]), "ids": torch.tensor([1, 2])}
+    with pytest.warns(UserWarning, match=r"cannot measure `ids`.*left out"):
+        monitor.measure_gradients(grads)
+    monitor.measure_gradients(grads)  # once only: no second warning (pytest would fail on an unexpected one below)
+    assert float(monitor.compute()["precision/underflow/fp16"]) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_k": "3"}, r"top_k='3'.*whole number"),
+        ({"top_k": None}, r"top_k=None.*whole number"),
+        ({"top_k": 2.5}, r"top_k=2\.5.*whole number"),
+        ({"top_k": True}, r"top_k=True.*whole number"),
+        ({"warn_threshold": "0.1"}, r"warn_threshold='0.1'.*fraction"),
+        ({"warn_threshold": None}, r"warn_threshold=None.*fraction"),
+        ({"target_underflow": None}, r"target_underflow=None.*fraction"),
+        ({"target_underflow": "1e-3"}, r"target_underflow='1e-3'.*fraction"),
+        ({"probe_factor": 3.0}, r"probe_factor=3\.0.*power of two"),
+        ({"probe_factor": 1.0}, r"probe_factor=1\.0.*power of two > 1"),
+        ({"formats": ()}, r"formats=\(\).*at least one format"),
+    ],
+)
+def test_more_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientUnderflowMonitor(**kwargs)
+
+
+def test_one_format_may_be_given_as_a_string():
+    assert GradientUnderflowMonitor(formats="fp16").formats == ("fp16",)  # not ('f', 'p', '1', '6')
+    assert GradientUnderflowMonitor(formats=torch.bfloat16).formats == ("bf16",)

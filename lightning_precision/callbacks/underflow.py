@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -13,18 +15,34 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision.callbacks._cadence import check_every, on_cadence
-from lightning_precision.formats import get_format
+from lightning_precision.fabric._scaler import ScalerConfig
+from lightning_precision.formats import NumberFormat, get_format
 from lightning_precision.functional import (
     HIST_MAX,
     HIST_MIN,
     CastStats,
-    cast_stats,
     exponent_histogram,
+    gradient_stats,
+    measurable_values,
     multi_format_stats,
     recommend_loss_scale,
 )
 
 Reduce = Callable[[Tensor], Tensor]
+
+
+def _fp16_backward(plugin: Any) -> bool:
+    """Whether the plugin's backward runs in fp16 with a loss scaler: ours (compute_dtype) or Lightning's 16-mixed."""
+    return loss_scale_of(plugin) is not None and (
+        getattr(plugin, "compute_dtype", None) == torch.float16 or getattr(plugin, "precision", None) == "16-mixed"
+    )
+
+
+def _hooks_see_scaled_loss(plugin: Any) -> bool:
+    """Lightning's MixedPrecision hands ``on_before_backward`` the scaled loss; ours hand it the real one."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return isinstance(plugin, MixedPrecision)
 
 
 def loss_scale_of(plugin: Any) -> Optional[Tensor]:
@@ -58,6 +76,19 @@ class _Counts:
         return {k: CastStats(*row) for k, row in zip(keys, flat)}
 
 
+class _Probe:
+    """The probe backward of one micro-batch: where its gradients are non-zero, their histogram, and whether it stayed
+    finite (if not, it says nothing: it is discarded on the device, without a host read)."""
+
+    def __init__(self, nonzero: dict[str, Tensor], histogram: Tensor, finite: Tensor) -> None:
+        self.nonzero, self.histogram, self.finite = nonzero, histogram, finite
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+        raise ValueError(f"`GradientUnderflowMonitor({name}={value!r})`: a fraction, in [0, 1], e.g. 0.01.")
+
+
 class GradientUnderflowMonitor(Callback):
     """Measures, for each format in ``formats``, the fraction of gradients whose cast flushes to zero or overflows.
 
@@ -67,12 +98,23 @@ class GradientUnderflowMonitor(Callback):
     keeps its fp16 tensors) are measured as they flow in backward, scaled when a scaler is active (key suffix
     ``/scaled``). Exact zeros are reported apart (``precision/exact_zero``): they are not underflow.
 
+    **What fp16 already flushed.** Under fp16 autocast the activation gradients are fp16, so a gradient that underflowed
+    is already an exact zero when any hook sees it. On measuring steps of an fp16 run, the monitor therefore repeats the
+    first micro-batch's backward at ``probe_factor`` times the loss scale (``torch.autograd.grad`` on the same graph: no
+    user code runs again) before the real one: gradients that are zero in the real backward but not in the probe were
+    lost to underflow. They count in ``precision/underflow/fp16/scaled`` and alone in ``precision/underflow/fp16/lost``,
+    not in ``precision/exact_zero``, and the probe's gradients feed the histogram, so the advice raises the scale. It is
+    a lower bound: what the probe also flushes, and micro-batches after the first, are not seen.
+
     Measurements happen on logging steps (or every ``measure_every_n_steps``), accumulate on the device, and are
     all-reduced across processes and read only when logged. An exponent histogram of log2|g| (unscaled) accumulates
-    over the run: ``save_plot`` draws it with each format's range, and ``recommend_loss_scale`` reads it.
+    over the run: ``save_plot`` draws it with each format's range, and ``recommend_loss_scale`` reads it. Sparse
+    gradients are measured on their stored values, complex ones on their real and imaginary parts; a gradient that
+    cannot be measured is skipped with a one-time warning: the monitor never stops a fit.
 
     Args:
-        formats: formats to check; a bf16 run can ask "would fp16 or fp8 flush these?".
+        formats: formats to check (a name, dtype or ``NumberFormat``, or several); a bf16 run can ask "would fp16 or
+            fp8 flush these?".
         activations: also measure activation gradients (forward hooks on leaf modules).
         top_k: log the ``top_k`` modules with the most underflow in ``formats[0]``
             (``precision/underflow/<fmt>/<module path>``).
@@ -81,11 +123,14 @@ class GradientUnderflowMonitor(Callback):
         warn_threshold: warn once when the fp16 underflow fraction at the current scale exceeds this.
         target_underflow: the fp16 underflow fraction the loss-scale recommendation aims for.
         plot_path: if set, the histogram plot is written there at the end of training.
+        probe_factor: the probe backward's scale relative to the loss scale (a power of two > 1; halved after a probe
+            overflowed); ``None`` turns the probe off and saves one backward pass per measuring step of fp16 runs.
     """
 
     def __init__(
         self,
-        formats: Sequence[str] = ("fp16", "bf16", "e4m3fn", "e5m2"),
+        formats: Union[str, torch.dtype, NumberFormat, Sequence[Union[str, torch.dtype, NumberFormat]]] = (
+            "fp16", "bf16", "e4m3fn", "e5m2"),
         activations: bool = False,
         top_k: int = 5,
         measure_every_n_steps: Optional[int] = None,
@@ -93,17 +138,26 @@ class GradientUnderflowMonitor(Callback):
         warn_threshold: float = 0.01,
         target_underflow: float = 1e-3,
         plot_path: Optional[str] = None,
+        probe_factor: Optional[float] = 2.0**16,
     ) -> None:
-        if not formats:
-            raise ValueError("`GradientUnderflowMonitor(formats=())`: name at least one format, e.g. ('fp16',).")
+        owner = "GradientUnderflowMonitor"
+        if isinstance(formats, (str, torch.dtype, NumberFormat)):
+            formats = (formats,)  # one format, not the letters of its name
+        if not isinstance(formats, Iterable) or not list(formats):
+            raise ValueError(f"`{owner}(formats={formats!r})`: name at least one format, e.g. ('fp16',) or 'fp16'.")
         self.formats = tuple(get_format(f).name for f in formats)
-        check_every("GradientUnderflowMonitor", "measure_every_n_steps", measure_every_n_steps)
-        check_every("GradientUnderflowMonitor", "log_every_n_steps", log_every_n_steps)
-        if top_k < 0:
-            raise ValueError(f"`GradientUnderflowMonitor(top_k={top_k!r})`: use 0 (no per-layer keys) or more.")
-        for name, value in (("warn_threshold", warn_threshold), ("target_underflow", target_underflow)):
-            if not 0 <= value <= 1:
-                raise ValueError(f"`GradientUnderflowMonitor({name}={value!r})`: a fraction, in [0, 1].")
+        check_every(owner, "measure_every_n_steps", measure_every_n_steps)
+        check_every(owner, "log_every_n_steps", log_every_n_steps)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"`{owner}(top_k={top_k!r})`: a whole number of modules, 0 (no per-layer keys) or more.")
+        _check_fraction("warn_threshold", warn_threshold)
+        _check_fraction("target_underflow", target_underflow)
+        if probe_factor is not None and (
+            isinstance(probe_factor, bool) or not isinstance(probe_factor, numbers.Real) or not probe_factor > 1
+            or not math.isfinite(probe_factor) or math.log2(probe_factor) % 1
+        ):
+            raise ValueError(f"`{owner}(probe_factor={probe_factor!r})`: a power of two > 1 (e.g. 2.0**16), or None for"
+                             " no probe.")
         self.activations = activations
         self.top_k = top_k
         self.measure_every_n_steps = measure_every_n_steps
@@ -111,6 +165,7 @@ class GradientUnderflowMonitor(Callback):
         self.warn_threshold = warn_threshold
         self.target_underflow = target_underflow
         self.plot_path = plot_path
+        self.probe_factor = probe_factor
         self.histogram = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)
         self.activation_histogram = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)
         self._counts = _Counts()
@@ -118,25 +173,66 @@ class GradientUnderflowMonitor(Callback):
         self._hooks: list[Any] = []
         self._warned = False
         self._act_scale: Optional[Tensor] = None
+        self._probe: Optional[_Probe] = None
+        self._probe_due = False
+        self._failed: set[str] = set()
 
     # ---- the part Fabric and plain PyTorch use directly -------------------------------------------------------------
 
-    def measure_gradients(self, named_grads: Mapping[str, Tensor], loss_scale: Union[Tensor, float, None] = None) -> None:
-        """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question."""
-        grads = {n: g for n, g in named_grads.items() if g is not None}
-        if not grads:
+    def probe_backward(self, loss: Tensor, named_params: Iterable[tuple[str, Tensor]], loss_scale: Union[Tensor, float]) -> None:
+        """Before the real backward of an fp16 step, with ``loss`` unscaled and still holding its graph: run the probe
+        backward (see the class docstring); the next ``measure_gradients`` compares it with the real gradients."""
+        if self.probe_factor is None:
             return
-        for name, g in grads.items():
-            per_format = multi_format_stats(g, self.formats)
+        params = {n: p for n, p in named_params if p.requires_grad}
+        effective = torch.as_tensor(loss_scale, dtype=torch.float32, device=loss.device) * self.probe_factor
+        grads = torch.autograd.grad(loss * effective, list(params.values()), retain_graph=True, allow_unused=True)
+        present = {n: g for n, g in zip(params, grads) if g is not None}
+        finite = torch.stack([torch.isfinite(measurable_values(g)).all() for g in present.values()]).all() if present \
+            else torch.ones((), dtype=torch.bool)
+        nonzero = {n: measurable_values(g) != 0 for n, g in present.items()}
+        self._probe = _Probe(nonzero, exponent_histogram(present, 1.0 / effective), finite)
+
+    def measure_gradients(self, named_grads: Mapping[str, Tensor], loss_scale: Union[Tensor, float, None] = None) -> None:
+        """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question,
+        and a probe run before this step's backward (``probe_backward``) adds what fp16 already flushed."""
+        probe, self._probe = self._probe, None
+        hist = lost = compared = None
+        for name, g in named_grads.items():
+            if g is None:
+                continue
+            try:
+                per_format, scaled, h = gradient_stats(g, self.formats, loss_scale)
+                if probe is not None and name in probe.nonzero:
+                    flushed = torch.count_nonzero((measurable_values(g) == 0) & probe.nonzero[name])
+                    lost = flushed if lost is None else lost + flushed
+                    n = torch.zeros((), dtype=torch.int64, device=flushed.device) + probe.nonzero[name].numel()
+                    compared = n if compared is None else compared + n
+            except (RuntimeError, TypeError, ValueError) as err:
+                self._skip(name, err)
+                continue
             for fmt, stats in per_format.items():
                 self._counts.add(f"param/{fmt}", stats)
             if self.top_k:
                 self._counts.add(f"layer/{_module_path(name)}", per_format[self.formats[0]])
-        if loss_scale is not None:
-            for g in grads.values():
-                self._counts.add("param_scaled/fp16", cast_stats(g, "fp16", loss_scale))
-        hist = exponent_histogram(grads)
-        self.histogram = self.histogram.to(hist.device) + hist
+            if scaled is not None:
+                self._counts.add("param_scaled/fp16", scaled)
+            hist = h if hist is None else hist + h
+        if lost is not None and probe is not None:
+            # A probe that overflowed says nothing: zero lost (a lower bound), and its overflow is remembered.
+            zero = torch.zeros_like(lost)
+            lost = torch.where(probe.finite, lost, zero)
+            self._counts.add("lost/fp16", CastStats(numel=compared, exact_zero=zero, underflow=lost, overflow=zero,
+                                                    nonfinite=(~probe.finite).to(torch.int64)))
+            hist = torch.where(probe.finite, probe.histogram.to(hist.device), hist) if hist is not None else hist
+        if hist is not None:
+            self.histogram = self.histogram.to(hist.device) + hist
+
+    def _skip(self, name: str, err: Exception) -> None:
+        if name not in self._failed:
+            self._failed.add(name)
+            rank_zero_warn(f"GradientUnderflowMonitor cannot measure `{name}` ({type(err).__name__}: {err}); it is left"
+                           " out of the statistics.")
 
     def attach(self, module: nn.Module) -> None:
         """Hook every leaf module's output so its gradient is measured while ``capturing(True)``."""
@@ -162,16 +258,21 @@ class GradientUnderflowMonitor(Callback):
         """
         stats = self._counts.reduced(reduce)
         self._counts = _Counts()
+        lost = stats.get("lost/fp16")
         metrics: dict[str, Tensor] = {}
         for key, s in stats.items():
             kind, name = key.split("/", 1)
             if kind == "param":
                 metrics[f"precision/underflow/{name}"] = s.underflow_fraction
                 metrics[f"precision/overflow/{name}"] = s.overflow_fraction
-                metrics["precision/exact_zero"] = s.exact_zero_fraction
+                zeros = s.exact_zero - lost.underflow if lost is not None else s.exact_zero
+                metrics["precision/exact_zero"] = zeros.double() / s.numel.clamp(min=1).double()
             elif kind == "param_scaled":
-                metrics[f"precision/underflow/{name}/scaled"] = s.underflow_fraction
+                under = s.underflow + lost.underflow if lost is not None else s.underflow
+                metrics[f"precision/underflow/{name}/scaled"] = under.double() / s.numel.clamp(min=1).double()
                 metrics[f"precision/overflow/{name}/scaled"] = s.overflow_fraction
+            elif kind == "lost":
+                metrics[f"precision/underflow/{name}/lost"] = s.underflow_fraction
             elif kind.startswith("act"):
                 suffix = "/scaled" if kind == "act_scaled" else ""
                 metrics[f"precision/act_underflow/{name}{suffix}"] = s.underflow_fraction
@@ -180,6 +281,8 @@ class GradientUnderflowMonitor(Callback):
         layers = {k.split("/", 1)[1]: s.underflow_fraction for k, s in stats.items() if k.startswith("layer/")}
         for path in sorted(layers, key=lambda p: -float(layers[p]))[: self.top_k]:
             metrics[f"precision/underflow/{self.formats[0]}/{path}"] = layers[path]
+        if lost is not None and self.probe_factor is not None and self.probe_factor > 2 and int(lost.nonfinite) > 0:
+            self.probe_factor = 2.0 ** (int(math.log2(self.probe_factor)) // 2)  # read here, where it is logged
         return metrics
 
     def recommend_loss_scale(self) -> tuple[float, float, float]:
@@ -204,9 +307,14 @@ class GradientUnderflowMonitor(Callback):
     def _activation_grad(self, grad: Tensor) -> None:
         scale = self._act_scale
         kind = "act_scaled" if scale is not None else "act"
-        for fmt, stats in multi_format_stats(grad, self.formats).items():
+        try:
+            per_format = multi_format_stats(grad, self.formats)
+            hist = exponent_histogram(grad, 1.0 / scale if scale is not None else 1.0)
+        except (RuntimeError, TypeError, ValueError) as err:
+            self._skip("activation gradients", err)
+            return
+        for fmt, stats in per_format.items():
             self._counts.add(f"{kind}/{fmt}", stats)
-        hist = exponent_histogram(grad, 1.0 / scale if scale is not None else 1.0)
         self.activation_histogram = self.activation_histogram.to(hist.device) + hist
 
     # ---- Trainer glue -----------------------------------------------------------------------------------------------
@@ -219,12 +327,29 @@ class GradientUnderflowMonitor(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.detach()
+        self._probe = None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        measure = on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps)
+        self._probe_due = measure and self.probe_factor is not None and _fp16_backward(trainer.precision_plugin)
         if self.activations:
-            measure = on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps)
             self.capturing(measure, loss_scale_of(trainer.precision_plugin) if measure else None)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if not self._probe_due:
+            return
+        self._probe_due = False  # the first micro-batch of the step
+        plugin = trainer.precision_plugin
+        scale = loss_scale_of(plugin)
+        real_loss = loss / scale if _hooks_see_scaled_loss(plugin) else loss
+        try:
+            self.probe_backward(real_loss, pl_module.named_parameters(), scale)
+        except RuntimeError as err:  # e.g. reentrant activation checkpointing, which autograd.grad cannot run
+            self.probe_factor = None
+            rank_zero_warn(f"GradientUnderflowMonitor: the probe backward failed ({err}); it is off for this run, and"
+                           " gradients fp16 already flushed are counted as exact zeros.")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -253,10 +378,13 @@ class GradientUnderflowMonitor(Callback):
         scale, under, _ = self.recommend_loss_scale()
         current = loss_scale_of(trainer.precision_plugin)
         at = f"at loss scale {float(current):g}" if current is not None else "without loss scaling"
-        rank_zero_warn(
-            f"{float(metrics[key]):.2%} of gradients flush to zero in fp16 {at} ({key}). A loss scale of {scale:g}"
-            f" would leave {under:.3%}: `FP16MixedPrecision(init_scale={scale:g})`, or train in bf16."
-        )
+        if not ScalerConfig.min_scale <= scale <= ScalerConfig.max_scale:
+            advice = (f"No loss scale within [{ScalerConfig.min_scale:g}, {ScalerConfig.max_scale:g}] keeps them without"
+                      " overflow (it would take {scale:g}): train in bf16 (BF16MixedPrecision).")
+        else:
+            advice = (f"A loss scale of {scale:g} would leave {under:.3%}: `FP16MixedPrecision(init_scale={scale:g})`,"
+                      " or train in bf16.")
+        rank_zero_warn(f"{float(metrics[key]):.2%} of gradients flush to zero in fp16 {at} ({key}). {advice}")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -269,6 +397,7 @@ class GradientUnderflowMonitor(Callback):
             "histogram": self.histogram.cpu(),
             "activation_histogram": self.activation_histogram.cpu(),
             "warned": self._warned,
+            "probe_factor": self.probe_factor,
         }
 
     @override
@@ -276,3 +405,4 @@ class GradientUnderflowMonitor(Callback):
         self.histogram = state_dict["histogram"].clone()
         self.activation_histogram = state_dict["activation_histogram"].clone()
         self._warned = state_dict["warned"]
+        self.probe_factor = state_dict.get("probe_factor", self.probe_factor)
