@@ -13,13 +13,43 @@ USAGE = """usage: lightning-precision {fit,compare,doctor} ...
 """
 
 
+class _ConfigError(Exception):
+    """A constructor of ours rejected a value from the configuration: one line for the user, exit code 2."""
+
+
+def _our_message(text: str) -> Optional[str]:
+    """The line of a jsonargparse error that is one of our constructors' messages (they start with the call they
+    reject, e.g. "`FP16MixedPrecision(init_scale=-1.0)` is invalid: ..."): jsonargparse keeps only their text."""
+    import lightning_precision
+    import lightning_precision.callbacks
+
+    names = {*lightning_precision.__all__, *lightning_precision.callbacks.__all__}
+    for line in text.splitlines():
+        line = line.strip().lstrip("- ").strip()
+        if any(line.startswith(f"`{name}(") for name in names):
+            return line
+    return None
+
+
 def _fit(argv: list[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
+    class CLI(LightningCLI):
+        def instantiate_classes(self) -> None:
+            try:
+                super().instantiate_classes()
+            except ValueError as err:  # only construction: an error while training keeps its traceback
+                message = _our_message(str(err))
+                if message is None:
+                    raise
+                raise _ConfigError(message) from err
+
     argv0, sys.argv = sys.argv, sys.argv[:1]  # arguments come from `args`; LightningCLI warns if sys.argv has them too
     try:
-        LightningCLI(subclass_mode_model=True, subclass_mode_data=True, args=["fit", *argv],
-                     save_config_kwargs={"overwrite": True})
+        CLI(subclass_mode_model=True, subclass_mode_data=True, args=["fit", *argv], save_config_kwargs={"overwrite": True})
+    except _ConfigError as err:
+        print(f"lightning-precision fit: error: {err}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = argv0
     return 0

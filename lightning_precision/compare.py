@@ -12,6 +12,7 @@ import csv
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_precision._io import check_writable_dir
 from lightning_precision.callbacks import GradientUnderflowMonitor
 from lightning_precision.fp8 import fp8_gpu_available
 from lightning_precision.recipes import RECIPES
@@ -128,12 +130,16 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, on_step: Any 
     }
 
 
-def write_reports(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> list[str]:
-    out.mkdir(parents=True, exist_ok=True)
+def add_speedups(rows: list[dict[str, Any]]) -> None:
     ok = [r for r in rows if "error" not in r]
     base = next((r for r in ok if r["precision"] == "32-true"), None)
     for r in ok:
         r["speedup"] = base["median_step_ms"] / r["median_step_ms"] if base else None
+
+
+def write_reports(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    ok = [r for r in rows if "error" not in r]
     (out / "report.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     columns = ["precision", "median_step_ms", "samples_per_s", "speedup", "peak_memory_mb", "final_loss", "val_acc",
                "grad_underflow_fp16", "skipped_steps", "error"]
@@ -156,8 +162,8 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
 
     from lightning_precision._console import console
 
-    table = Table(title=f"{meta['recipe']}: {meta['task']} | {meta['steps']} steps, batch {meta['batch_size']}, "
-                        f"{meta['device']}")
+    title = f"{meta['recipe']}: {meta['task']} | {meta['steps']} steps, batch {meta['batch_size']}, {meta['device']}"
+    table = Table(title=title + (" | INTERRUPTED: partial results" if meta.get("interrupted") else ""))
     for column in ("precision", "ms/step", "samples/s", "speedup", "peak mem MB", "final loss", "val acc",
                    "fp16 underflow", "skipped"):
         table.add_column(column, justify="left" if column == "precision" else "right")
@@ -196,7 +202,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.precisions is None:
         args.precisions = ["32-true", "bf16-mixed", "16-mixed"] + (["fp8"] if fp8_gpu_available() or args.emulate else [])
     else:
-        args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+        given = args.precisions
+        args.precisions = [p.strip() for p in given.split(",") if p.strip()]
+        if not args.precisions:
+            raise UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
     for p in args.precisions:
         if p not in PRECISIONS:
             raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
@@ -206,6 +215,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise UsageError(f"data folder {args.data_dir!r} does not exist")
+    try:  # before any training: an output folder that cannot be written must not cost the whole comparison
+        check_writable_dir(args.out, "--out")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     return args
 
 
@@ -221,16 +234,32 @@ def main(argv: list[str]) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.accelerator != "cpu" else "cpu"
     meta = {"recipe": args.recipe, "task": spec.task if not args.data_dir else args.data_dir, "chance": spec.chance,
             "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "device": device,
-            "torch": torch.__version__, "lightning": L.__version__}
-    rows = []
+            "torch": torch.__version__, "lightning": L.__version__, "interrupted": False}
+    rows: list[dict[str, Any]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as progress:
         for precision in args.precisions:
+            if meta["interrupted"]:
+                rows.append({"precision": precision, "error": "not run: the comparison was interrupted before it"})
+                continue
             task = progress.add_task(f"{args.recipe} {precision:>10}", total=args.steps)
             try:
                 rows.append(run_one(args.recipe, precision, args, on_step=lambda: progress.advance(task)))
+            except (KeyboardInterrupt, SystemExit):
+                # Lightning turns Ctrl-C inside `fit` into SystemExit(1) (and ignores SIGINT from then on): keep what
+                # finished, say what did not, and let a second Ctrl-C stop the report writing as usual.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                meta["interrupted"] = True
+                rows.append({"precision": precision, "error": "interrupted (Ctrl-C) while it ran"})
             except Exception as err:  # one failed precision must not lose the others
                 rows.append({"precision": precision, "error": f"{type(err).__name__}: {err}"})
-    files = write_reports(rows, Path(args.out), meta)
-    print_table(rows, meta)
+    add_speedups(rows)
+    print_table(rows, meta)  # first: whatever happens to the files, the results are on the screen
+    try:
+        files = write_reports(rows, Path(args.out), meta)
+    except OSError as err:
+        print(f"lightning-precision compare: could not write the report to {args.out!r}: {err}", file=sys.stderr)
+        return 1
     print("wrote " + ", ".join(files))
+    if meta["interrupted"]:
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     return 1 if any("error" in r for r in rows) else 0

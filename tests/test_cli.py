@@ -93,3 +93,85 @@ def test_doctor_runs(capsys):
 
 def test_unknown_command():
     assert cli.main(["train"]) == 2
+
+
+def _fail_if_trained(monkeypatch):
+    def run_one(*args, **kwargs):
+        raise AssertionError("a usage error must be reported before any training")
+
+    monkeypatch.setattr(compare, "run_one", run_one)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--precisions", ",,,"], r"--precisions ',,,' names no precision"),
+        (["--out", "{blocker}/report"], r"--out: cannot write into .*a-file"),
+        (["--out", "{blocker}"], r"--out: .*a-file' exists and is not a folder"),
+    ],
+)
+def test_bad_output_and_precisions_fail_before_any_training(args, message, tmp_path, capsys, monkeypatch):
+    import re
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _fail_if_trained(monkeypatch)
+    assert cli.main(["compare", *[a.format(blocker=blocker) for a in args]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err)
+
+
+TINY = ["--recipe", "vit", "--steps", "3", "--batch-size", "8", "--val-batches", "0"]
+
+
+def test_the_table_is_printed_before_the_files_are_written(tmp_path, capsys):
+    out = tmp_path / "r"
+    (out / "report.json").mkdir(parents=True)  # a real write failure after the training: a folder in the file's way
+    code = cli.main(["compare", *TINY, "--precisions", "32-true", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "32-true" in captured.out and "speedup" in captured.out  # the results reached the screen
+    assert "could not write the report" in captured.err
+
+
+def test_ctrl_c_keeps_the_finished_precisions(tmp_path, capsys, monkeypatch):
+    """A real SIGINT during the second precision's fit: Lightning turns it into SystemExit(1). What finished is kept
+    and written, the interrupted and the unrun precisions are marked, and the exit code says "interrupted"."""
+    import os
+    import signal
+
+    runs = []
+    start, end = compare.RunStats.on_train_start, compare.RunStats.on_train_batch_end
+
+    def on_train_start(self, *args):
+        runs.append(self)
+        start(self, *args)
+
+    def on_train_batch_end(self, *args):
+        end(self, *args)
+        if len(runs) == 2 and len(self.times) == 2:  # the second precision, after its second step
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(compare.RunStats, "on_train_start", on_train_start)
+    monkeypatch.setattr(compare.RunStats, "on_train_batch_end", on_train_batch_end)
+    out = tmp_path / "r"
+    code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed,16-mixed", "--out", str(out)])
+    assert code == 130
+    report = json.loads((out / "report.json").read_text())
+    rows = {r["precision"]: r for r in report["results"]}
+    assert report["meta"]["interrupted"] is True
+    assert "error" not in rows["32-true"] and len(rows["32-true"]["losses"]) == 3
+    assert "interrupted" in rows["bf16-mixed"]["error"] and "not run" in rows["16-mixed"]["error"]
+    assert "INTERRUPTED" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
+
+
+def test_fit_reports_a_plugins_bad_argument_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  plugins:\n    - class_path: lightning_precision.FP16MixedPrecision\n"
+                   "      init_args:\n        init_scale: -1.0\n")
+    code = cli.main(["fit", "--config", str(ROOT / "recipes" / "vit.yaml"), "--config", str(bad), *FEW_STEPS])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.splitlines() == [err] and "FP16MixedPrecision(init_scale=-1.0)` is invalid" in err
