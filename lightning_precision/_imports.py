@@ -6,7 +6,7 @@ extra that installs the missing package.
 
 from lightning_utilities.core.imports import RequirementCache
 
-_TORCHAO_AVAILABLE = RequirementCache("torchao>=0.10")
+_TORCHAO_AVAILABLE = RequirementCache("torchao>=0.11")
 _TRANSFORMER_ENGINE_AVAILABLE = RequirementCache("transformer-engine>=2.9")
 _DATASETS_AVAILABLE = RequirementCache("datasets")
 _TRANSFORMERS_AVAILABLE = RequirementCache("transformers")

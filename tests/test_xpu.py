@@ -5,6 +5,7 @@ XPU, ``torch.xpu``'s answers are stubbed, and the test says so. Nothing here has
 
 import importlib.metadata
 import math
+import re
 import sys
 import types
 
@@ -126,8 +127,13 @@ def ipex_metadata(monkeypatch):
 
 
 def test_ipex_for_another_torch_is_never_imported(ipex_metadata):
-    ipex_metadata("2.8.10+xpu")  # IPEX's last release, for torch 2.8: importing it here would os._exit(127)
-    with pytest.raises(RuntimeError, match=r"built for torch 2\.8, this is torch 2\.13.*ipex=False"):
+    # IPEX's last release is 2.8.10, for torch 2.8; whatever torch runs here, take an IPEX built for another minor
+    # version: importing it would os._exit(127).
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    other = "2.8" if (major, minor) != (2, 8) else "2.7"
+    ipex_metadata(f"{other}.10+xpu")
+    with pytest.raises(RuntimeError, match=rf"built for torch {re.escape(other)}, this is torch"
+                                           rf" {re.escape(torch.__version__)}.*ipex=False"):
         XPUPrecision(ipex=True)
     assert XPUPrecision(ipex="auto")._ipex_module is None  # quiet fallback to upstream torch
     assert "intel_extension_for_pytorch" not in sys.modules
