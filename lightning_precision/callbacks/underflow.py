@@ -218,10 +218,11 @@ class GradientUnderflowMonitor(Callback):
             if scaled is not None:
                 self._counts.add("param_scaled/fp16", scaled)
             hist = h if hist is None else hist + h
-        if lost is not None and probe is not None:
-            # A probe that overflowed says nothing: zero lost (a lower bound), and its overflow is remembered.
+        if lost is not None and compared is not None and probe is not None:
+            # A probe that overflowed says nothing: it adds neither losses nor elements (decided on the device), and
+            # its overflow is remembered so that the next probe is smaller.
             zero = torch.zeros_like(lost)
-            lost = torch.where(probe.finite, lost, zero)
+            lost, compared = torch.where(probe.finite, lost, zero), torch.where(probe.finite, compared, zero)
             self._counts.add("lost/fp16", CastStats(numel=compared, exact_zero=zero, underflow=lost, overflow=zero,
                                                     nonfinite=(~probe.finite).to(torch.int64)))
             hist = torch.where(probe.finite, probe.histogram.to(hist.device), hist) if hist is not None else hist
@@ -259,6 +260,10 @@ class GradientUnderflowMonitor(Callback):
         stats = self._counts.reduced(reduce)
         self._counts = _Counts()
         lost = stats.get("lost/fp16")
+        overflowed = lost is not None and int(lost.nonfinite) > 0  # read here, on a logging step
+        if lost is not None and int(lost.numel) == 0:
+            stats.pop("lost/fp16")  # every probe of the window overflowed: what was lost is unknown, not 0
+            lost = None
         metrics: dict[str, Tensor] = {}
         for key, s in stats.items():
             kind, name = key.split("/", 1)
@@ -281,8 +286,8 @@ class GradientUnderflowMonitor(Callback):
         layers = {k.split("/", 1)[1]: s.underflow_fraction for k, s in stats.items() if k.startswith("layer/")}
         for path in sorted(layers, key=lambda p: -float(layers[p]))[: self.top_k]:
             metrics[f"precision/underflow/{self.formats[0]}/{path}"] = layers[path]
-        if lost is not None and self.probe_factor is not None and self.probe_factor > 2 and int(lost.nonfinite) > 0:
-            self.probe_factor = 2.0 ** (int(math.log2(self.probe_factor)) // 2)  # read here, where it is logged
+        if overflowed and self.probe_factor is not None and self.probe_factor > 2:
+            self.probe_factor = 2.0 ** (int(math.log2(self.probe_factor)) // 2)
         return metrics
 
     def recommend_loss_scale(self) -> tuple[float, float, float]:
