@@ -50,3 +50,33 @@ def test_ddp_gloo_two_processes_agree(tmp_path, plugin_cls):
         # rank 1's gradients were finite, but the all-reduce carried rank 0's inf to it: both skipped, both backed off
         assert [r["skipped_steps"] for r in reports] == [1, 1]
         assert [r["loss_scale"] for r in reports] == [512.0, 512.0]
+
+
+class MonitorReport(LitNet):
+    """The issue's underflow case (loss times 1e-5 at loss scale 1) under DDP; every rank writes what it logged."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 1e-5
+
+    def on_train_end(self):
+        logged = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("precision/")}
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump(logged, f)
+
+
+def test_the_fp16_probe_runs_under_ddp_and_every_rank_logs_the_same(tmp_path):
+    """The probe backward (torch.autograd.grad with retain_graph) runs before DDP's own backward: no gradient hook of
+    DDP's fires for it, nothing hangs, and the counts are all-reduced like every other."""
+    from lightning_precision.callbacks import GradientUnderflowMonitor
+
+    monitor = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0)
+    t = trainer(FP16MixedPrecision(init_scale=1.0), strategy="ddp_spawn", devices=2, max_steps=2, log_every_n_steps=1,
+                callbacks=[monitor])
+    t.fit(MonitorReport(str(tmp_path)), loader(make_data(4)))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert reports[0] == reports[1]
+    assert reports[0]["precision/underflow/fp16/lost"] > 0.1
