@@ -6,6 +6,8 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
+from lightning_precision._lightning import batches_that_stepped, should_update_logs
+
 
 def check_every(owner: str, name: str, value: Optional[int]) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -16,5 +18,5 @@ def on_cadence(trainer: pl.Trainer, every: Optional[int]) -> bool:
     """Whether the coming optimizer step falls on the cadence: ``every`` steps, or the Trainer's logging steps when
     ``every`` is None. Answers the same from ``on_train_batch_start`` to ``on_before_optimizer_step``."""
     if every is None:
-        return trainer._logger_connector.should_update_logs
-    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
+        return should_update_logs(trainer)
+    return (batches_that_stepped(trainer) + 1) % every == 0

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, _TrackingGradScaler
 
@@ -140,7 +140,7 @@ class FP16MixedPrecision(_AutocastPrecision):
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        if _optimizer_handles_unscaling(optimizer):
+        if optimizer_handles_unscaling(optimizer):
             raise NotImplementedError(
                 f"`{type(optimizer).__name__}` unscales inside `step()` (a fused optimizer), so its gradients cannot"
                 " be unscaled for clipping. Use the non-fused optimizer to clip."

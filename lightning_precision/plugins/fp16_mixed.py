@@ -15,10 +15,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_precision._lightning import optimizer_handles_unscaling, should_update_logs
 from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricFP16MixedPrecision
 from lightning_precision.fabric.fp16_mixed import _check_optimizer
-from lightning_precision._lightning import optimizer_handles_unscaling as _optimizer_handles_unscaling
-from lightning_precision._lightning import should_update_logs
 from lightning_precision.plugins._schedulers import hold_step_schedulers
 from lightning_precision.plugins._trainer import LIGHTNING_AMP_KEY, _TrainerAutocast
 
@@ -77,7 +76,7 @@ class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
         closure_result = closure()
         # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
         skipped_backward = closure_result is None and model.automatic_optimization
-        if not skipped_backward and not _optimizer_handles_unscaling(optimizer):
+        if not skipped_backward and not optimizer_handles_unscaling(optimizer):
             self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
         if skipped_backward:
@@ -116,7 +115,7 @@ class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val > 0 and _optimizer_handles_unscaling(optimizer):
+        if clip_val > 0 and optimizer_handles_unscaling(optimizer):
             raise RuntimeError(
                 f"`{type(optimizer).__qualname__}` unscales gradients inside `step()` (a fused optimizer), so they"
                 " cannot be clipped. Use the non-fused optimizer, or drop `gradient_clip_val`."
