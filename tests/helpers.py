@@ -126,6 +126,21 @@ def fabric_loop(plugin: Any, ds: TensorDataset, steps: int, lr: float = 0.1) -> 
     return losses, net, fabric
 
 
+def count_host_reads(monkeypatch: Any) -> list[int]:
+    """From now until ``monkeypatch.undo()``, count host reads of tensors (``item``, ``float``, ``int``, ``bool``) in
+    ``reads[0]`` of the returned list, which the caller may reset."""
+    reads = [0]
+    for name in ("item", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            reads[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
 def params(module: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 

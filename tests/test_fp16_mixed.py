@@ -10,7 +10,16 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_precision import FP16MixedPrecision
 from lightning_precision import fabric as lp_fabric
-from tests.helpers import LitNet, assert_params_equal, fabric_loop, loader, make_data, params, trainer
+from tests.helpers import (
+    LitNet,
+    assert_params_equal,
+    count_host_reads,
+    fabric_loop,
+    loader,
+    make_data,
+    params,
+    trainer,
+)
 
 
 class Recorder(Callback):
@@ -197,15 +206,7 @@ class _QuietNet(LitNet):
 
 def _device_reads_per_step(plugin, monkeypatch, log_every_n_steps):
     """Counts host reads of tensors (`item`, `float`, `int`, `bool`) inside each `optimizer_step` of the plugin."""
-    counts, current = [], [0]
-    for name in ("item", "__float__", "__int__", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            current[0] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    counts, current = [], count_host_reads(monkeypatch)
     step = plugin.optimizer_step
 
     def counting_step(*args, **kwargs):

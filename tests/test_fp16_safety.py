@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_precision import FP16MixedPrecision, SkippedStepsError
 from lightning_precision import fabric as lp_fabric
-from tests.helpers import LitNet, assert_params_equal, loader, make_data, params, trainer
+from tests.helpers import LitNet, assert_params_equal, count_host_reads, loader, make_data, params, trainer
 
 BIG = 1e6  # fp16 max is 65504: inputs this large make the first layer's output (and the loss) inf
 
@@ -64,19 +64,24 @@ def test_the_streak_resets_on_a_clean_step():
     assert plugin.skipped_steps == 4 and all_finite(net)
 
 
-def test_fused_optimizers_are_checked_too_without_a_read_every_step():
+def test_fused_optimizers_are_checked_too_without_a_read_every_step(monkeypatch):
     """A fused optimizer unscales inside step(): the host never learns about skips for free, so the streak is read
-    from the device once every max_consecutive_skips updates."""
-    plugin = lp_fabric.FP16MixedPrecision(max_consecutive_skips=4)
+    from the device once every max_consecutive_skips updates, and on no other step."""
+    plugin = lp_fabric.FP16MixedPrecision(max_consecutive_skips=4, skip_schedulers_on_overflow=False)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     net = nn.Linear(16, 4)
     model, opt = fabric.setup(net, torch.optim.Adam(net.parameters(), fused=True))
     x = torch.full((2, 16), BIG)
+    reads, per_iteration = count_host_reads(monkeypatch), []
     with pytest.raises(SkippedStepsError, match="skipped 4 optimizer steps"):
         for _ in range(8):
-            fabric.backward(model(x).sum())
+            reads[0] = 0
+            fabric.backward(model(x).sum())  # applies the previous step's update, where the streak is checked
             opt.step()
             opt.zero_grad()
+            per_iteration.append(reads[0])
+    monkeypatch.undo()
+    assert per_iteration == [0, 0, 0, 0]  # the fifth backward applied the fourth update: the one read, then the error
 
 
 @pytest.mark.parametrize("bad", [0.0, float("nan"), -8.0, float("inf")])

@@ -290,3 +290,18 @@ def test_more_bad_arguments(kwargs, match):
 def test_one_format_may_be_given_as_a_string():
     assert GradientUnderflowMonitor(formats="fp16").formats == ("fp16",)  # not ('f', 'p', '1', '6')
     assert GradientUnderflowMonitor(formats=torch.bfloat16).formats == ("bf16",)
+
+
+def test_a_probe_that_saw_other_values_costs_only_the_lost_count():
+    """A sparse gradient can store other values in the probe than in the real backward: that tensor then adds nothing
+    to the lost count, and its own statistics stand (no "cannot measure", nothing dropped)."""
+    monitor = GradientUnderflowMonitor(formats="fp16", top_k=0)
+    w = torch.nn.Parameter(torch.ones(6))
+    monitor.probe_backward((w * 1e-3).sum(), [("w", w)], loss_scale=1.0)
+    real = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([2.0**-30, 1.0]), (6,))  # 2 stored values
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monitor.measure_gradients({"w": real}, loss_scale=1.0)
+    metrics = monitor.compute()
+    assert float(metrics["precision/underflow/fp16"]) == pytest.approx(0.5)  # the stored values were measured
+    assert "precision/underflow/fp16/lost" not in metrics  # nothing comparable: unknown, not 0

@@ -92,7 +92,8 @@ def test_an_explicit_device_that_is_not_where_the_model_lives_is_an_error_with_f
         model(torch.ones(1, 4))
 
 
-def test_a_model_partly_offloaded_to_the_cpu_is_not_a_mismatch():
+def test_meta_tensors_do_not_count_as_a_device():
+    """A model partly on meta (deferred initialisation) lives where its real tensors are."""
     plugin = lp_fabric.BF16MixedPrecision(device="cpu")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to("meta"))
     plugin.convert_module(model)

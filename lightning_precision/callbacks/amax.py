@@ -267,8 +267,12 @@ class AmaxHistoryLogger(Callback):
                 continue
             history, scale = te_state
             n = min(self.history_len, history.shape[0])
-            slots = [(self._pos + r) % self.history_len for r in range(n)]  # TE's row r is our ring slot _pos + r
-            self._ring[slots, i] = history[:n].to(self._ring)
+            rows = history[:n].to(self._ring)
+            # TE's row r is our ring slot (_pos + r) % history_len: two slices, no index tensor (which would be a
+            # host-to-device copy every step)
+            head = min(n, self.history_len - self._pos)
+            self._ring[self._pos : self._pos + head, i] = rows[:head]
+            self._ring[: n - head, i] = rows[head:]
             self._te_scale[i] = scale.to(self._ring)
             self._ran[i] = True
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision.callbacks._cadence import check_every, on_cadence
-from lightning_precision.fabric._scaler import ScalerConfig
+from lightning_precision.fabric._scaler import ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format
 from lightning_precision.functional import (
     HIST_MAX,
@@ -51,8 +51,7 @@ def loss_scale_of(plugin: Any) -> Optional[Tensor]:
     scaler = getattr(plugin, "scaler", None)
     if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
         return None
-    scale = scaler._scale
-    return scale.detach().clone() if scale is not None else torch.tensor(float(scaler._init_scale))
+    return scale_of(scaler)
 
 
 def _module_path(param_name: str) -> str:
@@ -203,14 +202,18 @@ class GradientUnderflowMonitor(Callback):
                 continue
             try:
                 per_format, scaled, h = gradient_stats(g, self.formats, loss_scale)
-                if probe is not None and name in probe.nonzero:
-                    flushed = torch.count_nonzero((measurable_values(g) == 0) & probe.nonzero[name])
-                    lost = flushed if lost is None else lost + flushed
-                    n = torch.zeros((), dtype=torch.int64, device=flushed.device) + probe.nonzero[name].numel()
-                    compared = n if compared is None else compared + n
             except (RuntimeError, TypeError, ValueError) as err:
                 self._skip(name, err)
                 continue
+            values = measurable_values(g)
+            probed = probe.nonzero.get(name) if probe is not None else None
+            # Compared element for element only where the probe saw the same values (a sparse gradient may store
+            # others): elsewhere this tensor adds nothing to the lost count, and its own statistics stand.
+            if probed is not None and probed.shape == values.shape:
+                flushed = torch.count_nonzero((values == 0) & probed)
+                lost = flushed if lost is None else lost + flushed
+                n = torch.zeros((), dtype=torch.int64, device=flushed.device) + probed.numel()
+                compared = n if compared is None else compared + n
             for fmt, stats in per_format.items():
                 self._counts.add(f"param/{fmt}", stats)
             if self.top_k:

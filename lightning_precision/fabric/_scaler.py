@@ -14,8 +14,8 @@ Three holes of torch's scaler are closed here:
   them, and the host-side answer torch already computed for ordinary optimizers is kept, so that "was this step
   skipped?" is free there.
 
-It relies on torch's ``_per_optimizer_states``, ``_maybe_opt_step`` and ``_scale`` (stable since torch 1.6); the tests
-of this module fail if torch changes them.
+It relies on torch's ``_per_optimizer_states``, ``_maybe_opt_step``, ``_scale`` and ``_init_scale`` (stable since torch
+1.6), read here only; the tests of this module fail if torch changes them.
 """
 
 from __future__ import annotations
@@ -210,9 +210,7 @@ class _TrackingGradScaler(torch.amp.GradScaler):
 
     def scale_tensor(self) -> torch.Tensor:
         """The current loss scale, on its device when it exists (no synchronisation)."""
-        if self._scale is None:
-            return torch.tensor(self._init_scale)
-        return self._scale.detach().clone()
+        return scale_of(self)
 
     def state_dict(self) -> dict[str, Any]:
         # Flat, as Lightning's MixedPrecision saves it, plus our counters: either plugin can load the other's state.
@@ -271,3 +269,10 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         self._streak = int(state_dict.get("consecutive_skips", 0))
         self._host_streak = self._streak
 
+
+def scale_of(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """The current scale of any ``GradScaler`` (ours or Lightning's) as a tensor on its device, without synchronising:
+    torch's public ``get_scale()`` reads the host, so this reads ``_scale`` (``_init_scale`` before the first step)."""
+    if scaler._scale is None:
+        return torch.tensor(float(scaler._init_scale))
+    return scaler._scale.detach().clone()
