@@ -1,44 +1,56 @@
 """``lightning-precision compare``: one recipe under several precisions, same seed and steps, side by side.
 
-Per precision: median step time, samples/s, speedup over 32-true, peak memory, final loss, validation accuracy,
-gradient underflow fraction (fp16, at the loss scale in effect) and skipped steps. A table on the terminal, and
-``report.json``, ``report.csv``, ``loss.png``, ``throughput.png``, ``memory.png`` in the output folder.
+Each precision trains in its own process, and the processes take turns: a block of steps each, in an order that
+rotates every round, so a machine that slows down or speeds up during the comparison slows every precision alike, and
+each precision's memory is its own process's, whatever the run order. The speedup is the median over rounds of the
+paired ratio (32-true's block over this precision's block, measured back to back), with its interquartile range; a
+speedup whose range includes 1x is flagged as not resolved.
+
+Per precision: step time (median and interquartile range), samples/s, speedup, peak memory, final loss, validation
+accuracy, gradient underflow in fp16 (at the loss scale in effect) and skipped steps. A table on the terminal, and
+``report.md``, ``report.json`` (with the machine), ``report.csv``, ``loss.png``, ``throughput.png`` and ``memory.png`` in
+the output folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import logging
-import os
+import multiprocessing
+import resource
+import shlex
 import signal
 import statistics
-import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from lightning_precision._io import check_writable_dir
-from lightning_precision.callbacks import GradientUnderflowMonitor
-from lightning_precision.fp8 import fp8_gpu_available
 from lightning_precision.recipes import RECIPES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8")
-WARMUP = 3
+WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
+QUICK_STEPS, QUICK_VAL_BATCHES = 30, 2
+NOISY = 0.25  # interquartile range / median of step times above which a row is flagged as measured on a busy machine
+MIN_PAIRS = 3  # paired blocks needed before a speedup can count as resolved
 
 
 class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
+def one_line(text: str) -> str:
+    """A message as one line: the whole of it, whitespace runs folded."""
+    return " ".join(str(text).split())
+
+
 def make_plugin(precision: str, emulate: bool) -> Any:
     from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
+    from lightning_precision.fp8 import fp8_gpu_available
 
     if precision == "32-true":
         return None
@@ -50,58 +62,147 @@ def make_plugin(precision: str, emulate: bool) -> Any:
     return FP8Precision(emulate=emulate and not fp8_gpu_available(), skip_small_layers=not emulate)
 
 
+# ---------------------------------------------------------------------------------------------------------- planning
+
+
+def on_gpu(args: argparse.Namespace) -> bool:
+    return torch.cuda.is_available() and args.accelerator in ("auto", "cuda", "gpu")
+
+
+def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
+    """Whether this precision's arithmetic is emulated where it runs: its speed then says nothing about the format."""
+    if precision == "fp8":
+        from lightning_precision.fp8 import fp8_gpu_available
+
+        return not fp8_gpu_available()
+    if gpu or precision == "32-true":
+        return False
+    return not machine["cpu"][f"native_{'bf16' if precision == 'bf16-mixed' else 'fp16'}"]
+
+
+def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The precisions this machine can compare usefully, and a line for each one left out, saying why."""
+    from lightning_precision._imports import _TORCHAO_AVAILABLE
+    from lightning_precision.fp8 import fp8_gpu_available
+
+    chosen, notes = ["32-true", "bf16-mixed"], []
+    gpu = on_gpu(args)
+    if gpu or machine["cpu"]["native_fp16"]:
+        chosen.append("16-mixed")
+    else:
+        notes.append("16-mixed left out: this CPU has no fp16 arithmetic (torch emulates it, several times slower than"
+                     " 32-true). Add it with --precisions 32-true,bf16-mixed,16-mixed to check its numerics.")
+    if fp8_gpu_available() or args.emulate:
+        if _TORCHAO_AVAILABLE:
+            chosen.append("fp8")
+        else:
+            notes.append("fp8 left out: torchao is not installed (pip install 'lightning-precision[fp8]').")
+    return chosen, notes
+
+
+def precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
+    """Why this precision cannot run here, found before any precision starts; None if it can."""
+    from lightning_precision._imports import _TORCHAO_AVAILABLE
+
+    if precision == "fp8" and not _TORCHAO_AVAILABLE:
+        return "fp8 needs torchao, which is not installed: pip install 'lightning-precision[fp8]'"
+    if precision == "bf16-mixed" and on_gpu(args) and not torch.cuda.is_bf16_supported():
+        return f"bf16-mixed needs a GPU with bf16 (compute capability >= 8.0); {torch.cuda.get_device_name()} has none"
+    try:
+        make_plugin(precision, args.emulate)
+    except Exception as err:  # a constructor's own check (hardware, versions): its message is the reason
+        return f"{type(err).__name__}: {one_line(err)}"
+    return None
+
+
+def block_size(steps: int) -> int:
+    """Steps per turn: about ten turns per run."""
+    return max(1, steps // 10)
+
+
+# ------------------------------------------------------------------------------------------------- the child process
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(f.read().split()[1]) * resource.getpagesize()
 
 
-class RunStats(Callback):
-    """Step times, losses, memory, and a progress callback, for one run."""
-
-    def __init__(self, on_step: Any = None) -> None:
-        self.times: list[float] = []
-        self._losses: list[torch.Tensor] = []
-        self.on_step = on_step
-        self.cuda = torch.cuda.is_available()
-        self.rss_start = self.rss_peak = 0
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        self.rss_start = self.rss_peak = _rss_bytes()
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter() - self._t0)
-        self._losses.append(outputs["loss"].detach())  # read once, after the run: no device read inside the timing
-        self.rss_peak = max(self.rss_peak, _rss_bytes())
-        if self.on_step:
-            self.on_step()
-
-    @property
-    def losses(self) -> list[float]:
-        return torch.stack(self._losses).float().tolist() if self._losses else []
-
-    def peak_memory_mb(self) -> float:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated() / 2**20
-        return (self.rss_peak - self.rss_start) / 2**20
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def run_one(recipe: str, precision: str, args: argparse.Namespace, on_step: Any = None) -> dict[str, Any]:
+def _run_stats_class() -> type:
+    from lightning.pytorch.callbacks import Callback
+
+    class RunStats(Callback):
+        """Step times and losses of one run; waits for its turn at every block start (``gate``) and hands each
+        finished block to ``on_block``. Times exclude the waits."""
+
+        def __init__(self, block: int, gate: Callable[[], None], on_block: Callable[..., None]) -> None:
+            self.block, self.gate, self.on_block = block, gate, on_block
+            self.times: list[float] = []
+            self._losses: list[torch.Tensor] = []
+            self.sent = 0
+            self.cuda = torch.cuda.is_available()
+            self.rss_start = 0
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            self.rss_start = _rss_bytes()
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if len(self.times) % self.block == 0:
+                if self.times:
+                    self.flush()
+                self.gate()
+            if self.cuda:
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *args: Any) -> None:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._t0)
+            self._losses.append(outputs["loss"].detach())  # read at the block's end: no device read inside a step
+
+        def peak_memory_mb(self) -> float:
+            if self.cuda:
+                return torch.cuda.max_memory_allocated() / 2**20
+            return max(0, _peak_rss_bytes() - self.rss_start) / 2**20
+
+        def flush(self) -> None:
+            """Hand over the steps not handed over yet."""
+            losses = torch.stack(self._losses[self.sent:]).float().tolist() if len(self._losses) > self.sent else []
+            self.on_block(self.times[self.sent:], losses, self.peak_memory_mb())
+            self.sent = len(self.times)
+
+    return RunStats
+
+
+def quiet_lightning() -> None:
+    """One table, not a Trainer banner and hints per precision; Lightning's known-harmless notices go too."""
+    for pattern in (".*does not have many workers.*", ".*GPU available but not used.*", r".*isinstance\(treespec, LeafSpec\).*"):
+        warnings.filterwarnings("ignore", pattern)
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callable[[], None] = lambda: None,
+            on_block: Callable[..., None] = lambda *a: None) -> dict[str, Any]:
+    """Train ``recipe`` under ``precision`` in this process; the figures that need the whole run (validation accuracy,
+    underflow, skipped steps). Step times and losses go to ``on_block`` as they come."""
+    import lightning as L
+
+    from lightning_precision.callbacks import GradientUnderflowMonitor
+
     L.seed_everything(args.seed, verbose=False)
-    spec = RECIPES[recipe]
     data_args = {"batch_size": args.batch_size, "seed": args.seed}
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
-    model, data = spec.build(data_args=data_args)
-    stats = RunStats(on_step)
+    model, data = RECIPES[recipe].build(data_args=data_args)
+    stats = _run_stats_class()(block_size(args.steps), gate, on_block)
     monitor = GradientUnderflowMonitor(formats=("fp16",), top_k=0, warn_threshold=1.0,
                                        measure_every_n_steps=max(1, args.steps // 10), log_every_n_steps=args.steps)
     plugin = make_plugin(precision, args.emulate)
@@ -112,105 +213,260 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, on_step: Any 
         check_val_every_n_epoch=10**9, log_every_n_steps=args.steps,  # validation once, after the timed steps
     )
     trainer.fit(model, data)
+    stats.flush()
     metrics = dict(trainer.callback_metrics)
+    gate()  # validation takes a turn too: it must not run beside another precision's timed steps
     val = trainer.validate(model, datamodule=data, verbose=False)[0] if args.val_batches else {}
-    times, losses = stats.times[WARMUP:] or stats.times, stats.losses
-    step = statistics.median(times)
     underflow = metrics.get("precision/underflow/fp16/scaled", metrics.get("precision/underflow/fp16"))
     return {
-        "precision": precision,
-        "median_step_ms": step * 1e3,
-        "samples_per_s": args.batch_size / step,
-        "peak_memory_mb": stats.peak_memory_mb(),
-        "final_loss": statistics.mean(losses[-5:]),
         "val_acc": float(val["val_acc"]) if "val_acc" in val else None,
         "grad_underflow_fp16": float(underflow) if underflow is not None else None,
-        "skipped_steps": getattr(trainer.precision_plugin, "skipped_steps", 0),
-        "losses": losses,
+        "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
     }
 
 
-def add_speedups(rows: list[dict[str, Any]]) -> None:
-    ok = [r for r in rows if "error" not in r]
-    base = next((r for r in ok if r["precision"] == "32-true"), None)
-    for r in ok:
-        r["speedup"] = base["median_step_ms"] / r["median_step_ms"] if base else None
+def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> None:
+    """A spawned process: one precision's run, taking turns when the parent says "go"."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops every run at once
+    quiet_lightning()
 
+    def gate() -> None:
+        conn.send(("yield",))
+        if conn.recv() != "go":
+            raise SystemExit(0)
 
-def write_reports(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> list[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    ok = [r for r in rows if "error" not in r]
-    (out / "report.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    columns = ["precision", "median_step_ms", "samples_per_s", "speedup", "peak_memory_mb", "final_loss", "val_acc",
-               "grad_underflow_fp16", "skipped_steps", "error"]
-    with open(out / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    files = [str(out / "report.json"), str(out / "report.csv")]
+    def on_block(times: list[float], losses: list[float], peak_mb: float) -> None:
+        conn.send(("block", times, losses, peak_mb))
+
     try:
-        from lightning_precision.plotting import plot_compare
+        result = run_one(recipe, precision, args, gate, on_block)
+    except BaseException as err:  # noqa: BLE001  (the parent reports it; nothing must be lost silently)
+        if isinstance(err, SystemExit) and err.code == 0:
+            return
+        conn.send(("error", f"{type(err).__name__}: {one_line(err)}", traceback.format_exc()))
+        return
+    conn.send(("done", result))
 
-        files += plot_compare(ok, out)
-    except ModuleNotFoundError as err:  # matplotlib missing: the table, JSON and CSV still stand
-        warnings.warn(str(err))
-    return files
+
+# ------------------------------------------------------------------------------------------------ the parent process
 
 
-def print_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    from rich.table import Table
+class Run:
+    """The parent's record of one precision's process: what it has reported so far."""
 
-    from lightning_precision._console import console
+    def __init__(self, precision: str, process: Any, conn: Any) -> None:
+        self.precision, self.process, self.conn = precision, process, conn
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.blocks: list[list[float]] = []
+        self.peak_mb: Optional[float] = None
+        self.result: Optional[dict[str, Any]] = None
+        self.error: Optional[str] = None
+        self.detail: Optional[str] = None
 
-    title = f"{meta['recipe']}: {meta['task']} | {meta['steps']} steps, batch {meta['batch_size']}, {meta['device']}"
-    table = Table(title=title + (" | INTERRUPTED: partial results" if meta.get("interrupted") else ""))
-    for column in ("precision", "ms/step", "samples/s", "speedup", "peak mem MB", "final loss", "val acc",
-                   "fp16 underflow", "skipped"):
-        table.add_column(column, justify="left" if column == "precision" else "right")
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
 
-    def fmt(value: Optional[float], spec: str) -> str:
-        return "-" if value is None else format(value, spec)
+    def take_turn(self, on_step: Callable[[int], None]) -> None:
+        """Let the process run until it yields (a block done) or ends (its result, or an error)."""
+        self.conn.send("go")
+        self.wait(on_step)
 
-    for r in rows:
-        if "error" in r:
-            table.add_row(r["precision"], f"[red]failed: {r['error'][:60]}[/red]", *[""] * 7)
+    def wait(self, on_step: Callable[[int], None]) -> None:
+        while True:
+            while not self.conn.poll(0.2):
+                if not self.process.is_alive():
+                    self.fail_from_exit()
+                    return
+            try:
+                message = self.conn.recv()
+            except EOFError:
+                self.fail_from_exit()
+                return
+            kind = message[0]
+            if kind == "block":
+                times, losses, self.peak_mb = message[1], message[2], message[3]
+                self.times += times
+                self.losses += losses
+                self.blocks.append(times)
+                on_step(len(times))
+            elif kind == "yield":
+                return
+            elif kind == "done":
+                self.result = message[1]
+                self.process.join()
+                return
+            elif kind == "error":
+                self.error, self.detail = message[1], message[2]
+                self.process.join()
+                return
+
+    def fail_from_exit(self) -> None:
+        self.process.join(timeout=5)
+        code = self.process.exitcode
+        why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        hint = " (signal 9 is often the out-of-memory killer)" if code == -signal.SIGKILL else ""
+        self.error = f"its process ended before finishing: {why}{hint}"
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def start(recipe: str, precision: str, args: argparse.Namespace) -> Run:
+    context = multiprocessing.get_context("spawn")  # fork after torch has threads can deadlock; CUDA needs spawn too
+    parent, child = context.Pipe()
+    process = context.Process(target=_child, args=(child, recipe, precision, args), daemon=True,
+                              name=f"compare-{precision}")
+    process.start()
+    child.close()
+    return Run(precision, process, parent)
+
+
+def advance(progress: Any, task: Any, steps: int) -> None:
+    """The progress bar of one precision moved by ``steps``."""
+    progress.advance(task, steps)
+
+
+def run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> tuple[dict[str, Run], bool]:
+    """Start every precision's process, then take turns until all are done; True as second value if interrupted."""
+    runs = {p: start(args.recipe, p, args) for p in precisions}
+    tasks = {p: progress.add_task(f"{args.recipe} {p:>10}", total=args.steps) for p in precisions}
+    interrupted = False
+    try:
+        for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
+            run.wait(lambda n: None)
+        turn = 0
+        while not all(r.finished for r in runs.values()):
+            order = precisions[turn % len(precisions):] + precisions[: turn % len(precisions)]
+            for p in order:  # the order rotates: no precision always runs first after a pause
+                if not runs[p].finished:
+                    runs[p].take_turn(lambda n, p=p: advance(progress, tasks[p], n))
+            turn += 1
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        for run in runs.values():
+            run.stop()
+    return runs, interrupted
+
+
+# --------------------------------------------------------------------------------------------------------- the rows
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def _timed(run: Run) -> list[list[float]]:
+    """The run's blocks with the warm-up steps left out (empty blocks dropped)."""
+    blocks, seen = [], 0
+    for block in run.blocks:
+        kept = block[max(0, WARMUP - seen):]
+        seen += len(block)
+        blocks.append(kept)
+    return blocks
+
+
+def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interrupted: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {"precision": run.precision, "steps_done": len(run.times),
+                           "emulated": emulated(run.precision, machine, on_gpu(args)), "losses": run.losses}
+    if run.error:
+        row["error"] = run.error
+        if run.detail:
+            row["traceback"] = run.detail
+    elif run.result is None:
+        row["error"] = (f"interrupted (Ctrl-C) after {len(run.times)} of {args.steps} steps" if interrupted
+                        else "did not finish")
+    times = [t for block in _timed(run) for t in block] or run.times
+    if times:
+        q1, median, q3 = quartiles(times)
+        row.update(median_step_ms=median * 1e3, step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3,
+                   samples_per_s=args.batch_size / median, spread=(q3 - q1) / median,
+                   noisy=(q3 - q1) / median > NOISY)
+    row["peak_memory_mb"] = run.peak_mb
+    row["final_loss"] = statistics.mean(run.losses[-5:]) if run.losses else None
+    row.update(run.result or {"val_acc": None, "grad_underflow_fp16": None, "skipped_steps": None})
+    return row
+
+
+def add_speedups(rows: list[dict[str, Any]], runs: dict[str, Run]) -> None:
+    """Speedup over 32-true from blocks measured back to back: the median of the paired ratios, their interquartile
+    range, and whether that range excludes 1x (with at least ``MIN_PAIRS`` pairs)."""
+    if "32-true" not in runs:
+        return
+    base = [statistics.median(b) if b else None for b in _timed(runs["32-true"])]
+    for row in rows:
+        if "median_step_ms" not in row:
             continue
-        table.add_row(r["precision"], fmt(r["median_step_ms"], ".1f"), fmt(r["samples_per_s"], ".0f"),
-                      fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""), fmt(r["peak_memory_mb"], ".0f"),
-                      fmt(r["final_loss"], ".3f"), fmt(r["val_acc"], ".3f"), fmt(r["grad_underflow_fp16"], ".2e"),
-                      str(r["skipped_steps"]))
-    console().print(table)
+        if row["precision"] == "32-true":
+            row.update(speedup=1.0, speedup_resolved=None)  # the reference itself
+            continue
+        mine = [statistics.median(b) if b else None for b in _timed(runs[row["precision"]])]
+        ratios = [b / m for b, m in zip(base, mine) if b and m]
+        if not ratios:
+            continue
+        q1, median, q3 = quartiles(ratios)
+        row.update(speedup=median, speedup_q1=q1, speedup_q3=q3, speedup_pairs=len(ratios),
+                   speedup_resolved=len(ratios) >= MIN_PAIRS and (q1 > 1 or q3 < 1))
+
+
+# -------------------------------------------------------------------------------------------------------- arguments
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lightning-precision compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default="distilbert", help=f"one of {', '.join(RECIPES)} (default distilbert)")
+    from lightning_precision.fp8 import fp8_gpu_available
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-precision compare", description=__doc__.splitlines()[0],
+        epilog="Run `lightning-precision doctor` to see what this machine supports natively. Exit codes: 0 all ran, 1"
+               " a precision failed or the report could not be written, 2 bad arguments, 130 interrupted.")
+    parser.add_argument("--recipe", default="distilbert", help=f"the recipe: {', '.join(RECIPES)} (default: distilbert)")
     parser.add_argument("--precisions", default=None,
-                        help="comma-separated, from 32-true, bf16-mixed, 16-mixed, fp8 (default: the first three, plus"
-                             " fp8 on a GPU of compute capability >= 8.9 or with --emulate)")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--val-batches", type=int, default=8, help="validation batches for the accuracy (0: none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--accelerator", default="auto", help="auto, cpu, cuda, ...")
-    parser.add_argument("--data-dir", default=None, help="real data for the recipe (aclImdb, ImageFolder, ...)")
-    parser.add_argument("--emulate", action="store_true", help="allow fp8 without fp8 hardware (torchao emulation)")
-    parser.add_argument("--out", default="compare-report", help="output folder (default ./compare-report)")
+                        help="comma-separated, from 32-true, bf16-mixed, 16-mixed, fp8 (default: chosen for this"
+                             " machine: 32-true and bf16-mixed; 16-mixed where fp16 arithmetic is native (any CUDA GPU,"
+                             " CPUs with AVX512-FP16/AMX-FP16); fp8 on a GPU of compute capability >= 8.9 or with"
+                             " --emulate)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"training steps per precision (default: 100; {QUICK_STEPS} with --quick)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
+    parser.add_argument("--val-batches", type=int, default=None,
+                        help=f"validation batches for the accuracy, 0 for none (default: 8; {QUICK_VAL_BATCHES} with"
+                             " --quick)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and their order (default: 0)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a rough first look: {QUICK_STEPS} steps, {QUICK_VAL_BATCHES} validation batches")
+    parser.add_argument("--accelerator", default="auto", help="auto, cpu, cuda, ... (default: auto)")
+    parser.add_argument("--data-dir", default=None,
+                        help="real data for the recipe: aclImdb for distilbert, an ImageFolder for vit and resnet50"
+                             " (default: the recipe's embedded generated task)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="allow fp8 without fp8 hardware (torchao emulation: numerics, not speed)")
+    parser.add_argument("--out", default="compare-report", help="output folder (default: ./compare-report)")
     args = parser.parse_args(argv)
     if args.recipe not in RECIPES:
         raise UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
-    if args.precisions is None:
-        args.precisions = ["32-true", "bf16-mixed", "16-mixed"] + (["fp8"] if fp8_gpu_available() or args.emulate else [])
-    else:
+    args.steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else 100)
+    args.val_batches = args.val_batches if args.val_batches is not None else (QUICK_VAL_BATCHES if args.quick else 8)
+    if args.precisions is not None:
         given = args.precisions
-        args.precisions = [p.strip() for p in given.split(",") if p.strip()]
+        args.precisions = list(dict.fromkeys(p.strip() for p in given.split(",") if p.strip()))
         if not args.precisions:
             raise UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
-    for p in args.precisions:
-        if p not in PRECISIONS:
-            raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
-    if "fp8" in args.precisions and not (fp8_gpu_available() or args.emulate):
-        raise UsageError("fp8 needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics emulated")
+        for p in args.precisions:
+            if p not in PRECISIONS:
+                raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
+        if "fp8" in args.precisions and not (fp8_gpu_available() or args.emulate):
+            raise UsageError("fp8 needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
+                             " emulated")
     if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
         raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
@@ -222,41 +478,57 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+# ------------------------------------------------------------------------------------------------------------- main
+
+
 def main(argv: list[str]) -> int:
-    args = parse(argv)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*GPU available but not used.*")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
-        logging.getLogger(name).setLevel(logging.WARNING)  # one table, not a Trainer banner per precision
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from lightning_precision import _report
+    from lightning_precision._console import console
+    from lightning_precision._machine import describe, machine_info
+
+    args = parse(argv)
+    machine = machine_info()
+    notes: list[str] = []
+    if args.precisions is None:
+        args.precisions, notes = default_precisions(machine, args)
     spec = RECIPES[args.recipe]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.accelerator != "cpu" else "cpu"
+    gpu = on_gpu(args)
     meta = {"recipe": args.recipe, "task": spec.task if not args.data_dir else args.data_dir, "chance": spec.chance,
-            "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "device": device,
-            "torch": torch.__version__, "lightning": L.__version__, "interrupted": False}
-    rows: list[dict[str, Any]] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as progress:
-        for precision in args.precisions:
-            if meta["interrupted"]:
-                rows.append({"precision": precision, "error": "not run: the comparison was interrupted before it"})
-                continue
-            task = progress.add_task(f"{args.recipe} {precision:>10}", total=args.steps)
-            try:
-                rows.append(run_one(args.recipe, precision, args, on_step=lambda: progress.advance(task)))
-            except (KeyboardInterrupt, SystemExit):
-                # Lightning turns Ctrl-C inside `fit` into SystemExit(1) (and ignores SIGINT from then on): keep what
-                # finished, say what did not, and let a second Ctrl-C stop the report writing as usual.
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                meta["interrupted"] = True
-                rows.append({"precision": precision, "error": "interrupted (Ctrl-C) while it ran"})
-            except Exception as err:  # one failed precision must not lose the others
-                rows.append({"precision": precision, "error": f"{type(err).__name__}: {err}"})
-    add_speedups(rows)
-    print_table(rows, meta)  # first: whatever happens to the files, the results are on the screen
+            "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "val_batches": args.val_batches,
+            "quick": args.quick, "device": torch.cuda.get_device_name() if gpu else "cpu",
+            "machine_line": describe(machine, "cuda" if gpu else "cpu"), "machine": machine, "notes": notes,
+            "schedule": f"interleaved, {block_size(args.steps)} steps per turn, first {WARMUP} steps untimed",
+            "interrupted": False, "command": shlex.join(["lightning-precision", "compare", *argv])}
+    out = console()
+    out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
+    for note in notes:
+        out.print(f"note: {note}", highlight=False, markup=False)
+    doomed = {p: why for p in args.precisions if (why := precheck(p, args))}
+    for p, why in doomed.items():
+        out.print(f"{p} cannot run here: {why}", style="red", highlight=False, markup=False)
+    runnable = [p for p in args.precisions if p not in doomed]
+    quiet_lightning()
+    runs: dict[str, Run] = {}
+    if runnable:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=out) as progress:
+            runs, meta["interrupted"] = run_all(args, runnable, progress)
+    rows = []
+    for p in args.precisions:
+        if p in doomed:
+            rows.append({"precision": p, "error": doomed[p], "steps_done": 0, "losses": []})
+        else:
+            rows.append(make_row(runs[p], args, machine, meta["interrupted"]))
+    add_speedups(rows, runs)
+    meta["verdict"] = _report.verdict(rows, meta)
+    _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     try:
-        files = write_reports(rows, Path(args.out), meta)
+        files = _report.write_reports(rows, Path(args.out), meta)
     except OSError as err:
+        import sys
+
         print(f"lightning-precision compare: could not write the report to {args.out!r}: {err}", file=sys.stderr)
         return 1
     print("wrote " + ", ".join(files))

@@ -18,7 +18,8 @@ def plot_exponent_histogram(
     histograms: Mapping[str, Tensor], path: str, formats: Sequence[str] = ("fp16", "bf16", "e4m3fn", "e5m2")
 ) -> str:
     """The distribution of log2|g|, with each format's representable range marked, as in the figure of the 2018
-    mixed-precision paper (Micikevicius et al.): values left of a format's subnormal limit flush to zero in it."""
+    mixed-precision paper (Micikevicius et al.). Values are unscaled; round-to-nearest sends those below half of a
+    format's smallest subnormal to zero (between half and it they round up to it)."""
     require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
@@ -53,8 +54,11 @@ def plot_exponent_histogram(
         ax.text(max(f.min_exponent, left) + 0.5, y + 0.025, f"{f.name}: 2^{f.min_exponent} .. 2^{f.max_exponent + 1}",
                 color=color, fontsize=8, transform=ax.get_xaxis_transform(), clip_on=False)
     ax.set_yscale("log")
-    ax.set_xlabel("log2 |gradient|   (dashed: smallest subnormal of each format; values left of it flush to zero)")
+    ax.set_xlabel("log2 |gradient|, unscaled (divided by the loss scale in effect)\n"
+                  "dashed: each format's smallest subnormal; round-to-nearest sends values below half of it to zero")
     ax.set_ylabel("fraction of non-zero values")
+    ax.set_title("exponents of the gradients against each format's range (activation gradients shown unscaled)",
+                 fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -75,15 +79,23 @@ def plot_amax_history(
     import matplotlib.pyplot as plt
 
     h = history.detach().float().cpu()
+    # A layer that never ran (or a step it skipped) holds amax 0: no point on a log axis, rather than 1e-30 that would
+    # stretch the axis over 30 decades.
+    ran = [i for i in range(len(layers)) if bool((h[:, i] > 0).any())]
     fig, axes = plt.subplots(1, len(tensors) + 1, figsize=(5 * (len(tensors) + 1), 4.2))
     for k, (ax, tensor) in enumerate(zip(axes, tensors)):
-        for i, layer in enumerate(layers):
-            ax.plot(range(h.shape[0]), h[:, i, k].clamp(min=1e-30).tolist(), label=layer, lw=1.2)
+        for i in ran:
+            values = h[:, i, k]
+            ax.plot(range(h.shape[0]), values.where(values > 0, float("nan")).tolist(), label=layers[i], lw=1.2)
         ax.set_yscale("log")
         ax.set_title(f"amax of {tensor}")
-        ax.set_xlabel("step in window (oldest first)")
-    if len(layers) <= 12:
+        ax.set_xlabel("step in the history window (oldest first)")
+        ax.set_ylabel("amax: max |value| in the step (log scale)")
+    if ran and len(ran) <= 12:
         axes[0].legend(fontsize=7)
+    skipped = len(layers) - len(ran)
+    fig.suptitle(f"fp8 amax history, {len(ran)} layers" + (f" ({skipped} that never ran left out)" if skipped else ""),
+                 fontsize=10)
     table = axes[-1]
     table.axis("off")
     rows = sorted(what_if.items())
@@ -96,32 +108,78 @@ def plot_amax_history(
     return str(path)
 
 
-def plot_compare(rows: Sequence[Mapping], out: Path) -> list[str]:
-    """``loss.png`` (training loss per precision), ``throughput.png`` (samples/s) and ``memory.png`` (peak MB)."""
+PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "16-mixed": "tab:red", "fp8": "tab:green"}
+
+
+def precision_color(precision: str) -> str:
+    """The same colour for a precision in every report."""
+    return PRECISION_COLORS.get(precision, "tab:purple")
+
+
+def _title(meta: Mapping, what: str) -> str:
+    return f"{meta['recipe']} on {meta['device']}: {what} ({meta['steps']} steps, batch {meta['batch_size']})"
+
+
+def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]:
+    """``loss.png`` (training loss per precision, and its difference from 32-true, where overlapping curves part),
+    ``throughput.png`` (samples/s with the interquartile range) and ``memory.png``; failed precisions are drawn with
+    what they reached and marked, not dropped."""
     require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def label(r: Mapping) -> str:
+        return r["precision"] + (f" (failed after {r.get('steps_done', 0)} steps)" if "error" in r else "")
+
     files = []
-    fig, ax = plt.subplots(figsize=(7, 4))
+    base = next((r for r in rows if r["precision"] == "32-true" and r.get("losses")), None)
+    fig, axes = plt.subplots(2 if base else 1, 1, figsize=(8, 6.4 if base else 4), sharex=True, squeeze=False)
+    ax = axes[0, 0]
     for r in rows:
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["precision"], lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.legend()
+        if r.get("losses"):
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label(r), lw=1.2,
+                    color=precision_color(r["precision"]), ls="--" if "error" in r else "-")
+    ax.set_ylabel("training loss (cross-entropy)")
+    ax.set_title(_title(meta, "training loss"))
+    ax.legend(fontsize=8)
+    if base:
+        diff = axes[1, 0]
+        diff.axhline(0, color=precision_color("32-true"), lw=1)
+        for r in rows:
+            if r is not base and r.get("losses"):
+                n = min(len(r["losses"]), len(base["losses"]))
+                diff.plot(range(1, n + 1), [a - b for a, b in zip(r["losses"][:n], base["losses"][:n])],
+                          label=label(r), lw=1.2, color=precision_color(r["precision"]))
+        diff.set_ylabel("loss minus 32-true's loss")
+        diff.set_title("difference from 32-true at the same step (same seed, same batches)", fontsize=9)
+    axes[-1, 0].set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=100)
     plt.close(fig)
     files.append(str(out / "loss.png"))
-    for key, name, label in (("samples_per_s", "throughput.png", "samples / s"), ("peak_memory_mb", "memory.png", "peak memory (MB)")):
-        fig, ax = plt.subplots(figsize=(6, 3.6))
+
+    memory = ("peak resident memory gained in training (MiB)" if meta["device"] == "cpu"
+              else "peak GPU memory allocated (MiB)")
+    for key, name, ylabel, what in (
+        ("samples_per_s", "throughput.png", "samples / s (median step; whiskers: interquartile range)", "throughput"),
+        ("peak_memory_mb", "memory.png", memory, "memory, each precision in its own process"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4))
         names = [r["precision"] for r in rows]
-        values = [r[key] for r in rows]
-        bars = ax.bar(names, values, color=["tab:gray", "tab:blue", "tab:red", "tab:green"][: len(rows)])
-        ax.bar_label(bars, fmt="%.0f")
-        ax.set_ylabel(label)
+        values = [r.get(key) or 0.0 for r in rows]
+        errors = None
+        if key == "samples_per_s":  # the step-time quartiles turned into samples/s: q3 time gives the low bound
+            errors = [[max(0.0, v - meta["batch_size"] * 1e3 / r["step_ms_q3"]) if "step_ms_q3" in r else 0.0
+                       for v, r in zip(values, rows)],
+                      [max(0.0, meta["batch_size"] * 1e3 / r["step_ms_q1"] - v) if "step_ms_q1" in r else 0.0
+                       for v, r in zip(values, rows)]]
+        bars = ax.bar(names, values, yerr=errors, capsize=4, color=[precision_color(n) for n in names])
+        ax.bar_label(bars, label_type="center", labels=["failed" if "error" in r and not r.get(key) else f"{v:.0f}"
+                                   for r, v in zip(rows, values)])
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.set_title(_title(meta, what), fontsize=10)
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
         plt.close(fig)

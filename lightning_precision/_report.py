@@ -1,0 +1,158 @@
+"""The report of ``lightning-precision compare``: the table (terminal and markdown from the same cells), its notes, the
+verdict, and the files (``report.md``, ``report.json``, ``report.csv``, plots)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "peak mem MB", "final loss", "val acc",
+           "fp16 underflow", "skipped")
+CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "samples_per_s", "speedup", "speedup_q1",
+               "speedup_q3", "speedup_resolved", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
+               "skipped_steps", "steps_done", "emulated", "noisy", "error"]
+SAME_ACCURACY = 0.02  # validation accuracies this close (absolute) count as the same in the verdict
+
+
+def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def cells(row: dict[str, Any]) -> list[str]:
+    """The table row of one precision, as text (the terminal and report.md show the same)."""
+    if "median_step_ms" not in row:
+        return [row["precision"], "failed (see notes)" if "error" in row else "-", *[""] * (len(COLUMNS) - 2)]
+    speedup = row.get("speedup")
+    mark = "~" if row.get("speedup_resolved") is False else ""
+    name = row["precision"] + (" (failed)" if "error" in row else "")
+    return [
+        name,
+        _fmt(row["median_step_ms"], ".1f"),
+        _fmt(row["spread"] * 100, ".0f", "%") + (" busy" if row.get("noisy") else ""),
+        mark + _fmt(speedup, ".2f", "x") + (" emulated" if row.get("emulated") and speedup is not None else ""),
+        _fmt(row["samples_per_s"], ".0f"),
+        _fmt(row.get("peak_memory_mb"), ".0f"),
+        _fmt(row.get("final_loss"), ".3f"),
+        _fmt(row.get("val_acc"), ".3f"),
+        _fmt(row.get("grad_underflow_fp16"), ".2e"),
+        _fmt(row.get("skipped_steps"), "d"),
+    ]
+
+
+def memory_note(device: str) -> str:
+    if device == "cpu":
+        return ("peak mem MB: resident memory gained during training, each precision measured in its own process"
+                " (allocator caches included).")
+    return "peak mem MB: peak memory allocated by tensors on the GPU during training, each precision in its own process."
+
+
+def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """The lines under the table: every failure's whole reason, what each flag means where it appears."""
+    lines = [f"{r['precision']} failed: {r['error']}" for r in rows if "error" in r]
+    lines += meta.get("notes", [])
+    if any("median_step_ms" in r for r in rows):
+        lines.append(f"spread: interquartile range of the step times over the median ({meta['schedule']}).")
+    if any(r.get("noisy") for r in rows):
+        lines.append("busy: step times varied by more than 25%; something else was using the machine. Speed figures"
+                     " are unreliable: rerun when it is idle.")
+    if any(r.get("speedup_resolved") is False for r in rows):
+        lines.append("~: speedup not resolved: its interquartile range over the paired turns includes 1x (or fewer"
+                     " than 3 turns were timed), so it is not measurably different from 32-true.")
+    emulated = [r["precision"] for r in rows if r.get("emulated") and "median_step_ms" in r]
+    if emulated:
+        lines.append(f"emulated: {', '.join(emulated)} has no hardware arithmetic on this machine (torch emulates"
+                     " it): its numerics are real, its speed says nothing about hardware that has the format.")
+    lines.append(memory_note(meta["device"]))
+    return lines
+
+
+def verdict(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The result in a sentence or two, claiming only what the figures resolve."""
+    prefix = "Interrupted: the figures below are partial. " if meta.get("interrupted") else ""
+    base = next((r for r in rows if r["precision"] == "32-true" and "error" not in r), None)
+    if base is None:
+        return prefix + "No finished 32-true run to compare against: speedups are not computed."
+    others = [r for r in rows if r is not base and "error" not in r and r.get("speedup") is not None]
+
+    def same_accuracy(r: dict[str, Any]) -> bool:
+        if r.get("val_acc") is None or base.get("val_acc") is None:
+            return True
+        return abs(r["val_acc"] - base["val_acc"]) <= SAME_ACCURACY
+
+    def accuracy(r: dict[str, Any]) -> str:
+        if r.get("val_acc") is None or base.get("val_acc") is None:
+            return f"final loss {r['final_loss']:.3f} vs {base['final_loss']:.3f}"
+        return f"validation accuracy {r['val_acc']:.3f} vs {base['val_acc']:.3f}"
+
+    faster = sorted((r for r in others if r.get("speedup_resolved") and r["speedup"] > 1 and not r.get("emulated")),
+                    key=lambda r: -r["speedup"])
+    failed = [r["precision"] for r in rows if "error" in r]
+    tail = f" {', '.join(failed)} failed (see the notes)." if failed else ""
+    for r in faster:
+        speed = (f"{r['speedup']:.2f}x the speed of 32-true (interquartile {r['speedup_q1']:.2f}-{r['speedup_q3']:.2f}x"
+                 f" over {r['speedup_pairs']} paired turns)")
+        if same_accuracy(r):
+            return prefix + f"{r['precision']} is the one to use here: {speed}, {accuracy(r)}." + tail
+        return (prefix + f"{r['precision']} ran at {speed} but its {accuracy(r)} differs by more than"
+                f" {SAME_ACCURACY}: check its numerics before switching." + tail)
+    busy = " (the machine was busy: rerun when it is idle)" if any(r.get("noisy") for r in rows) else ""
+    return (prefix + f"No precision was measurably faster than 32-true on this machine{busy}; here the lower precisions"
+            " show their numerics, not their speed." + tail)
+
+
+def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    title = f"{meta['recipe']}: {meta['task']} | {meta['steps']} steps, batch {meta['batch_size']}, {meta['device']}"
+    table = Table(title=title + (" | INTERRUPTED: partial results" if meta.get("interrupted") else ""))
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == "precision" else "right")
+    for row in rows:
+        table.add_row(*(Text(c, style="red" if "error" in row and i < 2 else "") for i, c in enumerate(cells(row))))
+    console.print(table)
+    for line in notes(rows, meta):
+        console.print(Text(line, style="red" if " failed: " in line else "dim"))
+    console.print(Text(meta["verdict"], style="bold"))
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]) -> str:
+    packages = ", ".join(f"{k} {v}" for k, v in meta["machine"]["packages"].items() if v)
+    lines = [
+        f"# compare: {meta['recipe']} on {meta['device']}", "",
+        meta["verdict"], "",
+        f"- Task: {meta['task']} (chance accuracy {meta['chance']})",
+        f"- Run: {meta['steps']} steps per precision, batch {meta['batch_size']}, seed {meta['seed']},"
+        f" {meta['val_batches']} validation batches; {meta['schedule']}" + ("; --quick" if meta.get("quick") else ""),
+        f"- Machine: {meta['machine_line']}",
+        f"- Packages: {packages}",
+        f"- Command: `{meta.get('command', 'lightning-precision compare')}`",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join("---" if c == "precision" else "---:" for c in COLUMNS) + "|",
+    ]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
+    lines += [""] + [f"- {n}" for n in notes(rows, meta)] + [""]
+    lines += [f"![{Path(p).stem}]({Path(p).name})" for p in images]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    with open(out / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    images: list[str] = []
+    try:
+        from lightning_precision.plotting import plot_compare
+
+        images = plot_compare(rows, out, meta)
+    except ModuleNotFoundError as err:  # matplotlib missing: the table, JSON and CSV still stand
+        warnings.warn(str(err))
+    (out / "report.md").write_text(markdown(rows, meta, images))
+    return [str(out / name) for name in ("report.md", "report.json", "report.csv")] + images

@@ -1,0 +1,270 @@
+"""`lightning-precision compare`: real runs (each precision in its own spawned process, taking turns), the report's
+files and what they say, failures, prechecks, Ctrl-C, and the defaults chosen from the machine."""
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import signal
+
+import pytest
+
+from lightning_precision import _report, cli, compare
+
+TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
+
+
+def _no_children_left():
+    return not [p for p in multiprocessing.active_children() if p.name.startswith("compare-")]
+
+
+def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
+    out = tmp_path / "report"
+    code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed,16-mixed", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "32-true" in printed and "bf16-mixed" in printed and "16-mixed" in printed and "speedup" in printed
+    report = json.loads((out / "report.json").read_text())
+    rows = report["results"]
+    assert [r["precision"] for r in rows] == ["32-true", "bf16-mixed", "16-mixed"]
+    assert rows[0]["speedup"] == 1.0
+    for r in rows:
+        assert r["step_ms_q1"] <= r["median_step_ms"] <= r["step_ms_q3"] and r["steps_done"] == 6
+        assert len(r["losses"]) == 6 and 0 <= r["val_acc"] <= 1 and r["grad_underflow_fp16"] is not None
+        assert r["speedup"] > 0 and r["peak_memory_mb"] is not None
+    # same seed, same batches, each in its own process: the first loss is the same model on the same batch
+    assert abs(rows[1]["losses"][0] - rows[0]["losses"][0]) < 0.05
+    machine = report["meta"]["machine"]
+    assert machine["cpu"]["model"] and machine["cpu"]["logical_cpus"] >= 1 and isinstance(machine["cpu"]["isa"], list)
+    assert machine["packages"]["torch"] and machine["packages"]["lightning"] and "gpus" in machine
+    assert (out / "report.csv").read_text().splitlines()[0].startswith("precision,median_step_ms,step_ms_q1")
+    md = (out / "report.md").read_text()
+    assert report["meta"]["verdict"] in md and report["meta"]["machine_line"] in md
+    assert md.count("\n| ") == 4 and "![loss](loss.png)" in md  # header and three rows; the plots linked
+    for png in ("loss.png", "throughput.png", "memory.png"):
+        assert (out / png).stat().st_size > 5_000
+    assert _no_children_left()
+
+
+def test_precisions_take_turns_in_rotating_order(tmp_path, monkeypatch):
+    """Blocks of steps alternate between the processes, so drift in the machine's speed hits every precision."""
+    order = []
+    real = compare.advance
+
+    def record(progress, task, steps):
+        order.append(progress.tasks[task].description.split()[-1])
+        real(progress, task, steps)
+
+    monkeypatch.setattr(compare, "advance", record)
+    assert cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--val-batches", "0",
+                     "--out", str(tmp_path / "r")]) == 0
+    assert sorted(order) == ["32-true"] * 6 + ["bf16-mixed"] * 6  # one step per turn at 6 steps
+    # rotating order: A B | B A | A B ...: never three turns of one precision in a row, and both start rounds
+    assert not re.search(r"(32-true,){3}|(bf16-mixed,){3}", ",".join(order) + ",")
+    assert order[:4] == ["32-true", "bf16-mixed", "bf16-mixed", "32-true"]
+
+
+def test_memory_does_not_follow_run_order(tmp_path):
+    """Each precision is measured in its own process: running it first or last gives the same figure (in one shared
+    process the first run paid for the allocator's growth: 20 MB first, 1 MB last)."""
+    memory = {}
+    for order in ("32-true,bf16-mixed", "bf16-mixed,32-true"):
+        out = tmp_path / order.replace(",", "_")
+        assert cli.main(["compare", *TINY, "--precisions", order, "--val-batches", "0", "--out", str(out)]) == 0
+        for r in json.loads((out / "report.json").read_text())["results"]:
+            memory.setdefault(r["precision"], []).append(r["peak_memory_mb"])
+    for precision, (first, second) in memory.items():
+        assert first > 0 and second > 0
+        assert 0.67 < first / second < 1.5, (precision, first, second)
+
+
+def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, monkeypatch, capsys):
+    """A precision's process dies mid-run (as under the out-of-memory killer): the others finish, its row says why in
+    full under the table, and the plots still show it."""
+    real = compare.advance
+
+    def kill_bf16(progress, task, steps):
+        real(progress, task, steps)
+        if progress.tasks[task].description.endswith("bf16-mixed") and progress.tasks[task].completed == 2:
+            child = next(p for p in multiprocessing.active_children() if p.name == "compare-bf16-mixed")
+            os.kill(child.pid, signal.SIGKILL)
+
+    monkeypatch.setattr(compare, "advance", kill_bf16)
+    out = tmp_path / "r"
+    code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed,16-mixed", "--out", str(out)])
+    assert code == 1
+    rows = {r["precision"]: r for r in json.loads((out / "report.json").read_text())["results"]}
+    assert "error" not in rows["32-true"] and "error" not in rows["16-mixed"] and rows["16-mixed"]["val_acc"] is not None
+    reason = "its process ended before finishing: killed by signal 9 (signal 9 is often the out-of-memory killer)"
+    assert rows["bf16-mixed"]["error"] == reason and rows["bf16-mixed"]["steps_done"] == 2
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"bf16-mixed failed: {reason}" in printed  # whole, not cut inside a column
+    assert "bf16-mixed failed" in (out / "report.md").read_text()
+    assert (out / "loss.png").stat().st_size > 5_000
+    assert _no_children_left()
+
+
+def test_an_exception_in_a_run_reaches_the_parent_whole(monkeypatch):
+    """What a run raises goes to the parent as one line with nothing cut, and the traceback beside it."""
+    parent, child = multiprocessing.Pipe()
+    message = "attempting to run aten.to.dtype, this is not supported " * 4
+    monkeypatch.setattr(compare, "make_plugin", lambda *a: (_ for _ in ()).throw(NotImplementedError(message)))
+    monkeypatch.setattr(compare.signal, "signal", lambda *a: None)  # the test process keeps its Ctrl-C
+    args = argparse.Namespace(seed=0, batch_size=8, data_dir=None, steps=2, emulate=False, accelerator="cpu",
+                              val_batches=0)
+    compare._child(child, "vit", "bf16-mixed", args)
+    kind, line, trace = parent.recv()
+    assert kind == "error" and line == "NotImplementedError: " + " ".join(message.split())
+    assert "Traceback" in trace and "NotImplementedError" in trace
+
+
+def test_a_doomed_precision_fails_before_any_precision_starts(tmp_path, monkeypatch, capsys):
+    """fp8 without torchao installed: said at once, with the install command, and no process is started for it."""
+    from lightning_precision import _imports
+
+    started = []
+    real = compare.start
+    monkeypatch.setattr(compare, "start", lambda recipe, p, args: started.append(p) or real(recipe, p, args))
+    monkeypatch.setattr(_imports, "_TORCHAO_AVAILABLE", False)
+    out = tmp_path / "r"
+    code = cli.main(["compare", *TINY, "--precisions", "32-true,fp8", "--emulate", "--val-batches", "0",
+                     "--out", str(out)])
+    assert code == 1 and started == ["32-true"]
+    printed = capsys.readouterr().out
+    assert printed.index("fp8 cannot run here") < printed.index("speedup")  # before the runs, not after
+    row = json.loads((out / "report.json").read_text())["results"][1]
+    assert row["error"] == "fp8 needs torchao, which is not installed: pip install 'lightning-precision[fp8]'"
+
+
+def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, monkeypatch):
+    """A real SIGINT to the comparison: every process stops, the partial figures are written and marked, the exit code
+    says "interrupted", no process is left behind, and Ctrl-C works again afterwards."""
+    real = compare.advance
+
+    def interrupt(progress, task, steps):
+        real(progress, task, steps)
+        if progress.tasks[task].description.endswith("bf16-mixed") and progress.tasks[task].completed == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(compare, "advance", interrupt)
+    out = tmp_path / "r"
+    code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--out", str(out)])
+    assert code == 130
+    report = json.loads((out / "report.json").read_text())
+    assert report["meta"]["interrupted"] is True and report["meta"]["verdict"].startswith("Interrupted")
+    for r in report["results"]:
+        assert re.fullmatch(r"interrupted \(Ctrl-C\) after \d of 6 steps", r["error"])
+        assert 3 <= r["steps_done"] < 6 and len(r["losses"]) == r["steps_done"]
+    assert "INTERRUPTED" in capsys.readouterr().out
+    assert _no_children_left()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _fail_if_trained(monkeypatch):
+    monkeypatch.setattr(compare, "start", lambda *a: pytest.fail("a usage error must be reported before any training"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--recipe", "gpt2"], "unknown recipe 'gpt2'"),
+        (["--precisions", "32-true,fp4"], "unknown precision 'fp4'"),
+        (["--precisions", "fp8"], "fp8 needs a CUDA GPU.*--emulate"),
+        (["--data-dir", "/nonexistent/imdb"], "data folder '/nonexistent/imdb' does not exist"),
+        (["--precisions", ",,,"], r"--precisions ',,,' names no precision"),
+        (["--out", "{blocker}/report"], r"--out: cannot write into .*a-file"),
+        (["--out", "{blocker}"], r"--out: .*a-file' exists and is not a folder"),
+        (["--steps", "0"], r"--steps and --batch-size must be positive"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_any_training(args, message, tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _fail_if_trained(monkeypatch)
+    assert cli.main(["compare", *[a.format(blocker=blocker) for a in args]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err)
+
+
+def test_the_table_is_printed_before_the_files_are_written(tmp_path, capsys):
+    out = tmp_path / "r"
+    (out / "report.json").mkdir(parents=True)  # a real write failure after the training: a folder in the file's way
+    code = cli.main(["compare", *TINY, "--precisions", "32-true", "--val-batches", "0", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "32-true" in captured.out and "speedup" in captured.out  # the results reached the screen
+    assert "could not write the report" in captured.err
+
+
+# ------------------------------------------------------------------------------- defaults, quick mode, the verdict
+
+def _machine(bf16: bool, fp16: bool) -> dict:
+    return {"cpu": {"native_bf16": bf16, "native_fp16": fp16}, "gpus": []}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU defaults; a GPU machine keeps 16-mixed")
+def test_default_precisions_leave_out_emulated_fp16_with_a_reason():
+    args = argparse.Namespace(accelerator="auto", emulate=False)
+    chosen, notes = compare.default_precisions(_machine(bf16=True, fp16=False), args)
+    assert chosen == ["32-true", "bf16-mixed"]
+    assert len(notes) == 1 and notes[0].startswith("16-mixed left out: this CPU has no fp16 arithmetic")
+    assert "--precisions 32-true,bf16-mixed,16-mixed" in notes[0]
+    chosen, notes = compare.default_precisions(_machine(bf16=True, fp16=True), args)
+    assert chosen == ["32-true", "bf16-mixed", "16-mixed"] and notes == []
+    chosen, _ = compare.default_precisions(_machine(bf16=True, fp16=True), argparse.Namespace(accelerator="auto",
+                                                                                            emulate=True))
+    assert chosen[-1] == "fp8"
+
+
+def test_quick_mode_and_defaults_are_resolved(tmp_path):
+    args = compare.parse(["--quick", "--out", str(tmp_path / "r")])
+    assert (args.steps, args.val_batches) == (compare.QUICK_STEPS, compare.QUICK_VAL_BATCHES)
+    args = compare.parse(["--quick", "--steps", "7", "--out", str(tmp_path / "r")])
+    assert (args.steps, args.val_batches) == (7, compare.QUICK_VAL_BATCHES)
+    args = compare.parse(["--out", str(tmp_path / "r")])
+    assert (args.steps, args.val_batches, args.precisions) == (100, 8, None)
+
+
+def _row(precision, speedup=None, q=(0.0, 0.0), resolved=None, acc=0.9, **extra):
+    row = {"precision": precision, "median_step_ms": 10.0, "spread": 0.05, "samples_per_s": 100.0, "final_loss": 0.3,
+           "val_acc": acc, "peak_memory_mb": 5.0, "grad_underflow_fp16": 0.0, "skipped_steps": 0, "steps_done": 10}
+    if speedup is not None:
+        row.update(speedup=speedup, speedup_q1=q[0], speedup_q3=q[1], speedup_pairs=9, speedup_resolved=resolved)
+    row.update(extra)
+    return row
+
+
+META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes": []}
+
+
+@pytest.mark.parametrize(("rows", "expected"), [
+    ([_row("32-true", 1.0), _row("bf16-mixed", 1.4, (1.3, 1.5), True, acc=0.89)],
+     "bf16-mixed is the one to use here: 1.40x the speed of 32-true (interquartile 1.30-1.50x over 9 paired turns),"
+     " validation accuracy 0.890 vs 0.900."),
+    ([_row("32-true", 1.0), _row("bf16-mixed", 1.1, (0.8, 1.4), False)],
+     "No precision was measurably faster than 32-true on this machine; here the lower precisions show their numerics,"
+     " not their speed."),
+    ([_row("32-true", 1.0), _row("16-mixed", 2.0, (1.9, 2.1), True, acc=0.6)],
+     "16-mixed ran at 2.00x the speed of 32-true (interquartile 1.90-2.10x over 9 paired turns) but its validation"
+     " accuracy 0.600 vs 0.900 differs by more than 0.02: check its numerics before switching."),
+    ([_row("32-true", 1.0), _row("16-mixed", 3.0, (2.9, 3.1), True, emulated=True)],
+     "No precision was measurably faster than 32-true on this machine; here the lower precisions show their numerics,"
+     " not their speed."),
+    ([{"precision": "32-true", "error": "boom"}, _row("bf16-mixed")],
+     "No finished 32-true run to compare against: speedups are not computed."),
+])
+def test_the_verdict_claims_only_what_the_figures_resolve(rows, expected):
+    assert _report.verdict(rows, META) == expected
+
+
+def test_flags_explain_themselves_under_the_table():
+    rows = [_row("32-true", 1.0), _row("bf16-mixed", 1.1, (0.8, 1.4), False, noisy=True, spread=0.4),
+            _row("16-mixed", 0.2, (0.1, 0.3), True, emulated=True), {"precision": "fp8", "error": "x " * 80}]
+    cells = {r["precision"]: _report.cells(r) for r in rows}
+    assert cells["bf16-mixed"][2] == "40% busy" and cells["bf16-mixed"][3] == "~1.10x"
+    assert cells["16-mixed"][3] == "0.20x emulated" and cells["fp8"][1] == "failed (see notes)"
+    notes = _report.notes(rows, META)
+    assert any(n.startswith("busy: ") for n in notes) and any(n.startswith("~: ") for n in notes)
+    assert any(n.startswith("emulated: 16-mixed") for n in notes)
+    assert f"fp8 failed: {'x ' * 80}" in notes  # whole

@@ -1,0 +1,81 @@
+"""The figures say what they show: titles, labelled axes with units, fixed colours per precision, no axis stretched by
+values that are not data. Each figure is caught as it is saved and its axes are read."""
+
+import matplotlib
+import pytest
+import torch
+from matplotlib.colors import to_hex
+
+from lightning_precision import plotting
+from lightning_precision.functional import exponent_histogram
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    saved = {}
+    real = matplotlib.figure.Figure.savefig
+
+    def capture(fig, path, *args, **kwargs):
+        saved[str(path).rsplit("/", 1)[-1]] = fig
+        return real(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    return saved
+
+
+META = {"recipe": "vit", "device": "cpu", "steps": 4, "batch_size": 8}
+
+
+def _row(precision, losses, **extra):
+    return {"precision": precision, "losses": losses, "samples_per_s": 100.0, "peak_memory_mb": 3.0,
+            "step_ms_q1": 70.0, "step_ms_q3": 90.0, "steps_done": len(losses), **extra}
+
+
+def _lines(ax):
+    return {line.get_label(): to_hex(line.get_color()) for line in ax.get_lines() if not line.get_label().startswith("_")}
+
+
+def test_compare_plots_have_titles_units_and_fixed_colours(figures, tmp_path):
+    rows = [_row("32-true", [1.0, 0.9, 0.8, 0.7]), _row("bf16-mixed", [1.0, 0.91, 0.79, 0.7])]
+    plotting.plot_compare(rows, tmp_path, META)
+    loss, diff = figures["loss.png"].axes
+    assert "vit on cpu" in loss.get_title() and "4 steps" in loss.get_title()
+    assert loss.get_ylabel() and diff.get_ylabel() == "loss minus 32-true's loss" and diff.get_xlabel()
+    assert [round(v, 6) for v in diff.get_lines()[-1].get_ydata()] == [0.0, 0.01, -0.01, 0.0]  # where curves overlap
+    first = _lines(loss)
+    for name in ("throughput.png", "memory.png"):
+        ax = figures[name].axes[0]
+        assert ax.get_ylabel() and "vit on cpu" in ax.get_title()
+    assert "(MiB)" in figures["memory.png"].axes[0].get_ylabel()
+
+    figures.clear()  # another report, other order: the same colour per precision
+    plotting.plot_compare(list(reversed(rows)), tmp_path, META)
+    assert _lines(figures["loss.png"].axes[0]) == first == {"32-true": to_hex("tab:gray"), "bf16-mixed": to_hex("tab:blue")}
+
+
+def test_a_failed_precision_stays_in_the_plots(figures, tmp_path):
+    rows = [_row("32-true", [1.0, 0.9, 0.8, 0.7]),
+            {"precision": "fp8", "error": "boom", "losses": [1.0, 0.95], "steps_done": 2}]
+    plotting.plot_compare(rows, tmp_path, META)
+    assert "fp8 (failed after 2 steps)" in _lines(figures["loss.png"].axes[0])
+    labels = [t.get_text() for t in figures["throughput.png"].axes[0].texts]
+    assert "failed" in labels
+
+
+def test_amax_plot_has_a_y_label_and_zeros_do_not_stretch_it(figures, tmp_path):
+    history = torch.tensor([[[0.0, 2.0, 1e-3]], [[4.0, 3.0, 2e-3]], [[5.0, 0.0, 0.0]]])  # (steps, layers, tensors)
+    plotting.plot_amax_history(history, ["fc1"], ["input", "weight", "grad_output"], {}, str(tmp_path / "a.png"))
+    axes = figures["a.png"].axes
+    for ax in axes[:3]:
+        assert ax.get_ylabel().startswith("amax")
+        assert ax.get_ylim()[0] > 1e-5  # not 1e-30 from the steps where the layer held 0
+
+
+def test_histogram_says_values_are_unscaled_and_states_the_rounding_rule(figures, tmp_path):
+    hist = exponent_histogram(torch.tensor([1e-8, 1e-3, 0.5]), 1.0)
+    plotting.plot_exponent_histogram({"activation gradients": hist}, str(tmp_path / "h.png"))
+    ax = figures["h.png"].axes[0]
+    assert "unscaled" in ax.get_xlabel() and "below half of it" in ax.get_xlabel()
+    assert "unscaled" in ax.get_title()
