@@ -5,12 +5,23 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-USAGE = """usage: lightning-precision {fit,compare,doctor} ...
+USAGE = """usage: lightning-precision [--version] {fit,compare,doctor} ...
 
   fit      LightningCLI over the recipes: lightning-precision fit --config recipes/distilbert.yaml
   compare  one recipe under several precisions, side by side (runs an embedded default with no arguments)
   doctor   what this machine can do: devices, packages, support per precision, recommendation
+
+Each command has --help.
 """
+
+
+def version_line() -> str:
+    import lightning
+    import torch
+
+    from lightning_precision import __version__
+
+    return f"lightning-precision {__version__} (torch {torch.__version__}, lightning {lightning.__version__})"
 
 
 class _ConfigError(Exception):
@@ -31,10 +42,76 @@ def _our_message(text: str) -> Optional[str]:
     return None
 
 
+# `fit --precision NAME`: the plugin it puts in `trainer.plugins` (class path, init args), the names of recipes/*.yaml.
+FIT_PRECISIONS = {
+    "32-true": None,
+    "bf16-mixed": ("lightning_precision.BF16MixedPrecision", {}),
+    "16-mixed": ("lightning_precision.FP16MixedPrecision", {}),
+    "fp8": ("lightning_precision.FP8Precision", {}),
+    "fp8-emulated": ("lightning_precision.FP8Precision", {"emulate": True, "skip_small_layers": False}),
+}
+
+
+def _is_precision_plugin(entry: object) -> bool:
+    """Whether a ``trainer.plugins`` entry of the parsed configuration (an object, a class path, or a class path with
+    init args) is a precision plugin."""
+    import importlib
+
+    from lightning.pytorch.plugins.precision import Precision
+
+    if isinstance(entry, Precision):
+        return True
+    path = entry if isinstance(entry, str) else getattr(entry, "class_path", None)
+    if not isinstance(path, str):
+        return False
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, Precision)
+
+
+def _choose_precision(config: object, precision: "str | None") -> None:
+    """Apply ``--precision`` to the parsed configuration, or explain a ``trainer.precision`` that conflicts with the
+    configuration's precision plugin (Lightning would raise deep inside the Trainer)."""
+    from jsonargparse import Namespace
+
+    trainer = config["trainer"]
+    plugins = list(trainer.get("plugins") or [])
+    ours = [p for p in plugins if _is_precision_plugin(p)]
+    if precision is None:
+        if trainer.get("precision") is not None and ours:
+            name = getattr(ours[0], "class_path", str(ours[0])).rpartition(".")[2]
+            raise _ConfigError(
+                f"trainer.precision={trainer['precision']!r} conflicts with the precision plugin the configuration sets"
+                f" ({name}): choose with `--precision {trainer['precision']}` instead, which swaps in"
+                f" lightning-precision's plugin (one of {', '.join(FIT_PRECISIONS)})."
+            )
+        return
+    if trainer.get("precision") is not None:
+        raise _ConfigError(f"--precision {precision} and trainer.precision={trainer['precision']!r} both choose the"
+                           " precision: pass only --precision.")
+    chosen = FIT_PRECISIONS[precision]
+    others = [p for p in plugins if not _is_precision_plugin(p)]
+    if chosen is not None:
+        others.append(Namespace(class_path=chosen[0], init_args=Namespace(**chosen[1])))
+    trainer["plugins"] = others or None
+
+
 def _fit(argv: list[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
     class CLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
+            parser.add_argument("--precision", choices=list(FIT_PRECISIONS), default=None,
+                                help="train in this precision with lightning-precision's plugin, replacing the one the"
+                                     " configuration sets (null: keep the configuration's)")
+            parser.add_argument("--ckpt_path", default=None, help="checkpoint to resume from")
+
+        def before_instantiate_classes(self) -> None:
+            _choose_precision(self.config, self.config.get("precision"))
+
         def instantiate_classes(self) -> None:
             try:
                 super().instantiate_classes()
@@ -46,12 +123,18 @@ def _fit(argv: list[str]) -> int:
 
     argv0, sys.argv = sys.argv, sys.argv[:1]  # arguments come from `args`; LightningCLI warns if sys.argv has them too
     try:
-        CLI(subclass_mode_model=True, subclass_mode_data=True, args=["fit", *argv], save_config_kwargs={"overwrite": True})
+        # run=False: the parser is `fit`'s alone, so `--help` lists exactly what this command accepts.
+        cli = CLI(subclass_mode_model=True, subclass_mode_data=True, args=argv, run=False,
+                  parser_kwargs={"prog": "lightning-precision fit",
+                                 "description": "LightningCLI over the recipes: lightning-precision fit --config"
+                                                " recipes/vit.yaml [--precision bf16-mixed]"},
+                  save_config_kwargs={"overwrite": True})
     except _ConfigError as err:
         print(f"lightning-precision fit: error: {err}", file=sys.stderr)
         return 2
     finally:
         sys.argv = argv0
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
     return 0
 
 
@@ -60,22 +143,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(version_line())
+        return 0
     command, rest = argv[0], argv[1:]
-    if command == "fit":
-        return _fit(rest)
-    if command == "compare":
-        from lightning_precision.compare import UsageError
-        from lightning_precision.compare import main as compare
+    try:
+        if command == "fit":
+            return _fit(rest)
+        if command == "compare":
+            from lightning_precision.compare import UsageError
+            from lightning_precision.compare import main as compare
 
-        try:
-            return compare(rest)
-        except UsageError as err:
-            print(f"lightning-precision compare: error: {err}", file=sys.stderr)
-            return 2
-    if command == "doctor":
-        from lightning_precision.doctor import main as doctor
+            try:
+                return compare(rest)
+            except UsageError as err:
+                print(f"lightning-precision compare: error: {err}", file=sys.stderr)
+                return 2
+        if command == "doctor":
+            from lightning_precision.doctor import main as doctor
 
-        return doctor(rest)
+            return doctor(rest)
+    except SystemExit as exit:  # argparse's --help (0) and usage errors (2): a code, also when called as a function
+        return exit.code if isinstance(exit.code, int) else 1
     print(f"lightning-precision: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.metadata
+import argparse
+import json
 import platform
 import subprocess
 import sys
-from typing import Optional
 
 import torch
+from rich.text import Text
 
+from lightning_precision._machine import cpu_info, describe_cpu, machine_info
+from lightning_precision._machine import version as _version
 from lightning_precision.fp8 import MXFP8_MIN_CAPABILITY, fp8_capable
-
-
-def _version(dist: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _major_minor(v: str) -> tuple[int, ...]:
@@ -40,7 +36,7 @@ def package_rows() -> list[tuple[str, str, str]]:
         rows.append((dist, v or "not installed", "ok" if v else "-"))
     ao = _version("torchao")
     rows.append(("torchao", ao or "not installed", "ok (fp8 backend)" if ao else "pip install 'lightning-precision[fp8]'"))
-    te = _version("transformer-engine") or _version("transformer_engine")
+    te = _version("transformer-engine")
     rows.append(("transformer-engine", te or "not installed",
                  "ok" if te and _major_minor(te) >= (2, 9) else ("needs >= 2.9" if te else "CUDA only: lightning-precision[te]")))
     ipex = _version("intel-extension-for-pytorch")
@@ -59,28 +55,16 @@ def package_rows() -> list[tuple[str, str, str]]:
     return rows
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def device_rows() -> list[tuple[str, str, str, str, str, str]]:
     """(device, bf16, fp16, fp8, notes, recommended)."""
-    flags = _cpu_flags()
-    native_bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
+    cpu = cpu_info()
     rows = [(
-        f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "native" if native_bf16 else "emulated (slow)",
-        "native" if "amx_fp16" in flags or "avx512_fp16" in flags else "emulated (slow)",
+        f"cpu: {describe_cpu(cpu).split(' (')[0]}",
+        "native" if cpu["native_bf16"] else "emulated (slow)",
+        "native" if cpu["native_fp16"] else "emulated (slow)",
         "emulated only (FP8Precision(emulate=True))",
-        "AMX" if "amx_bf16" in flags else ("AVX512-BF16" if native_bf16 else "no bf16 instructions"),
-        "BF16MixedPrecision" if native_bf16 else "32-true for speed; mixed precisions to test numerics",
+        f"torch uses {cpu['torch_threads']} threads",
+        "BF16MixedPrecision" if cpu["native_bf16"] else "32-true for speed; mixed precisions to test numerics",
     )]
     for i in range(torch.cuda.device_count()):
         cc = torch.cuda.get_device_capability(i)
@@ -100,22 +84,36 @@ def device_rows() -> list[tuple[str, str, str, str, str, str]]:
     return rows
 
 
+PACKAGE_COLUMNS = ("package", "version", "status")
+DEVICE_COLUMNS = ("device", "bf16", "fp16", "fp8", "notes", "recommended")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="lightning-precision doctor",
+        description="What this machine can do for low precision: packages, devices, native or emulated bf16/fp16/fp8"
+                    " per device, and the plugin to use.")
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON (for scripts and bug reports)")
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
+    args = parse(argv)
+    packages = [dict(zip(PACKAGE_COLUMNS, row)) for row in package_rows()]
+    devices = [dict(zip(DEVICE_COLUMNS, row)) for row in device_rows()]
+    if args.json:
+        print(json.dumps({"machine": machine_info(), "packages": packages, "devices": devices}, indent=2))
+        return 0
     from rich.table import Table
 
     from lightning_precision._console import console as make_console
 
     console = make_console()
-    packages = Table(title="packages")
-    for column in ("package", "version", "status"):
-        packages.add_column(column)
-    for row in package_rows():
-        packages.add_row(*row)
-    devices = Table(title="devices")
-    for column in ("device", "bf16", "fp16", "fp8", "notes", "recommended"):
-        devices.add_column(column)
-    for row in device_rows():
-        devices.add_row(*row)
-    console.print(packages)
-    console.print(devices)
+    for title, columns, rows in (("packages", PACKAGE_COLUMNS, packages), ("devices", DEVICE_COLUMNS, devices)):
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*(Text(row[c]) for c in columns))  # plain text: "[te]" in a pip extra is not markup
+        console.print(table)
     return 0

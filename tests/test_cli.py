@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_precision import cli, compare
+from lightning_precision import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("precision-"))
@@ -32,138 +32,8 @@ def test_each_precision_variant_combines_with_a_recipe(variant, tmp_path, monkey
     assert cli.main(["fit", *configs, *FEW_STEPS]) == 0
 
 
-def test_compare_writes_table_json_csv_and_plots(tmp_path, capsys):
-    out = tmp_path / "report"
-    code = cli.main(["compare", "--recipe", "vit", "--precisions", "32-true,bf16-mixed,16-mixed", "--steps", "4",
-                     "--batch-size", "8", "--val-batches", "1", "--out", str(out)])
-    assert code == 0
-    printed = capsys.readouterr().out
-    assert "32-true" in printed and "bf16-mixed" in printed and "16-mixed" in printed and "speedup" in printed
-    report = json.loads((out / "report.json").read_text())
-    rows = report["results"]
-    assert [r["precision"] for r in rows] == ["32-true", "bf16-mixed", "16-mixed"]
-    assert rows[0]["speedup"] == 1.0 and all(r["median_step_ms"] > 0 and len(r["losses"]) == 4 for r in rows)
-    assert all(0 <= r["val_acc"] <= 1 and r["grad_underflow_fp16"] is not None for r in rows)
-    assert (out / "report.csv").read_text().splitlines()[0].startswith("precision,median_step_ms")
-    for png in ("loss.png", "throughput.png", "memory.png"):
-        assert (out / png).stat().st_size > 5_000
-
-
-def test_a_failed_precision_keeps_the_others(tmp_path, monkeypatch, capsys):
-    real = compare.make_plugin
-
-    def broken(precision, emulate):
-        if precision == "bf16-mixed":
-            raise RuntimeError("simulated failure")
-        return real(precision, emulate)
-
-    monkeypatch.setattr(compare, "make_plugin", broken)
-    out = tmp_path / "r"
-    code = cli.main(["compare", "--recipe", "vit", "--precisions", "32-true,bf16-mixed", "--steps", "2",
-                     "--batch-size", "8", "--val-batches", "0", "--out", str(out)])
-    assert code == 1
-    rows = json.loads((out / "report.json").read_text())["results"]
-    assert rows[0]["precision"] == "32-true" and "error" not in rows[0]
-    assert rows[1] == {"precision": "bf16-mixed", "error": "RuntimeError: simulated failure"}
-    assert "failed" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--recipe", "gpt2"], "unknown recipe 'gpt2'"),
-        (["--precisions", "32-true,fp4"], "unknown precision 'fp4'"),
-        (["--precisions", "fp8"], "fp8 needs a CUDA GPU.*--emulate"),
-        (["--data-dir", "/nonexistent/imdb"], "data folder '/nonexistent/imdb' does not exist"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
-    import re
-
-    assert cli.main(["compare", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and re.search(message, err)
-
-
-def test_doctor_runs(capsys):
-    assert cli.main(["doctor"]) == 0
-    out = capsys.readouterr().out
-    assert "torch" in out and "cpu" in out and "recommended" in out
-
-
 def test_unknown_command():
     assert cli.main(["train"]) == 2
-
-
-def _fail_if_trained(monkeypatch):
-    def run_one(*args, **kwargs):
-        raise AssertionError("a usage error must be reported before any training")
-
-    monkeypatch.setattr(compare, "run_one", run_one)
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--precisions", ",,,"], r"--precisions ',,,' names no precision"),
-        (["--out", "{blocker}/report"], r"--out: cannot write into .*a-file"),
-        (["--out", "{blocker}"], r"--out: .*a-file' exists and is not a folder"),
-    ],
-)
-def test_bad_output_and_precisions_fail_before_any_training(args, message, tmp_path, capsys, monkeypatch):
-    import re
-
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    _fail_if_trained(monkeypatch)
-    assert cli.main(["compare", *[a.format(blocker=blocker) for a in args]]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and re.search(message, err)
-
-
-TINY = ["--recipe", "vit", "--steps", "3", "--batch-size", "8", "--val-batches", "0"]
-
-
-def test_the_table_is_printed_before_the_files_are_written(tmp_path, capsys):
-    out = tmp_path / "r"
-    (out / "report.json").mkdir(parents=True)  # a real write failure after the training: a folder in the file's way
-    code = cli.main(["compare", *TINY, "--precisions", "32-true", "--out", str(out)])
-    captured = capsys.readouterr()
-    assert code == 1
-    assert "32-true" in captured.out and "speedup" in captured.out  # the results reached the screen
-    assert "could not write the report" in captured.err
-
-
-def test_ctrl_c_keeps_the_finished_precisions(tmp_path, capsys, monkeypatch):
-    """A real SIGINT during the second precision's fit: Lightning turns it into SystemExit(1). What finished is kept
-    and written, the interrupted and the unrun precisions are marked, and the exit code says "interrupted"."""
-    import os
-    import signal
-
-    runs = []
-    start, end = compare.RunStats.on_train_start, compare.RunStats.on_train_batch_end
-
-    def on_train_start(self, *args):
-        runs.append(self)
-        start(self, *args)
-
-    def on_train_batch_end(self, *args):
-        end(self, *args)
-        if len(runs) == 2 and len(self.times) == 2:  # the second precision, after its second step
-            os.kill(os.getpid(), signal.SIGINT)
-
-    monkeypatch.setattr(compare.RunStats, "on_train_start", on_train_start)
-    monkeypatch.setattr(compare.RunStats, "on_train_batch_end", on_train_batch_end)
-    out = tmp_path / "r"
-    code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed,16-mixed", "--out", str(out)])
-    assert code == 130
-    report = json.loads((out / "report.json").read_text())
-    rows = {r["precision"]: r for r in report["results"]}
-    assert report["meta"]["interrupted"] is True
-    assert "error" not in rows["32-true"] and len(rows["32-true"]["losses"]) == 3
-    assert "interrupted" in rows["bf16-mixed"]["error"] and "not run" in rows["16-mixed"]["error"]
-    assert "INTERRUPTED" in capsys.readouterr().out
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
 
 
 def test_fit_reports_a_plugins_bad_argument_in_one_line(tmp_path, capsys, monkeypatch):
@@ -175,3 +45,101 @@ def test_fit_reports_a_plugins_bad_argument_in_one_line(tmp_path, capsys, monkey
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.splitlines() == [err] and "FP16MixedPrecision(init_scale=-1.0)` is invalid" in err
+
+
+def test_version(capsys):
+    import lightning
+    import torch
+
+    import lightning_precision
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == (f"lightning-precision {lightning_precision.__version__} (torch"
+                                               f" {torch.__version__}, lightning {lightning.__version__})")
+
+
+@pytest.mark.parametrize("command", ["doctor", "compare", "fit"])
+def test_every_command_has_help_and_does_not_run(command, capsys, monkeypatch):
+    from lightning_precision import compare, doctor
+
+    monkeypatch.setattr(doctor, "package_rows", lambda: pytest.fail("doctor --help ran the doctor"))
+    monkeypatch.setattr(compare, "run_all", lambda *a: pytest.fail("compare --help ran a comparison"))
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: lightning-precision {command} ")
+
+
+def test_fit_usage_lists_only_what_the_tool_accepts(capsys):
+    """`lightning-precision fit` takes no options before `fit` and no other subcommand: the usage says so."""
+    assert cli.main(["fit", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "[options] fit" not in out and "{fit,validate,test,predict}" not in out
+    assert "--precision {32-true,bf16-mixed,16-mixed,fp8,fp8-emulated}" in out
+
+
+def test_compare_help_shows_every_default(capsys):
+    assert cli.main(["compare", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--steps", "default: 100; 30 with --quick"), ("--batch-size", "default: 32"),
+                            ("--seed", "default: 0"), ("--recipe", "default: distilbert"),
+                            ("--out", "default: ./compare-report"), ("--val-batches", "default: 8"),
+                            ("--accelerator", "default: auto"), ("--precisions", "default: chosen for this machine")):
+        assert option in out and default in out, option
+
+
+def test_doctor_runs(capsys):
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "cpu" in out and "recommended" in out
+    assert "lightning-precision[te]" in out or "transformer-engine" not in out  # rich markup must not eat "[te]"
+
+
+def test_doctor_json_is_the_machine_and_the_tables(capsys):
+    from lightning_precision._machine import cpu_info
+
+    assert cli.main(["doctor", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["machine"]["cpu"] == cpu_info()
+    assert found["machine"]["packages"]["torch"] == __import__("torch").__version__
+    assert {p["package"] for p in found["packages"]} >= {"torch", "lightning", "torchao", "transformer-engine"}
+    te = next(p for p in found["packages"] if p["package"] == "transformer-engine")
+    assert te["version"] != "not installed" or te["status"] == "CUDA only: lightning-precision[te]"
+    assert found["devices"][0]["device"].startswith("cpu: ")
+
+
+def _fit_quick(config, *extra):
+    return cli.main(["fit", "--config", str(ROOT / "recipes" / config), *extra, *FEW_STEPS])
+
+
+@pytest.mark.parametrize(("precision", "expected"), [
+    ("32-true", "MixedPrecision"),  # no plugin of ours: Lightning's own 32-true
+    ("bf16-mixed", "BF16MixedPrecision"),
+    ("16-mixed", "FP16MixedPrecision"),
+    ("fp8-emulated", "FP8Precision"),
+])
+def test_fit_precision_option_replaces_the_configs_plugin(precision, expected, tmp_path, monkeypatch):
+    import lightning as L
+
+    seen = {}
+    fit = L.Trainer.fit
+
+    def record(trainer, *args, **kwargs):
+        seen["plugin"] = type(trainer.precision_plugin).__name__
+        seen["precision"] = trainer.precision
+        return fit(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(L.Trainer, "fit", record)
+    monkeypatch.chdir(tmp_path)
+    assert _fit_quick("vit.yaml", "--precision", precision) == 0  # vit.yaml sets BF16MixedPrecision
+    if precision == "32-true":
+        assert seen["precision"] == "32-true"
+    else:
+        assert seen["plugin"] == expected
+
+
+def test_fit_trainer_precision_conflict_is_a_one_line_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _fit_quick("vit.yaml", "--trainer.precision", "16-mixed") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err]
+    assert "trainer.precision='16-mixed' conflicts" in err and "--precision 16-mixed" in err
