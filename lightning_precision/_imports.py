@@ -1,8 +1,15 @@
 """Every optional dependency is checked here, and nowhere else.
 
 Checks use package metadata (``RequirementCache``) so nothing is imported speculatively; the error names the pip
-extra that installs the missing package.
+extra that installs the missing package; ``import_quietly`` imports one without the log lines known to be harmless.
 """
+
+import importlib
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
 
 from lightning_utilities.core.imports import RequirementCache
 
@@ -29,6 +36,52 @@ def require(available: RequirementCache, package: str, feature: str) -> None:
             f"{feature} needs `{package}`, which is not installed ({available.message}). "
             f"Install it with `pip install 'lightning-precision[{extra}]'`."
         )
+
+
+# Log records known to be harmless, by logger. Without CUDA, torchao's CUDA kernels (`_C_mxfp8`, `_C_cutlass_90a`)
+# cannot load and are never called, and it skips its C++ extensions on a torch it was not built for; on a GPU machine
+# both may explain a failure, so they stay. torchao calls `register_constant` on enums, which torch >= 2.11 deprecates.
+_NOISE_WITHOUT_CUDA = {
+    "torchao": (r"^Failed to load .*torchao[\\/]_C[^\\/]*\.so: ",
+                r"^Skipping import of cpp extensions due to incompatible torch version"),
+}
+_NOISE = {
+    "torch.utils._pytree": (r"is an Enum subclass and is now natively supported .* Calling register_constant\(\) on Enum"
+                            r" subclasses is deprecated",),
+}
+
+
+class _DropKnownNoise(logging.Filter):
+    def __init__(self, patterns: "tuple[str, ...]") -> None:
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.search(message) for p in self.patterns)
+
+
+@contextmanager
+def quiet_known_noise() -> Iterator[None]:
+    """Drop the log records known to be harmless here (``_NOISE``) while the block runs, for imports that may import
+    torchao (transformers imports parts of it whenever it is installed); every other record gets through."""
+    import torch
+
+    noise = {**_NOISE, **({} if torch.cuda.is_available() else _NOISE_WITHOUT_CUDA)}
+    filters = [(logging.getLogger(logger), _DropKnownNoise(patterns)) for logger, patterns in noise.items()]
+    for logger, dropper in filters:
+        logger.addFilter(dropper)
+    try:
+        yield
+    finally:
+        for logger, dropper in filters:
+            logger.removeFilter(dropper)
+
+
+def import_quietly(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` under ``quiet_known_noise()``: every import of torchao goes through here."""
+    with quiet_known_noise():
+        return importlib.import_module(name)
 
 
 def version_of(distribution: str) -> str:

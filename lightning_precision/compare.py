@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
-import resource
+import os
 import shlex
 import signal
 import statistics
+import sys
 import time
 import traceback
 import warnings
@@ -123,13 +124,20 @@ def block_size(steps: int) -> int:
 # ------------------------------------------------------------------------------------------------- the child process
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    import resource  # Unix only: on Windows the memory column stays empty
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def _rss_bytes() -> int:
+    """Resident memory now; where /proc is missing (macOS), the peak so far, which is what training adds to."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return _peak_rss_bytes()
 
 
 def _run_stats_class() -> type:
@@ -150,7 +158,10 @@ def _run_stats_class() -> type:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
-            self.rss_start = _rss_bytes()
+            try:
+                self.rss_start = _rss_bytes()
+            except ImportError:
+                pass
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if len(self.times) % self.block == 0:
@@ -167,10 +178,13 @@ def _run_stats_class() -> type:
             self.times.append(time.perf_counter() - self._t0)
             self._losses.append(outputs["loss"].detach())  # read at the block's end: no device read inside a step
 
-        def peak_memory_mb(self) -> float:
+        def peak_memory_mb(self) -> Optional[float]:
             if self.cuda:
                 return torch.cuda.max_memory_allocated() / 2**20
-            return max(0, _peak_rss_bytes() - self.rss_start) / 2**20
+            try:
+                return max(0, _peak_rss_bytes() - self.rss_start) / 2**20
+            except ImportError:
+                return None
 
         def flush(self) -> None:
             """Hand over the steps not handed over yet."""
@@ -270,7 +284,11 @@ class Run:
 
     def take_turn(self, on_step: Callable[[int], None]) -> None:
         """Let the process run until it yields (a block done) or ends (its result, or an error)."""
-        self.conn.send("go")
+        try:
+            self.conn.send("go")
+        except OSError:  # the process died between turns (BrokenPipeError): say how it ended
+            self.fail_from_exit()
+            return
         self.wait(on_step)
 
     def wait(self, on_step: Callable[[int], None]) -> None:
@@ -527,8 +545,6 @@ def main(argv: list[str]) -> int:
     try:
         files = _report.write_reports(rows, Path(args.out), meta)
     except OSError as err:
-        import sys
-
         print(f"lightning-precision compare: could not write the report to {args.out!r}: {err}", file=sys.stderr)
         return 1
     print("wrote " + ", ".join(files))

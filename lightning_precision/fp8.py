@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import inspect
 import threading
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_precision import _imports
-from lightning_precision.warnings import NoEffectWarning
+from lightning_precision.warnings import NoEffectWarning, warn
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -159,7 +158,7 @@ def format_summary(decisions: list[LayerDecision]) -> str:
 
 def warn_if_no_fp8(decisions: list[LayerDecision]) -> None:
     if not any(d.fp8 for d in decisions):
-        warnings.warn(
+        warn(
             "FP8Precision: no linear layer runs in fp8, so it trains as plain mixed precision. "
             + (
                 "Reasons: " + "; ".join(sorted({d.reason for d in decisions}))
@@ -168,7 +167,6 @@ def warn_if_no_fp8(decisions: list[LayerDecision]) -> None:
                 else "The model has no nn.Linear."
             ),
             NoEffectWarning,
-            stacklevel=3,
         )
 
 
@@ -196,13 +194,12 @@ class ForwardWatch:
 
 
 def warn_never_ran(paths: list[str]) -> None:
-    warnings.warn(
+    warn(
         f"FP8Precision: {len(paths)} layer(s) chosen for fp8 did not run their forward in the first training step, so"
         f" they do not compute in fp8: {', '.join(paths)}. Their weights are used by another module directly (as"
         " nn.MultiheadAttention does with out_proj). `plugin.layer_decisions` now lists them as high precision; exclude"
         " them with `module_filter` to silence this.",
         NoEffectWarning,
-        stacklevel=2,
     )
 
 
@@ -245,7 +242,7 @@ def torchao_config(recipe: Any, emulate: bool) -> Any:
     """A ``Float8LinearConfig`` from a recipe name or a config, with ``emulate`` applied."""
     _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", "FP8Precision(backend='torchao')")
     try:
-        from torchao.float8 import Float8LinearConfig
+        Float8LinearConfig = _imports.import_quietly("torchao.float8").Float8LinearConfig
     except Exception as err:  # a torchao built for another torch fails in many ways (AttributeError, OSError, ...)
         raise ImportError(
             f"FP8Precision(backend='torchao'): torchao {_imports.version_of('torchao')} does not import beside torch"
@@ -267,7 +264,7 @@ def torchao_config(recipe: Any, emulate: bool) -> Any:
 
 def torchao_recipe_name(config: Any) -> str:
     """The threshold family of a torchao config: per-tensor scaling or finer."""
-    from torchao.float8.config import ScalingGranularity
+    ScalingGranularity = _imports.import_quietly("torchao.float8.config").ScalingGranularity
 
     granularity = config.cast_config_input.scaling_granularity
     return "tensorwise" if granularity == ScalingGranularity.TENSORWISE else "rowwise"
@@ -276,7 +273,7 @@ def torchao_recipe_name(config: Any) -> str:
 def convert_with_torchao(module: nn.Module, config: Any, decisions: list[LayerDecision]) -> nn.Module:
     """The chosen layers as torchao ``Float8Linear`` (same Parameter objects), by module: a layer registered under
     several names becomes one ``Float8Linear`` under all of them."""
-    from torchao.float8 import convert_to_float8_training
+    convert_to_float8_training = _imports.import_quietly("torchao.float8").convert_to_float8_training
 
     chosen = {d.fqn for d in decisions if d.fp8}
     # torchao's public verb converts a bare nn.Linear into its Float8Linear, reusing weight and bias.

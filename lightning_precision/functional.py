@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -276,15 +276,28 @@ def exponent_histogram(tensors: TensorsLike, scale: Union[float, Tensor] = 1.0) 
     return _histogram_finish(hist, not_counted)
 
 
+class LossScaleAdvice(NamedTuple):
+    """What ``recommend_loss_scale`` advises; a tuple, so ``scale, underflow, overflow = ...`` still works.
+
+    - ``scale``: the loss scale to use, a power of two (1.0 when the histogram is empty).
+    - ``underflow``: the fraction of the histogrammed values that still flush to zero in the format at ``scale``.
+    - ``overflow``: the fraction that overflows at ``scale``; always 0 (no scale is advised that overflows a value seen).
+    """
+
+    scale: float
+    underflow: float
+    overflow: float
+
+
 def recommend_loss_scale(
     histogram: Tensor, target_underflow: float = 1e-3, fmt: FormatLike = "fp16", max_log2_scale: int = 24
-) -> tuple[float, float, float]:
+) -> LossScaleAdvice:
     """The smallest power-of-two loss scale under which at most ``target_underflow`` of the histogrammed (unscaled)
     values flush in ``fmt`` and none can overflow.
 
     A bin ``[2**e, 2**(e+1))`` scaled by ``2**k`` is certainly below ``max`` only if ``e + k < max_exponent`` (the bin
     ``e + k = max_exponent`` reaches ``2**(max_exponent + 1)``, beyond ``max``), so scales are tried from
-    ``2**-max_log2_scale`` up to the largest safe one. Returns ``(scale, underflow_fraction, overflow_fraction)``; the
+    ``2**-max_log2_scale`` up to the largest safe one. Returns a ``LossScaleAdvice(scale, underflow, overflow)``; the
     overflow is always 0. If no scale in the window reaches the target, the largest safe one (least underflow); if even
     ``2**-max_log2_scale`` could overflow, the largest safe scale below it: a scale is never recommended that overflows
     what was seen.
@@ -293,7 +306,7 @@ def recommend_loss_scale(
     hist = histogram.detach().double().cpu()
     total = hist.sum().item()
     if total == 0:
-        return 1.0, 0.0, 0.0
+        return LossScaleAdvice(1.0, 0.0, 0.0)
     exponents = torch.arange(HIST_MIN, HIST_MAX, dtype=torch.float64)
     top = int(exponents[hist > 0].max().item())
     safe = f.max_exponent - 1 - top
@@ -304,8 +317,8 @@ def recommend_loss_scale(
         # 2**m (all but its lower edge), so bins e < m - 1 flush.
         under = hist[exponents + k < f.min_exponent - 1].sum().item() / total
         if under <= target_underflow:
-            return 2.0**k, under, 0.0
-    return 2.0 ** candidates[-1], under, 0.0
+            return LossScaleAdvice(2.0**k, under, 0.0)
+    return LossScaleAdvice(2.0 ** candidates[-1], under, 0.0)
 
 
 def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tensor]:

@@ -1,5 +1,56 @@
-"""Warnings of the package."""
+"""Warnings of the package, and ``warn``, which attributes them to the user's line."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+import warnings
+
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 
 class NoEffectWarning(UserWarning):
     """A transform or plugin found nothing to change (no convolution to make channels-last, no layer to run in fp8)."""
+
+
+# Our warnings are raised from inside Lightning hooks, torch hooks and the CLI: the user's line is the first frame
+# outside all of them. contextlib too: hooks that run on leaving our context managers are called from its __exit__.
+_FRAMEWORKS = ("lightning_precision", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities",
+               "torch", "torchao", "jsonargparse")
+
+
+@functools.lru_cache(maxsize=None)
+def _internal_prefixes() -> tuple[str, ...]:
+    # `find_spec` of a top-level name locates the package without importing it (torchao's import is slow and noisy).
+    # The separator keeps `torch` from matching `torchvision`, and `lightning` from matching the user's `lightning_app`.
+    prefixes = [contextlib.__file__]
+    for name in _FRAMEWORKS:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            prefixes += [os.path.join(d, "") for d in spec.submodule_search_locations]
+    return tuple(prefixes)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` called from ``warn`` point at the first frame outside the
+    package and the frameworks it runs inside; the direct caller of ``warn`` when the whole stack is theirs."""
+    prefixes = _internal_prefixes()
+    frame, level = sys._getframe(2), 2  # the caller of `warn`, as `warnings.warn(stacklevel=2)` from `warn` sees it
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(prefixes):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` on global rank zero (every rank would say the same), attributed to the user's code.
+
+    Python attributes a warning to a fixed number of frames up; ours are raised from inside Lightning and torch hooks,
+    so that would name Lightning's ``strategy.py``, whose line the user cannot act on (nor filter by module).
+    """
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        warnings.warn(message, category, stacklevel=_user_stacklevel())

@@ -58,8 +58,17 @@ def test_to_channels_last_on_nested_batches():
 
 
 def test_no_convolution_warns_no_effect():
-    with pytest.warns(NoEffectWarning, match="no 2-d or 3-d convolution"):
+    with pytest.warns(NoEffectWarning, match=r"^apply_channels_last: .*no 2-d or 3-d convolution.*Remove the `apply_channels_last` call") as record:
         assert apply_channels_last(nn.Linear(3, 3)) == 0
+    assert record[0].filename == __file__  # points at the user's call
+
+
+def test_callback_without_convolution_names_the_callback():
+    # The callback's warning tells the user to remove the callback (there is no "transform" to remove).
+    callback = ChannelsLast()
+    with pytest.warns(NoEffectWarning, match=r"^ChannelsLast: .*no 2-d or 3-d convolution.*Remove the `ChannelsLast\(\)` callback"):
+        callback.setup(trainer=None, pl_module=nn.Linear(3, 3), stage="fit")
+    assert callback.converted == 0
 
 
 class ConvModule(L.LightningModule):

@@ -8,6 +8,7 @@ import torch
 from lightning_precision.formats import FORMATS, format_table, get_format
 from lightning_precision.functional import (
     HIST_MIN,
+    LossScaleAdvice,
     exponent_histogram,
     recommend_loss_scale,
     underflow_stats,
@@ -111,6 +112,16 @@ def test_exponent_histogram_and_recommendation():
     # allowing 10% to flush, the scale only has to keep 2^-10 alive: 2^-10 * 2^-15 = 2^-25 rounds up to 2^-24
     assert recommend_loss_scale(hist, target_underflow=0.2)[:2] == (2.0**-15, 0.1)
     assert math.isclose(recommend_loss_scale(hist, target_underflow=0.0, fmt="bf16")[0], 2.0**-24)
+
+
+def test_recommend_loss_scale_names_its_fields_and_still_unpacks():
+    hist = exponent_histogram(torch.tensor([2.0**-30] * 10 + [2.0**-10] * 90))
+    advice = recommend_loss_scale(hist, target_underflow=0.2)
+    assert isinstance(advice, LossScaleAdvice) and LossScaleAdvice._fields == ("scale", "underflow", "overflow")
+    assert (advice.scale, advice.underflow, advice.overflow) == (2.0**-15, 0.1, 0.0)
+    scale, underflow, overflow = advice  # callers that unpacked the plain tuple keep working
+    assert (scale, underflow, overflow) == advice == (2.0**-15, 0.1, 0.0)
+    assert recommend_loss_scale(torch.zeros_like(hist)) == LossScaleAdvice(scale=1.0, underflow=0.0, overflow=0.0)
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "e4m3fn", "e5m2", "tf32"])

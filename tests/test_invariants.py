@@ -46,6 +46,18 @@ def test_discovery_pairs_every_trainer_plugin_with_its_fabric_class():
 
 
 @pytest.mark.parametrize("cls", ALL)
+def test_answers_the_logging_questions(cls):
+    # Logging code written for one plugin works with any (real loops in tests/test_plugin_api.py); a loss scale is
+    # reported exactly when there is one.
+    plugin = make(cls)
+    metrics = plugin.metrics()
+    assert all(k.startswith("precision/") and isinstance(v, torch.Tensor) for k, v in metrics.items())
+    assert plugin.loss_scale is None or isinstance(plugin.loss_scale, float)
+    assert ("precision/loss_scale" in metrics) == (plugin.loss_scale is not None)
+    assert plugin.skipped_steps == 0
+
+
+@pytest.mark.parametrize("cls", ALL)
 def test_precision_string_and_compute_dtype(cls):
     plugin = make(cls)
     assert EXPECTED[plugin.precision] == plugin.compute_dtype

@@ -72,8 +72,9 @@ def test_measures_only_on_logging_steps_and_warns_once_with_advice():
     with pytest.warns(UserWarning, match=r"flush to zero in fp16 without loss scaling.*FP16MixedPrecision\(init_scale="):
         trainer(None, max_steps=6, log_every_n_steps=3, callbacks=[monitor]).fit(TinyGrads(), loader(make_data(6)))
     assert len(calls) == 2  # steps 3 and 6 only
-    scale, under, over = monitor.recommend_loss_scale()
+    scale, under, over = advice = monitor.recommend_loss_scale()
     assert scale > 1 and under <= monitor.target_underflow and over == 0
+    assert (advice.scale, advice.underflow, advice.overflow) == (scale, under, over)
 
 
 def test_activation_gradients_are_measured_scaled_under_fp16(tmp_path):

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_precision.warnings import NoEffectWarning
+from lightning_precision.warnings import NoEffectWarning, warn
 
 _FORMAT_OF_DIM = {4: torch.channels_last, 5: torch.channels_last_3d}
 _CONVS = (nn.modules.conv._ConvNd,)
@@ -29,15 +27,19 @@ def apply_channels_last(module: nn.Module) -> int:
     Per module, because ``model.to(memory_format=torch.channels_last)`` raises on a Conv3d; a mixed 2-d/3-d model
     works. Returns how many convolutions were converted; warns ``NoEffectWarning`` when there are none.
     """
+    return _apply_channels_last(module, "apply_channels_last", "Remove the `apply_channels_last` call.")
+
+
+def _apply_channels_last(module: nn.Module, caller: str, fix: str) -> int:
+    """``apply_channels_last``, with a no-effect warning that names the API the user called (function or callback)."""
     convs = _convs(module)
     for _, conv in convs:
         conv.to(memory_format=_FORMAT_OF_DIM[conv.weight.dim()])
     if not convs:
-        warnings.warn(
-            f"apply_channels_last: `{type(module).__name__}` has no 2-d or 3-d convolution, so channels-last changes"
-            " nothing. Remove the transform.",
+        warn(
+            f"{caller}: `{type(module).__name__}` has no 2-d or 3-d convolution, so channels-last changes nothing."
+            f" {fix}",
             NoEffectWarning,
-            stacklevel=2,
         )
     return len(convs)
 
@@ -74,7 +76,7 @@ class ChannelsLast(Callback):
     ``on_after_batch_transfer`` hook, after it reaches the device, for fit, validate, test and predict: the callback
     wraps that hook on the LightningModule and the DataModule (whichever Lightning calls) and restores it at teardown.
     On the first forward, it checks that the first convolution really receives channels-last input, and warns if
-    something in between (a ``.contiguous()``, a transform) converted it back.
+    something in between (a ``.contiguous()``, an input transform in the forward) converted it back.
     """
 
     def __init__(self) -> None:
@@ -85,7 +87,9 @@ class ChannelsLast(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.converted = apply_channels_last(pl_module)
+        self.converted = _apply_channels_last(
+            pl_module, "ChannelsLast", "Remove the `ChannelsLast()` callback from the Trainer's `callbacks`."
+        )
         if not self.converted:
             return
         for owner in (pl_module, trainer.datamodule):
@@ -101,11 +105,11 @@ class ChannelsLast(Callback):
             if isinstance(x, Tensor):
                 self.first_conv_input_channels_last = is_channels_last(x)
                 if not self.first_conv_input_channels_last:
-                    rank_zero_warn(
+                    warn(
                         f"ChannelsLast: the first convolution (`{name}`) received a contiguous (channels-first) input:"
-                        " something between the batch and it converted it back (a `.contiguous()`, `.view`, or a"
-                        " transform). Convolutions still run, with a layout conversion each step.",
-                        category=NoEffectWarning,
+                        " something between the batch and it converted it back (a `.contiguous()`, `.view`, or an"
+                        " input transform in the forward). Convolutions still run, with a layout conversion each step.",
+                        NoEffectWarning,
                     )
             if self._probe is not None:
                 self._probe.remove()

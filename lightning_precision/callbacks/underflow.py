@@ -10,7 +10,6 @@ from typing import Any, Callable, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -25,8 +24,10 @@ from lightning_precision.functional import (
     gradient_stats,
     measurable_values,
     multi_format_stats,
+    LossScaleAdvice,
     recommend_loss_scale,
 )
+from lightning_precision.warnings import warn
 
 Reduce = Callable[[Tensor], Tensor]
 
@@ -235,8 +236,8 @@ class GradientUnderflowMonitor(Callback):
     def _skip(self, name: str, err: Exception) -> None:
         if name not in self._failed:
             self._failed.add(name)
-            rank_zero_warn(f"GradientUnderflowMonitor cannot measure `{name}` ({type(err).__name__}: {err}); it is left"
-                           " out of the statistics.")
+            warn(f"GradientUnderflowMonitor cannot measure `{name}` ({type(err).__name__}: {err}); it is left out of"
+                 " the statistics.")
 
     def attach(self, module: nn.Module) -> None:
         """Hook every leaf module's output so its gradient is measured while ``capturing(True)``."""
@@ -293,8 +294,9 @@ class GradientUnderflowMonitor(Callback):
             self.probe_factor = 2.0 ** (int(math.log2(self.probe_factor)) // 2)
         return metrics
 
-    def recommend_loss_scale(self) -> tuple[float, float, float]:
-        """``(scale, fp16 underflow, overflow)`` from the activation histogram if measured, else the parameter one."""
+    def recommend_loss_scale(self) -> LossScaleAdvice:
+        """``functional.recommend_loss_scale`` for fp16 (``.scale``, ``.underflow``, ``.overflow``) from the activation
+        histogram if measured, else the parameter one."""
         hist = self.activation_histogram if int(self.activation_histogram.sum()) else self.histogram
         return recommend_loss_scale(hist, self.target_underflow)
 
@@ -356,8 +358,8 @@ class GradientUnderflowMonitor(Callback):
             self.probe_backward(real_loss, pl_module.named_parameters(), scale)
         except RuntimeError as err:  # e.g. reentrant activation checkpointing, which autograd.grad cannot run
             self.probe_factor = None
-            rank_zero_warn(f"GradientUnderflowMonitor: the probe backward failed ({err}); it is off for this run, and"
-                           " gradients fp16 already flushed are counted as exact zeros.")
+            warn(f"GradientUnderflowMonitor: the probe backward failed ({err}); it is off for this run, and gradients"
+                 " fp16 already flushed are counted as exact zeros.")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -388,11 +390,11 @@ class GradientUnderflowMonitor(Callback):
         at = f"at loss scale {float(current):g}" if current is not None else "without loss scaling"
         if not ScalerConfig.min_scale <= scale <= ScalerConfig.max_scale:
             advice = (f"No loss scale within [{ScalerConfig.min_scale:g}, {ScalerConfig.max_scale:g}] keeps them without"
-                      " overflow (it would take {scale:g}): train in bf16 (BF16MixedPrecision).")
+                      f" overflow (it would take {scale:g}): train in bf16 (BF16MixedPrecision).")
         else:
             advice = (f"A loss scale of {scale:g} would leave {under:.3%}: `FP16MixedPrecision(init_scale={scale:g})`,"
                       " or train in bf16.")
-        rank_zero_warn(f"{float(metrics[key]):.2%} of gradients flush to zero in fp16 {at} ({key}). {advice}")
+        warn(f"{float(metrics[key]):.2%} of gradients flush to zero in fp16 {at} ({key}). {advice}")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -83,6 +83,24 @@ class _AutocastPrecision(FabricPrecision):
         against (it sees this instead of taking every plugin it does not know for fp32)."""
         return self.compute_dtype
 
+    # The questions every plugin answers, so that logging code written for one works with all; answered here for the
+    # plugins without a loss scaler, and overridden by the one that has it (FP16MixedPrecision).
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The current loss scale; ``None``: this plugin does no loss scaling."""
+        return None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because gradients had inf/nan: none without a loss scaler."""
+        return 0
+
+    def metrics(self) -> dict[str, Tensor]:
+        """What the plugin has to log, keyed ``precision/<name>`` (``fabric.log_dict(plugin.metrics(), step)``): here
+        nothing (no loss scale is invented where there is none)."""
+        return {}
+
     @property
     def device_type(self) -> str:
         """The device type autocast runs for: where the model lives (the explicit ``device`` must be one of those

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
+
+from lightning_precision.warnings import warn
 
 
 class SkippedStepsError(RuntimeError):
@@ -236,10 +237,9 @@ class _TrackingGradScaler(torch.amp.GradScaler):
                    for name in ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale")
                    if name in state_dict and state_dict[name] != getattr(config, name)]
         if changed:
-            warnings.warn(
+            warn(
                 "Resuming the loss scaler with other arguments than the checkpoint's: " + "; ".join(changed) + ". The"
                 " arguments you pass are in force; the scale, growth tracker and counters come from the checkpoint.",
-                stacklevel=2,
             )
         self.set_growth_factor(float(config.growth_factor))
         self.set_backoff_factor(float(config.backoff_factor))
@@ -249,16 +249,14 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         if not (math.isfinite(scale) and scale > 0):
             bounded = float(config.init_scale)
             self._init_growth_tracker = 0
-            warnings.warn(
+            warn(
                 f"The checkpoint's loss scale is {scale!r}, which would turn the next clean step into NaN weights"
                 f" (it was saved by a scaler without bounds). Restarting the scale from init_scale={bounded:g}.",
-                stacklevel=2,
             )
         elif bounded != scale:
-            warnings.warn(
+            warn(
                 f"The checkpoint's loss scale {scale:g} lies outside [min_scale, max_scale] = [{config.min_scale:g},"
                 f" {config.max_scale:g}]: clamped to {bounded:g}.",
-                stacklevel=2,
             )
         self._init_scale = bounded
         if self._scale is not None:

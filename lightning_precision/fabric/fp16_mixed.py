@@ -88,17 +88,24 @@ class FP16MixedPrecision(_AutocastPrecision):
             self.scaler.load_state_dict(state)
 
     @property
-    def loss_scale(self) -> float:
-        """The current loss scale (reads the device)."""
+    @override
+    def loss_scale(self) -> Optional[float]:
+        """The current loss scale (reads the device); ``None`` without a scaler (``XPUPrecision`` in bf16)."""
+        if not self._uses_scaler:
+            return None
         self.apply_pending_update()
         return float(self.scaler.scale_tensor())
 
     @property
+    @override
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because gradients had inf/nan (reads the device)."""
+        if not self._uses_scaler:
+            return 0
         self.apply_pending_update()
         return int(self.scaler.skipped_tensor())
 
+    @override
     def metrics(self) -> dict[str, Tensor]:
         """``precision/loss_scale`` and ``precision/skipped_steps`` as tensors on the device.
 

@@ -9,6 +9,7 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
@@ -83,6 +84,7 @@ class FP8Precision(_AutocastPrecision):
         self.recipe_name = _fp8.recipe_name_of(backend, self.recipe)
         self.layer_decisions: list[_fp8.LayerDecision] = []
         self._forward_watch: Optional[_fp8.ForwardWatch] = None
+        self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
 
     @property
     def peak_flops_dtype(self) -> torch.dtype:
@@ -114,6 +116,7 @@ class FP8Precision(_AutocastPrecision):
             for layer in fp8_layers.values():
                 _fp8.run_outside_inference_mode(layer)
         self._forward_watch = _fp8.ForwardWatch(fp8_layers)
+        self._fp8_layers = None
         setattr(module, _CONVERTED, True)
         return module
 
@@ -131,6 +134,15 @@ class FP8Precision(_AutocastPrecision):
                 for d in self.layer_decisions
             ]
             _fp8.warn_never_ran(idle)
+        self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
+
+    @override
+    def metrics(self) -> dict[str, Tensor]:
+        """``precision/fp8_layers``: how many linear layers compute in fp8 (emulated or not), from the first backward
+        on; nothing before it, when layers chosen for fp8 may still turn out never to run. fp8 keeps no loss scale."""
+        if self._fp8_layers is None:
+            return {}
+        return {"precision/fp8_layers": torch.tensor(float(self._fp8_layers))}
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:

@@ -40,7 +40,8 @@ class DistilBertClassifier(ClassificationRecipe):
         super().__init__(num_labels, lr)
         self.save_hyperparameters()
         _imports.require(_imports._TRANSFORMERS_AVAILABLE, "transformers", "The DistilBERT recipe")
-        from transformers import DistilBertConfig, DistilBertForSequenceClassification
+        with _imports.quiet_known_noise():  # transformers imports torchao (its quantizer) whenever it is installed
+            from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
         if size not in SIZES:
             raise ValueError(f"`DistilBertClassifier(size={size!r})`: use one of {list(SIZES)}.")

@@ -1,0 +1,109 @@
+"""Every plugin answers the same questions (``metrics()``, ``loss_scale``, ``skipped_steps``), so the README's logging
+code keeps working when another plugin is swapped in: real Fabric loops and Trainer fits on CPU."""
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.loggers import Logger
+from torch import nn
+
+import lightning_precision
+from lightning_precision import _imports
+from lightning_precision import fabric as lp_fabric
+from tests.helpers import LitNet, loader, make_data, make_net, trainer
+
+STEPS = 4
+_FP8 = pytest.mark.skipif(not _imports._TORCHAO_AVAILABLE, reason="FP8Precision needs torchao (the [fp8] extra)")
+# FP8 on make_net: skip_first_last leaves the 32 -> 32 layer alone in fp8 (emulated on the CPU).
+PLUGINS = [
+    pytest.param("BF16MixedPrecision", {}, id="bf16"),
+    pytest.param("FP16MixedPrecision", {}, id="fp16"),
+    pytest.param("FP8Precision", dict(emulate=True, skip_small_layers=False), id="fp8", marks=_FP8),
+]
+
+
+def expected_metrics(name: str) -> set[str]:
+    return {
+        "BF16MixedPrecision": set(),  # nothing to report: no loss scale is invented
+        "FP16MixedPrecision": {"precision/loss_scale", "precision/skipped_steps"},
+        "FP8Precision": {"precision/fp8_layers"},
+    }[name]
+
+
+class RecordingLogger(Logger):
+    """A real Fabric logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: Any = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("name", "kwargs"), PLUGINS)
+def test_readme_fabric_loop_logs_plugin_metrics(name, kwargs):
+    plugin = getattr(lp_fabric, name)(**kwargs)
+    logger = RecordingLogger()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin], loggers=[logger])
+    model = make_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    for step, (x, y) in enumerate(fabric.setup_dataloaders(loader(make_data(STEPS)))):
+        loss = nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.log_dict(plugin.metrics(), step)  # the README's line, every step here
+
+    assert [step for step, _ in logger.logged] == list(range(STEPS))
+    assert all(set(metrics) == expected_metrics(name) for _, metrics in logger.logged)
+    last = logger.logged[-1][1]
+    if name == "FP16MixedPrecision":
+        assert last == {"precision/loss_scale": plugin.loss_scale, "precision/skipped_steps": 0.0}
+    elif name == "FP8Precision":
+        assert last == {"precision/fp8_layers": 1.0}
+        assert sum(d.fp8 for d in plugin.layer_decisions) == 1  # the figure logged is the plugin's own count
+    assert plugin.skipped_steps == 0
+    assert (plugin.loss_scale is None) == (name != "FP16MixedPrecision")
+
+
+@pytest.mark.parametrize(("name", "kwargs"), PLUGINS)
+def test_readme_trainer_snippet_reads_loss_scale_and_skipped_steps(name, kwargs):
+    plugin = getattr(lightning_precision, name)(**kwargs)
+    fit = trainer(plugin, max_steps=STEPS)
+    fit.fit(LitNet(), loader(make_data(STEPS)))
+
+    loss_scale, skipped_steps = fit.precision_plugin.loss_scale, fit.precision_plugin.skipped_steps  # the README's
+    assert skipped_steps == 0
+    if name == "FP16MixedPrecision":
+        assert loss_scale == plugin.scaler_config.init_scale  # 4 clean steps: no growth, no backoff
+    else:
+        assert loss_scale is None  # no loss scaling
+    assert set(fit.precision_plugin.metrics()) == expected_metrics(name)
+
+
+def test_fp8_reports_no_layer_count_before_the_first_backward():
+    # Until a backward has run, a layer chosen for fp8 may still turn out to be unused (its weight used elsewhere).
+    pytest.importorskip("torchao", reason="FP8Precision needs torchao (the [fp8] extra)")
+    plugin = lp_fabric.FP8Precision(emulate=True, skip_small_layers=False)
+    plugin.convert_module(make_net())
+    assert plugin.metrics() == {}
+
+
+def test_xpu_plugin_in_bf16_has_no_loss_scale():
+    plugin = lp_fabric.XPUPrecision(dtype="bf16", device="cpu")
+    assert (plugin.metrics(), plugin.loss_scale, plugin.skipped_steps) == ({}, None, 0)
