@@ -3,7 +3,13 @@
 A small CNN trained 40 steps under FP16MixedPrecision on generated images (a learnable task: the label is the
 quadrant with the brightest mean), with GradientUnderflowMonitor measuring parameter and activation gradients.
 
-    python examples/underflow_histogram.py [--out docs/images/exponent_histogram.png]
+    python examples/underflow_histogram.py [--out exponent_histogram.png] [--steps 40]
+
+The plot goes to ``exponent_histogram.png`` in the current working directory unless ``--out`` says otherwise, so
+running the example never overwrites the project's docs. The project regenerates its docs figure by passing the path
+explicitly, from the repository root:
+
+    python examples/underflow_histogram.py --out docs/images/exponent_histogram.png
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ class SmallCNN(L.LightningModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/images/exponent_histogram.png")
+    parser.add_argument("--out", default="exponent_histogram.png",
+                        help="where to write the plot (default: exponent_histogram.png in the current directory)")
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
