@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
+from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import GradientUnderflowMonitor
 from lightning_precision.callbacks.underflow import loss_scale_of
 from lightning_precision.functional import exponent_histogram, recommend_loss_scale, underflow_stats
@@ -119,6 +120,34 @@ def test_fabric_loop_uses_the_same_methods():
     assert monitor.compute() == {}  # compute() reset the counts
 
 
+def _fabric_first_step(monitor):
+    """The card's Fabric loop on the issue's case (loss x 1e-5 at loss scale 1, first step): the probe runs through
+    ``fabric.backward``, the only backward Fabric lets through its model's outputs when the plugin scales the loss."""
+    plugin = lp_fabric.FP16MixedPrecision(init_scale=1.0)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_net()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = make_data(1).tensors
+    loss = torch.nn.functional.cross_entropy(model(x), y) * 1e-5
+    monitor.probe_backward(loss, model.named_parameters(), plugin.scaler.scale_tensor(), backward=fabric.backward)
+    assert all(p.grad is None for p in net.parameters())  # the probe leaves no gradient behind
+    fabric.backward(loss)
+    scale = plugin.scaler.scale_tensor()
+    monitor.measure_gradients({n: p.grad / scale for n, p in model.named_parameters()}, scale)
+    return monitor.compute()
+
+
+def test_the_probe_runs_under_fabric_and_gives_the_trainers_figures():
+    trained = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0)
+    logged = _first_step_metrics(FP16MixedPrecision(init_scale=1.0), trained)
+    fabric = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0)
+    metrics = _fabric_first_step(fabric)
+    assert float(metrics["precision/underflow/fp16/lost"]) > 0.2  # the case is not vacuous
+    assert {k: float(v.float()) for k, v in metrics.items()} == {k: float(logged[k]) for k in metrics}  # logged as fp32
+    assert torch.equal(fabric.histogram, trained.histogram)
+    assert fabric.recommend_loss_scale() == trained.recommend_loss_scale()
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"Unknown number format 'fp7'"):
         GradientUnderflowMonitor(formats=("fp7",))
@@ -205,6 +234,27 @@ def test_what_fp16_already_flushed_is_underflow_not_exact_zero(make):
     assert float(logged["precision/exact_zero"]) == pytest.approx(true_zero)
     scale, under, over = monitor.recommend_loss_scale()
     assert scale > 1 and over == 0  # raise the scale, never lower it
+
+
+def test_the_advice_in_the_issues_case_is_the_smallest_scale_that_meets_the_target_and_the_card_says_so():
+    """The card's worked case: the advice is a scale the real fp16 backward loses at most ``target_underflow`` at,
+    half of it loses more, and the card quotes the figure the code gives."""
+    import re
+    from pathlib import Path
+
+    monitor = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0)
+    _first_step_metrics(FP16MixedPrecision(init_scale=1.0), monitor)
+    advice = monitor.recommend_loss_scale()
+    assert advice.scale == 256.0 and advice.underflow <= monitor.target_underflow
+
+    def lost_at(scale):
+        logged = _first_step_metrics(FP16MixedPrecision(init_scale=scale),
+                                     GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0))
+        return float(logged["precision/underflow/fp16/lost"])
+
+    assert lost_at(advice.scale) <= monitor.target_underflow < lost_at(advice.scale / 2)
+    card = (Path(__file__).parents[1] / "docs/callbacks/gradient_underflow_monitor.md").read_text()
+    assert re.findall(r"the advice is a scale of (\d+)", card) == [f"{advice.scale:g}"]
 
 
 def test_the_probe_can_be_turned_off_and_an_overflowing_probe_is_discarded():

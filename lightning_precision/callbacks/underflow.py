@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -82,6 +83,29 @@ class _Probe:
 
     def __init__(self, nonzero: dict[str, Tensor], histogram: Tensor, finite: Tensor) -> None:
         self.nonzero, self.histogram, self.finite = nonzero, histogram, finite
+
+
+class _RunInBackward(torch.autograd.Function):
+    """A root whose backward calls ``fn`` and passes no gradient on."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[], Any], leaf: Tensor) -> Tensor:
+        ctx.fn = fn
+        return leaf.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+        ctx.fn()
+        return None, None
+
+
+def _run_in_backward(fn: Callable[[], Any], device: torch.device, backward: Callable[[Tensor], None]) -> Any:
+    """``fn()``, run from inside ``backward(root)``: Fabric lets a backward pass through its model's outputs only there.
+    The root hangs on a fresh leaf, so ``backward`` walks (and frees) nothing of the model's graph, and the gradient it
+    sends in (the loss scale) is not used."""
+    result: list[Any] = []
+    backward(_RunInBackward.apply(lambda: result.append(fn()), torch.zeros((), device=device, requires_grad=True)))
+    return result[0]
 
 
 def _check_fraction(name: str, value: Any) -> None:
@@ -179,14 +203,27 @@ class GradientUnderflowMonitor(Callback):
 
     # ---- the part Fabric and plain PyTorch use directly -------------------------------------------------------------
 
-    def probe_backward(self, loss: Tensor, named_params: Iterable[tuple[str, Tensor]], loss_scale: Union[Tensor, float]) -> None:
+    def probe_backward(
+        self,
+        loss: Tensor,
+        named_params: Iterable[tuple[str, Tensor]],
+        loss_scale: Union[Tensor, float],
+        backward: Optional[Callable[[Tensor], None]] = None,
+    ) -> None:
         """Before the real backward of an fp16 step, with ``loss`` unscaled and still holding its graph: run the probe
-        backward (see the class docstring); the next ``measure_gradients`` compares it with the real gradients."""
+        backward (see the class docstring); the next ``measure_gradients`` compares it with the real gradients.
+
+        ``backward``: the loop's own backward entry, where only it may run a backward pass (``fabric.backward``: Fabric
+        refuses any other through its model's outputs when the plugin scales the loss). The probe then runs inside
+        it, with the same figures, and leaves no gradient in ``.grad``.
+        """
         if self.probe_factor is None:
             return
         params = {n: p for n, p in named_params if p.requires_grad}
         effective = torch.as_tensor(loss_scale, dtype=torch.float32, device=loss.device) * self.probe_factor
-        grads = torch.autograd.grad(loss * effective, list(params.values()), retain_graph=True, allow_unused=True)
+        probe = functools.partial(torch.autograd.grad, loss * effective, list(params.values()), retain_graph=True,
+                                  allow_unused=True)
+        grads = probe() if backward is None else _run_in_backward(probe, loss.device, backward)
         present = {n: g for n, g in zip(params, grads) if g is not None}
         finite = torch.stack([torch.isfinite(measurable_values(g)).all() for g in present.values()]).all() if present \
             else torch.ones((), dtype=torch.bool)
