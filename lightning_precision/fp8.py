@@ -87,15 +87,21 @@ def select_fp8_layers(
     1. GEMM dims (in and out features) must be divisible by 16: the fp8 tensor-core requirement. Always applied.
     2. A layer whose forward never runs (``nn.MultiheadAttention.out_proj``) stays as it is. Always applied.
     3. ``module_filter(module, fqn)``, when given, decides alone for the rest.
-    4. Otherwise the first and last linear layers stay in high precision (``skip_first_last``): they see raw inputs
-       and produce logits, where fp8's 3-bit (e4m3) mantissa hurts accuracy most, and they are usually small.
+    4. Otherwise the first and last linear layers in registration order, among those that run as modules (rule 2's
+       are passed over), stay in high precision (``skip_first_last``). The aim is the input projection and the
+       classifier head, where e4m3's 3 explicit mantissa bits cost the most accuracy and which are usually small; that
+       holds when a model registers its layers in forward order (in a bare ``nn.TransformerEncoder`` the first is the
+       first feed-forward ``linear1``).
     5. Layers too small to gain are skipped (``skip_small_layers``; thresholds above).
 
     A layer registered under several names is decided (and converted) once, under its first name.
     """
     linears = _linear_layers(module)
     functional = functional_linears(module)
-    edge = {linears[0][0], linears[-1][0]} if linears else set()
+    # MultiheadAttention's out_proj is registered first in a TransformerEncoder layer but never runs: choosing it would
+    # protect nothing and send the first layer that runs to fp8.
+    runs = [fqn for fqn, linear, _ in linears if id(linear) not in functional]
+    edge = {runs[-1]: "last", runs[0]: "first"} if runs else {}  # a lone layer: "first"
     decisions = []
     for fqn, linear, aliases in linears:
         n, k = linear.out_features, linear.in_features
@@ -107,7 +113,7 @@ def select_fp8_layers(
             fp8 = bool(module_filter(linear, fqn))
             reason = "module_filter" if fp8 else "excluded by module_filter"
         elif skip_first_last and fqn in edge:
-            fp8, reason = False, "first or last linear layer (kept in high precision for accuracy)"
+            fp8, reason = False, f"{edge[fqn]} linear layer that runs as a module (kept in high precision for accuracy)"
         elif skip_small_layers and _too_small(recipe_name, n, k):
             fp8, reason = False, f"too small to gain ({k}x{n} is under the {recipe_name} thresholds)"
         else:

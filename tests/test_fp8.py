@@ -123,7 +123,7 @@ def test_layer_selection_rules_and_summary():
     ).to("meta")
     decisions = {d.fqn: d for d in select_fp8_layers(model, "tensorwise")}
     assert [k for k, d in decisions.items() if d.fp8] == ["1"]
-    assert "first or last" in decisions["0"].reason
+    assert decisions["0"].reason.startswith("first linear layer")
     assert "not divisible by 16" in decisions["2"].reason and "not divisible by 16" in decisions["5"].reason
     assert "too small" in decisions["4"].reason
     # rowwise has stricter thresholds: 8192x8192 still gains, 4096->8192 (first) is excluded anyway
@@ -131,6 +131,26 @@ def test_layer_selection_rules_and_summary():
     # a user filter decides alone, except for the hardware rule
     chosen = select_fp8_layers(model, module_filter=lambda m, fqn: True)
     assert [d.fqn for d in chosen if d.fp8] == ["0", "1", "4"]
+
+
+def _encoder():
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), num_layers=2,
+                                 enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize("framed", [True, False], ids=["input-encoder-head", "encoder-head"])
+def test_first_and_last_are_chosen_among_the_layers_that_run(framed):
+    """In a TransformerEncoder the first nn.Linear registered is an attention's out_proj, which never runs as a module:
+    the rule passes over it and keeps the first layer that runs (the input projection, or the first feed-forward)."""
+    model = (nn.Sequential(nn.Linear(32, 64), _encoder(), nn.Linear(64, 16)) if framed
+             else nn.Sequential(_encoder(), nn.Linear(64, 16))).to("meta")
+    enc, head = ("1", "2") if framed else ("0", "1")
+    first = "0" if framed else f"{enc}.layers.0.linear1"
+    high = {d.fqn: d.reason for d in select_fp8_layers(model, skip_small_layers=False) if not d.fp8}
+    out_projs = {f"{enc}.layers.{i}.self_attn.out_proj" for i in (0, 1)}
+    assert set(high) == {first, head} | out_projs
+    assert high[first].startswith("first linear layer") and high[head].startswith("last linear layer")
+    assert all("MultiheadAttention" in high[fqn] for fqn in out_projs)
 
 
 def test_no_fp8_layer_warns_and_the_plugin_keeps_a_summary():

@@ -42,7 +42,7 @@ class FP8Precision(_AutocastPrecision):
         compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16).
         module_filter: ``(module, fqn) -> bool`` choosing the linear layers that run in fp8; replaces the defaults.
         skip_small_layers: leave layers too small to gain in high precision (thresholds in ``lightning_precision.fp8``).
-        skip_first_last: leave the first and last linear layers in high precision.
+        skip_first_last: leave the first and last linear layers that run as modules in high precision.
         device, matmul_precision: as for every plugin.
     """
 
