@@ -124,7 +124,25 @@ def block_size(steps: int) -> int:
 # ------------------------------------------------------------------------------------------------- the child process
 
 
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's resident high-water mark (Linux >= 4.0), so the peak is training's, not the imports'."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _peak_rss_bytes() -> int:
+    """Peak resident memory: VmHWM where /proc has it (reset by ``_reset_peak_rss``), else the process's lifetime peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource  # Unix only: on Windows the memory column stays empty
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -159,6 +177,7 @@ def _run_stats_class() -> type:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
             try:
+                _reset_peak_rss()
                 self.rss_start = _rss_bytes()
             except ImportError:
                 pass
@@ -328,9 +347,13 @@ class Run:
         self.error = f"its process ended before finishing: {why}{hint}"
 
     def stop(self) -> None:
+        """End the process: asked at its next turn boundary (Lightning traps SIGTERM), killed if it does not."""
         if self.process.is_alive():
-            self.process.terminate()
-        self.process.join(timeout=10)
+            try:
+                self.conn.send("stop")
+            except OSError:
+                pass
+            self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
