@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -14,7 +15,11 @@ COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "peak mem M
 CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "samples_per_s", "speedup", "speedup_q1",
                "speedup_q3", "speedup_resolved", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
                "skipped_steps", "steps_done", "emulated", "noisy", "error"]
-SAME_ACCURACY = 0.02  # validation accuracies this close (absolute) count as the same in the verdict
+# Interquartile range / median of a run's step times above which it is flagged as measured on a busy machine. Steps
+# vary by ~20-30% on an idle shared VM (the monitor's measuring steps, the first step after a turn, slow drift that
+# the paired turns cancel), so only a wider spread is called busy.
+NOISY = 0.5
+SAME_ACCURACY = 0.01  # the least difference of validation accuracies the verdict calls a difference
 
 
 def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
@@ -32,7 +37,9 @@ def cells(row: dict[str, Any]) -> list[str]:
         name,
         _fmt(row["median_step_ms"], ".1f"),
         _fmt(row["spread"] * 100, ".0f", "%") + (" busy" if row.get("noisy") else ""),
-        mark + _fmt(speedup, ".2f", "x") + (" emulated" if row.get("emulated") and speedup is not None else ""),
+        mark + _fmt(speedup, ".2f", "x")
+        + (f" [{row['speedup_q1']:.2f}-{row['speedup_q3']:.2f}]" if "speedup_q1" in row else "")
+        + (" emulated" if row.get("emulated") and speedup is not None else ""),
         _fmt(row["samples_per_s"], ".0f"),
         _fmt(row.get("peak_memory_mb"), ".0f"),
         _fmt(row.get("final_loss"), ".3f"),
@@ -45,7 +52,9 @@ def cells(row: dict[str, Any]) -> list[str]:
 def memory_note(device: str) -> str:
     if device == "cpu":
         return ("peak mem MB: resident memory gained during training, each precision measured in its own process"
-                " (allocator caches included).")
+                " (allocator caches included). On a CPU it varies between identical runs by tens of MB (how the C"
+                " allocator reuses freed pages; 19-44 MB for the tiny ViT's 32-true): for small models only large"
+                " differences mean anything.")
     return "peak mem MB: peak memory allocated by tensors on the GPU during training, each precision in its own process."
 
 
@@ -54,19 +63,28 @@ def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     lines = [f"{r['precision']} failed: {r['error']}" for r in rows if "error" in r]
     lines += meta.get("notes", [])
     if any("median_step_ms" in r for r in rows):
-        lines.append(f"spread: interquartile range of the step times over the median ({meta['schedule']}).")
+        lines.append(f"spread: interquartile range of the step times over the median ({meta['schedule']});"
+                     " speedup: median over paired turns of 32-true's step time over this one's, [interquartile range].")
     if any(r.get("noisy") for r in rows):
-        lines.append("busy: step times varied by more than 25%; something else was using the machine. Speed figures"
-                     " are unreliable: rerun when it is idle.")
+        lines.append(f"busy: step times varied by more than {NOISY:.0%} of their median; something else was using the"
+                     " machine. The paired speedups are the figures to trust; rerun when it is idle.")
     if any(r.get("speedup_resolved") is False for r in rows):
         lines.append("~: speedup not resolved: its interquartile range over the paired turns includes 1x (or fewer"
                      " than 3 turns were timed), so it is not measurably different from 32-true.")
     emulated = [r["precision"] for r in rows if r.get("emulated") and "median_step_ms" in r]
     if emulated:
-        lines.append(f"emulated: {', '.join(emulated)} has no hardware arithmetic on this machine (torch emulates"
-                     " it): its numerics are real, its speed says nothing about hardware that has the format.")
+        lines.append(f"emulated: no hardware arithmetic for {', '.join(emulated)} on this machine (torch emulates"
+                     " it): the numerics are real, the speed says nothing about hardware that has the format.")
     lines.append(memory_note(meta["device"]))
     return lines
+
+
+def accuracy_tolerance(base: dict[str, Any], meta: dict[str, Any]) -> float:
+    """How far two validation accuracies may differ by chance alone: two standard errors of the difference of two
+    accuracies on ``val_batches * batch_size`` samples (at 32-true's accuracy), at least ``SAME_ACCURACY``."""
+    n = max(1, meta.get("val_batches", 0) * meta.get("batch_size", 0))
+    p = base.get("val_acc") or 0.5
+    return max(SAME_ACCURACY, 2 * math.sqrt(2 * p * (1 - p) / n))
 
 
 def verdict(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -76,31 +94,43 @@ def verdict(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if base is None:
         return prefix + "No finished 32-true run to compare against: speedups are not computed."
     others = [r for r in rows if r is not base and "error" not in r and r.get("speedup") is not None]
+    tolerance = accuracy_tolerance(base, meta)
 
     def same_accuracy(r: dict[str, Any]) -> bool:
         if r.get("val_acc") is None or base.get("val_acc") is None:
             return True
-        return abs(r["val_acc"] - base["val_acc"]) <= SAME_ACCURACY
+        return abs(r["val_acc"] - base["val_acc"]) <= tolerance
 
     def accuracy(r: dict[str, Any]) -> str:
         if r.get("val_acc") is None or base.get("val_acc") is None:
             return f"final loss {r['final_loss']:.3f} vs {base['final_loss']:.3f}"
         return f"validation accuracy {r['val_acc']:.3f} vs {base['val_acc']:.3f}"
 
-    faster = sorted((r for r in others if r.get("speedup_resolved") and r["speedup"] > 1 and not r.get("emulated")),
-                    key=lambda r: -r["speedup"])
+    def differs(r: dict[str, Any]) -> str:
+        return f"{r['precision']}'s {accuracy(r)} differs by more than chance allows ({tolerance:.3f})"
+
     failed = [r["precision"] for r in rows if "error" in r]
     tail = f" {', '.join(failed)} failed (see the notes)." if failed else ""
-    for r in faster:
+    faster = sorted((r for r in others if r.get("speedup_resolved") and r["speedup"] > 1 and not r.get("emulated")),
+                    key=lambda r: -r["speedup"])
+    if faster:
+        r = faster[0]
         speed = (f"{r['speedup']:.2f}x the speed of 32-true (interquartile {r['speedup_q1']:.2f}-{r['speedup_q3']:.2f}x"
                  f" over {r['speedup_pairs']} paired turns)")
         if same_accuracy(r):
             return prefix + f"{r['precision']} is the one to use here: {speed}, {accuracy(r)}." + tail
-        return (prefix + f"{r['precision']} ran at {speed} but its {accuracy(r)} differs by more than"
-                f" {SAME_ACCURACY}: check its numerics before switching." + tail)
-    busy = " (the machine was busy: rerun when it is idle)" if any(r.get("noisy") for r in rows) else ""
-    return (prefix + f"No precision was measurably faster than 32-true on this machine{busy}; here the lower precisions"
-            " show their numerics, not their speed." + tail)
+        return prefix + f"{r['precision']} ran at {speed}, but {differs(r)}: check its numerics before switching." + tail
+    slower = [f"{r['precision']} {r['speedup']:.2f}x" for r in others
+              if r.get("speedup_resolved") and r["speedup"] < 1 and not r.get("emulated")]
+    emulated = [r["precision"] for r in others if r.get("emulated")]
+    text = "No precision was measurably faster than 32-true on this machine"
+    text += f" ({', '.join(slower)}: measurably slower)" if slower else ""
+    text += f"; {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated here" if emulated else ""
+    text += ". Here the lower precisions show their numerics, not their speed."
+    if any(r.get("noisy") for r in rows):
+        text += " Step times varied widely (a busy machine): rerun when it is idle."
+    text += "".join(f" {differs(r)}: check its numerics." for r in others if not same_accuracy(r))
+    return prefix + text + tail
 
 
 def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], console: Any) -> None:

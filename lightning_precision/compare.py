@@ -31,12 +31,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_precision._io import check_writable_dir
+from lightning_precision._report import NOISY
 from lightning_precision.recipes import RECIPES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8")
 WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
 QUICK_STEPS, QUICK_VAL_BATCHES = 30, 2
-NOISY = 0.25  # interquartile range / median of step times above which a row is flagged as measured on a busy machine
 MIN_PAIRS = 3  # paired blocks needed before a speedup can count as resolved
 
 
@@ -419,7 +419,8 @@ def _timed(run: Run) -> list[list[float]]:
 
 def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interrupted: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"precision": run.precision, "steps_done": len(run.times),
-                           "emulated": emulated(run.precision, machine, on_gpu(args)), "losses": run.losses}
+                           "emulated": emulated(run.precision, machine, on_gpu(args)), "losses": run.losses,
+                           "step_ms": [t * 1e3 for t in run.times]}
     if run.error:
         row["error"] = run.error
         if run.detail:

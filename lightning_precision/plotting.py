@@ -57,9 +57,9 @@ def plot_exponent_histogram(
     ax.set_xlabel("log2 |gradient|, unscaled (divided by the loss scale in effect)\n"
                   "dashed: each format's smallest subnormal; round-to-nearest sends values below half of it to zero")
     ax.set_ylabel("fraction of non-zero values")
-    ax.set_title("exponents of the gradients against each format's range (activation gradients shown unscaled)",
-                 fontsize=10)
-    ax.legend(loc="upper left", fontsize=8)
+
+    # The title would collide with the format ranges drawn above the axes: the legend says what is shown.
+    ax.legend(loc="upper left", fontsize=8, title="gradients, unscaled (activation gradients too)", title_fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -76,7 +76,7 @@ def test_memory_does_not_follow_run_order(tmp_path):
             memory.setdefault(r["precision"], []).append(r["peak_memory_mb"])
     for precision, (first, second) in memory.items():
         assert first > 0 and second > 0
-        assert 0.67 < first / second < 1.5, (precision, first, second)
+        assert 0.5 < first / second < 2, (precision, first, second)  # once 20x (20 MB first, 1 MB last)
 
 
 def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, monkeypatch, capsys):
@@ -235,7 +235,8 @@ def _row(precision, speedup=None, q=(0.0, 0.0), resolved=None, acc=0.9, **extra)
     return row
 
 
-META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes": []}
+META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes": [], "val_batches": 8,
+        "batch_size": 32}  # 256 validation samples: at accuracy 0.9 chance allows 2 * sqrt(2 * 0.09 / 256) = 0.053
 
 
 @pytest.mark.parametrize(("rows", "expected"), [
@@ -243,14 +244,22 @@ META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes
      "bf16-mixed is the one to use here: 1.40x the speed of 32-true (interquartile 1.30-1.50x over 9 paired turns),"
      " validation accuracy 0.890 vs 0.900."),
     ([_row("32-true", 1.0), _row("bf16-mixed", 1.1, (0.8, 1.4), False)],
-     "No precision was measurably faster than 32-true on this machine; here the lower precisions show their numerics,"
+     "No precision was measurably faster than 32-true on this machine. Here the lower precisions show their numerics,"
      " not their speed."),
     ([_row("32-true", 1.0), _row("16-mixed", 2.0, (1.9, 2.1), True, acc=0.6)],
-     "16-mixed ran at 2.00x the speed of 32-true (interquartile 1.90-2.10x over 9 paired turns) but its validation"
-     " accuracy 0.600 vs 0.900 differs by more than 0.02: check its numerics before switching."),
+     "16-mixed ran at 2.00x the speed of 32-true (interquartile 1.90-2.10x over 9 paired turns), but 16-mixed's"
+     " validation accuracy 0.600 vs 0.900 differs by more than chance allows (0.053): check its numerics before"
+     " switching."),
     ([_row("32-true", 1.0), _row("16-mixed", 3.0, (2.9, 3.1), True, emulated=True)],
-     "No precision was measurably faster than 32-true on this machine; here the lower precisions show their numerics,"
-     " not their speed."),
+     "No precision was measurably faster than 32-true on this machine; 16-mixed is emulated here. Here the lower"
+     " precisions show their numerics, not their speed."),
+    ([_row("32-true", 1.0), _row("bf16-mixed", 0.76, (0.7, 0.8), True, acc=0.86)],
+     "No precision was measurably faster than 32-true on this machine (bf16-mixed 0.76x: measurably slower). Here the"
+     " lower precisions show their numerics, not their speed."),
+    ([_row("32-true", 1.0), _row("bf16-mixed", 1.0, (0.9, 1.1), False, acc=0.7)],
+     "No precision was measurably faster than 32-true on this machine. Here the lower precisions show their numerics,"
+     " not their speed. bf16-mixed's validation accuracy 0.700 vs 0.900 differs by more than chance allows (0.053):"
+     " check its numerics."),
     ([{"precision": "32-true", "error": "boom"}, _row("bf16-mixed")],
      "No finished 32-true run to compare against: speedups are not computed."),
 ])
@@ -259,12 +268,12 @@ def test_the_verdict_claims_only_what_the_figures_resolve(rows, expected):
 
 
 def test_flags_explain_themselves_under_the_table():
-    rows = [_row("32-true", 1.0), _row("bf16-mixed", 1.1, (0.8, 1.4), False, noisy=True, spread=0.4),
+    rows = [_row("32-true", 1.0), _row("bf16-mixed", 1.1, (0.8, 1.4), False, noisy=True, spread=0.6),
             _row("16-mixed", 0.2, (0.1, 0.3), True, emulated=True), {"precision": "fp8", "error": "x " * 80}]
     cells = {r["precision"]: _report.cells(r) for r in rows}
-    assert cells["bf16-mixed"][2] == "40% busy" and cells["bf16-mixed"][3] == "~1.10x"
-    assert cells["16-mixed"][3] == "0.20x emulated" and cells["fp8"][1] == "failed (see notes)"
+    assert cells["bf16-mixed"][2] == "60% busy" and cells["bf16-mixed"][3] == "~1.10x [0.80-1.40]"
+    assert cells["16-mixed"][3] == "0.20x [0.10-0.30] emulated" and cells["fp8"][1] == "failed (see notes)"
     notes = _report.notes(rows, META)
     assert any(n.startswith("busy: ") for n in notes) and any(n.startswith("~: ") for n in notes)
-    assert any(n.startswith("emulated: 16-mixed") for n in notes)
+    assert any(n.startswith("emulated: no hardware arithmetic for 16-mixed") for n in notes)
     assert f"fp8 failed: {'x ' * 80}" in notes  # whole

@@ -78,4 +78,4 @@ def test_histogram_says_values_are_unscaled_and_states_the_rounding_rule(figures
     plotting.plot_exponent_histogram({"activation gradients": hist}, str(tmp_path / "h.png"))
     ax = figures["h.png"].axes[0]
     assert "unscaled" in ax.get_xlabel() and "below half of it" in ax.get_xlabel()
-    assert "unscaled" in ax.get_title()
+    assert "unscaled" in ax.get_legend().get_title().get_text()
