@@ -102,6 +102,10 @@ def _choose_precision(config: object, precision: "str | None") -> None:
 def _fit(argv: list[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
+    from lightning_precision.warnings import ignore_known_harmless
+
+    ignore_known_harmless()
+
     class CLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
             parser.add_argument("--precision", choices=list(FIT_PRECISIONS), default=None,

@@ -216,7 +216,10 @@ def _run_stats_class() -> type:
 
 def quiet_lightning() -> None:
     """One table, not a Trainer banner and hints per precision; Lightning's known-harmless notices go too."""
-    for pattern in (".*does not have many workers.*", ".*GPU available but not used.*", r".*isinstance\(treespec, LeafSpec\).*"):
+    from lightning_precision.warnings import ignore_known_harmless
+
+    ignore_known_harmless()
+    for pattern in (".*does not have many workers.*", ".*GPU available but not used.*"):
         warnings.filterwarnings("ignore", pattern)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)

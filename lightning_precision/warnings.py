@@ -54,3 +54,14 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """
     if getattr(rank_zero_only, "rank", 0) == 0:
         warnings.warn(message, category, stacklevel=_user_stacklevel())
+
+
+# Warnings of the libraries beneath us that a user of our command line can do nothing about, by message. Lightning
+# 2.6 calls torch's deprecated `isinstance(treespec, LeafSpec)` on torch >= 2.10, once per fit.
+KNOWN_HARMLESS = (r".*isinstance\(treespec, LeafSpec\).*is deprecated.*",)
+
+
+def ignore_known_harmless() -> None:
+    """For the command line's own process: hide ``KNOWN_HARMLESS`` (a library calling the code must decide itself)."""
+    for pattern in KNOWN_HARMLESS:
+        warnings.filterwarnings("ignore", pattern)
