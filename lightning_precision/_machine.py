@@ -94,7 +94,8 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu_info(),
         "gpus": gpu_info(),
         "torch_cuda": torch.version.cuda,
-        "packages": {name: version(name) for name in PACKAGES},
+        # torch's own version string: it names the build (+cpu, +cu126), which its package metadata may not
+        "packages": {name: torch.__version__ if name == "torch" else version(name) for name in PACKAGES},
     }
 
 
