@@ -86,8 +86,13 @@ def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tup
     from lightning_precision._imports import _TORCHAO_AVAILABLE
     from lightning_precision.fp8 import fp8_gpu_available
 
-    chosen, notes = ["32-true", "bf16-mixed"], []
+    chosen, notes = ["32-true"], []
     gpu = on_gpu(args)
+    no_bf16 = precheck("bf16-mixed", args) if gpu else None
+    if no_bf16:
+        notes.append(f"bf16-mixed left out: {no_bf16}")
+    else:
+        chosen.append("bf16-mixed")
     if gpu or machine["cpu"]["native_fp16"]:
         chosen.append("16-mixed")
     else:
@@ -107,8 +112,13 @@ def precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
 
     if precision == "fp8" and not _TORCHAO_AVAILABLE:
         return "fp8 needs torchao, which is not installed: pip install 'lightning-precision[fp8]'"
-    if precision == "bf16-mixed" and on_gpu(args) and not torch.cuda.is_bf16_supported():
-        return f"bf16-mixed needs a GPU with bf16 (compute capability >= 8.0); {torch.cuda.get_device_name()} has none"
+    if precision == "bf16-mixed" and on_gpu(args):
+        from lightning_precision.fabric.bf16_mixed import _check_bf16_supported
+
+        try:
+            _check_bf16_supported("cuda")
+        except RuntimeError as err:
+            return one_line(err)
     try:
         make_plugin(precision, args.emulate)
     except Exception as err:  # a constructor's own check (hardware, versions): its message is the reason
@@ -379,10 +389,12 @@ def advance(progress: Any, task: Any, steps: int) -> None:
 
 def run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> tuple[dict[str, Run], bool]:
     """Start every precision's process, then take turns until all are done; True as second value if interrupted."""
-    runs = {p: start(args.recipe, p, args) for p in precisions}
+    runs: dict[str, Run] = {}
     tasks = {p: progress.add_task(f"{args.recipe} {p:>10}", total=args.steps) for p in precisions}
     interrupted = False
     try:
+        for p in precisions:
+            runs[p] = start(args.recipe, p, args)
         for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
             run.wait(lambda n: None)
         turn = 0
@@ -562,8 +574,9 @@ def main(argv: list[str]) -> int:
             runs, meta["interrupted"] = run_all(args, runnable, progress)
     rows = []
     for p in args.precisions:
-        if p in doomed:
-            rows.append({"precision": p, "error": doomed[p], "steps_done": 0, "losses": []})
+        if p in doomed or p not in runs:
+            why = doomed.get(p, "not started: the comparison was interrupted before it")
+            rows.append({"precision": p, "error": why, "steps_done": 0, "losses": []})
         else:
             rows.append(make_row(runs[p], args, machine, meta["interrupted"]))
     add_speedups(rows, runs)

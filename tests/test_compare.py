@@ -277,3 +277,19 @@ def test_flags_explain_themselves_under_the_table():
     assert any(n.startswith("busy: ") for n in notes) and any(n.startswith("~: ") for n in notes)
     assert any(n.startswith("emulated: no hardware arithmetic for 16-mixed") for n in notes)
     assert f"fp8 failed: {'x ' * 80}" in notes  # whole
+
+
+def test_default_precisions_on_a_gpu_without_bf16(monkeypatch):
+    """A T4 (compute capability 7.5): bf16-mixed is left out with the plugin's own reason, 16-mixed runs. No GPU
+    exists here: torch.cuda's answers are stand-ins (stated), the logic under them is real."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    chosen, notes = compare.default_precisions(_machine(bf16=False, fp16=False),
+                                               argparse.Namespace(accelerator="auto", emulate=False))
+    assert chosen == ["32-true", "16-mixed"]
+    assert notes == ["bf16-mixed left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"
+                     " found 'Tesla T4' (compute capability 7.5). Use `FP16MixedPrecision()` on this GPU."]
