@@ -356,3 +356,20 @@ def test_a_probe_that_saw_other_values_costs_only_the_lost_count():
     metrics = monitor.compute()
     assert float(metrics["precision/underflow/fp16"]) == pytest.approx(0.5)  # the stored values were measured
     assert "precision/underflow/fp16/lost" not in metrics  # nothing comparable: unknown, not 0
+
+
+def test_activation_gradients_are_counted_once_and_the_probe_feeds_their_histogram():
+    """With ``activations=True`` the activation hooks also fire in the probe's backward. They used to count the step
+    twice, putting the probe's gradients (scaled by loss scale x probe factor) in the histogram as if scaled by the
+    loss scale alone, beside the real backward's flushed ones: the issue's case advised a scale of 0.5. Now the
+    histogram holds one backward's values, the probe's (it holds what fp16 flushed), and the advice matches an fp32
+    run's to one power of two."""
+    def first_step(plugin):
+        monitor = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0, activations=True)
+        _first_step_metrics(plugin, monitor)
+        return monitor
+
+    fp32, fp16 = first_step(None), first_step(FP16MixedPrecision(init_scale=1.0))
+    assert int(fp16.activation_histogram.sum()) == pytest.approx(int(fp32.activation_histogram.sum()), rel=0.02)
+    truth, advice = fp32.recommend_loss_scale().scale, fp16.recommend_loss_scale().scale
+    assert truth / 2 <= advice <= truth * 2, (advice, truth)

@@ -79,10 +79,15 @@ class _Counts:
 
 class _Probe:
     """The probe backward of one micro-batch: where its gradients are non-zero, their histogram, and whether it stayed
-    finite (if not, it says nothing: it is discarded on the device, without a host read)."""
+    finite (if not, it says nothing: it is discarded on the device, without a host read). With activation hooks, the
+    activation gradients it passed (``activation_histogram``) and those of the real backward (``real_activations``),
+    one of which joins the monitor's histogram once the probe is judged."""
 
-    def __init__(self, nonzero: dict[str, Tensor], histogram: Tensor, finite: Tensor) -> None:
+    def __init__(self, nonzero: dict[str, Tensor], histogram: Tensor, finite: Tensor,
+                 activation_histogram: Optional[Tensor] = None) -> None:
         self.nonzero, self.histogram, self.finite = nonzero, histogram, finite
+        self.activation_histogram = activation_histogram
+        self.real_activations: Optional[Tensor] = None
 
 
 class _RunInBackward(torch.autograd.Function):
@@ -127,7 +132,8 @@ class GradientUnderflowMonitor(Callback):
     first micro-batch's backward at ``probe_factor`` times the loss scale (``torch.autograd.grad`` on the same graph: no
     user code runs again) before the real one: gradients that are zero in the real backward but not in the probe were
     lost to underflow. They count in ``precision/underflow/fp16/scaled`` and alone in ``precision/underflow/fp16/lost``,
-    not in ``precision/exact_zero``, and the probe's gradients feed the histogram, so the advice raises the scale. It is
+    not in ``precision/exact_zero``, and the probe's gradients feed the histogram, so the advice raises the scale (the
+    activation hooks' view of the probe too, at the probe's scale, in place of the real backward's). It is
     a lower bound: what the probe also flushes, and micro-batches after the first, are not seen.
 
     Measurements happen on logging steps (or every ``measure_every_n_steps``), accumulate on the device, and are
@@ -198,6 +204,9 @@ class GradientUnderflowMonitor(Callback):
         self._warned = False
         self._act_scale: Optional[Tensor] = None
         self._probe: Optional[_Probe] = None
+        # While the probe's backward runs: its effective scale, and the activation gradients its hooks saw.
+        self._probe_scale: Optional[Tensor] = None
+        self._probe_activations: Optional[Tensor] = None
         self._probe_due = False
         self._failed: set[str] = set()
 
@@ -223,12 +232,26 @@ class GradientUnderflowMonitor(Callback):
         effective = torch.as_tensor(loss_scale, dtype=torch.float32, device=loss.device) * self.probe_factor
         probe = functools.partial(torch.autograd.grad, loss * effective, list(params.values()), retain_graph=True,
                                   allow_unused=True)
-        grads = probe() if backward is None else _run_in_backward(probe, loss.device, backward)
+        self._fold_unjudged_activations()
+        # The activation hooks fire in the probe's backward too: what they see there is scaled by `effective`, and it
+        # is the probe's (kept apart), not a second count of the step.
+        self._probe_scale, self._probe_activations = effective, None
+        try:
+            grads = probe() if backward is None else _run_in_backward(probe, loss.device, backward)
+        finally:
+            probe_activations, self._probe_scale, self._probe_activations = self._probe_activations, None, None
         present = {n: g for n, g in zip(params, grads) if g is not None}
         finite = torch.stack([torch.isfinite(measurable_values(g)).all() for g in present.values()]).all() if present \
             else torch.ones((), dtype=torch.bool)
         nonzero = {n: measurable_values(g) != 0 for n, g in present.items()}
-        self._probe = _Probe(nonzero, exponent_histogram(present, 1.0 / effective), finite)
+        self._probe = _Probe(nonzero, exponent_histogram(present, 1.0 / effective), finite, probe_activations)
+
+    def _fold_unjudged_activations(self) -> None:
+        """A probe never judged (no ``measure_gradients`` after it): the real backward's activation gradients stand."""
+        if self._probe is not None and self._probe.real_activations is not None:
+            self.activation_histogram = self.activation_histogram.to(self._probe.real_activations.device) \
+                + self._probe.real_activations
+            self._probe.real_activations = None
 
     def measure_gradients(self, named_grads: Mapping[str, Tensor], loss_scale: Union[Tensor, float, None] = None) -> None:
         """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question,
@@ -269,6 +292,13 @@ class GradientUnderflowMonitor(Callback):
             hist = torch.where(probe.finite, probe.histogram.to(hist.device), hist) if hist is not None else hist
         if hist is not None:
             self.histogram = self.histogram.to(hist.device) + hist
+        if probe is not None and probe.activation_histogram is not None:
+            # The same choice for activation gradients: the probe's where it stayed finite (it holds what fp16's real
+            # backward flushed), else the real backward's.
+            real = probe.real_activations if probe.real_activations is not None else \
+                torch.zeros_like(probe.activation_histogram)
+            chosen = torch.where(probe.finite.to(real.device), probe.activation_histogram.to(real.device), real)
+            self.activation_histogram = self.activation_histogram.to(chosen.device) + chosen
 
     def _skip(self, name: str, err: Exception) -> None:
         if name not in self._failed:
@@ -352,6 +382,13 @@ class GradientUnderflowMonitor(Callback):
             output.register_hook(self._activation_grad)
 
     def _activation_grad(self, grad: Tensor) -> None:
+        if self._probe_scale is not None:  # inside the probe's backward: its histogram only, at its own scale
+            try:
+                hist = exponent_histogram(grad, 1.0 / self._probe_scale)
+            except (RuntimeError, TypeError, ValueError):
+                return  # the real backward's hook reports it
+            self._probe_activations = hist if self._probe_activations is None else self._probe_activations + hist
+            return
         scale = self._act_scale
         kind = "act_scaled" if scale is not None else "act"
         try:
@@ -362,7 +399,11 @@ class GradientUnderflowMonitor(Callback):
             return
         for fmt, stats in per_format.items():
             self._counts.add(f"{kind}/{fmt}", stats)
-        self.activation_histogram = self.activation_histogram.to(hist.device) + hist
+        probe = self._probe
+        if probe is not None and probe.activation_histogram is not None:  # judged with the probe, at measure time
+            probe.real_activations = hist if probe.real_activations is None else probe.real_activations + hist
+        else:
+            self.activation_histogram = self.activation_histogram.to(hist.device) + hist
 
     # ---- Trainer glue -----------------------------------------------------------------------------------------------
 
