@@ -62,3 +62,13 @@ def _wrap(original: Callable[[Any], torch.dtype]) -> Callable[[Any], torch.dtype
 
     setattr(plugin_to_compute_dtype, _MARK, True)
     return plugin_to_compute_dtype
+
+
+# The attribute under which Fabric's model wrapper (`fabric.setup(model)`) holds the model: `named_parameters()` of the
+# wrapper prefixes every name with it. Per-layer metric keys drop it, so they read the same under the Trainer and Fabric.
+FABRIC_MODULE_PREFIX = "_forward_module."
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter name as the user's own model names it, also when it came from Fabric's wrapper."""
+    return name[len(FABRIC_MODULE_PREFIX):] if name.startswith(FABRIC_MODULE_PREFIX) else name

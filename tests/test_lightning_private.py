@@ -41,3 +41,15 @@ def test_throughput_dispatch_exists_and_is_wrapped_once(module):
     wrapped = module._plugin_to_compute_dtype
     assert getattr(wrapped, "_lightning_precision_wrapped", False)
     assert not getattr(wrapped.__wrapped__, "_lightning_precision_wrapped", False)  # not wrapped twice
+
+
+def test_fabric_wrapper_prefix_is_what_named_parameters_gives():
+    import lightning as L
+    from torch import nn
+
+    from lightning_precision._lightning import FABRIC_MODULE_PREFIX, unwrapped_name
+
+    model = L.Fabric(accelerator="cpu", devices=1).setup(nn.Sequential(nn.Linear(2, 2)))
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [f"{FABRIC_MODULE_PREFIX}0.weight", f"{FABRIC_MODULE_PREFIX}0.bias"]
+    assert [unwrapped_name(n) for n in names] == ["0.weight", "0.bias"]

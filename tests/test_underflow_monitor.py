@@ -138,12 +138,16 @@ def _fabric_first_step(monitor):
 
 
 def test_the_probe_runs_under_fabric_and_gives_the_trainers_figures():
-    trained = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0)
+    trained = GradientUnderflowMonitor(formats="fp16", top_k=2, warn_threshold=1.0)
     logged = _first_step_metrics(FP16MixedPrecision(init_scale=1.0), trained)
-    fabric = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0)
+    fabric = GradientUnderflowMonitor(formats="fp16", top_k=2, warn_threshold=1.0)
     metrics = _fabric_first_step(fabric)
     assert float(metrics["precision/underflow/fp16/lost"]) > 0.2  # the case is not vacuous
-    assert {k: float(v.float()) for k, v in metrics.items()} == {k: float(logged[k]) for k in metrics}  # logged as fp32
+    # The same keys, per-layer ones included: they name the user's layers (`0`, `2` of the Sequential that the Trainer's
+    # module holds as `net`), not Fabric's wrapper (`_forward_module.0`).
+    expected = {k.replace("/net.", "/"): float(v) for k, v in logged.items()
+                if k.startswith("precision/") and k not in ("precision/loss_scale", "precision/skipped_steps")}
+    assert {k: float(v.float()) for k, v in metrics.items()} == expected  # logged as fp32
     assert torch.equal(fabric.histogram, trained.histogram)
     assert fabric.recommend_loss_scale() == trained.recommend_loss_scale()
 

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision._lightning import unwrapped_name
 from lightning_precision.callbacks._cadence import check_every, on_cadence
 from lightning_precision.fabric._scaler import ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format
@@ -57,6 +58,7 @@ def loss_scale_of(plugin: Any) -> Optional[Tensor]:
 
 
 def _module_path(param_name: str) -> str:
+    param_name = unwrapped_name(param_name)
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
 
