@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from lightning_precision._io import check_writable_dir
 from lightning_precision._report import NOISY
@@ -168,60 +170,58 @@ def _rss_bytes() -> int:
         return _peak_rss_bytes()
 
 
-def _run_stats_class() -> type:
-    from lightning.pytorch.callbacks import Callback
+class RunStats(Callback):
+    """Step times and losses of one run; waits for its turn at every block start (``gate``) and hands each
+    finished block to ``on_block``. Times exclude the waits."""
 
-    class RunStats(Callback):
-        """Step times and losses of one run; waits for its turn at every block start (``gate``) and hands each
-        finished block to ``on_block``. Times exclude the waits."""
+    def __init__(self, block: int, gate: Callable[[], None], on_block: Callable[..., None]) -> None:
+        self.block, self.gate, self.on_block = block, gate, on_block
+        self.times: list[float] = []
+        self._losses: list[torch.Tensor] = []
+        self.sent = 0
+        self.cuda = torch.cuda.is_available()
+        self.rss_start = 0
 
-        def __init__(self, block: int, gate: Callable[[], None], on_block: Callable[..., None]) -> None:
-            self.block, self.gate, self.on_block = block, gate, on_block
-            self.times: list[float] = []
-            self._losses: list[torch.Tensor] = []
-            self.sent = 0
-            self.cuda = torch.cuda.is_available()
-            self.rss_start = 0
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            _reset_peak_rss()
+            self.rss_start = _rss_bytes()
+        except ImportError:
+            pass
 
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                _reset_peak_rss()
-                self.rss_start = _rss_bytes()
-            except ImportError:
-                pass
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if len(self.times) % self.block == 0:
+            if self.times:
+                self.flush()
+            self.gate()
+        if self.cuda:
+            torch.cuda.synchronize()
+        self._t0 = time.perf_counter()
 
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if len(self.times) % self.block == 0:
-                if self.times:
-                    self.flush()
-                self.gate()
-            if self.cuda:
-                torch.cuda.synchronize()
-            self._t0 = time.perf_counter()
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *args: Any) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self._t0)
+        self._losses.append(outputs["loss"].detach())  # read at the block's end: no device read inside a step
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *args: Any) -> None:
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self._t0)
-            self._losses.append(outputs["loss"].detach())  # read at the block's end: no device read inside a step
+    def peak_memory_mb(self) -> Optional[float]:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        try:
+            return max(0, _peak_rss_bytes() - self.rss_start) / 2**20
+        except ImportError:
+            return None
 
-        def peak_memory_mb(self) -> Optional[float]:
-            if self.cuda:
-                return torch.cuda.max_memory_allocated() / 2**20
-            try:
-                return max(0, _peak_rss_bytes() - self.rss_start) / 2**20
-            except ImportError:
-                return None
-
-        def flush(self) -> None:
-            """Hand over the steps not handed over yet."""
-            losses = torch.stack(self._losses[self.sent:]).float().tolist() if len(self._losses) > self.sent else []
-            self.on_block(self.times[self.sent:], losses, self.peak_memory_mb())
-            self.sent = len(self.times)
-
-    return RunStats
+    def flush(self) -> None:
+        """Hand over the steps not handed over yet."""
+        losses = torch.stack(self._losses[self.sent:]).float().tolist() if len(self._losses) > self.sent else []
+        self.on_block(self.times[self.sent:], losses, self.peak_memory_mb())
+        self.sent = len(self.times)
 
 
 def quiet_lightning() -> None:
@@ -248,7 +248,7 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callabl
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
     model, data = RECIPES[recipe].build(data_args=data_args)
-    stats = _run_stats_class()(block_size(args.steps), gate, on_block)
+    stats = RunStats(block_size(args.steps), gate, on_block)
     monitor = GradientUnderflowMonitor(formats=("fp16",), top_k=0, warn_threshold=1.0,
                                        measure_every_n_steps=max(1, args.steps // 10), log_every_n_steps=args.steps)
     plugin = make_plugin(precision, args.emulate)
