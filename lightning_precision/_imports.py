@@ -84,14 +84,21 @@ def import_quietly(name: str) -> ModuleType:
         return importlib.import_module(name)
 
 
-def version_of(distribution: str) -> str:
-    """The installed version of a distribution, or "(not installed)"."""
+def installed_version(distribution: str) -> "str | None":
+    """The installed version of a distribution (``transformer-engine`` or ``transformer_engine``), None if missing."""
     import importlib.metadata
 
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "(not installed)"
+    for name in dict.fromkeys((distribution, distribution.replace("-", "_"))):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_of(distribution: str) -> str:
+    """The installed version of a distribution, or "(not installed)", for messages."""
+    return installed_version(distribution) or "(not installed)"
 
 
 def ipex_status() -> tuple[bool, str]:

@@ -7,12 +7,13 @@ cannot be read is reported as unknown.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
-from typing import Any, Optional
+from typing import Any
 
 import torch
+
+from lightning_precision._imports import installed_version
 
 # The instruction sets that decide low-precision speed on a CPU, by their /proc/cpuinfo flag, with their usual name.
 CPU_ISA = {
@@ -76,16 +77,6 @@ def gpu_info() -> list[dict[str, Any]]:
     return gpus
 
 
-def version(distribution: str) -> Optional[str]:
-    """The installed version of a distribution, None if it is not installed."""
-    for name in (distribution, distribution.replace("-", "_")):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def machine_info() -> dict[str, Any]:
     """The machine as a report records it: OS, Python, CPU, GPUs and package versions (None: not installed)."""
     return {
@@ -95,7 +86,7 @@ def machine_info() -> dict[str, Any]:
         "gpus": gpu_info(),
         "torch_cuda": torch.version.cuda,
         # torch's own version string: it names the build (+cpu, +cu126), which its package metadata may not
-        "packages": {name: torch.__version__ if name == "torch" else version(name) for name in PACKAGES},
+        "packages": {name: torch.__version__ if name == "torch" else installed_version(name) for name in PACKAGES},
     }
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import csv
 import json
 import math
-import warnings
 from pathlib import Path
 from typing import Any, Optional
+
+from lightning_precision.warnings import warn
 
 COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "peak mem MB", "final loss", "val acc",
            "fp16 underflow", "skipped")
@@ -81,8 +82,8 @@ def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
 
 def accuracy_tolerance(base: dict[str, Any], meta: dict[str, Any]) -> float:
     """How far two validation accuracies may differ by chance alone: two standard errors of the difference of two
-    accuracies on ``val_batches * batch_size`` samples (at 32-true's accuracy), at least ``SAME_ACCURACY``."""
-    n = max(1, meta.get("val_batches", 0) * meta.get("batch_size", 0))
+    accuracies on the validation samples 32-true's run counted (at its accuracy), at least ``SAME_ACCURACY``."""
+    n = max(1, base.get("val_samples") or meta.get("val_batches", 0) * meta.get("batch_size", 0))
     p = base.get("val_acc") or 0.5
     return max(SAME_ACCURACY, 2 * math.sqrt(2 * p * (1 - p) / n))
 
@@ -183,6 +184,6 @@ def write_reports(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
 
         images = plot_compare(rows, out, meta)
     except ModuleNotFoundError as err:  # matplotlib missing: the table, JSON and CSV still stand
-        warnings.warn(str(err))
+        warn(str(err))
     (out / "report.md").write_text(markdown(rows, meta, images))
     return [str(out / name) for name in ("report.md", "report.json", "report.csv")] + images

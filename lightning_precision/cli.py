@@ -89,6 +89,12 @@ def _choose_precision(config: object, precision: "str | None") -> None:
                 f" lightning-precision's plugin (one of {', '.join(FIT_PRECISIONS)})."
             )
         return
+    if precision == "fp8":
+        from lightning_precision.fp8 import fp8_gpu_available
+
+        if not fp8_gpu_available():  # said now, not as a traceback from inside the fit
+            raise _ConfigError("--precision fp8 needs a CUDA GPU of compute capability >= 8.9; use --precision"
+                               " fp8-emulated to run its numerics emulated here.")
     if trainer.get("precision") is not None:
         raise _ConfigError(f"--precision {precision} and trainer.precision={trainer['precision']!r} both choose the"
                            " precision: pass only --precision.")

@@ -181,6 +181,7 @@ class RunStats(Callback):
         self.sent = 0
         self.cuda = torch.cuda.is_available()
         self.rss_start = 0
+        self.val_samples = 0
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -208,6 +209,13 @@ class RunStats(Callback):
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t0)
         self._losses.append(outputs["loss"].detach())  # read at the block's end: no device read inside a step
+
+    @override
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *args: Any) -> None:
+        # The samples the accuracy rests on (fewer than --val-batches x batch size on a small validation set): the
+        # verdict's notion of "same accuracy" depends on it. The recipes' batches end with the labels.
+        labels = batch[-1] if isinstance(batch, (list, tuple)) and batch else None
+        self.val_samples += len(labels) if isinstance(labels, torch.Tensor) and labels.ndim else 0
 
     def peak_memory_mb(self) -> Optional[float]:
         if self.cuda:
@@ -266,6 +274,7 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callabl
     underflow = metrics.get("precision/underflow/fp16/scaled", metrics.get("precision/underflow/fp16"))
     return {
         "val_acc": float(val["val_acc"]) if "val_acc" in val else None,
+        "val_samples": stats.val_samples,
         "grad_underflow_fp16": float(underflow) if underflow is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
     }
@@ -345,11 +354,11 @@ class Run:
                 return
             elif kind == "done":
                 self.result = message[1]
-                self.process.join()
+                self.stop()  # its result is in: a process that does not exit by itself must not hang the comparison
                 return
             elif kind == "error":
                 self.error, self.detail = message[1], message[2]
-                self.process.join()
+                self.stop()
                 return
 
     def fail_from_exit(self) -> None:

@@ -11,8 +11,8 @@ import sys
 import torch
 from rich.text import Text
 
+from lightning_precision._imports import installed_version as _version
 from lightning_precision._machine import cpu_info, describe_cpu, machine_info
-from lightning_precision._machine import version as _version
 from lightning_precision.fp8 import MXFP8_MIN_CAPABILITY, fp8_capable
 
 

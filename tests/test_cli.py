@@ -143,3 +143,11 @@ def test_fit_trainer_precision_conflict_is_a_one_line_hint(tmp_path, capsys, mon
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err]
     assert "trainer.precision='16-mixed' conflicts" in err and "--precision 16-mixed" in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without an fp8 GPU")
+def test_fit_precision_fp8_without_an_fp8_gpu_is_a_one_line_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _fit_quick("vit.yaml", "--precision", "fp8") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "use --precision fp8-emulated" in err
