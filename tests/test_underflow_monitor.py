@@ -128,11 +128,11 @@ def _fabric_first_step(monitor):
     net = make_net()
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     x, y = make_data(1).tensors
+    scale = plugin.loss_scale
     loss = torch.nn.functional.cross_entropy(model(x), y) * 1e-5
-    monitor.probe_backward(loss, model.named_parameters(), plugin.scaler.scale_tensor(), backward=fabric.backward)
+    monitor.probe_backward(loss, model.named_parameters(), scale, backward=fabric.backward)
     assert all(p.grad is None for p in net.parameters())  # the probe leaves no gradient behind
     fabric.backward(loss)
-    scale = plugin.scaler.scale_tensor()
     monitor.measure_gradients({n: p.grad / scale for n, p in model.named_parameters()}, scale)
     return monitor.compute()
 
