@@ -141,7 +141,10 @@ def hand_written_two_optimizers(steps):
 STEPS = [torch.ones(2, 8), torch.ones(2, 8) * 0.5, torch.ones(2, 8) * 2]
 
 
-def test_fabric_updates_the_scale_once_per_backward():
+@pytest.mark.parametrize("read_between", [False, True], ids=["plain", "scale read between the two steps"])
+def test_fabric_updates_the_scale_once_per_backward(read_between):
+    """Also when the scale is read between the two steps (logging after the first): the read applies the update, and
+    the second optimizer must still be unscaled with the scale its gradients carry (it got 2x its update)."""
     expected_a, expected_b, expected_scale = hand_written_two_optimizers(STEPS)
     plugin = lp_fabric.FP16MixedPrecision(init_scale=1024.0)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -151,6 +154,8 @@ def test_fabric_updates_the_scale_once_per_backward():
     for x in STEPS:
         fabric.backward(two_loss(ma, mb, x))
         opt_a.step()
+        if read_between:
+            plugin.metrics(), plugin.loss_scale, plugin.skipped_steps
         opt_b.step()
         opt_a.zero_grad()
         opt_b.zero_grad()

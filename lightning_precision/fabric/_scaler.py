@@ -118,6 +118,37 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         self._host_streak: Optional[int] = 0
         self._unread_updates = 0
         self._host_skipped: dict[int, bool] = {}
+        # Set by `update_before_every_step`: the scale this backward's gradients carry, and whether that update saw an
+        # inf; cleared by `scale` (the next backward).
+        self._carried: Optional[torch.Tensor] = None
+        self._early_found: Optional[torch.Tensor] = None
+
+    def scale(self, outputs: Any) -> Any:
+        self._carried = self._early_found = None
+        return super().scale(outputs)
+
+    def update_before_every_step(self) -> None:
+        """``update()`` while optimizers of this backward may still step (the scale was read between two steps). Those
+        are then unscaled with the scale their gradients carry, and an inf they find counts in the next update only if
+        this one saw none: one backoff per backward, as if every optimizer had stepped first."""
+        found = self._found_inf()
+        self._carried = scale_of(self) if self._scale is not None else None
+        self._early_found = found > 0 if found is not None else None
+        self.update()
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if self._carried is None or self._scale is None:
+            return super().step(optimizer, *args, **kwargs)
+        live, self._scale = self._scale, self._carried
+        try:
+            output = super().step(optimizer, *args, **kwargs)
+        finally:
+            self._scale = live
+        if self._early_found is not None:
+            state = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            for device, flag in state.items():
+                state[device] = flag * (~self._early_found).to(flag.device, flag.dtype)
+        return output
 
     def _found_inf(self, optimizer: Optional[Optimizer] = None) -> Optional[torch.Tensor]:
         states = (

@@ -126,11 +126,15 @@ class FP16MixedPrecision(_AutocastPrecision):
         itself at the next backward). May raise ``SkippedStepsError`` (see ``max_consecutive_skips``)."""
         if self._update_pending:
             self._update_pending = False
-            self.scaler.update()
+            # Called by a read, maybe between two optimizers' steps on one backward: those still to step keep the
+            # scale their gradients carry.
+            self.scaler.update_before_every_step()
 
     @override
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        self.apply_pending_update()
+        if self._update_pending:  # every optimizer of the last backward has stepped
+            self._update_pending = False
+            self.scaler.update()
         super().backward(self.scaler.scale(tensor), model, *args, **kwargs)
 
     def _scaler_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
