@@ -140,7 +140,8 @@ def _histogram_add(hist: Optional[Tensor], a: Tensor) -> Tensor:
     """Add the exponent histogram of |x| values ``a`` to ``hist``. frexp's exponent e gives floor(log2) = e - 1 for
     every finite non-zero fp32 value, subnormals included; zero, inf and nan get e = 0 and land in the bin of [0.5, 1),
     from which ``_histogram_finish`` removes them."""
-    _, exponent = torch.frexp(a.float())
+    # fp64 stays fp64: in fp32 its values below 2**-149 would flush to 0 (and land in [0.5, 1)) or overflow to inf.
+    _, exponent = torch.frexp(a if a.dtype == torch.float64 else a.float())
     counts = torch.bincount(exponent.add_(-1 - HIST_MIN).clamp_(0, HIST_MAX - HIST_MIN - 1),
                             minlength=HIST_MAX - HIST_MIN)
     return counts if hist is None else hist + counts
@@ -265,11 +266,11 @@ def exponent_histogram(tensors: TensorsLike, scale: Union[float, Tensor] = 1.0) 
     hist = not_counted = None
     for tensor in _named(tensors).values():
         for chunk in _chunks(measurable_values(tensor)):
-            a = chunk.float().abs()
+            a = _magnitudes(chunk)  # as gradient_stats sees them: fp64 stays fp64
             if isinstance(scale, Tensor) or scale != 1.0:
                 a = a.mul_(scale)
             hist = _histogram_add(hist, a)
-            skip = torch.count_nonzero(a == 0) + a.numel() - torch.count_nonzero(a <= torch.finfo(torch.float32).max)
+            skip = torch.count_nonzero(a == 0) + a.numel() - torch.count_nonzero(a <= torch.finfo(a.dtype).max)
             not_counted = skip if not_counted is None else not_counted + skip
     if hist is None or not_counted is None:
         return torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)

@@ -148,3 +148,16 @@ def test_counts_equal_the_real_cast_element_for_element(name):
     stats = underflow_stats(x, f).total
     assert (int(stats.underflow), int(stats.overflow)) == (real_under, real_over)
     assert real_under > 0 and real_over > 0  # the sweep reaches both sides
+
+
+def test_fp64_values_beyond_fp32_land_in_their_own_exponent_bin():
+    """fp64 gradients are histogrammed in fp64: 1e-60 lies below fp32's range and once landed in the bin of [0.5, 1)."""
+    from lightning_precision.functional import HIST_MIN, gradient_stats
+
+    tiny = torch.tensor([1e-60, 0.75], dtype=torch.float64)
+    hist = gradient_stats(tiny, ("fp16",))[2]
+    expected = torch.zeros_like(hist)
+    expected[max(0, math.floor(math.log2(1e-60)) - HIST_MIN)] += 1  # clamped into the first bin if below the range
+    expected[-1 - HIST_MIN] += 1  # 0.75 in [0.5, 1)
+    assert torch.equal(hist, expected)
+    assert torch.equal(exponent_histogram(tiny), hist)

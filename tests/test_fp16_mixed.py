@@ -257,3 +257,17 @@ def test_held_schedulers_keep_their_class_state_and_work_with_lr_monitor(tmp_pat
     scheduler = t.lr_scheduler_configs[0].scheduler
     assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
     assert scheduler.state_dict()["last_epoch"] == 2  # 3 steps, one of them skipped and held
+
+
+def test_a_held_scheduler_copies_and_pickles_like_the_scheduler():
+    """Lightning and users deep-copy and pickle schedulers (checkpoint callbacks, LR finders): the stand-in must too."""
+    import copy
+    import pickle
+
+    from lightning_precision.plugins._schedulers import HeldScheduler
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    held = HeldScheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1), lambda o: False)
+    for twin in (copy.copy(held), copy.deepcopy(held)):
+        assert twin.scheduler.step_size == 1 and twin.get_last_lr() == [0.1]
+    assert isinstance(pickle.loads(pickle.dumps(HeldScheduler(held.scheduler, bool))), torch.optim.lr_scheduler.StepLR)

@@ -208,6 +208,21 @@ def test_resuming_with_other_arguments_keeps_yours_and_says_so(tmp_path):
     assert other.loss_scale == first.loss_scale and other.skipped_steps == first.skipped_steps == 1
 
 
+def test_resuming_with_a_smaller_growth_interval_still_grows_the_scale():
+    """A growth tracker saved under growth_interval=1000 (here at 5 clean steps) passes a new interval of 2: torch grows
+    only when the tracker reaches the interval exactly, so the scale would never grow again. It grows on the next
+    clean step instead."""
+    first = lp_fabric.FP16MixedPrecision(init_scale=256.0, growth_interval=1000)
+    fabric_run(first, batches(0, 5))
+    saved = first.state_dict()
+    assert int(saved["_growth_tracker"]) == 5 and first.loss_scale == 256.0
+    other = lp_fabric.FP16MixedPrecision(init_scale=256.0, growth_interval=2)
+    with pytest.warns(UserWarning, match=r"growth_interval: checkpoint 1000, now 2"):
+        other.load_state_dict(saved)
+    fabric_run(other, batches(0, 3))
+    assert other.loss_scale == 1024.0  # grew on the first clean step, then again two steps later
+
+
 def test_lightnings_plugin_resumes_our_checkpoint_with_its_scale(tmp_path):
     """The docs promise both directions; Lightning looks for its state under "MixedPrecision"."""
     ds = make_data(4, overflow_batches=(1,))

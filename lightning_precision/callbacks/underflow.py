@@ -155,8 +155,9 @@ class GradientUnderflowMonitor(Callback):
         warn_threshold: warn once when the fp16 underflow fraction at the current scale exceeds this.
         target_underflow: the fp16 underflow fraction the loss-scale recommendation aims for.
         plot_path: if set, the histogram plot is written there at the end of training.
-        probe_factor: the probe backward's scale relative to the loss scale (a power of two > 1; halved after a probe
-            overflowed); ``None`` turns the probe off and saves one backward pass per measuring step of fp16 runs.
+        probe_factor: the probe backward's scale relative to the loss scale (a power of two > 1; its log2 halved,
+            2**16 -> 2**8, after a probe overflowed); ``None`` turns the probe off and saves one backward pass per
+            measuring step of fp16 runs.
     """
 
     def __init__(

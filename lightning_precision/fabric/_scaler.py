@@ -289,6 +289,9 @@ class _TrackingGradScaler(torch.amp.GradScaler):
                 f"The checkpoint's loss scale {scale:g} lies outside [min_scale, max_scale] = [{config.min_scale:g},"
                 f" {config.max_scale:g}]: clamped to {bounded:g}.",
             )
+        # torch grows the scale when the tracker reaches growth_interval exactly: a tracker saved under a larger interval
+        # would pass the new one and never grow again (until an overflow). Such a tracker is due: it grows next.
+        self._init_growth_tracker = min(int(self._init_growth_tracker), config.growth_interval - 1)
         self._init_scale = bounded
         if self._scale is not None:
             self._scale.fill_(bounded)

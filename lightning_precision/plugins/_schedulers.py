@@ -27,10 +27,15 @@ class HeldScheduler:
         return type(self.scheduler)
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("scheduler", "_is_held"):  # not set yet (copy, pickle build the object bare): no recursion
+            raise AttributeError(name)
         return getattr(self.scheduler, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.scheduler, name, value)
+
+    def __reduce__(self) -> tuple:  # pickle rebuilds the stand-in, not the scheduler its __class__ answers with
+        return HeldScheduler, (self.scheduler, self._is_held)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         optimizer = getattr(self.scheduler, "optimizer", None)
