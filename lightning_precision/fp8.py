@@ -375,9 +375,15 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
     init_meta = dict(getattr(new, "param_init_meta", {}) or {})
     for name, fresh in list(new.named_parameters(recurse=False)):
         kept = getattr(old, name, None)
-        if not isinstance(kept, nn.Parameter) or (kept.shape, kept.dtype, kept.device) != (fresh.shape, fresh.dtype,
-                                                                                               fresh.device):
-            continue
+        if not isinstance(kept, nn.Parameter):
+            continue  # the old module had none (LayerNorm(elementwise_affine=False)): the new one's identity init stands
+        if (kept.shape, kept.dtype, kept.device) != (fresh.shape, fresh.dtype, fresh.device):
+            # Keeping the fresh one would train from random weights, silently: refuse.
+            raise ValueError(
+                f"Converting {type(old).__name__} to {type(new).__name__}: its `{name}` is {tuple(kept.shape)}"
+                f" {kept.dtype} on {kept.device}, the converted module's {tuple(fresh.shape)} {fresh.dtype} on"
+                f" {fresh.device}. The trained weights cannot be carried over; exclude this layer with `module_filter`."
+            )
         for attribute, value in vars(fresh).items():
             setattr(kept, attribute, value)
         setattr(new, name, kept)

@@ -97,3 +97,19 @@ def test_missing_transformer_engine_names_the_extra(monkeypatch):
     monkeypatch.setattr(_imports, "_TRANSFORMER_ENGINE_AVAILABLE", Missing())
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightning-precision\[te\]'"):
         FP8Precision(backend="transformer_engine")
+
+
+def test_adopting_parameters_refuses_a_mismatch_instead_of_keeping_random_weights():
+    """The converted module must train the user's weights: a Parameter it cannot take over (other shape, dtype or
+    device) is an error, not a silent fresh (random) weight. A Parameter the old module lacks keeps the new init."""
+    from lightning_precision.fp8 import _adopt_parameters
+
+    old, new = torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
+    with pytest.raises(ValueError, match=r"`weight` is \(4, 4\) torch.float32 on cpu, the converted module's \(8, 4\)"):
+        _adopt_parameters(new, old)
+    plain, affine = torch.nn.LayerNorm(4, elementwise_affine=False), torch.nn.LayerNorm(4)
+    _adopt_parameters(affine, plain)
+    assert torch.equal(affine.weight, torch.ones(4))
+    same_old, same_new = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    _adopt_parameters(same_new, same_old)
+    assert same_new.weight is same_old.weight
