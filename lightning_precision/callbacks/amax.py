@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision._checks import is_positive_int
 from lightning_precision._io import check_writable_dir
 from lightning_precision.callbacks._cadence import check_every, on_cadence
 from lightning_precision.formats import FORMATS
@@ -100,7 +101,7 @@ class AmaxHistoryLogger(Callback):
         save_dir: Optional[str] = None,
     ) -> None:
         owner = "AmaxHistoryLogger"
-        if isinstance(history_len, bool) or not isinstance(history_len, int) or not 1 <= history_len <= self.MAX_HISTORY_LEN:
+        if not is_positive_int(history_len) or history_len > self.MAX_HISTORY_LEN:
             raise ValueError(f"`{owner}(history_len={history_len!r})`: a number of steps from 1 to {self.MAX_HISTORY_LEN},"
                              " e.g. 16 (Transformer Engine's default is 1024).")
         if amax_compute_algo not in ("max", "most_recent"):
@@ -111,8 +112,7 @@ class AmaxHistoryLogger(Callback):
         check_every(owner, "log_every_n_steps", log_every_n_steps)
         if not isinstance(what_if, bool):
             raise ValueError(f"`{owner}(what_if={what_if!r})`: pass True or False.")
-        if what_if_sample is not None and (isinstance(what_if_sample, bool) or not isinstance(what_if_sample, int)
-                                           or what_if_sample < 1):
+        if what_if_sample is not None and not is_positive_int(what_if_sample):
             raise ValueError(f"`{owner}(what_if_sample={what_if_sample!r})`: a positive number of elements, e.g. 65536,"
                              " or None for all.")
         if save_dir is not None and not isinstance(save_dir, (str, os.PathLike)):

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch.optim import Optimizer
 
+from lightning_precision._checks import is_positive_int
 from lightning_precision.warnings import warn
 
 
@@ -75,7 +76,7 @@ class ScalerConfig:
             value = getattr(self, name)
             if value is None and allow_none:
                 return
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 fail(name, f"it is a number of steps: pass a positive int, e.g. {getattr(ScalerConfig, name)!r}"
                            + (", or None" if allow_none else "") + ".")
 
