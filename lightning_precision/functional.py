@@ -188,7 +188,7 @@ def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[Union[fl
     for start in range(0, flat.numel(), CHUNK):
         a = _magnitudes(flat[start : start + CHUNK])
         count = torch.count_nonzero
-        common = torch.stack([count(a == 0), count(a <= torch.finfo(a.dtype).max), count(a == math.inf)])
+        common = _counts(a, ())  # zeros, finite, inf: once per chunk, whatever the number of scales
         rows = []
         for scale in scales:
             if isinstance(scale, Tensor) and scale.numel() == flat.numel():
