@@ -1,4 +1,6 @@
-"""Every private Lightning API the package uses, in one place, each with the reason no public one serves.
+"""Every private Lightning API the package uses, in one place, each with the reason no public one serves; the one
+exception is the XPU accelerator's connector patching in ``accelerators/_connectors.py`` (to be replaced by public
+objects, issue 14).
 
 ``tests/test_lightning_private.py`` checks each of them against the installed Lightning, so an upstream change fails
 loudly there instead of misbehaving in a run.

@@ -13,7 +13,6 @@ from typing import Any, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
-from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.pytorch.accelerators import Accelerator as TrainerAccelerator
 from typing_extensions import override
 
@@ -99,7 +98,7 @@ class XPUAccelerator(FabricAccelerator):
 
     @classmethod
     @override
-    def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
+    def register_accelerators(cls, accelerator_registry: Any) -> None:  # Lightning's registry (its class is private)
         accelerator_registry.register("xpu", cls, description=cls.__name__, override=True)
 
 

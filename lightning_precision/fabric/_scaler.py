@@ -111,6 +111,7 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
         self.config = config
+        self.device_type = device  # what it was built for (torch keeps it as the private `_device`)
         # Tensors on the scale's device, created with it; ints until then (or after a load).
         self._skipped: torch.Tensor | int = 0
         self._steps: torch.Tensor | int = 0

@@ -82,7 +82,7 @@ class FP16MixedPrecision(_AutocastPrecision):
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
-        if self.scaler._device != device_type:
+        if self.scaler.device_type != device_type:
             state = self.scaler.state_dict()
             self.scaler = _TrackingGradScaler(device_type, self.scaler_config, enabled=self._uses_scaler)
             self.scaler.load_state_dict(state)
