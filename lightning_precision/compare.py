@@ -401,6 +401,9 @@ def run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> t
     runs: dict[str, Run] = {}
     tasks = {p: progress.add_task(f"{args.recipe} {p:>10}", total=args.steps) for p in precisions}
     interrupted = False
+    # Ctrl-C must stop the comparison, whatever the process did before: Lightning leaves SIGINT ignored after a fit it
+    # interrupted (a notebook, a script that trained first), and a test run here once found it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for p in precisions:
             runs[p] = start(args.recipe, p, args)
