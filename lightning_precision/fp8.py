@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_precision import _imports
+from lightning_precision import _fsdp, _imports
 from lightning_precision.warnings import NoEffectWarning, warn
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -286,6 +286,60 @@ def convert_with_torchao(module: nn.Module, config: Any, decisions: list[LayerDe
     replacements = {id(m): convert_to_float8_training(m, config=config) for fqn, m, _ in _linear_layers(module)
                     if fqn in chosen}
     return replace_modules(module, replacements)
+
+
+def with_float8_all_gather(config: Any) -> Any:
+    """``config`` with torchao's float8 all-gather on: FSDP2 then all-gathers these layers' weights already cast to
+    fp8 (a quarter of fp32's bytes). Tensorwise scaling only (torchao's rule)."""
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+
+
+def float8_all_gather_possible(recipe_name: str) -> Optional[str]:
+    """None if torchao's float8 all-gather can run here, else why not."""
+    if recipe_name != "tensorwise":
+        return f"torchao all-gathers in fp8 with tensorwise scaling only (this recipe is {recipe_name})"
+    if _fsdp.process_group_backend() == "gloo" and not _fsdp.custom_all_gather_supported():
+        return (f"gloo has no float8 dtype, and torch {torch.__version__} cannot give FSDP2 the uint8 all-gather that"
+                " carries it (torch >= 2.8 can)")
+    return None
+
+
+class Float8ScalePrecompute:
+    """torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step: one all-reduce for the scales
+    of every fp8 weight instead of one per weight at each all-gather.
+
+    A precomputed scale is only right for the weights it was computed from. When a weight changes any other way (a
+    checkpoint loaded in place, an EMA swap), its version counter moves, and the scales are dropped before the next
+    forward: torchao then computes them at the all-gather, as without precomputing. A stale scale would saturate or
+    flush the new weights silently.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        fsdp_utils = _imports.import_quietly("torchao.float8.fsdp_utils")
+        self._precompute = fsdp_utils.precompute_float8_dynamic_scale_for_fsdp
+        self._module = module
+        self._locals = [
+            m.weight._local_tensor for m in module.modules()
+            if isinstance(m.__dict__.get("_parameters", {}).get("weight"), DTensor)
+            and isinstance(m.weight._local_tensor, fsdp_utils.WeightWithDynamicFloat8CastTensor)
+        ]
+        self._versions: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._locals)
+
+    def after_optimizer_step(self) -> None:
+        if self._locals:
+            self._precompute(self._module)
+            self._versions = [t._tensor._version for t in self._locals]
+
+    def before_forward(self) -> None:
+        if self._versions and self._versions != [t._tensor._version for t in self._locals]:
+            for t in self._locals:
+                t._precomputed_scale = None
+            self._versions = []
 
 
 # ---- Transformer Engine ----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_precision import _fsdp
 from lightning_precision._lightning import convert_fp_tensor, install_throughput_dtype
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -45,6 +46,15 @@ def _validate_device(owner: str, device: Optional[str]) -> None:
         )
 
 
+def _validate_reduce_dtype(owner: str, reduce_dtype: Any) -> None:
+    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point or reduce_dtype.itemsize < 2:
+        raise ValueError(
+            f"`{owner}(reduce_dtype={reduce_dtype!r})`: FSDP2 reduces gradients in a floating dtype of 16 or 32 bits."
+            " Use torch.float32 (the default: sums of many ranks keep their precision) or torch.bfloat16 (half the"
+            " bytes)."
+        )
+
+
 def _validate_matmul_precision(owner: str, matmul_precision: Optional[str]) -> None:
     if matmul_precision is not None and matmul_precision not in _MATMUL_PRECISIONS:
         raise ValueError(
@@ -65,13 +75,16 @@ class _AutocastPrecision(FabricPrecision):
         compute_dtype: torch.dtype,
         device: Optional[str] = None,
         matmul_precision: Optional[MatmulPrecision] = None,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         owner = type(self).__name__
         _validate_device(owner, device)
         _validate_matmul_precision(owner, matmul_precision)
+        _validate_reduce_dtype(owner, reduce_dtype)
         self.compute_dtype = compute_dtype
         self.device = device
         self.matmul_precision = matmul_precision
+        self.reduce_dtype = reduce_dtype
         self._device_type: Optional[str] = None
         self._checked_device: Optional[str] = None
         self._module_ref: Optional[weakref.ref] = None
@@ -82,6 +95,17 @@ class _AutocastPrecision(FabricPrecision):
         """The dtype whose peak FLOPs bound this plugin's matmuls: what Lightning's ThroughputMonitor computes MFU
         against (it sees this instead of taking every plugin it does not know for fp32)."""
         return self.compute_dtype
+
+    @property
+    def mp_policy(self) -> Any:
+        """The FSDP2 ``MixedPrecisionPolicy`` that matches this plugin: parameters all-gathered in the compute dtype,
+        gradients reduced in ``reduce_dtype`` (fp32 by default). Pass it to every ``fully_shard`` call:
+        ``fully_shard(module, mesh=mesh, mp_policy=plugin.mp_policy)``."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        # Inputs are left to autocast, which casts op by op (fp32 where it keeps fp32), as without sharding.
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+                                    cast_forward_inputs=False)
 
     # The questions every plugin answers, so that logging code written for one works with all; answered here for the
     # plugins without a loss scaler, and overridden by the one that has it (FP16MixedPrecision).
@@ -126,10 +150,16 @@ class _AutocastPrecision(FabricPrecision):
             resolved = self.device or next((t for t in found if t != "cpu"), found[0])
             self._on_device_resolved(resolved)  # may raise (unsupported hardware): then nothing is remembered
             self._device_type = resolved
+            if _fsdp.is_sharded(module):  # sharded by now: the Trainer resolves at `connect`, Fabric at first forward
+                self._on_sharded(module)
         return self._device_type
 
     def _on_device_resolved(self, device_type: str) -> None:
         """Hook for subclasses that hold device-bound state (the fp16 scaler) or must check the hardware."""
+
+    def _on_sharded(self, module: Module) -> None:
+        """Once, for a model that FSDP2 has sharded, before its first step."""
+        _fsdp.check_gather_dtype(type(self).__name__, module, self.compute_dtype)
 
     @override
     def convert_module(self, module: Module) -> Module:

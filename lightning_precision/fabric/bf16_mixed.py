@@ -27,6 +27,7 @@ class BF16MixedPrecision(_AutocastPrecision):
         device: autocast device type; ``None`` takes it from where the model lives.
         matmul_precision: ``torch.set_float32_matmul_precision`` for the run, restored at teardown.
         scaler: must stay ``None``. Accepted only to say clearly that bf16 needs no loss scaling.
+        reduce_dtype: the dtype FSDP2 reduces gradients in under ``mp_policy`` (fp32 by default; bf16 halves the bytes).
     """
 
     precision = "bf16-mixed"
@@ -36,13 +37,14 @@ class BF16MixedPrecision(_AutocastPrecision):
         device: Optional[str] = None,
         matmul_precision: Optional[MatmulPrecision] = None,
         scaler: Any = None,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         if scaler is not None:
             raise ValueError(
                 f"`{type(self).__name__}(scaler={scaler!r})`: bf16 has fp32's exponent range, so gradients do not"
                 " underflow and need no loss scaling. Remove `scaler`, or use `FP16MixedPrecision(...)` for fp16."
             )
-        super().__init__(torch.bfloat16, device=device, matmul_precision=matmul_precision)
+        super().__init__(torch.bfloat16, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:

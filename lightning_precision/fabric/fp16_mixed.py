@@ -47,6 +47,7 @@ class FP16MixedPrecision(_AutocastPrecision):
             of 2**-128 its unscale writes NaN into every weight on the next clean step.
         max_consecutive_skips: skipped steps in a row before the run stops with ``SkippedStepsError`` (default 50;
             None: never), instead of training nothing.
+        reduce_dtype: the dtype FSDP2 reduces gradients in under ``mp_policy`` (fp32 by default; bf16 halves the bytes).
     """
 
     precision = "16-mixed"
@@ -65,8 +66,9 @@ class FP16MixedPrecision(_AutocastPrecision):
         min_scale: float = ScalerConfig.min_scale,
         max_scale: float = ScalerConfig.max_scale,
         max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__(torch.float16, device=device, matmul_precision=matmul_precision)
+        super().__init__(torch.float16, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
         owner = type(self).__name__
         self.scaler_config = ScalerConfig(init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
                                           max_scale, max_consecutive_skips)

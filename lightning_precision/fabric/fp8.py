@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_precision import _fsdp
 from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 
@@ -29,6 +30,31 @@ _PRECISION_OF = {
 _CONVERTED = "_lightning_precision_fp8_converted"
 
 
+def _to_be_sharded(module: Module) -> bool:
+    """Whether FSDP2 is about to shard ``module``: it is a LightningModule of a Trainer whose strategy is
+    ``ModelParallelStrategy`` (the plugin is then converting inside ``configure_model``)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    trainer = getattr(module, "_trainer", None)
+    return trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)
+
+
+def _check_not_sharded(module: Module, decisions: list[_fp8.LayerDecision]) -> None:
+    """A layer already sharded by ``fully_shard`` cannot be converted: the fp8 layer would lose FSDP's hooks and fail
+    at the first forward with a DTensor error. Say what order works instead."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [d.fqn for d in decisions if d.fp8 and isinstance(module.get_submodule(d.fqn).weight, DTensor)]
+    if sharded:
+        raise RuntimeError(
+            f"FP8Precision: {len(sharded)} layer(s) chosen for fp8 are already sharded by FSDP2 ({', '.join(sharded[:3])}"
+            f"{', ...' if len(sharded) > 3 else ''}); fp8 conversion must come before `fully_shard`. With the Trainer,"
+            " call `self.trainer.precision_plugin.convert_module(self)` at the top of `configure_model`, before"
+            " `fully_shard`. With Fabric, shard in `ModelParallelStrategy(parallelize_fn=...)`, which runs after the"
+            " conversion."
+        )
+
+
 class FP8Precision(_AutocastPrecision):
     """fp8 linear layers inside high-precision autocast: ``Fabric(plugins=[FP8Precision()])``.
 
@@ -43,7 +69,12 @@ class FP8Precision(_AutocastPrecision):
         module_filter: ``(module, fqn) -> bool`` choosing the linear layers that run in fp8; replaces the defaults.
         skip_small_layers: leave layers too small to gain in high precision (thresholds in ``lightning_precision.fp8``).
         skip_first_last: leave the first and last linear layers that run as modules in high precision.
-        device, matmul_precision: as for every plugin.
+        fsdp_float8_all_gather: torchao, tensorwise: FSDP2 all-gathers the fp8 layers' weights in fp8 (a quarter of
+            fp32's bytes), and their scales are precomputed after each optimizer step. ``None`` (default): on when the
+            model is known to be sharded by FSDP2 at conversion (the Trainer's ``ModelParallelStrategy``, with
+            ``convert_module`` called in ``configure_model``); off otherwise, since the weights then become torchao
+            tensor subclasses that a plain ``torch.load`` cannot read without torchao. Fabric with FSDP2: pass True.
+        device, matmul_precision, reduce_dtype: as for every plugin.
     """
 
     def __init__(
@@ -57,6 +88,8 @@ class FP8Precision(_AutocastPrecision):
         skip_first_last: bool = True,
         device: Optional[str] = None,
         matmul_precision: Optional[MatmulPrecision] = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        fsdp_float8_all_gather: Optional[bool] = None,
     ) -> None:
         owner = type(self).__name__
         if backend not in _fp8.BACKENDS:
@@ -67,7 +100,7 @@ class FP8Precision(_AutocastPrecision):
                 " or torch.float16."
             )
         _fp8.check_module_filter(owner, module_filter)
-        super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision)
+        super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
         self.precision = _PRECISION_OF[(backend, compute_dtype)]
         self.backend = backend
         self.emulate = emulate
@@ -82,6 +115,17 @@ class FP8Precision(_AutocastPrecision):
                 _fp8.check_fp8_hardware("cpu", backend, "", emulate=True)
             self.recipe = _fp8.te_recipe(recipe if recipe is not None else "delayed")
         self.recipe_name = _fp8.recipe_name_of(backend, self.recipe)
+        if fsdp_float8_all_gather not in (None, True, False):
+            raise ValueError(f"`{owner}(fsdp_float8_all_gather={fsdp_float8_all_gather!r})`: pass None, True or False.")
+        if fsdp_float8_all_gather and (backend != "torchao" or self.recipe_name != "tensorwise"):
+            raise ValueError(
+                f"`{owner}(fsdp_float8_all_gather=True)`: torchao all-gathers in fp8 with tensorwise scaling only; this"
+                f" plugin uses {backend} ({self.recipe_name}). Use `backend='torchao', recipe='tensorwise'`, or leave"
+                " `fsdp_float8_all_gather` unset."
+            )
+        self.fsdp_float8_all_gather = fsdp_float8_all_gather
+        self._float8_all_gather = False  # whether the converted layers all-gather in fp8
+        self._scales: Optional[_fp8.Float8ScalePrecompute] = None
         self.layer_decisions: list[_fp8.LayerDecision] = []
         self._forward_watch: Optional[_fp8.ForwardWatch] = None
         self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
@@ -97,6 +141,9 @@ class FP8Precision(_AutocastPrecision):
 
     @override
     def convert_module(self, module: Module) -> Module:
+        """Convert the chosen linear layers to fp8 (once: a converted model is left as it is). Under FSDP2 this must
+        run before ``fully_shard``: Fabric does it in ``setup``; with the Trainer, call
+        ``self.trainer.precision_plugin.convert_module(self)`` at the top of ``configure_model``."""
         if not getattr(module, _CONVERTED, False):  # validate/test after fit: converting twice would nest
             module = self._convert(module)
         return super().convert_module(module)
@@ -105,10 +152,15 @@ class FP8Precision(_AutocastPrecision):
         self.layer_decisions = _fp8.select_fp8_layers(
             module, self.recipe_name, self.module_filter, self.skip_small_layers, self.skip_first_last
         )
+        _check_not_sharded(module, self.layer_decisions)
         rank_zero_info(_fp8.format_summary(self.layer_decisions))
         _fp8.warn_if_no_fp8(self.layer_decisions)
         if self.backend == "torchao":
-            module = _fp8.convert_with_torchao(module, self.recipe, self.layer_decisions)
+            recipe = self.recipe
+            self._float8_all_gather = self._wants_float8_all_gather(module)
+            if self._float8_all_gather:
+                recipe = _fp8.with_float8_all_gather(recipe)
+            module = _fp8.convert_with_torchao(module, recipe, self.layer_decisions)
         else:
             module = _fp8.convert_with_te(module, self.layer_decisions)
         fp8_layers = {d.fqn: module.get_submodule(d.fqn) for d in self.layer_decisions if d.fp8}
@@ -119,6 +171,52 @@ class FP8Precision(_AutocastPrecision):
         self._fp8_layers = None
         setattr(module, _CONVERTED, True)
         return module
+
+    def _wants_float8_all_gather(self, module: Module) -> bool:
+        if self.fsdp_float8_all_gather is False:
+            return False
+        if self.fsdp_float8_all_gather is None and not _to_be_sharded(module):
+            return False
+        why_not = _fp8.float8_all_gather_possible(self.recipe_name)
+        if why_not is None:
+            return True
+        if self.fsdp_float8_all_gather:  # asked for explicitly (tensorwise is checked at construction)
+            raise RuntimeError(f"`{type(self).__name__}(fsdp_float8_all_gather=True)`: {why_not}. Leave it unset to"
+                               " all-gather in the policy's dtype.")
+        rank_zero_info(f"fp8: weights are all-gathered in the policy's dtype, not in fp8: {why_not}.")
+        return False
+
+    @override
+    def _on_sharded(self, module: Module) -> None:
+        super()._on_sharded(module)
+        if not self._float8_all_gather:
+            return
+        self._scales = _fp8.Float8ScalePrecompute(module)
+        if _fsdp.process_group_backend() == "gloo":
+            _fsdp.install_byte_all_gather(module)
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with super().forward_context():
+            if self._scales is not None:  # after `super().forward_context()` resolved the device (and `_on_sharded`)
+                self._scales.before_forward()
+            if self.backend == "torchao":  # Float8Linear casts to fp8 by itself
+                yield
+            else:
+                te, _ = _fp8._te()
+                with te.autocast(enabled=True, recipe=self.recipe):
+                    yield
+
+    def _after_optimizer_step(self) -> None:
+        if self._scales is not None:
+            self._scales.after_optimizer_step()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._after_optimizer_step()
+        return output
 
     @override
     def _after_backward(self) -> None:
@@ -149,18 +247,8 @@ class FP8Precision(_AutocastPrecision):
         if any(d.fp8 for d in self.layer_decisions):
             _fp8.check_fp8_hardware(device_type, self.backend, self.recipe_name, self.emulate)
 
-    @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        with super().forward_context():
-            if self.backend == "torchao":  # Float8Linear casts to fp8 by itself
-                yield
-            else:
-                te, _ = _fp8._te()
-                with te.autocast(enabled=True, recipe=self.recipe):
-                    yield
-
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_forward_watch"] = None  # hook handles stay with the process that set them
+        state["_scales"] = None  # found again when the model is sharded in the new process
         return state

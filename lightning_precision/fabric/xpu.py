@@ -39,6 +39,7 @@ class XPUPrecision(FP16MixedPrecision):
         init_scale, growth_factor, backoff_factor, growth_interval, skip_schedulers_on_overflow, min_scale, max_scale,
             max_consecutive_skips: fp16 only, as in ``FP16MixedPrecision``.
         matmul_precision: as for every plugin.
+        reduce_dtype: as for every plugin (FSDP2's gradient reduction under ``mp_policy``).
         device: ``"xpu"``; another device type only to exercise the logic where no XPU exists (the tests do).
     """
 
@@ -56,6 +57,7 @@ class XPUPrecision(FP16MixedPrecision):
         min_scale: float = ScalerConfig.min_scale,
         max_scale: float = ScalerConfig.max_scale,
         max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         owner = type(self).__name__
         if dtype not in _DTYPES:
@@ -65,7 +67,8 @@ class XPUPrecision(FP16MixedPrecision):
         self._uses_scaler = dtype == "fp16"
         super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, device=device,
                          matmul_precision=matmul_precision, skip_schedulers_on_overflow=skip_schedulers_on_overflow,
-                         min_scale=min_scale, max_scale=max_scale, max_consecutive_skips=max_consecutive_skips)
+                         min_scale=min_scale, max_scale=max_scale, max_consecutive_skips=max_consecutive_skips,
+                         reduce_dtype=reduce_dtype)
         self.dtype = dtype
         self.compute_dtype, self.precision = _DTYPES[dtype]
         self.ipex = ipex

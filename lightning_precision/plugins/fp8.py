@@ -1,5 +1,11 @@
 """fp8 training for the Trainer."""
 
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import Optimizable
+from typing_extensions import override
+
 from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
 from lightning_precision.plugins._trainer import _TrainerAutocast
 
@@ -9,5 +15,14 @@ class FP8Precision(_TrainerAutocast, _FabricFP8Precision):
 
     Same arguments as :class:`lightning_precision.fabric.FP8Precision`. The model is converted in the strategy's
     ``convert_module`` (before it is moved and wrapped), so checkpoints hold the converted layers: resume with the
-    same plugin.
+    same plugin. With ``ModelParallelStrategy`` (FSDP2), convert before sharding: call
+    ``self.trainer.precision_plugin.convert_module(self)`` at the top of ``configure_model``.
     """
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        output = super().optimizer_step(optimizer, model, closure, **kwargs)
+        self._after_optimizer_step()
+        return output

@@ -1,0 +1,115 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``), as the plugins meet it: is a model sharded, with which policy.
+
+Public torch is used where it exists (``FSDPModule``, ``MixedPrecisionPolicy``, ``set_custom_all_gather``). Two private
+torch names are unavoidable and live here alone, each checked by ``tests/test_fsdp_private.py`` against the installed
+torch so that an upstream change fails loudly there:
+
+- ``FSDPModule._get_fsdp_state()._mp_policy``: torch has no getter for the policy a module was sharded with, and the
+  plugins must tell a model that all-gathers in fp32 from one that all-gathers in the compute dtype before the first
+  step, not after it.
+- ``_fsdp_collectives.DefaultAllGather``: gloo has no float8 dtype, so fp8 all-gathers (torchao's) on CPU go through
+  the default all-gather with the bytes viewed as uint8 (NCCL needs nothing of this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` was applied to (FSDP2 swaps their class to a subclass of ``FSDPModule``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return bool(fsdp_modules(module))
+
+
+def mp_policy_of(fsdp_module: nn.Module) -> Optional[Any]:
+    """The ``MixedPrecisionPolicy`` a module was sharded with; None if torch no longer keeps it where we read it."""
+    state = fsdp_module._get_fsdp_state()  # private: see the module docstring
+    return getattr(state, "_mp_policy", None)
+
+
+def own_floating_dtypes(fsdp_module: nn.Module) -> set[torch.dtype]:
+    """The dtypes of the floating parameters this FSDP module manages itself (not those of nested FSDP modules)."""
+    nested = {id(p) for m in fsdp_modules(fsdp_module) if m is not fsdp_module for p in m.parameters()}
+    return {p.dtype for p in fsdp_module.parameters() if id(p) not in nested and p.is_floating_point()}
+
+
+def gather_dtypes(module: nn.Module) -> Iterator[tuple[str, torch.dtype]]:
+    """``(path, dtype)`` per FSDP module: the dtype its parameters are all-gathered and computed in. That is the
+    policy's ``param_dtype``, or the parameters' own dtype without one. Modules that manage no parameter are left out."""
+    for name, m in module.named_modules():
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(m, FSDPModule):
+            continue
+        own = own_floating_dtypes(m)
+        if not own:
+            continue
+        policy = mp_policy_of(m)
+        param_dtype = getattr(policy, "param_dtype", None)
+        yield name or "<root>", param_dtype if param_dtype is not None else max(own, key=lambda d: d.itemsize)
+
+
+def process_group_backend() -> Optional[str]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_backend()
+    return None
+
+
+def custom_all_gather_supported() -> bool:
+    """torch >= 2.8 lets a module all-gather with a custom collective (``FSDPModule.set_custom_all_gather``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_custom_all_gather")
+
+
+def byte_all_gather() -> Any:
+    """An FSDP2 all-gather that moves 1-byte dtypes (float8) as uint8, for process groups without float8 (gloo)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather  # private: see above
+
+    class _ByteAllGather(DefaultAllGather):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
+            if output_tensor.element_size() == 1 and output_tensor.dtype != torch.uint8:
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    return _ByteAllGather()
+
+
+def install_byte_all_gather(module: nn.Module) -> int:
+    """Give every FSDP module of ``module`` the uint8 all-gather; returns how many got it."""
+    comm = byte_all_gather()
+    modules = fsdp_modules(module)
+    for m in modules:
+        m.set_custom_all_gather(comm)
+    return len(modules)
+
+
+def check_gather_dtype(owner: str, module: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Warn when FSDP2 all-gathers parameters in a dtype other than the plugin's compute dtype: in fp32, autocast
+    casts after the all-gather, so communication and the unsharded copies stay fp32 and the plugin saves neither."""
+    from lightning_precision.warnings import NoEffectWarning, warn
+
+    off = [(name, dtype) for name, dtype in gather_dtypes(module) if dtype != compute_dtype]
+    if not off:
+        return
+    shown = ", ".join(f"{name} ({str(dtype).replace('torch.', '')})" for name, dtype in off[:4])
+    more = f" and {len(off) - 4} more" if len(off) > 4 else ""
+    warn(
+        f"{owner} computes in {str(compute_dtype).replace('torch.', '')}, but FSDP2 all-gathers the parameters of"
+        f" {len(off)} sharded module(s) in another dtype: {shown}{more}. Autocast casts only after the all-gather, so"
+        " communication and the unsharded copies do not shrink. Shard with the plugin's policy:"
+        " `fully_shard(module, mesh=mesh, mp_policy=plugin.mp_policy)` (Trainer: `plugin ="
+        " self.trainer.precision_plugin` in `configure_model`).",
+        NoEffectWarning,
+    )

@@ -1,0 +1,102 @@
+"""Sharded training with FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy``, Trainer and Fabric.
+
+Real processes (2 ranks, gloo, CPU, started by ``tests/distributed.py`` with a time bound and a free port), real FSDP2,
+real torchao (``emulate=True``). Each rank trains on its half of every global batch, so together they must match one
+process training on the whole batch with the same plugin (``fsdp_worker.reference``): the mean of the ranks' losses
+and the full (all-gathered) parameters. Tolerances: the gradient of a half batch is rounded in the compute dtype
+before FSDP2 averages it, so sharded and single-process runs differ by rounding (measured: losses within 4e-5 for
+bf16/fp16 and 3e-3 for fp8, whose input scales are per rank; parameters within 2e-3 and 4e-3). A missing gradient
+average or a rank training alone moves the parameters by more than 3e-2 after 4 steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.fsdp_worker import reference
+
+STEPS = 4
+LOSS_TOL = {"bf16": 1e-3, "fp16": 1e-3, "fp8": 5e-3}
+PARAM_TOL = {"bf16": 5e-3, "fp16": 5e-3, "fp8": 1e-2}
+
+
+def _assert_matches_one_process(ranks: list[dict], params: dict, plugin: str) -> None:
+    ref = reference(plugin, STEPS)
+    mean = [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(STEPS)]
+    assert mean == pytest.approx(ref["losses"], abs=LOSS_TOL[plugin])
+    worst = max((params[k] - ref["params"][k]).abs().max().item() for k in params)
+    assert worst < PARAM_TOL[plugin], f"full parameters differ from one process by {worst}"
+
+
+@pytest.mark.parametrize("api", ["fabric", "trainer"])
+@pytest.mark.parametrize("plugin", ["bf16", "fp16", "fp8"])
+def test_two_ranks_match_one_process_on_the_whole_batch(tmp_path, api, plugin):
+    kwargs = {"fsdp_float8_all_gather": True} if plugin == "fp8" and api == "fabric" else {}
+    ranks = run_ranks({"api": api, "plugin": plugin, "policy": True, "steps": STEPS, "plugin_kwargs": kwargs}, tmp_path)
+    _assert_matches_one_process(ranks, torch.load(tmp_path / "params.pt"), plugin)
+    for r in ranks:
+        assert r["warnings"] == []  # sharded with the plugin's policy: nothing to say
+        assert set(r["layer_types"]) == {"FSDPFloat8Linear" if plugin == "fp8" else "FSDPLinear"}
+        if plugin == "fp8":
+            # Trainer: on by itself (ModelParallelStrategy seen at conversion); Fabric: asked for
+            assert r["float8_all_gather"] is True
+
+
+def test_fp8_plugin_equals_torchaos_fsdp2_recipe_written_by_hand(tmp_path):
+    """Convert, fully_shard, float8 all-gather, precompute the scales after each step: the plugin does what torchao's
+    README does, to the bit (losses and full parameters)."""
+    plugin = run_ranks({"api": "fabric", "plugin": "fp8", "policy": False, "steps": STEPS,
+                        "plugin_kwargs": {"fsdp_float8_all_gather": True}}, tmp_path / "plugin")
+    by_hand = run_ranks({"api": "torchao", "policy": False, "steps": STEPS}, tmp_path / "torchao")
+    assert [r["losses"] for r in plugin] == [r["losses"] for r in by_hand]
+    a, b = torch.load(tmp_path / "plugin" / "params.pt"), torch.load(tmp_path / "torchao" / "params.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_model_sharded_without_the_policy_warns_and_says_what_to_pass(tmp_path):
+    ranks = run_ranks({"api": "trainer", "plugin": "bf16", "policy": False, "steps": 1}, tmp_path)
+    (message,) = ranks[0]["warnings"]
+    assert message.startswith("NoEffectWarning: BF16MixedPrecision computes in bfloat16")
+    assert "model.0 (float32)" in message and "mp_policy=plugin.mp_policy" in message
+    assert ranks[1]["warnings"] == []  # rank zero only
+
+
+def test_an_inf_in_one_ranks_gradient_shard_skips_the_step_on_every_rank(tmp_path):
+    """Rank 1 alone writes an inf into its shard of the first layer's gradient at step 2. The scaler's inf check runs
+    on DTensor gradients, which all-reduce it: both ranks skip that step and halve the scale, and their counters agree."""
+    ranks = run_ranks({"api": "trainer", "plugin": "fp16", "policy": True, "steps": STEPS, "inf_step": 2}, tmp_path)
+    for r in ranks:
+        assert r["skipped"] == [False, False, True, False]
+        assert (r["skipped_steps"], r["loss_scale"]) == (1, 512.0)
+
+
+def test_trainer_fp8_on_a_model_sharded_before_conversion_fails_with_the_fix(tmp_path):
+    ranks = run_ranks({"api": "trainer", "plugin": "fp8", "policy": True, "steps": 1, "convert_first": False,
+                       "expect_error": True}, tmp_path)
+    for r in ranks:
+        assert r["error"].startswith("RuntimeError: FP8Precision: 3 layer(s) chosen for fp8 are already sharded")
+        assert "self.trainer.precision_plugin.convert_module(self)" in r["error"]
+
+
+@pytest.mark.parametrize("plugin", ["fp16", "fp8"])
+def test_resume_from_a_distributed_checkpoint_equals_training_straight_through(tmp_path, plugin):
+    """8 steps in one go, against 4 steps, a distributed checkpoint (the strategy's own), and 4 more in new processes:
+    the same parameters to the bit, and for fp16 the same loss scale and growth (the scale grows every 2 steps)."""
+    kwargs = {"growth_interval": 2} if plugin == "fp16" else {}
+    # 4 batches an epoch: the checkpoint falls on an epoch boundary, where a resumed fit restarts the data exactly
+    # (mid-epoch, Lightning restarts a plain DataLoader from its first batch).
+    base = {"api": "trainer", "plugin": plugin, "policy": True, "plugin_kwargs": kwargs, "data_steps": 4}
+    straight = run_ranks({**base, "steps": 8}, tmp_path / "straight")
+    run_ranks({**base, "steps": 4, "save_every": 4, "save_to": str(tmp_path / "ckpts")}, tmp_path / "first")
+    resumed = run_ranks({**base, "steps": 8, "resume": str(tmp_path / "ckpts" / "ckpt.ckpt")}, tmp_path / "resumed")
+    for s, r in zip(straight, resumed):
+        assert r["global_step"] == 8
+        assert r["batches"] == s["batches"][4:] == [[1, 0], [1, 1], [1, 2], [1, 3]]
+        assert r["losses"] == s["losses"][4:]
+        assert (r["loss_scale"], r["skipped_steps"]) == (s["loss_scale"], s["skipped_steps"])
+    a, b = torch.load(tmp_path / "straight" / "params.pt"), torch.load(tmp_path / "resumed" / "params.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    if plugin == "fp16":
+        assert straight[0]["loss_scale"] == 1024.0 * 2**4  # it grew, so the restored growth tracker mattered
