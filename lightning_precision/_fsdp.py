@@ -113,3 +113,11 @@ def check_gather_dtype(owner: str, module: nn.Module, compute_dtype: torch.dtype
         " self.trainer.precision_plugin` in `configure_model`).",
         NoEffectWarning,
     )
+
+
+def local_shard(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This rank's part of a tensor FSDP2 shards (a ``DTensor``); any other tensor as it is. Counting local shards and
+    summing across ranks counts every element of a sharded gradient once."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

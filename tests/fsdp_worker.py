@@ -187,12 +187,33 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
 
     plugin = make_plugin(cfg["plugin"], trainer=True, **cfg.get("plugin_kwargs", {}))
     callbacks = []
+    counted: list[int] = []
+    if "monitor" in cfg.get("callbacks", ()):
+        from lightning_precision.callbacks import GradientUnderflowMonitor
+        from lightning_precision.callbacks import underflow
+
+        reduced = underflow._Counts.reduced
+
+        def count(self: Any, reduce: Any) -> Any:  # how many gradient elements the ranks counted together
+            stats = reduced(self, reduce)
+            counted.append(int(stats["param/fp16"].numel))
+            return stats
+
+        underflow._Counts.reduced = count
+
+        callbacks.append(GradientUnderflowMonitor(formats=("fp16", "e5m2"), log_every_n_steps=1, top_k=2))
+    if "amax" in cfg.get("callbacks", ()):
+        from lightning_precision.callbacks import AmaxHistoryLogger
+
+        amax = AmaxHistoryLogger(log_every_n_steps=1)
+        callbacks.append(amax)
     if cfg.get("save_every"):  # a distributed checkpoint (a directory) from inside the loop, as users save them
         callbacks.append(ModelCheckpoint(dirpath=cfg["save_to"], filename="ckpt", every_n_train_steps=cfg["save_every"],
                                          save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=world, plugins=[plugin], max_steps=cfg["steps"], logger=False,
                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-                        callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+                        callbacks=callbacks, enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False,
+                        log_every_n_steps=1,
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
     module = ShardedModule(cfg)
     x, y = make_data(cfg.get("data_steps", cfg["steps"]))
@@ -201,7 +222,11 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
     data = DataLoader(dataset, batch_size=GLOBAL_BATCH // world, sampler=sampler)
     trainer.fit(module, data, ckpt_path=cfg.get("resume"))
-    out = {"losses": module.losses, "skipped": module.skipped, "loss_scale": plugin.loss_scale,
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("precision/")}
+    if "amax" in cfg.get("callbacks", ()):
+        logged.update(amax.last_metrics)
+    out = {"logged": logged,
+           "counted": counted, "losses": module.losses, "skipped": module.skipped, "loss_scale": plugin.loss_scale,
            "skipped_steps": plugin.skipped_steps, "layer_types": layer_types(module.model),
            "global_step": trainer.global_step, "batches": module.batches, "params": full_params(module.model)}
     if cfg["plugin"] == "fp8":

@@ -100,3 +100,29 @@ def test_resume_from_a_distributed_checkpoint_equals_training_straight_through(t
     assert all(torch.equal(a[k], b[k]) for k in a)
     if plugin == "fp16":
         assert straight[0]["loss_scale"] == 1024.0 * 2**4  # it grew, so the restored growth tracker mattered
+
+
+@pytest.mark.parametrize("plugin, callbacks", [("fp16", ["monitor"]), ("fp8", ["monitor", "amax"])])
+def test_callbacks_report_the_global_truth_equal_on_every_rank(tmp_path, plugin, callbacks):
+    """GradientUnderflowMonitor counts each element of the sharded gradients once across ranks (26896 parameters, as
+    one process counts them), and its fractions match one process on the same global batch. AmaxHistoryLogger's weight
+    amax is the whole weight's (also when it arrives all-gathered in fp8) and every amax is the same on every rank;
+    a rank's grad_output amax is that of its own loss (a mean over its half batch: twice one process's)."""
+    cfg = {"api": "trainer", "plugin": plugin, "policy": True, "steps": 2, "callbacks": callbacks}
+    two, (one,) = run_ranks(cfg, tmp_path / "two"), run_ranks(cfg, tmp_path / "one", world_size=1)
+    n_params = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 16 + 16
+    assert one["counted"] == [n_params, n_params]
+    assert [r["counted"] for r in two] == [[n_params, n_params]] * 2
+    assert two[0]["logged"] == two[1]["logged"] or plugin == "fp8"  # fp8: what-if samples stay per rank, see below
+    assert {k for k in one["logged"] if "amax" in k} == {k for k in two[0]["logged"] if "amax" in k}
+    for key, value in one["logged"].items():
+        if "fp8_whatif" in key or key not in two[0]["logged"]:
+            continue  # what-if: each rank's own sample of activations; top-k layers: ties (all 0) in any order
+        got = [r["logged"][key] for r in two]
+        assert got[0] == got[1], key
+        if key.startswith(("precision/underflow", "precision/overflow", "precision/exact_zero")):
+            assert got[0] == pytest.approx(value, abs=2e-3), key
+        elif key.startswith("precision/amax/weight"):
+            assert got[0] == pytest.approx(value, rel=1e-2), key
+        elif key.startswith("precision/amax/grad_output"):
+            assert got[0] == pytest.approx(2 * value, rel=0.2), key  # e5m2 backward: 2 mantissa bits

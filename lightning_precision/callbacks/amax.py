@@ -39,6 +39,14 @@ def block_sample(t: Tensor, limit: Optional[int], block: int = 1024) -> Tensor:
     return flat.unfold(0, block, step)[:count].reshape(-1)
 
 
+def _values(weight: Tensor) -> Tensor:
+    """A weight as numbers. Under FSDP2 with torchao's float8 all-gather, a layer's forward sees its weight already
+    gathered in fp8 (a ``Float8TrainingTensor``, which has no reductions): its values are the fp8 data times the scale,
+    whose amax is the full weight's amax (the scale maps it to the format's max, which fp8 holds exactly)."""
+    to_values = getattr(weight, "to_original_precision", None)
+    return to_values() if callable(to_values) else weight
+
+
 def is_linear_like(module: nn.Module) -> bool:
     """``nn.Linear`` and its subclasses (torchao's ``Float8Linear``), and Transformer Engine modules (``fp8_meta``)."""
     return isinstance(module, nn.Linear) or (hasattr(module, "fp8_meta") and hasattr(module, "weight"))
@@ -312,11 +320,11 @@ class AmaxHistoryLogger(Callback):
                 self._record(i, 0, x)
             if i not in self._weights_seen:  # the weight changes only at the optimizer step
                 self._weights_seen.add(i)
-                self._record(i, 1, module.weight)
+                self._record(i, 1, _values(module.weight))
             if self._capture is not None:
                 if x is not None:
                     self._capture[i]["input"] = x.detach()
-                self._capture[i]["weight"] = module.weight.detach()
+                self._capture[i]["weight"] = _values(module.weight).detach()
 
         return hook
 

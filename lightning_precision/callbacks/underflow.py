@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision._fsdp import local_shard
 from lightning_precision._lightning import unwrapped_name
 from lightning_precision.callbacks._cadence import check_every, on_cadence
 from lightning_precision.fabric._scaler import ScalerConfig, scale_of
@@ -446,7 +447,8 @@ class GradientUnderflowMonitor(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.capturing(False)
         if on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps):
-            grads = {n: p.grad for n, p in pl_module.named_parameters() if p.grad is not None}
+            # FSDP2 gradients are DTensor shards: each rank counts its own, and the sum across ranks counts each once.
+            grads = {n: local_shard(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
             self.measure_gradients(grads, loss_scale_of(trainer.precision_plugin))
         if not on_cadence(trainer, self.log_every_n_steps):
             return
