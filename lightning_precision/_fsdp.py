@@ -121,3 +121,27 @@ def local_shard(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+_AVERAGE_CHECKED: dict[str, bool] = {}
+
+
+def check_gloo_averages() -> None:
+    """FSDP2 averages fp32/bf16 gradients with ``ReduceOp.AVG``; gloo in torch 2.7 sums instead, silently, so every
+    gradient is world-size times too large (measured: 2x on 2 ranks). One tiny reduce-scatter tells; refuse to train
+    on such a process group rather than train with wrong gradients."""
+    import torch.distributed as dist
+
+    if process_group_backend() != "gloo" or "gloo" in _AVERAGE_CHECKED:
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = torch.zeros(1)
+    dist.reduce_scatter_tensor(out, torch.full((world,), float(rank + 1)), op=dist.ReduceOp.AVG)
+    _AVERAGE_CHECKED["gloo"] = bool(out.item() == (world + 1) / 2)
+    if not _AVERAGE_CHECKED["gloo"]:
+        raise RuntimeError(
+            f"FSDP2 on gloo with torch {torch.__version__}: gloo's reduce-scatter sums where FSDP2 asks it to average"
+            f" (ReduceOp.AVG gave {out.item()} for a mean of {(world + 1) / 2}), so every gradient would be"
+            f" {world} times too large. Use a newer torch for FSDP2 on CPU (2.13 averages correctly); NCCL on GPUs"
+            " is not affected."
+        )

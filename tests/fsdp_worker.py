@@ -234,7 +234,17 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
     return out
 
 
-SCENARIOS = {"fabric": run_fabric, "torchao": run_torchao, "trainer": run_trainer}
+def run_gloo_average(cfg: dict, rank: int, world: int) -> dict:
+    """Whether this torch's gloo averages in a reduce-scatter (FSDP2's gradient reduction), asked without our code."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    out = torch.zeros(1)
+    dist.reduce_scatter_tensor(out, torch.full((world,), float(rank + 1)), op=dist.ReduceOp.AVG)
+    return {"averages": out.item() == (world + 1) / 2}
+
+
+SCENARIOS = {"fabric": run_fabric, "torchao": run_torchao, "trainer": run_trainer, "gloo_average": run_gloo_average}
 
 
 def reference(plugin_name: str, steps: int) -> dict:

@@ -18,6 +18,32 @@ from tests.distributed import run_ranks
 from tests.fsdp_worker import reference
 
 STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def gloo_averages(tmp_path_factory):
+    """Whether this torch's gloo averages in a reduce-scatter: torch 2.7's sums where FSDP2 asks it to average."""
+    rank0, _ = run_ranks({"api": "gloo_average"}, tmp_path_factory.mktemp("gloo_average"))
+    return rank0["averages"]
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_gloo_that_averages(request, gloo_averages):
+    if not gloo_averages and request.node.get_closest_marker("gloo_sums") is None:
+        pytest.skip(f"gloo in torch {torch.__version__} sums where FSDP2 averages: the plugins refuse to train there"
+                    " (test_a_gloo_that_sums_is_refused)")
+
+
+@pytest.mark.gloo_sums
+def test_a_gloo_that_sums_is_refused(tmp_path, gloo_averages):
+    """On torch 2.7, gloo's reduce-scatter sums where FSDP2 asks for an average: gradients 2x on 2 ranks, silently.
+    The plugins check once, before the first step, and stop with the reason."""
+    if gloo_averages:
+        pytest.skip(f"gloo in torch {torch.__version__} averages: nothing to refuse")
+    ranks = run_ranks({"api": "fabric", "plugin": "bf16", "policy": True, "steps": 1, "expect_error": True}, tmp_path)
+    for r in ranks:
+        assert r["error"].startswith("RuntimeError: FSDP2 on gloo with torch")
+        assert "2 times too large" in r["error"]
 LOSS_TOL = {"bf16": 1e-3, "fp16": 1e-3, "fp8": 5e-3}
 PARAM_TOL = {"bf16": 5e-3, "fp16": 5e-3, "fp8": 1e-2}
 

@@ -107,3 +107,58 @@ def test_fp8_reports_no_layer_count_before_the_first_backward():
 def test_xpu_plugin_in_bf16_has_no_loss_scale():
     plugin = lp_fabric.XPUPrecision(dtype="bf16", device="cpu")
     assert (plugin.metrics(), plugin.loss_scale, plugin.skipped_steps) == ({}, None, 0)
+
+
+# ---- FSDP2 policy (the sharded runs themselves are in test_fsdp.py) ----------------------------------------------------
+
+
+def test_every_plugin_gives_fully_shard_its_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
+
+    for plugin, dtype in ((BF16MixedPrecision(), torch.bfloat16), (FP16MixedPrecision(), torch.float16),
+                          (FP8Precision(emulate=True), torch.bfloat16)):
+        assert plugin.mp_policy == MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                                        cast_forward_inputs=False)
+    assert BF16MixedPrecision(reduce_dtype=torch.bfloat16).mp_policy.reduce_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", [torch.int8, torch.float8_e4m3fn, "fp32"])
+def test_reduce_dtype_must_be_a_float_of_16_or_32_bits(bad):
+    from lightning_precision import BF16MixedPrecision
+
+    with pytest.raises(ValueError, match=r"BF16MixedPrecision\(reduce_dtype="):
+        BF16MixedPrecision(reduce_dtype=bad)
+
+
+def test_float8_all_gather_is_tensorwise_torchao_only():
+    from lightning_precision import FP8Precision
+
+    with pytest.raises(ValueError, match="tensorwise scaling only"):
+        FP8Precision(emulate=True, recipe="rowwise", fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="pass None, True or False"):
+        FP8Precision(emulate=True, fsdp_float8_all_gather="yes")
+    assert FP8Precision(emulate=True).fsdp_float8_all_gather is None  # decided at conversion
+
+
+def test_unsharded_fp8_weights_stay_plain_tensors_a_plain_torch_load_reads():
+    """Without sharding the float8 all-gather stays off: torchao would otherwise wrap the weights in a tensor subclass
+    that `torch.load(weights_only=True)` refuses in a process that has not imported torchao."""
+    from lightning_precision import FP8Precision
+
+    plugin = FP8Precision(emulate=True, skip_small_layers=False, skip_first_last=False)
+    model = plugin.convert_module(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)))
+    assert all(type(p.data) is torch.Tensor for p in model.parameters())
+    assert plugin._float8_all_gather is False
+
+
+def test_lightnings_fsdp1_strategy_refuses_our_plugins_when_the_trainer_is_built():
+    """What docs/sharded.md tells FSDP1 users: Lightning's FSDPStrategy (CUDA only) takes only its FSDPPrecision and
+    raises at `Trainer(...)`, before any step; sharded training with our plugins is ModelParallelStrategy (FSDP2)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_precision import BF16MixedPrecision
+
+    with pytest.raises(TypeError, match="can only work with the `FSDPPrecision` plugin"):
+        FSDPStrategy(precision_plugin=BF16MixedPrecision())

@@ -159,6 +159,7 @@ class _AutocastPrecision(FabricPrecision):
 
     def _on_sharded(self, module: Module) -> None:
         """Once, for a model that FSDP2 has sharded, before its first step."""
+        _fsdp.check_gloo_averages()
         _fsdp.check_gather_dtype(type(self).__name__, module, self.compute_dtype)
 
     @override
