@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +32,9 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the ranks' launcher is the tests' (tests/distributed.py): one place starts and kills them
+
+from tests.distributed import finish, start_ranks  # noqa: E402
 CONFIGS = ("fp32", "bf16 policy", "fp8 all-gather")
 DIMS, BATCH, WORLD, WARMUP, TIMEOUT_S = (1024, 4096, 1024), 32, 2, 3, 300
 # (module, function) -> (kind, the argument holding the full tensor: position, keyword). FSDP2 calls the first two
@@ -124,47 +124,15 @@ def run_rank(config: str, out_dir: Path, steps: int) -> None:
               "step_ms": [t * 1e3 for t in times[WARMUP:]],
               "layers": [type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)]}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    torch.distributed.barrier()  # together: a rank that tears gloo down while the other still talks to it aborts
-    torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    finish()
 
 
 def launch(config: str, steps: int, out_dir: Path) -> dict:
-    """Run ``config`` on WORLD ranks; return rank 0's result. Kills every rank's process group on failure/timeout."""
-    port, procs = free_port(), []
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD),
-               "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-        log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--config", config, "--out", str(out_dir),
-                                       "--steps", str(steps)], cwd=ROOT, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-        log.close()
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:  # the rank and whatever it started
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
-    if [p.returncode for p in procs] != [0] * WORLD:
-        logs = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{(out_dir / f'rank{r}.log').read_text()[-4000:]}"
-                         for r, p in enumerate(procs))
-        sys.exit(f"{config}: a rank failed{' (timed out)' if time.monotonic() > deadline else ''}\n{logs}")
+    """Run ``config`` on WORLD ranks; return rank 0's result. Every rank is killed on a failure or after TIMEOUT_S."""
+    argv = [str(Path(__file__).resolve()), "--config", config, "--out", str(out_dir), "--steps", str(steps)]
+    failed = start_ranks(argv, out_dir, WORLD, TIMEOUT_S)
+    if failed:
+        sys.exit(f"{config}: {failed}")
     return json.loads((out_dir / "rank0.json").read_text())
 
 

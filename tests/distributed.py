@@ -1,9 +1,10 @@
-"""Run a test scenario in real processes (gloo, CPU): one process per rank, started here, bounded in time.
+"""Run code on several ranks (gloo, CPU): one process per rank, started here, bounded in time. The one launcher of the
+FSDP2 tests (``run_ranks``) and of ``benchmarks/fsdp_bytes.py`` (``start_ranks``).
 
-Each rank is an ordinary ``python -m tests.fsdp_worker`` process with the environment a cluster launcher gives
-(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port), so Lightning uses it as
-it is instead of re-launching the script. Every rank gets its own process group: on a timeout or a failed rank, all of
-them and their children are killed, and the test fails with each rank's output.
+Each rank is an ordinary Python process with the environment a cluster launcher gives (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port), so Lightning uses it as it is instead of re-launching
+the script. Every rank gets its own process group: on a timeout or a failed rank, all of them and their children are
+killed, and the caller gets each rank's output.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def free_port() -> int:
 def _kill(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
+            try:  # the rank and whatever it started
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
@@ -39,21 +40,20 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def run_ranks(scenario: dict[str, Any], out_dir: Path, world_size: int = 2, timeout: float = TIMEOUT_S) -> list[dict]:
-    """Run ``scenario`` on ``world_size`` ranks; return each rank's ``rank{r}.json`` (written by the worker)."""
+def start_ranks(argv: list[str], out_dir: Path, world_size: int = 2, timeout: float = TIMEOUT_S) -> str | None:
+    """Run ``python <argv>`` on ``world_size`` ranks, each logging to ``out_dir/rank<r>.log``. Returns None when every
+    rank exited 0, else a report of each rank's exit code and log tail (and whether the time ran out)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "scenario.json").write_text(json.dumps(scenario))
     port = free_port()
-    procs, logs = [], []
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    procs = []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": "1"}
-        log = open(out_dir / f"rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.fsdp_worker", str(out_dir)], cwd=ROOT, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+               "MASTER_PORT": str(port), "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+        with open(out_dir / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
@@ -62,12 +62,33 @@ def run_ranks(scenario: dict[str, Any], out_dir: Path, world_size: int = 2, time
             time.sleep(0.2)
     finally:
         _kill(procs)
-        for log in logs:
-            log.close()
     codes = [p.returncode for p in procs]
-    if codes != [0] * world_size:
-        outputs = "\n".join(f"--- rank {r} (exit {c}) ---\n{(out_dir / f'rank{r}.log').read_text()[-6000:]}"
-                            for r, c in enumerate(codes))
-        timed_out = " (timed out)" if time.monotonic() > deadline else ""
-        raise AssertionError(f"scenario {scenario} failed{timed_out}:\n{outputs}")
+    if codes == [0] * world_size:
+        return None
+    timed_out = " (timed out)" if time.monotonic() > deadline else ""
+    return f"a rank failed{timed_out}:\n" + "\n".join(
+        f"--- rank {r} (exit {c}) ---\n{(out_dir / f'rank{r}.log').read_text()[-6000:]}" for r, c in enumerate(codes))
+
+
+def finish() -> None:
+    """End a rank once its results are written: all ranks meet, then leave without tearing gloo down. A rank that
+    destroys its process group (or lets the interpreter do it at exit) while another still holds a connection
+    sometimes aborts in gloo's threads ("terminate called without an active exception"), after its work is done; the
+    operating system closes the sockets as cleanly."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_ranks(scenario: dict[str, Any], out_dir: Path, world_size: int = 2, timeout: float = TIMEOUT_S) -> list[dict]:
+    """Run ``scenario`` with ``tests.fsdp_worker`` on ``world_size`` ranks; return each rank's ``rank{r}.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "scenario.json").write_text(json.dumps(scenario))
+    failed = start_ranks(["-m", "tests.fsdp_worker", str(out_dir)], out_dir, world_size, timeout)
+    if failed:
+        raise AssertionError(f"scenario {scenario}: {failed}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

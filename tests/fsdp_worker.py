@@ -19,6 +19,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from tests.distributed import finish
+
 GLOBAL_BATCH, IN, HIDDEN, OUT = 16, 64, 128, 16
 
 
@@ -284,10 +286,7 @@ def main() -> None:
     if rank == 0 and params is not None:
         torch.save(params, out_dir / "params.pt")
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        # Together: a rank that tears gloo down while the other still talks to it aborts (std::terminate).
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
