@@ -9,6 +9,11 @@ torch so that an upstream change fails loudly there:
   step, not after it.
 - ``_fsdp_collectives.DefaultAllGather``: gloo has no float8 dtype, so fp8 all-gathers (torchao's) on CPU go through
   the default all-gather with the bytes viewed as uint8 (NCCL needs nothing of this).
+
+``Float8ScalePrecompute`` reads what torchao's own ``precompute_float8_dynamic_scale_for_fsdp`` reads and writes: a
+DTensor's ``_local_tensor`` and torchao's ``WeightWithDynamicFloat8CastTensor._precomputed_scale`` (pinned by the same
+test), plus ``Tensor._version``, autograd's in-place counter. torch and torchao offer no public way
+to ask whether a precomputed scale still fits its weight.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from lightning_precision import _imports
 
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:
@@ -46,9 +53,9 @@ def own_floating_dtypes(fsdp_module: nn.Module) -> set[torch.dtype]:
 def gather_dtypes(module: nn.Module) -> Iterator[tuple[str, torch.dtype]]:
     """``(path, dtype)`` per FSDP module: the dtype its parameters are all-gathered and computed in. That is the
     policy's ``param_dtype``, or the parameters' own dtype without one. Modules that manage no parameter are left out."""
-    for name, m in module.named_modules():
-        from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule
 
+    for name, m in module.named_modules():
         if not isinstance(m, FSDPModule):
             continue
         own = own_floating_dtypes(m)
@@ -123,7 +130,7 @@ def local_shard(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-_AVERAGE_CHECKED: dict[str, bool] = {}
+_GLOO_AVERAGES: Optional[bool] = None  # asked once per process
 
 
 def check_gloo_averages() -> None:
@@ -132,16 +139,61 @@ def check_gloo_averages() -> None:
     on such a process group rather than train with wrong gradients."""
     import torch.distributed as dist
 
-    if process_group_backend() != "gloo" or "gloo" in _AVERAGE_CHECKED:
+    global _GLOO_AVERAGES
+    if process_group_backend() != "gloo" or _GLOO_AVERAGES is not None:
         return
     world, rank = dist.get_world_size(), dist.get_rank()
     out = torch.zeros(1)
     dist.reduce_scatter_tensor(out, torch.full((world,), float(rank + 1)), op=dist.ReduceOp.AVG)
-    _AVERAGE_CHECKED["gloo"] = bool(out.item() == (world + 1) / 2)
-    if not _AVERAGE_CHECKED["gloo"]:
+    _GLOO_AVERAGES = out.item() == (world + 1) / 2
+    if not _GLOO_AVERAGES:
         raise RuntimeError(
             f"FSDP2 on gloo with torch {torch.__version__}: gloo's reduce-scatter sums where FSDP2 asks it to average"
             f" (ReduceOp.AVG gave {out.item()} for a mean of {(world + 1) / 2}), so every gradient would be"
             f" {world} times too large. Use a newer torch for FSDP2 on CPU (2.13 averages correctly); NCCL on GPUs"
             " is not affected."
         )
+
+
+class Float8ScalePrecompute:
+    """torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step: one all-reduce for the scales
+    of every fp8 weight instead of one per weight at each all-gather.
+
+    A precomputed scale is only right for the weights it was computed from. When a weight changes any other way (a
+    checkpoint loaded in place, an EMA swap), its version counter moves, and the scales are dropped before the next
+    forward: torchao then computes them at the all-gather, as without precomputing. A stale scale would saturate or
+    flush the new weights silently.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        fsdp_utils = _imports.import_quietly("torchao.float8.fsdp_utils")
+        self._precompute = fsdp_utils.precompute_float8_dynamic_scale_for_fsdp
+        self._weight_type = fsdp_utils.WeightWithDynamicFloat8CastTensor
+        self._module = module
+        self._layers = [m for m in module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+        self._versions: list[int] = []
+
+    def _weights(self) -> list[Any]:
+        """The sharded fp8 weights, looked up each time (FSDP2 re-creates its sharded parameters at its lazy init)."""
+        from torch.distributed.tensor import DTensor
+
+        return [m.weight for m in self._layers
+                if isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, self._weight_type)]
+
+    def after_optimizer_step(self) -> None:
+        weights = self._weights()
+        if weights:
+            self._precompute(self._module)
+            # The parameter's own counter: in-place updates reach the local tensors below autograd, uncounted there.
+            self._versions = [w._version for w in weights]
+
+    def before_forward(self) -> None:
+        if not self._versions:
+            return
+        weights = self._weights()
+        if self._versions != [w._version for w in weights]:
+            # The scale lives on the weight's own local tensor (``to_local()`` returns a view), where torchao's
+            # precompute puts it.
+            for w in weights:
+                w._local_tensor._precomputed_scale = None
+            self._versions = []

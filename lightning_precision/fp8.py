@@ -304,44 +304,6 @@ def float8_all_gather_possible(recipe_name: str) -> Optional[str]:
     return None
 
 
-class Float8ScalePrecompute:
-    """torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step: one all-reduce for the scales
-    of every fp8 weight instead of one per weight at each all-gather.
-
-    A precomputed scale is only right for the weights it was computed from. When a weight changes any other way (a
-    checkpoint loaded in place, an EMA swap), its version counter moves, and the scales are dropped before the next
-    forward: torchao then computes them at the all-gather, as without precomputing. A stale scale would saturate or
-    flush the new weights silently.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        from torch.distributed.tensor import DTensor
-
-        fsdp_utils = _imports.import_quietly("torchao.float8.fsdp_utils")
-        self._precompute = fsdp_utils.precompute_float8_dynamic_scale_for_fsdp
-        self._module = module
-        self._locals = [
-            m.weight._local_tensor for m in module.modules()
-            if isinstance(m.__dict__.get("_parameters", {}).get("weight"), DTensor)
-            and isinstance(m.weight._local_tensor, fsdp_utils.WeightWithDynamicFloat8CastTensor)
-        ]
-        self._versions: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self._locals)
-
-    def after_optimizer_step(self) -> None:
-        if self._locals:
-            self._precompute(self._module)
-            self._versions = [t._tensor._version for t in self._locals]
-
-    def before_forward(self) -> None:
-        if self._versions and self._versions != [t._tensor._version for t in self._locals]:
-            for t in self._locals:
-                t._precomputed_scale = None
-            self._versions = []
-
-
 # ---- Transformer Engine ----------------------------------------------------------------------------------------------
 
 

@@ -76,8 +76,16 @@ def layer_types(model: nn.Module) -> list[str]:
 def poison_grad(layer: nn.Module) -> None:
     """An inf in this rank's shard of the first layer's weight gradient only."""
     grad = layer.weight.grad
-    local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+    local = grad.to_local() if hasattr(grad, "to_local") else grad  # a view: writes reach the gradient
     local.view(-1)[0] = float("inf")
+
+
+def rescale(model: nn.Module) -> None:
+    """Weights changed in place outside an optimizer step (as a checkpoint loaded into a live model, or an EMA swap):
+    four times larger, so an fp8 scale computed before would saturate them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
 
 
 # ---- scenarios -------------------------------------------------------------------------------------------------------
@@ -107,6 +115,8 @@ def run_fabric(cfg: dict, rank: int, world: int) -> dict:
             poison_grad(model.module[0])
         optimizer.step()
         skipped.append(getattr(plugin, "step_was_skipped", False))
+        if cfg.get("rescale_at") == step:
+            rescale(model)
     out = {"losses": losses, "skipped": skipped, "loss_scale": plugin.loss_scale, "skipped_steps": plugin.skipped_steps,
            "layer_types": layer_types(model.module), "params": full_params(model.module)}
     if cfg["plugin"] == "fp8":
@@ -144,6 +154,9 @@ def run_torchao(cfg: dict, rank: int, world: int) -> dict:
         loss.backward()
         optimizer.step()
         precompute_float8_dynamic_scale_for_fsdp(model)
+        if cfg.get("rescale_at") == step:
+            rescale(model)
+            precompute_float8_dynamic_scale_for_fsdp(model)  # by hand, the scales are redone for the new weights
     return {"losses": losses, "layer_types": layer_types(model), "params": full_params(model)}
 
 

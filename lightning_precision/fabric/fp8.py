@@ -33,10 +33,16 @@ _CONVERTED = "_lightning_precision_fp8_converted"
 def _to_be_sharded(module: Module) -> bool:
     """Whether FSDP2 is about to shard ``module``: it is a LightningModule of a Trainer whose strategy is
     ``ModelParallelStrategy`` (the plugin is then converting inside ``configure_model``)."""
+    import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    trainer = getattr(module, "_trainer", None)
-    return trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)
+    if not isinstance(module, pl.LightningModule):
+        return False
+    try:
+        strategy = module.trainer.strategy
+    except RuntimeError:  # not attached to a Trainer (Lightning's own error for it)
+        return False
+    return isinstance(strategy, ModelParallelStrategy)
 
 
 def _check_not_sharded(module: Module, decisions: list[_fp8.LayerDecision]) -> None:
@@ -125,7 +131,7 @@ class FP8Precision(_AutocastPrecision):
             )
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
         self._float8_all_gather = False  # whether the converted layers all-gather in fp8
-        self._scales: Optional[_fp8.Float8ScalePrecompute] = None
+        self._scales: Optional[_fsdp.Float8ScalePrecompute] = None
         self.layer_decisions: list[_fp8.LayerDecision] = []
         self._forward_watch: Optional[_fp8.ForwardWatch] = None
         self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
@@ -191,7 +197,7 @@ class FP8Precision(_AutocastPrecision):
         super()._on_sharded(module)
         if not self._float8_all_gather:
             return
-        self._scales = _fp8.Float8ScalePrecompute(module)
+        self._scales = _fsdp.Float8ScalePrecompute(module)
         if _fsdp.process_group_backend() == "gloo":
             _fsdp.install_byte_all_gather(module)
 
