@@ -124,8 +124,8 @@ def test_every_plugin_gives_fully_shard_its_policy():
     assert BF16MixedPrecision(reduce_dtype=torch.bfloat16).mp_policy.reduce_dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("bad", [torch.int8, torch.float8_e4m3fn, "fp32"])
-def test_reduce_dtype_must_be_a_float_of_16_or_32_bits(bad):
+@pytest.mark.parametrize("bad", [torch.int8, torch.float8_e4m3fn, "fp32", torch.float16, torch.float64])
+def test_reduce_dtype_must_be_fp32_or_bf16(bad):
     from lightning_precision import BF16MixedPrecision
 
     with pytest.raises(ValueError, match=r"BF16MixedPrecision\(reduce_dtype="):

@@ -47,11 +47,13 @@ def _validate_device(owner: str, device: Optional[str]) -> None:
 
 
 def _validate_reduce_dtype(owner: str, reduce_dtype: Any) -> None:
-    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point or reduce_dtype.itemsize < 2:
+    # Not fp16: a gradient sum past 65504 becomes inf in the reduce-scatter, and a plugin without a loss scaler
+    # would step it into every weight as NaN.
+    if reduce_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
-            f"`{owner}(reduce_dtype={reduce_dtype!r})`: FSDP2 reduces gradients in a floating dtype of 16 or 32 bits."
-            " Use torch.float32 (the default: sums of many ranks keep their precision) or torch.bfloat16 (half the"
-            " bytes)."
+            f"`{owner}(reduce_dtype={reduce_dtype!r})`: FSDP2 reduces gradients in torch.float32 (the default: sums of"
+            " many ranks keep their precision) or torch.bfloat16 (half the bytes). float16 is refused: a sum past"
+            " 65504 overflows to inf."
         )
 
 
