@@ -140,17 +140,17 @@ def check_gloo_averages() -> None:
     import torch.distributed as dist
 
     global _GLOO_AVERAGES
-    if process_group_backend() != "gloo" or _GLOO_AVERAGES is not None:
+    if process_group_backend() != "gloo":
         return
-    world, rank = dist.get_world_size(), dist.get_rank()
-    out = torch.zeros(1)
-    dist.reduce_scatter_tensor(out, torch.full((world,), float(rank + 1)), op=dist.ReduceOp.AVG)
-    _GLOO_AVERAGES = out.item() == (world + 1) / 2
-    if not _GLOO_AVERAGES:
+    world = dist.get_world_size()
+    if _GLOO_AVERAGES is None:
+        out = torch.zeros(1)
+        dist.reduce_scatter_tensor(out, torch.full((world,), float(dist.get_rank() + 1)), op=dist.ReduceOp.AVG)
+        _GLOO_AVERAGES = out.item() == (world + 1) / 2
+    if not _GLOO_AVERAGES:  # every time it is asked: a caught error must not let the run go on
         raise RuntimeError(
-            f"FSDP2 on gloo with torch {torch.__version__}: gloo's reduce-scatter sums where FSDP2 asks it to average"
-            f" (ReduceOp.AVG gave {out.item()} for a mean of {(world + 1) / 2}), so every gradient would be"
-            f" {world} times too large. Use a newer torch for FSDP2 on CPU (2.13 averages correctly); NCCL on GPUs"
+            f"FSDP2 on gloo with torch {torch.__version__}: gloo's reduce-scatter sums where FSDP2 asks it to average,"
+            f" so every gradient would be {world} times too large. Use a newer torch for FSDP2 on CPU (2.13 averages correctly); NCCL on GPUs"
             " is not affected."
         )
 

@@ -151,9 +151,9 @@ class _AutocastPrecision(FabricPrecision):
             # Several device types (layers offloaded to the CPU): autocast for the accelerator.
             resolved = self.device or next((t for t in found if t != "cpu"), found[0])
             self._on_device_resolved(resolved)  # may raise (unsupported hardware): then nothing is remembered
-            self._device_type = resolved
             if _fsdp.is_sharded(module):  # sharded by now: the Trainer resolves at `connect`, Fabric at first forward
-                self._on_sharded(module)
+                self._on_sharded(module)  # may raise too (a gloo that sums): asked again at the next use
+            self._device_type = resolved
         return self._device_type
 
     def _on_device_resolved(self, device_type: str) -> None:
