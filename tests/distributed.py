@@ -92,3 +92,23 @@ def run_ranks(scenario: dict[str, Any], out_dir: Path, world_size: int = 2, time
     if failed:
         raise AssertionError(f"scenario {scenario}: {failed}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def fit_spawned(trainer: Any, module: Any, data: Any, out_dir: Path, world_size: int = 2) -> list[dict]:
+    """``trainer.fit`` under ``ddp_spawn``, whose ranks write ``out_dir/rank<r>.json`` in ``on_train_end``; returns
+    those reports.
+
+    torch's gloo sometimes aborts a process at exit ("terminate called without an active exception", SIGABRT) after
+    all its work is done: measured in 3 of 25 runs of a plain-torch FSDP2 script on gloo, torch 2.13, with neither
+    Lightning nor this package. Such an abort is tolerated only when every rank has written its report, i.e. finished
+    training; any other failure is raised as it is.
+    """
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    try:
+        trainer.fit(module, data)
+    except ProcessExitedException as err:
+        written = all((out_dir / f"rank{r}.json").exists() for r in range(world_size))
+        if err.signal_name != "SIGABRT" or not written:
+            raise
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
+from tests.distributed import fit_spawned
 from tests.helpers import LitNet, loader, make_data, trainer
 
 
@@ -40,9 +41,7 @@ class RankReport(LitNet):
 def test_ddp_gloo_two_processes_agree(tmp_path, plugin_cls):
     plugin = plugin_cls(init_scale=1024.0) if plugin_cls is FP16MixedPrecision else plugin_cls()
     t = trainer(plugin, strategy="ddp_spawn", devices=2, max_steps=5)
-    t.fit(RankReport(str(tmp_path)), loader(make_data(10)))
-
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    reports = fit_spawned(t, RankReport(str(tmp_path)), loader(make_data(10)), tmp_path)
     assert [r["backend"] for r in reports] == ["gloo", "gloo"]
     assert reports[0]["precision"] == reports[1]["precision"] == plugin.precision
     assert reports[0]["weights"] == reports[1]["weights"]  # replicas stayed identical
@@ -76,7 +75,6 @@ def test_the_fp16_probe_runs_under_ddp_and_every_rank_logs_the_same(tmp_path):
     monitor = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0)
     t = trainer(FP16MixedPrecision(init_scale=1.0), strategy="ddp_spawn", devices=2, max_steps=2, log_every_n_steps=1,
                 callbacks=[monitor])
-    t.fit(MonitorReport(str(tmp_path)), loader(make_data(4)))
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    reports = fit_spawned(t, MonitorReport(str(tmp_path)), loader(make_data(4)), tmp_path)
     assert reports[0] == reports[1]
     assert reports[0]["precision/underflow/fp16/lost"] > 0.1

@@ -15,6 +15,7 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 from lightning_precision import FP8Precision, NoEffectWarning  # noqa: E402
 from lightning_precision import fabric as lp_fabric  # noqa: E402
 from lightning_precision.fp8 import check_fp8_hardware, select_fp8_layers  # noqa: E402
+from tests.distributed import fit_spawned  # noqa: E402
 from tests.helpers import assert_params_equal, params, trainer  # noqa: E402
 
 STEPS = 12
@@ -209,8 +210,8 @@ def _middle_only(module, fqn):
 
 def test_ddp_gloo_two_processes_with_emulation(tmp_path):
     plugin = FP8Precision(emulate=True, module_filter=_middle_only)  # a named function: ddp_spawn pickles it
-    trainer(plugin, strategy="ddp_spawn", devices=2, max_steps=3).fit(RankReport(str(tmp_path)), fp8_data(6))
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    reports = fit_spawned(trainer(plugin, strategy="ddp_spawn", devices=2, max_steps=3), RankReport(str(tmp_path)),
+                          fp8_data(6), tmp_path)
     assert reports[0]["fp8"] == reports[1]["fp8"] == "Float8Linear"
     assert reports[0]["w"] == reports[1]["w"]
 

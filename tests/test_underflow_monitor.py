@@ -14,6 +14,7 @@ from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import GradientUnderflowMonitor
 from lightning_precision.callbacks.underflow import loss_scale_of
 from lightning_precision.functional import exponent_histogram, recommend_loss_scale, underflow_stats
+from tests.distributed import fit_spawned
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
 
@@ -187,8 +188,7 @@ class RecordingMonitor(GradientUnderflowMonitor):
 def test_ddp_logs_the_global_fraction_of_the_union(tmp_path):
     monitor = RecordingMonitor(formats=("fp16",), activations=True, warn_threshold=1.0)
     t = trainer(None, strategy="ddp_spawn", devices=2, max_steps=2, log_every_n_steps=2, callbacks=[monitor])
-    t.fit(RankActivations(str(tmp_path)), loader(make_data(4)))
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    reports = fit_spawned(t, RankActivations(str(tmp_path)), loader(make_data(4)), tmp_path)
     (u0, n0), (u1, n1) = reports[0]["local"], reports[1]["local"]
     union = (u0 + u1) / (n0 + n1)
     assert u0 / n0 != u1 / n1  # the ranks really saw different values
