@@ -24,15 +24,20 @@ from tests.distributed import finish
 GLOBAL_BATCH, IN, HIDDEN, OUT = 16, 64, 128, 16
 
 
-def make_model(seed: int = 0) -> nn.Sequential:
+def make_model(kind: str = "mlp", seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
+    if kind == "conv":  # image batches (N, 3, 8, 8)
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, OUT))
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
 
 
-def make_data(steps: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(steps: int, kind: str = "mlp", seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(steps * GLOBAL_BATCH, IN, generator=g)
     y = (x @ torch.randn(IN, OUT, generator=g)).argmax(dim=1)
+    if kind == "conv":
+        x = x[:, :48].reshape(-1, 3, 4, 4).repeat_interleave(2, dim=2).repeat_interleave(2, dim=3)
     return x, y
 
 
@@ -56,7 +61,7 @@ def shard(model: nn.Module, mesh: Any, policy: Any) -> nn.Module:
 
     kwargs = {"mp_policy": policy} if policy is not None else {}
     for layer in model.modules():
-        if isinstance(layer, nn.Linear):
+        if isinstance(layer, (nn.Linear, nn.Conv2d)):
             fully_shard(layer, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     return model
@@ -71,6 +76,15 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def layer_types(model: nn.Module) -> list[str]:
     return [type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def record_conv_outputs(model: nn.Module, seen: list[bool]) -> None:
+    """Whether each convolution's output in a training forward is channels-last."""
+    from lightning_precision.callbacks.channels_last import is_channels_last
+
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            m.register_forward_hook(lambda mod, args, out: seen.append(is_channels_last(out)) if mod.training else None)
 
 
 def poison_grad(layer: nn.Module) -> None:
@@ -166,7 +180,7 @@ class ShardedModule(L.LightningModule):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = make_model()
+        self.model = make_model(cfg.get("model", "mlp"))
         self.losses: list[float] = []
         self.skipped: list[bool] = []
         self.batches: list[tuple[int, int]] = []
@@ -216,12 +230,19 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
 
         underflow._Counts.reduced = count
 
-        callbacks.append(GradientUnderflowMonitor(formats=("fp16", "e5m2"), log_every_n_steps=1, top_k=2))
+        monitor = GradientUnderflowMonitor(formats=("fp16", "e5m2"), log_every_n_steps=cfg.get("log_every", 1),
+                                           measure_every_n_steps=1, top_k=2)
+        callbacks.append(monitor)
     if "amax" in cfg.get("callbacks", ()):
         from lightning_precision.callbacks import AmaxHistoryLogger
 
         amax = AmaxHistoryLogger(log_every_n_steps=1)
         callbacks.append(amax)
+    if "channels_last" in cfg.get("callbacks", ()):
+        from lightning_precision.callbacks import ChannelsLast
+
+        channels_last = ChannelsLast()
+        callbacks.append(channels_last)
     if cfg.get("save_every"):  # a distributed checkpoint (a directory) from inside the loop, as users save them
         callbacks.append(ModelCheckpoint(dirpath=cfg["save_to"], filename="ckpt", every_n_train_steps=cfg["save_every"],
                                          save_top_k=-1))
@@ -231,7 +252,9 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
                         log_every_n_steps=1,
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
     module = ShardedModule(cfg)
-    x, y = make_data(cfg.get("data_steps", cfg["steps"]))
+    conv_outputs: list[bool] = []
+    record_conv_outputs(module.model, conv_outputs)
+    x, y = make_data(cfg.get("data_steps", cfg["steps"]), cfg.get("model", "mlp"))
     dataset = TensorDataset(x, y)
     # Interleaved, not shuffled: each global batch of 16 rows is split between the ranks, as in `reference`.
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
@@ -240,6 +263,19 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("precision/")}
     if "amax" in cfg.get("callbacks", ()):
         logged.update(amax.last_metrics)
+        logged.update(amax_history=amax.chronological_history().tolist(), amax_steps=amax.steps)
+    if "monitor" in cfg.get("callbacks", ()):
+        logged["histogram"] = monitor.histogram.tolist()
+    if "channels_last" in cfg.get("callbacks", ()):
+        from lightning_precision.callbacks import apply_channels_last
+
+        logged.update(weights_channels_last=channels_last.weights_channels_last, converted=channels_last.converted,
+                      first_conv_input_channels_last=channels_last.first_conv_input_channels_last,
+                      conv_outputs_channels_last=conv_outputs)
+        try:  # what a Fabric user who converts the sharded model gets
+            apply_channels_last(module.model)
+        except ValueError as err:
+            logged["apply_error"] = str(err)
     out = {"logged": logged,
            "counted": counted, "losses": module.losses, "skipped": module.skipped, "loss_scale": plugin.loss_scale,
            "skipped_steps": plugin.skipped_steps, "layer_types": layer_types(module.model),
@@ -262,14 +298,14 @@ def run_gloo_average(cfg: dict, rank: int, world: int) -> dict:
 SCENARIOS = {"fabric": run_fabric, "torchao": run_torchao, "trainer": run_trainer, "gloo_average": run_gloo_average}
 
 
-def reference(plugin_name: str, steps: int) -> dict:
+def reference(plugin_name: str, steps: int, kind: str = "mlp") -> dict:
     """One process, the whole global batch, the same plugin, no sharding: what the ranks must reproduce."""
     plugin = make_plugin(plugin_name, trainer=False)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    model = make_model()
+    model = make_model(kind)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = fabric.setup(model, optimizer)
-    x, y = make_data(steps)
+    x, y = make_data(steps, kind)
     losses = []
     for step in range(steps):
         rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
@@ -279,6 +315,12 @@ def reference(plugin_name: str, steps: int) -> dict:
         fabric.backward(loss)
         optimizer.step()
     return {"losses": losses, "params": full_params(model.module)}
+
+
+def ours(w: warnings.WarningMessage) -> bool:
+    """A warning of this package: of its own category, or a plain one that names its callback."""
+    return w.category.__module__.startswith("lightning_precision") or str(w.message).startswith(
+        ("GradientUnderflowMonitor", "AmaxHistoryLogger", "ChannelsLast"))
 
 
 def main() -> None:
@@ -293,8 +335,7 @@ def main() -> None:
             if not cfg.get("expect_error"):
                 raise
             result = {"error": f"{type(err).__name__}: {err}"}
-    result["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught
-                                 if w.category.__module__.startswith("lightning_precision")})
+    result["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught if ours(w)})
     params = result.pop("params", None)
     if rank == 0 and params is not None:
         torch.save(params, out_dir / "params.pt")

@@ -67,7 +67,7 @@ def test_callback_without_convolution_names_the_callback():
     # The callback's warning tells the user to remove the callback (there is no "transform" to remove).
     callback = ChannelsLast()
     with pytest.warns(NoEffectWarning, match=r"^ChannelsLast: .*no 2-d or 3-d convolution.*Remove the `ChannelsLast\(\)` callback"):
-        callback.setup(trainer=None, pl_module=nn.Linear(3, 3), stage="fit")
+        callback.setup(trainer=L.Trainer(accelerator="cpu", logger=False), pl_module=nn.Linear(3, 3), stage="fit")
     assert callback.converted == 0
 
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
 from tests.distributed import fit_spawned
-from tests.helpers import LitNet, loader, make_data, trainer
+from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
 
 class RankReport(LitNet):
@@ -63,6 +63,8 @@ class MonitorReport(LitNet):
 
     def on_train_end(self):
         logged = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("precision/")}
+        (monitor,) = [c for c in self.trainer.callbacks if type(c).__name__ == "GradientUnderflowMonitor"]
+        logged["histogram"] = monitor.histogram.tolist()
         with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
             json.dump(logged, f)
 
@@ -76,5 +78,8 @@ def test_the_fp16_probe_runs_under_ddp_and_every_rank_logs_the_same(tmp_path):
     t = trainer(FP16MixedPrecision(init_scale=1.0), strategy="ddp_spawn", devices=2, max_steps=2, log_every_n_steps=1,
                 callbacks=[monitor])
     reports = fit_spawned(t, MonitorReport(str(tmp_path)), loader(make_data(4)), tmp_path)
-    assert reports[0] == reports[1]
+    assert reports[0] == reports[1]  # the histogram too: summed across ranks
     assert reports[0]["precision/underflow/fp16/lost"] > 0.1
+    # DDP's gradients are the same on every rank: they enter the histogram once (from rank zero), not once per rank.
+    n_params = sum(p.numel() for p in make_net().parameters())
+    assert 0 < sum(reports[0]["histogram"]) <= 2 * n_params

@@ -121,11 +121,14 @@ def test_trainer_fp8_on_a_model_sharded_before_conversion_fails_with_the_fix(tmp
 @pytest.mark.parametrize("plugin", ["fp16", "fp8"])
 def test_resume_from_a_distributed_checkpoint_equals_training_straight_through(tmp_path, plugin):
     """8 steps in one go, against 4 steps, a distributed checkpoint (the strategy's own), and 4 more in new processes:
-    the same parameters to the bit, and for fp16 the same loss scale and growth (the scale grows every 2 steps)."""
+    the same parameters to the bit, for fp16 the same loss scale and growth (the scale grows every 2 steps), and the
+    callbacks' state: GradientUnderflowMonitor's histogram and AmaxHistoryLogger's history window (16 steps, so the
+    first 4 must come back from the checkpoint)."""
     kwargs = {"growth_interval": 2} if plugin == "fp16" else {}
     # 4 batches an epoch: the checkpoint falls on an epoch boundary, where a resumed fit restarts the data exactly
     # (mid-epoch, Lightning restarts a plain DataLoader from its first batch).
-    base = {"api": "trainer", "plugin": plugin, "policy": True, "plugin_kwargs": kwargs, "data_steps": 4}
+    base = {"api": "trainer", "plugin": plugin, "policy": True, "plugin_kwargs": kwargs, "data_steps": 4,
+            "callbacks": ["monitor", "amax"]}
     straight = run_ranks({**base, "steps": 8}, tmp_path / "straight")
     run_ranks({**base, "steps": 4, "save_every": 4, "save_to": str(tmp_path / "ckpts")}, tmp_path / "first")
     resumed = run_ranks({**base, "steps": 8, "resume": str(tmp_path / "ckpts" / "ckpt.ckpt")}, tmp_path / "resumed")
@@ -134,6 +137,9 @@ def test_resume_from_a_distributed_checkpoint_equals_training_straight_through(t
         assert r["batches"] == s["batches"][4:] == [[1, 0], [1, 1], [1, 2], [1, 3]]
         assert r["losses"] == s["losses"][4:]
         assert (r["loss_scale"], r["skipped_steps"]) == (s["loss_scale"], s["skipped_steps"])
+        for key in ("histogram", "amax_history", "amax_steps"):
+            assert r["logged"][key] == s["logged"][key], key
+        assert r["logged"]["amax_steps"] == 8 and len(r["logged"]["amax_history"]) == 8
     a, b = torch.load(tmp_path / "straight" / "params.pt"), torch.load(tmp_path / "resumed" / "params.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     if plugin == "fp16":
@@ -146,11 +152,23 @@ def test_callbacks_report_the_global_truth_equal_on_every_rank(tmp_path, plugin,
     one process counts them), and its fractions match one process on the same global batch. AmaxHistoryLogger's weight
     amax is the whole weight's (also when it arrives all-gathered in fp8) and every amax is the same on every rank;
     a rank's grad_output amax is that of its own loss (a mean over its half batch: twice one process's)."""
-    cfg = {"api": "trainer", "plugin": plugin, "policy": True, "steps": 2, "callbacks": callbacks}
+    cfg = {"api": "trainer", "plugin": plugin, "policy": True, "steps": 3, "callbacks": callbacks, "log_every": 2}
     two, (one,) = run_ranks(cfg, tmp_path / "two"), run_ranks(cfg, tmp_path / "one", world_size=1)
     n_params = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 16 + 16
-    assert one["counted"] == [n_params, n_params]
-    assert [r["counted"] for r in two] == [[n_params, n_params]] * 2
+    # Measured every step, logged every 2: the logging step (step 2 of 3) sums two steps that counted every element once
+    assert one["counted"] == [2 * n_params]
+    assert [r["counted"] for r in two] == [[2 * n_params]] * 2
+    # The exponent histogram is summed across ranks too, the part measured after the last logging step at the end of
+    # fit: every rank holds one process's histogram (3 measured steps of 26896 gradients, less the exact zeros, which
+    # it leaves out), up to the rounding that moves a value across a power of two or to zero. A rank's own shards would
+    # hold about half.
+    hists = [torch.tensor(r["logged"].pop("histogram")) for r in two]
+    single = torch.tensor(one["logged"].pop("histogram"))
+    assert torch.equal(hists[0], hists[1])
+    assert 0.9 * 3 * n_params < int(single.sum()) <= 3 * n_params
+    assert (hists[0] - single).abs().sum().item() < 0.01 * int(single.sum())
+    if plugin == "fp16":  # no probe under FSDP2: the monitor says so rather than report no loss silently
+        assert "the probe backward reached none of the model's parameters" in two[0]["warnings"][0]
     # Every metric one process logs, the ranks log too; only the top-k layers' names may differ (ties, all 0).
     top_k = "precision/underflow/fp16/model."
     assert {k for k in one["logged"] if not k.startswith(top_k)} == {k for k in two[0]["logged"] if not k.startswith(top_k)}
@@ -165,3 +183,26 @@ def test_callbacks_report_the_global_truth_equal_on_every_rank(tmp_path, plugin,
             assert got[0] == pytest.approx(value, rel=1e-2), key
         elif key.startswith("precision/amax/grad_output"):
             assert got[0] == pytest.approx(2 * value, rel=0.2), key  # e5m2 backward: 2 mantissa bits
+
+
+def test_channels_last_on_sharded_convolutions(tmp_path):
+    """FSDP2's ``fully_shard`` refuses channels-last (non-contiguous) parameters, and ``ChannelsLast`` converts in
+    ``setup``, before ``configure_model`` shards: under ``ModelParallelStrategy`` it leaves the weights contiguous and
+    converts the batches alone. Every convolution then computes and returns channels-last, and two ranks train as one
+    process does on the whole batch (without channels-last: the layout does not change the numbers). A Fabric user who
+    converts an already sharded model gets the same advice as an error, not a broken FSDP state."""
+    cfg = {"api": "trainer", "plugin": "bf16", "policy": True, "steps": STEPS, "model": "conv",
+           "callbacks": ["channels_last"]}
+    ranks = run_ranks(cfg, tmp_path)
+    for r in ranks:
+        logged = r["logged"]
+        assert (logged["weights_channels_last"], logged["converted"]) == (False, 2)
+        assert logged["first_conv_input_channels_last"] is True
+        assert logged["conv_outputs_channels_last"] == [True] * 2 * STEPS
+        assert "sharded by FSDP2" in logged["apply_error"] and "to_channels_last(batch)" in logged["apply_error"]
+        assert r["warnings"] == []
+    ref = reference("bf16", STEPS, "conv")
+    mean = [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(STEPS)]
+    assert mean == pytest.approx(ref["losses"], abs=LOSS_TOL["bf16"])
+    params = torch.load(tmp_path / "params.pt")
+    assert max((params[k] - ref["params"][k]).abs().max().item() for k in params) < PARAM_TOL["bf16"]

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision._checks import is_positive_int
+from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision.callbacks._cadence import check_every, on_cadence
 from lightning_precision.formats import FORMATS
@@ -150,6 +151,7 @@ class AmaxHistoryLogger(Callback):
         self._handles: list[Any] = []
         self._capture: Optional[list[dict[str, Tensor]]] = None
         self._last_whatif: dict[str, Tensor] = {}
+        self._copy_weights = False
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
         self._index_cache: dict[tuple[int, ...], Tensor] = {}
         self._fp8_max = _FP8_MAX
@@ -197,6 +199,8 @@ class AmaxHistoryLogger(Callback):
         else:  # resumed: keep the restored state
             self._ring, self._last_nonzero = self._ring.to(device), self._last_nonzero.to(device)
         self._modules = [m for _, m in found]
+        # FSDP2 frees a gathered weight's storage after the forward: the what-if keeps a copy of its sample instead.
+        self._copy_weights = is_sharded(model)
         self._te_layers = [i for i, m in enumerate(self._modules) if hasattr(m, "fp8_meta")]
         self._ran = [False] * len(found)
         self._index_cache.clear()
@@ -324,7 +328,9 @@ class AmaxHistoryLogger(Callback):
             if self._capture is not None:
                 if x is not None:
                     self._capture[i]["input"] = x.detach()
-                self._capture[i]["weight"] = _values(module.weight).detach()
+                weight = _values(module.weight).detach()
+                self._capture[i]["weight"] = block_sample(weight, self.what_if_sample).clone() if self._copy_weights \
+                    else weight
 
         return hook
 

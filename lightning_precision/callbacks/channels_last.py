@@ -11,6 +11,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision._fsdp import is_sharded
 from lightning_precision.warnings import NoEffectWarning, warn
 
 _FORMAT_OF_DIM = {4: torch.channels_last, 5: torch.channels_last_3d}
@@ -26,14 +27,22 @@ def apply_channels_last(module: nn.Module) -> int:
 
     Per module, because ``model.to(memory_format=torch.channels_last)`` raises on a Conv3d; a mixed 2-d/3-d model
     works. Returns how many convolutions were converted; warns ``NoEffectWarning`` when there are none.
+
+    Not for a model FSDP2 shards: ``fully_shard`` refuses non-contiguous parameters, before or after. There, convert
+    the batches only (``to_channels_last``): convolutions given channels-last input compute and return channels-last.
     """
+    if is_sharded(module):
+        raise ValueError(f"apply_channels_last: `{type(module).__name__}` is sharded by FSDP2, which keeps parameters"
+                         " contiguous. Convert only the batches (`to_channels_last(batch)`): convolutions given"
+                         " channels-last input compute and return channels-last.")
     return _apply_channels_last(module, "apply_channels_last", "Remove the `apply_channels_last` call.")
 
 
-def _apply_channels_last(module: nn.Module, caller: str, fix: str) -> int:
-    """``apply_channels_last``, with a no-effect warning that names the API the user called (function or callback)."""
+def _apply_channels_last(module: nn.Module, caller: str, fix: str, weights: bool = True) -> int:
+    """``apply_channels_last``, with a no-effect warning that names the API the user called (function or callback).
+    ``weights=False`` only counts the convolutions."""
     convs = _convs(module)
-    for _, conv in convs:
+    for _, conv in convs if weights else ():
         conv.to(memory_format=_FORMAT_OF_DIM[conv.weight.dim()])
     if not convs:
         warn(
@@ -57,6 +66,12 @@ def is_channels_last(x: Tensor) -> bool:
     return x.dim() in _FORMAT_OF_DIM and x.is_contiguous(memory_format=_FORMAT_OF_DIM[x.dim()])
 
 
+def _shards_parameters(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
 class _ConvertAfter:
     """Wraps a batch-transfer hook so the batch it returns is channels-last."""
 
@@ -72,6 +87,9 @@ class ChannelsLast(Callback):
     """Channels-last convolutions and batches for the Trainer: ``Trainer(callbacks=[ChannelsLast()])``.
 
     The model is converted in ``setup``, before the strategy moves and wraps it (moving keeps the memory format).
+    Under a strategy that shards parameters (``ModelParallelStrategy``, ``FSDPStrategy``) the weights stay contiguous,
+    as FSDP refuses others (``weights_channels_last`` is False): the batches alone are converted, and convolutions
+    given channels-last input still compute and return channels-last (tested under FSDP2 with the same gradients).
     A callback cannot replace the batch from ``on_train_batch_start``, so every batch is converted in the
     ``on_after_batch_transfer`` hook, after it reaches the device, for fit, validate, test and predict: the callback
     wraps that hook on the LightningModule and the DataModule (whichever Lightning calls) and restores it at teardown.
@@ -81,14 +99,17 @@ class ChannelsLast(Callback):
 
     def __init__(self) -> None:
         self.converted = 0
+        self.weights_channels_last = False
         self.first_conv_input_channels_last: Optional[bool] = None
         self._wrapped: list[Any] = []
         self._probe: Optional[Any] = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.weights_channels_last = not (_shards_parameters(trainer.strategy) or is_sharded(pl_module))
         self.converted = _apply_channels_last(
-            pl_module, "ChannelsLast", "Remove the `ChannelsLast()` callback from the Trainer's `callbacks`."
+            pl_module, "ChannelsLast", "Remove the `ChannelsLast()` callback from the Trainer's `callbacks`.",
+            weights=self.weights_channels_last,
         )
         if not self.converted:
             return

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_precision._fsdp import local_shard
+from lightning_precision._fsdp import is_sharded, local_shard
 from lightning_precision._lightning import unwrapped_name
 from lightning_precision.callbacks._cadence import check_every, on_cadence
 from lightning_precision.fabric._scaler import ScalerConfig, scale_of
@@ -116,6 +116,14 @@ def _run_in_backward(fn: Callable[[], Any], device: torch.device, backward: Call
     return result[0]
 
 
+def _sum_across(trainer: pl.Trainer) -> Optional[Reduce]:
+    """The strategy's all-reduce sum, on its device (NCCL reduces only CUDA tensors; a histogram nothing was added
+    to since the last call is still on the CPU)."""
+    if trainer.world_size == 1:
+        return None
+    return lambda t: trainer.strategy.reduce(t.to(trainer.strategy.root_device), reduce_op="sum")
+
+
 def _check_fraction(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
         raise ValueError(f"`GradientUnderflowMonitor({name}={value!r})`: a fraction, in [0, 1], e.g. 0.01.")
@@ -200,8 +208,10 @@ class GradientUnderflowMonitor(Callback):
         self.target_underflow = target_underflow
         self.plot_path = plot_path
         self.probe_factor = probe_factor
-        self.histogram = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)
-        self.activation_histogram = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)
+        # Totals, summed across processes at each `compute(reduce)`; `_pending` holds this process's part since then
+        # (row 0 parameter gradients, row 1 activation gradients).
+        self._totals = torch.zeros(2, HIST_MAX - HIST_MIN, dtype=torch.int64)
+        self._pending = torch.zeros(2, HIST_MAX - HIST_MIN, dtype=torch.int64)
         self._counts = _Counts()
         self._capturing = False
         self._hooks: list[Any] = []
@@ -213,6 +223,31 @@ class GradientUnderflowMonitor(Callback):
         self._probe_activations: Optional[Tensor] = None
         self._probe_due = False
         self._failed: set[str] = set()
+
+    @property
+    def histogram(self) -> Tensor:
+        """Counts of log2|g| of parameter gradients (unscaled), one bin per power of two from ``HIST_MIN``."""
+        return self._totals[0] + self._pending[0].to(self._totals.device)
+
+    @property
+    def activation_histogram(self) -> Tensor:
+        """The same for activation gradients (``activations=True``)."""
+        return self._totals[1] + self._pending[1].to(self._totals.device)
+
+    # Never in place on the histograms: under `ddp_spawn` the callback reaches every rank pickled by
+    # torch.multiprocessing, whose tensors then share memory across the ranks (and the all-reduce writes in place).
+
+    def _add_histogram(self, row: int, hist: Tensor) -> None:
+        pending = self._pending.to(hist.device, copy=True)
+        pending[row] += hist
+        self._pending = pending
+
+    def _commit_histograms(self, reduce: Optional[Reduce]) -> None:
+        """Add this process's histograms since the last call to the totals, summed across processes by ``reduce``
+        (the same all-reduce every process runs in ``compute``), so every process holds the same global histogram."""
+        pending = self._pending if reduce is None else reduce(self._pending.clone())
+        self._totals = self._totals.to(pending.device) + pending
+        self._pending = torch.zeros_like(self._pending)
 
     # ---- the part Fabric and plain PyTorch use directly -------------------------------------------------------------
 
@@ -245,6 +280,15 @@ class GradientUnderflowMonitor(Callback):
         finally:
             probe_activations, self._probe_scale, self._probe_activations = self._probe_activations, None, None
         present = {n: g for n, g in zip(params, grads) if g is not None}
+        if params and not present:
+            # FSDP2 computes gradients of its unsharded copies, not of the (sharded) parameters the module lists, and
+            # reduces them into `.grad` in its own hooks: a probe w.r.t. the parameters sees nothing there.
+            self.probe_factor = None
+            warn("GradientUnderflowMonitor: the probe backward reached none of the model's parameters (parameters"
+                 " sharded by FSDP2 get their gradients through FSDP2's own hooks); it is off for this run, so"
+                 " `precision/underflow/fp16/lost` is not reported and gradients fp16 already flushed count as exact"
+                 " zeros.")
+            return
         finite = torch.stack([torch.isfinite(measurable_values(g)).all() for g in present.values()]).all() if present \
             else torch.ones((), dtype=torch.bool)
         nonzero = {n: measurable_values(g) != 0 for n, g in present.items()}
@@ -253,13 +297,17 @@ class GradientUnderflowMonitor(Callback):
     def _fold_unjudged_activations(self) -> None:
         """A probe never judged (no ``measure_gradients`` after it): the real backward's activation gradients stand."""
         if self._probe is not None and self._probe.real_activations is not None:
-            self.activation_histogram = self.activation_histogram.to(self._probe.real_activations.device) \
-                + self._probe.real_activations
+            self._add_histogram(1, self._probe.real_activations)
             self._probe.real_activations = None
 
-    def measure_gradients(self, named_grads: Mapping[str, Tensor], loss_scale: Union[Tensor, float, None] = None) -> None:
+    def measure_gradients(self, named_grads: Mapping[str, Tensor], loss_scale: Union[Tensor, float, None] = None,
+                          histogram: bool = True) -> None:
         """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question,
-        and a probe run before this step's backward (``probe_backward``) adds what fp16 already flushed."""
+        and a probe run before this step's backward (``probe_backward``) adds what fp16 already flushed.
+
+        Across processes, ``compute(reduce)`` sums what each measured, so each gradient element must be measured by one
+        process: pass each rank's local shard of sharded gradients (FSDP2), and ``histogram=False`` on all processes
+        but one when gradients are replicated (DDP) so the histogram counts them once (fractions are unaffected)."""
         probe, self._probe = self._probe, None
         hist = lost = compared = None
         for name, g in named_grads.items():
@@ -294,15 +342,15 @@ class GradientUnderflowMonitor(Callback):
             self._counts.add("lost/fp16", CastStats(numel=compared, exact_zero=zero, underflow=lost, overflow=zero,
                                                     nonfinite=(~probe.finite).to(torch.int64)))
             hist = torch.where(probe.finite, probe.histogram.to(hist.device), hist) if hist is not None else hist
-        if hist is not None:
-            self.histogram = self.histogram.to(hist.device) + hist
+        if hist is not None and histogram:
+            self._add_histogram(0, hist)
         if probe is not None and probe.activation_histogram is not None:
             # The same choice for activation gradients: the probe's where it stayed finite (it holds what fp16's real
             # backward flushed), else the real backward's.
             real = probe.real_activations if probe.real_activations is not None else \
                 torch.zeros_like(probe.activation_histogram)
-            chosen = torch.where(probe.finite.to(real.device), probe.activation_histogram.to(real.device), real)
-            self.activation_histogram = self.activation_histogram.to(chosen.device) + chosen
+            self._add_histogram(1, torch.where(probe.finite.to(real.device), probe.activation_histogram.to(real.device),
+                                               real))
 
     def _skip(self, name: str, err: Exception) -> None:
         if name not in self._failed:
@@ -334,6 +382,7 @@ class GradientUnderflowMonitor(Callback):
         """
         stats = self._counts.reduced(reduce)
         self._counts = _Counts()
+        self._commit_histograms(reduce)
         lost = stats.get("lost/fp16")
         overflowed = lost is not None and int(lost.nonfinite) > 0  # read here, on a logging step
         if lost is not None and int(lost.numel) == 0:
@@ -407,7 +456,7 @@ class GradientUnderflowMonitor(Callback):
         if probe is not None and probe.activation_histogram is not None:  # judged with the probe, at measure time
             probe.real_activations = hist if probe.real_activations is None else probe.real_activations + hist
         else:
-            self.activation_histogram = self.activation_histogram.to(hist.device) + hist
+            self._add_histogram(1, hist)
 
     # ---- Trainer glue -----------------------------------------------------------------------------------------------
 
@@ -448,12 +497,13 @@ class GradientUnderflowMonitor(Callback):
         self.capturing(False)
         if on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps):
             # FSDP2 gradients are DTensor shards: each rank counts its own, and the sum across ranks counts each once.
+            # Replicated ones (DDP) enter the histogram from rank zero only, for the same reason.
             grads = {n: local_shard(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
-            self.measure_gradients(grads, loss_scale_of(trainer.precision_plugin))
+            self.measure_gradients(grads, loss_scale_of(trainer.precision_plugin),
+                                   histogram=trainer.is_global_zero or is_sharded(pl_module))
         if not on_cadence(trainer, self.log_every_n_steps):
             return
-        reduce = (lambda t: trainer.strategy.reduce(t, reduce_op="sum")) if trainer.world_size > 1 else None
-        metrics = self.compute(reduce)
+        metrics = self.compute(_sum_across(trainer))
         if not metrics:
             return
         for name, value in metrics.items():
@@ -481,6 +531,8 @@ class GradientUnderflowMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Every rank is here: sum what was measured since the last logging step, so the plot and the state are global.
+        self._commit_histograms(_sum_across(trainer))
         if self.plot_path is not None and trainer.is_global_zero:
             self.save_plot(self.plot_path)
 
@@ -488,14 +540,14 @@ class GradientUnderflowMonitor(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "histogram": self.histogram.cpu(),
-            "activation_histogram": self.activation_histogram.cpu(),
+            "activation_histogram": self.activation_histogram.cpu(),  # with this process's part not yet summed
             "warned": self._warned,
             "probe_factor": self.probe_factor,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.histogram = state_dict["histogram"].clone()
-        self.activation_histogram = state_dict["activation_histogram"].clone()
+        self._totals = torch.stack([state_dict["histogram"], state_dict["activation_histogram"]]).to(torch.int64)
+        self._pending = torch.zeros_like(self._totals)
         self._warned = state_dict["warned"]
         self.probe_factor = state_dict.get("probe_factor", self.probe_factor)
