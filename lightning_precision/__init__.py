@@ -6,6 +6,7 @@ Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric p
 
 import lightning_precision.accelerators  # noqa: F401  (registers accelerator='xpu')
 from lightning_precision.fabric._scaler import SkippedStepsError
+from lightning_precision.plan import PlanRule, PrecisionPlan
 from lightning_precision.plugins import BF16MixedPrecision, FP8Precision, FP16MixedPrecision, XPUPrecision
 from lightning_precision.warnings import NoEffectWarning
 
@@ -16,6 +17,8 @@ __all__ = [
     "FP16MixedPrecision",
     "FP8Precision",
     "NoEffectWarning",
+    "PlanRule",
+    "PrecisionPlan",
     "SkippedStepsError",
     "XPUPrecision",
     "__version__",

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_precision.formats import FORMATS, NumberFormat, get_format
+from lightning_precision.sensitivity import fp8_sensitivity  # noqa: F401  (the Fabric and plain-PyTorch entry)
 
 TensorsLike = Union[Tensor, Iterable[Tensor], Mapping[str, Tensor]]
 FormatLike = Union[str, torch.dtype, NumberFormat]

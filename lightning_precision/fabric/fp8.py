@@ -13,9 +13,11 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_precision import _fsdp
+from lightning_precision import _fsdp, _imports
 from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
+from lightning_precision.plan import PlanLike, PlanRule, PrecisionPlan, as_plan
+from lightning_precision.sensitivity import SensitivityProbe
 
 _PRECISION_OF = {
     # Lightning's standard strings: strategies and ThroughputMonitor read them. The torchao backend keeps the
@@ -61,6 +63,31 @@ def _check_not_sharded(module: Module, decisions: list[_fp8.LayerDecision]) -> N
         )
 
 
+def _sum_across_processes(t: Tensor) -> Tensor:
+    """All processes' sum (plain torch.distributed: Fabric and the Trainer alike), so every rank decides alike."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+class _Calibration:
+    """``layers="auto"``: the first ``steps`` optimizer steps run in the high-precision dtype while a
+    ``SensitivityProbe`` measures the layers the shape rules left; then the plan is made and applied."""
+
+    def __init__(self, module: Module, decisions: list[_fp8.LayerDecision], config: Any, steps: int) -> None:
+        self.module, self.decisions, self.steps_left = module, decisions, steps
+        self.probe = SensitivityProbe({d.fqn: module.get_submodule(d.fqn) for d in decisions if d.fp8}, config)
+
+    def step(self) -> bool:
+        """Count one optimizer step; True when the last one has been measured."""
+        self.probe.batches += 1
+        self.steps_left -= 1
+        return self.steps_left <= 0
+
+
 class FP8Precision(_AutocastPrecision):
     """fp8 linear layers inside high-precision autocast: ``Fabric(plugins=[FP8Precision()])``.
 
@@ -75,6 +102,14 @@ class FP8Precision(_AutocastPrecision):
         module_filter: ``(module, fqn) -> bool`` choosing the linear layers that run in fp8; replaces the defaults.
         skip_small_layers: leave layers too small to gain in high precision (thresholds in ``lightning_precision.fp8``).
         skip_first_last: leave the first and last linear layers that run as modules in high precision.
+        layers: which eligible layers run in fp8. ``None`` (default): all that the shape rules leave. ``"auto"``: the
+            first ``calibration_batches`` training steps run in ``compute_dtype`` while each eligible layer's fp8
+            numerics are measured (``lightning_precision.sensitivity``); then the layers ``plan_rule`` accepts are
+            converted (same Parameter objects: the optimizer is untouched) and the plan is logged and kept in
+            ``plan`` and in checkpoints. A ``PrecisionPlan`` or the path of a saved one (YAML/JSON): its fp8 layers,
+            as saved (``skip_small_layers``/``skip_first_last`` do not apply; a plan with ``module_filter`` is refused).
+        calibration_batches: with ``layers="auto"``, how many training steps to measure (default 8).
+        plan_rule: with ``layers="auto"``, the thresholds (``PlanRule()`` by default).
         fsdp_float8_all_gather: torchao, tensorwise: FSDP2 all-gathers the fp8 layers' weights in fp8 (a quarter of
             fp32's bytes), and their scales are precomputed after each optimizer step. ``None`` (default): on when the
             model is known to be sharded by FSDP2 at conversion (the Trainer's ``ModelParallelStrategy``, with
@@ -96,6 +131,9 @@ class FP8Precision(_AutocastPrecision):
         matmul_precision: Optional[MatmulPrecision] = None,
         reduce_dtype: torch.dtype = torch.float32,
         fsdp_float8_all_gather: Optional[bool] = None,
+        layers: Optional[PlanLike] = None,
+        calibration_batches: Optional[int] = None,
+        plan_rule: Optional[PlanRule] = None,
     ) -> None:
         owner = type(self).__name__
         if backend not in _fp8.BACKENDS:
@@ -130,11 +168,43 @@ class FP8Precision(_AutocastPrecision):
                 " `fsdp_float8_all_gather` unset."
             )
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
+        self.layers, self.calibration_batches, self.plan_rule = layers, calibration_batches, plan_rule
+        self.plan: Optional[PrecisionPlan] = self._check_layers(owner)
+        self._calibration: Optional[_Calibration] = None
         self._float8_all_gather = False  # whether the converted layers all-gather in fp8
         self._scales: Optional[_fsdp.Float8ScalePrecompute] = None
         self.layer_decisions: list[_fp8.LayerDecision] = []
         self._forward_watch: Optional[_fp8.ForwardWatch] = None
         self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
+
+    def _check_layers(self, owner: str) -> Optional[PrecisionPlan]:
+        """Validate ``layers`` and its companions now; load a plan file now (a bad path fails here, not mid-fit)."""
+        layers, auto = self.layers, self.layers == "auto"
+        if self.calibration_batches is not None:
+            if not auto:
+                raise ValueError(f"`{owner}(calibration_batches=...)` applies to `layers='auto'` only.")
+            if isinstance(self.calibration_batches, bool) or not isinstance(self.calibration_batches, int) \
+                    or self.calibration_batches < 1:
+                raise ValueError(f"`{owner}(calibration_batches={self.calibration_batches!r})`: a positive number of"
+                                 " training steps, e.g. 8.")
+        if self.plan_rule is not None and not auto:
+            raise ValueError(f"`{owner}(plan_rule=...)` applies to `layers='auto'` only.")
+        if self.plan_rule is not None and not isinstance(self.plan_rule, PlanRule):
+            raise ValueError(f"`{owner}(plan_rule={self.plan_rule!r})`: pass a `lightning_precision.plan.PlanRule`.")
+        if layers is None:
+            return None
+        if auto:
+            _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", f"{owner}(layers='auto'), which measures with torchao,")
+            if self.fsdp_float8_all_gather:
+                raise ValueError(f"`{owner}(layers='auto', fsdp_float8_all_gather=True)`: layers cannot be chosen"
+                                 " during sharded training. Measure first and pass the plan: see docs/plan.md.")
+            return None
+        if not isinstance(layers, (PrecisionPlan, str)) and not hasattr(layers, "__fspath__"):
+            raise ValueError(f"`{owner}(layers={layers!r})`: None, 'auto', a PrecisionPlan or the path of a saved plan.")
+        if self.module_filter is not None:
+            raise ValueError(f"`{owner}(layers=<plan>, module_filter=...)`: a plan names its fp8 layers itself; pass"
+                             " one or the other.")
+        return as_plan(layers)
 
     @property
     def peak_flops_dtype(self) -> torch.dtype:
@@ -155,9 +225,72 @@ class FP8Precision(_AutocastPrecision):
         return super().convert_module(module)
 
     def _convert(self, module: Module) -> Module:
-        self.layer_decisions = _fp8.select_fp8_layers(
-            module, self.recipe_name, self.module_filter, self.skip_small_layers, self.skip_first_last
-        )
+        if self.plan is not None:
+            decisions = self._decisions_of_plan(module, self.plan)
+        else:
+            decisions = _fp8.select_fp8_layers(
+                module, self.recipe_name, self.module_filter, self.skip_small_layers, self.skip_first_last
+            )
+        if self.layers == "auto" and self.plan is None:
+            return self._start_calibration(module, decisions)
+        return self._swap(module, decisions)
+
+    def _decisions_of_plan(self, module: Module, plan: PrecisionPlan) -> list[_fp8.LayerDecision]:
+        """fp8 where the plan says so and the rules that always hold (divisibility, a forward that runs) allow."""
+        hard = _fp8.select_fp8_layers(module, self.recipe_name, module_filter=lambda m, fqn: True)
+        unknown = sorted(plan.fp8_layers - {d.fqn for d in hard})
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: the plan puts layers in fp8 that this model does not have as"
+                             f" nn.Linear: {', '.join(unknown)}. Is it the plan of another model?")
+        out = []
+        for d in hard:
+            entry = plan.get(d.fqn)
+            if not d.fp8:
+                out.append(d)
+            elif entry is None:
+                out.append(dataclasses.replace(d, fp8=False, reason="not in the plan"))
+            else:
+                out.append(dataclasses.replace(d, fp8=entry.precision == "fp8", reason=f"plan: {entry.reason}"))
+        return out
+
+    def _start_calibration(self, module: Module, decisions: list[_fp8.LayerDecision]) -> Module:
+        if _to_be_sharded(module) or _fsdp.is_sharded(module):
+            raise RuntimeError(
+                f"{type(self).__name__}(layers='auto') cannot choose layers under FSDP2: they must be converted before"
+                " `fully_shard`. Measure on one process first (`lightning-precision plan`, or"
+                " `fp8_sensitivity` + `PrecisionPlan.decide`) and pass the saved plan: `layers='plan.yaml'`."
+            )
+        steps = self.calibration_batches or 8
+        self.layer_decisions = decisions
+        self._calibration = _Calibration(module, decisions, self._probe_config(), steps)
+        rank_zero_info(f"fp8: {sum(d.fp8 for d in decisions)} eligible linear layers; the first {steps} training steps"
+                       f" run in {self.compute_dtype} while their fp8 numerics are measured (layers='auto').")
+        setattr(module, _CONVERTED, True)
+        return module
+
+    def _probe_config(self) -> Any:
+        if self.backend == "torchao":
+            return self.recipe
+        # Transformer Engine's fp8 is measured through torchao's emulation of the same per-tensor scaling.
+        return _fp8.torchao_config("tensorwise", emulate=True)
+
+    def _finish_calibration(self) -> None:
+        calibration, self._calibration = self._calibration, None
+        assert calibration is not None
+        calibration.probe.close()
+        sensitivity = calibration.probe.result(_sum_across_processes)
+        self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.recipe_name)
+        self._apply_plan(calibration.module)
+
+    def _apply_plan(self, module: Module) -> None:
+        rank_zero_info(self.plan.table())
+        self._swap(module, self._decisions_of_plan(module, self.plan))
+        if self._device_type is not None:
+            self._on_device_resolved(self._device_type)
+
+    def _swap(self, module: Module, decisions: list[_fp8.LayerDecision]) -> Module:
+        """Convert the layers ``decisions`` choose (in place below the root)."""
+        self.layer_decisions = decisions
         _check_not_sharded(module, self.layer_decisions)
         rank_zero_info(_fp8.format_summary(self.layer_decisions))
         _fp8.warn_if_no_fp8(self.layer_decisions)
@@ -217,6 +350,23 @@ class FP8Precision(_AutocastPrecision):
     def _after_optimizer_step(self) -> None:
         if self._scales is not None:
             self._scales.after_optimizer_step()
+        if self._calibration is not None and self._calibration.step():
+            self._finish_calibration()  # every rank at the same step: the sums are all-reduced
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The plan ``layers="auto"`` made: a resumed fit applies it instead of measuring again."""
+        return {"plan": self.plan.to_dict()} if self.layers == "auto" and self.plan is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "plan" not in state_dict or self.layers != "auto":
+            return
+        self.plan = PrecisionPlan.from_dict(state_dict["plan"])
+        if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
+            calibration, self._calibration = self._calibration, None
+            calibration.probe.close()
+            self._apply_plan(calibration.module)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -257,4 +407,5 @@ class FP8Precision(_AutocastPrecision):
         state = super().__getstate__()
         state["_forward_watch"] = None  # hook handles stay with the process that set them
         state["_scales"] = None  # found again when the model is sharded in the new process
+        state["_calibration"] = None  # hooks too; a spawned process starts measuring at its own setup
         return state

@@ -1,0 +1,255 @@
+"""fp8 layers chosen from measured numerics: ``fp8_sensitivity``, ``PrecisionPlan``, ``FP8Precision(layers=...)``.
+
+Real torchao (``emulate=True``), real Trainer and Fabric fits. The test model has one layer fed by outlier channels
+(3 of 64 input channels 1000x the rest, as the outlier features of large transformers) and one whose output gradients
+are about 1e-23 (its output reaches the logits through a 1e-21 gate): below what torchao's dynamic e5m2 scale can
+lift (it clamps amax at 1e-12), so every one of them flushes to zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_precision import FP8Precision, PlanRule, PrecisionPlan
+from lightning_precision import fabric as lp_fabric
+from lightning_precision.plan import LayerPlan, make_plan
+from lightning_precision.sensitivity import TORCHAO_EPS, CastSpec, cast_numerics, fp8_sensitivity
+
+pytest.importorskip("torchao")
+
+FP8_KW = {"emulate": True, "skip_small_layers": False, "skip_first_last": False}
+
+
+class Outliers(nn.Module):
+    """``b`` sees outlier channels; ``c``'s output gradients are ~1e-23; ``a``, ``d`` and ``head`` are ordinary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = (nn.Linear(64, 64) for _ in range(4))
+        self.head = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = torch.cat([h[:, :3] * 1000, h[:, 3:]], dim=1)  # outlier channels into b
+        h = torch.relu(self.b(h) / 100)
+        # c: a branch gated by 1e-21 (a no-op in the forward), so its output gradients are ~1e-23
+        return self.head(torch.relu(self.d(h))) + self.c(x)[:, :16] * 1e-21
+
+
+class Lit(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Outliers()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def batches(n: int, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 64, generator=g), torch.randint(0, 16, (size,), generator=g)) for _ in range(n)]
+
+
+def loader(n: int) -> torch.utils.data.DataLoader:
+    x, y = (torch.cat(t) for t in zip(*batches(n)))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+
+
+def fit(plugin, steps: int, module=None, **kwargs) -> tuple[L.Trainer, Lit]:
+    module = module or Lit()
+    trainer = L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, **{"enable_checkpointing": False, **kwargs})
+    trainer.fit(module, loader(steps))
+    return trainer, module
+
+
+# ---- measuring -------------------------------------------------------------------------------------------------------
+
+
+def test_torchaos_amax_floor_is_the_one_we_mirror():
+    from torchao.float8 import float8_utils
+
+    assert float8_utils.EPS == TORCHAO_EPS  # a new floor changes which tiny tensors flush: update sensitivity.py
+
+
+@pytest.mark.parametrize("axiswise", [False, True])
+def test_cast_numerics_is_torchaos_cast(axiswise):
+    """Our noise power and underflow count are those of torchao's own dynamic cast (dequantized), tiny rows included."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g) * torch.logspace(-30, 2, 8).unsqueeze(1)  # rows from 1e-30 to 1e2
+    kwargs = {"scaling_granularity": ScalingGranularity.AXISWISE, "axiswise_dim": -1} if axiswise else {}
+    theirs = hp_tensor_to_float8_dynamic(x, torch.float8_e5m2, LinearMMConfig(), **kwargs).to_original_precision()
+    signal, noise, nonzero, under, nonfinite, numel = cast_numerics(x, CastSpec(torch.float8_e5m2, axiswise, False))
+    assert noise.item() == pytest.approx((theirs - x).double().pow(2).sum().item(), rel=1e-6)
+    assert under.item() == ((x != 0) & (theirs == 0)).sum().item() > 0  # the 1e-30 row flushes, scaled or not
+    assert (nonzero.item(), nonfinite.item(), numel.item()) == (512, 0, 512)
+
+
+def test_fp8_sensitivity_measures_without_touching_the_model():
+    model = Outliers()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data = batches(3)
+    result = fp8_sensitivity(model, data, loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1]))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert list(result) == ["a", "b", "c", "d", "head"] and {s.batches for s in result.values()} == {3}
+    ordinary = [result[f] for f in ("a", "d", "head")]
+    # e4m3 keeps 3 mantissa bits (about 30 dB), e5m2 2 (about 25 dB); output errors of a few percent
+    assert all(s.input.sqnr_db > 25 and s.weight.sqnr_db > 25 and s.grad_output.sqnr_db > 20 for s in ordinary)
+    assert all(s.output_error < 0.06 and s.grad_input_error < 0.1 for s in ordinary)
+    assert all(s.input.underflow < 1e-4 for s in ordinary)
+    assert result["b"].input.underflow > 1e-3  # outliers squeeze the other channels to the bottom of e4m3's range
+    assert result["c"].grad_output.underflow == 1.0 and result["c"].grad_input_error == 1.0
+
+
+def test_fp8_sensitivity_asks_for_a_loss_when_the_model_gives_none():
+    with pytest.raises(ValueError, match="Pass `loss_fn=lambda model, batch"):
+        fp8_sensitivity(Outliers(), [torch.randn(4, 64)])
+    with pytest.raises(ValueError, match="not nn.Linear layers of the model: nope"):
+        fp8_sensitivity(Outliers(), [torch.randn(4, 64)], layers=["nope"])
+
+
+# ---- the plan --------------------------------------------------------------------------------------------------------
+
+
+def _plan() -> PrecisionPlan:
+    return make_plan(Outliers(), batches(3), loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1]),
+                     skip_small_layers=False, skip_first_last=False)
+
+
+def test_make_plan_keeps_exactly_the_outlier_and_tiny_gradient_layers_high():
+    plan = _plan()
+    assert plan.fp8_layers == {"a", "d", "head"}
+    assert "input underflow" in plan.get("b").reason
+    assert "grad_output underflow" in plan.get("c").reason and "input-gradient error" in plan.get("c").reason
+    table = plan.table()
+    assert "3 of 5 linear layers in fp8" in table and "measured within the rule" in table
+
+
+def test_shape_rules_come_first():
+    plan = make_plan(Outliers(), batches(1), loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1]))
+    assert plan.fp8_layers == set()  # 64x64 is too small to gain, and a/head are the first/last layers
+    assert plan.get("b").numbers == {} and "too small to gain" in plan.get("b").reason
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_plan_round_trips_through_a_file(tmp_path, suffix):
+    plan = _plan().with_layer("a", "bf16", "by hand", {"output_error": math.inf})
+    path = plan.save(tmp_path / f"plan{suffix}")
+    loaded = PrecisionPlan.load(path)
+    assert loaded == plan and loaded.get("a").numbers["output_error"] == math.inf
+    assert loaded.diff(_plan()) == ["a: bf16 -> fp8"]
+    assert not (tmp_path / f"plan{suffix}.tmp").exists()
+
+
+def test_bad_plans_and_rules_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match=r"PlanRule\(max_underflow=-1\)"):
+        PlanRule(max_underflow=-1)
+    with pytest.raises(ValueError, match="'fp4' is not 'fp8' or 'bf16'"):
+        LayerPlan("a", "fp4", "")
+    with pytest.raises(ValueError, match="name a .yaml, .yml or .json file"):
+        _plan().save(tmp_path / "plan.txt")
+    (tmp_path / "old.json").write_text('{"version": 99, "layers": []}')
+    with pytest.raises(ValueError, match="version 99"):
+        PrecisionPlan.load(tmp_path / "old.json")
+
+
+# ---- FP8Precision(layers=...) -----------------------------------------------------------------------------------------
+
+
+def test_trainer_auto_measures_the_first_steps_then_converts_the_layers_the_rule_accepts():
+    plugin = FP8Precision(layers="auto", calibration_batches=4, **FP8_KW)
+    trainer, module = fit(plugin, 8)
+    net = module.net
+    assert plugin.plan.fp8_layers == {"net.a", "net.d", "net.head"} and plugin.plan.batches == 4
+    assert {n: type(getattr(net, n)).__name__ for n in ("a", "b", "c", "d", "head")} == {
+        "a": "Float8Linear", "b": "Linear", "c": "Linear", "d": "Float8Linear", "head": "Float8Linear"}
+    # Converted in place, with the same Parameter objects: the optimizer trains the fp8 layers' weights.
+    optimizer_params = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert {id(p) for p in net.parameters()} == optimizer_params
+    assert len(module.losses) == 8 and all(math.isfinite(v) for v in module.losses)
+    assert [d.fqn for d in plugin.layer_decisions if d.fp8] == ["net.a", "net.d", "net.head"]
+    assert float(plugin.metrics()["precision/fp8_layers"]) == 3
+
+
+def test_a_resumed_auto_run_applies_its_plan_instead_of_measuring_again(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = FP8Precision(layers="auto", calibration_batches=2, **FP8_KW)
+    fit(first, 4, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="last")])
+    resumed = FP8Precision(layers="auto", calibration_batches=2, **FP8_KW)
+    module = Lit()
+    trainer = L.Trainer(accelerator="cpu", plugins=[resumed], max_steps=5, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, loader(5), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.plan == first.plan
+    assert type(module.net.a).__name__ == "Float8Linear" and resumed._calibration is None
+
+
+def test_a_saved_plan_converts_its_layers_at_setup_with_fabric(tmp_path):
+    path = _plan().save(tmp_path / "plan.yaml")
+    plugin = lp_fabric.FP8Precision(layers=str(path), emulate=True)  # the plan overrides skip_small/skip_first_last
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup_module(Outliers())
+    assert {n for n in ("a", "b", "c", "d", "head") if type(getattr(model.module, n)).__name__ == "Float8Linear"} \
+        == {"a", "d", "head"}
+    assert plugin.layer_decisions[1].reason.startswith("plan: input underflow")
+
+
+def test_fabric_auto_measures_in_the_loop_too():
+    plugin = lp_fabric.FP8Precision(layers="auto", calibration_batches=2, **FP8_KW)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = Outliers()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    for x, y in batches(3):
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert plugin.plan.fp8_layers == {"a", "d", "head"}
+    assert type(model.module.head).__name__ == "Float8Linear"
+
+
+def test_layers_arguments_are_checked_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="calibration_batches=...\\)` applies to `layers='auto'` only"):
+        FP8Precision(calibration_batches=4, emulate=True)
+    with pytest.raises(ValueError, match="calibration_batches=0"):
+        FP8Precision(layers="auto", calibration_batches=0, emulate=True)
+    with pytest.raises(ValueError, match="a PrecisionPlan or the path of a saved plan"):
+        FP8Precision(layers=3, emulate=True)
+    with pytest.raises(FileNotFoundError, match="no plan file"):
+        FP8Precision(layers=str(tmp_path / "missing.yaml"), emulate=True)
+    path = _plan().save(tmp_path / "plan.json")
+    with pytest.raises(ValueError, match="pass one or the other"):
+        FP8Precision(layers=path, module_filter=lambda m, fqn: True, emulate=True)
+    with pytest.raises(ValueError, match="cannot be chosen during sharded training"):
+        FP8Precision(layers="auto", fsdp_float8_all_gather=True, emulate=True)
+    plugin = FP8Precision(layers=path, emulate=True)
+    with pytest.raises(ValueError, match="does not have as nn.Linear: d, head"):
+        plugin.convert_module(_renamed())
+
+
+def _renamed() -> nn.Module:
+    class Other(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.z = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    return Other()
