@@ -90,7 +90,10 @@ def test_cast_numerics_is_torchaos_cast(axiswise):
     """Our noise power and underflow count are those of torchao's own dynamic cast (dequantized), tiny rows included."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import LinearMMConfig
+    try:
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+    except ImportError:  # torchao < 0.12 names the module float8_tensor
+        from torchao.float8.float8_tensor import LinearMMConfig
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 64, generator=g) * torch.logspace(-30, 2, 8).unsqueeze(1)  # rows from 1e-30 to 1e2
