@@ -256,3 +256,43 @@ def _renamed() -> nn.Module:
             self.a, self.z = nn.Linear(64, 64), nn.Linear(64, 64)
 
     return Other()
+
+
+class RankOutliers(Lit):
+    """Rank 1 alone feeds layer ``a`` inputs with outlier channels; every rank writes the plan it applied."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_rank == 1:
+            x = torch.cat([x[:, :3] * 1e3, x[:, 3:]], dim=1)
+        return super().training_step((x, y), batch_idx)
+
+    def on_train_end(self):
+        import json
+
+        plugin = self.trainer.precision_plugin
+        report = {"fp8": sorted(plugin.plan.fp8_layers), "a": plugin.plan.get("net.a").reason,
+                  "converted": sorted(f"net.{n}" for n, m in self.net.named_children()
+                                      if type(m).__name__ == "Float8Linear")}
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump(report, f)
+
+
+def test_under_ddp_every_rank_applies_the_same_plan(tmp_path):
+    """The measurements are summed across ranks before the rule decides. Without it, the rank that saw outliers would
+    keep ``a`` in bf16 and the other convert it: the same Parameters, so DDP would not notice, and the ranks would
+    train different numerics in silence."""
+    from tests.distributed import fit_spawned
+
+    plugin = FP8Precision(layers="auto", calibration_batches=2, **FP8_KW)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", plugins=[plugin], max_steps=3,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    reports = fit_spawned(trainer, RankOutliers(str(tmp_path)), loader(6), tmp_path)
+    assert reports[0] == reports[1]
+    assert "net.a" not in reports[0]["fp8"] and "input underflow" in reports[0]["a"]
+    assert reports[0]["converted"] == reports[0]["fp8"] != []
