@@ -25,7 +25,7 @@ from lightning_precision.sensitivity import fp8_sensitivity
 
 
 def _loss(model: nn.Module, batch) -> torch.Tensor:
-    return nn.functional.cross_entropy(model.logits(batch).float(), batch[-1])
+    return model.training_loss(batch)
 
 
 def _plain(model: nn.Module, batches: list) -> None:

@@ -1,15 +1,17 @@
-"""The ``lightning-precision`` command line: ``fit`` (LightningCLI over the recipes), ``compare``, ``doctor``."""
+"""The ``lightning-precision`` command line: ``fit`` (LightningCLI over the recipes), ``compare``, ``doctor``,
+``plan``."""
 
 from __future__ import annotations
 
 import sys
 from typing import Optional
 
-USAGE = """usage: lightning-precision [--version] {fit,compare,doctor} ...
+USAGE = """usage: lightning-precision [--version] {fit,compare,doctor,plan} ...
 
   fit      LightningCLI over the recipes: lightning-precision fit --config recipes/distilbert.yaml
   compare  one recipe under several precisions, side by side (runs an embedded default with no arguments)
   doctor   what this machine can do: devices, packages, support per precision, recommendation
+  plan     fp8 numerics per linear layer on a recipe, and the plan FP8Precision(layers=...) applies
 
 Each command has --help.
 """
@@ -173,6 +175,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from lightning_precision.doctor import main as doctor
 
             return doctor(rest)
+        if command == "plan":
+            from lightning_precision.plan import main as plan
+
+            return plan(rest)
     except SystemExit as exit:  # argparse's --help (0) and usage errors (2): a code, also when called as a function
         return exit.code if isinstance(exit.code, int) else 1
     print(f"lightning-precision: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

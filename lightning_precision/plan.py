@@ -250,3 +250,45 @@ def make_plan(
     dtype = getattr(torch, autocast_dtype) if isinstance(autocast_dtype, str) else autocast_dtype
     sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8], dtype)
     return PrecisionPlan.decide(decisions, sensitivity, rule, recipe_name)
+
+
+# ---- `lightning-precision plan` ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    """``lightning-precision plan --recipe vit|distilbert``: measure the recipe's embedded default, print the plan and
+    write it (YAML or JSON by ``--out``'s suffix)."""
+    import argparse
+    import itertools
+
+    from lightning_precision.recipes import RECIPES
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-precision plan",
+        description="Measure fp8 numerics per linear layer on a recipe's embedded default and write the plan.")
+    parser.add_argument("--recipe", choices=["vit", "distilbert"], required=True, help="the recipe to measure")
+    parser.add_argument("--batches", type=int, default=8, help="training batches to measure (default: 8)")
+    parser.add_argument("--recipe-fp8", dest="recipe_fp8", default="tensorwise", choices=["tensorwise", "rowwise"],
+                        help="torchao scaling recipe (default: tensorwise)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="plan for emulated fp8 (as `fit --precision fp8-emulated`): layers too small to gain on an"
+                             " fp8 GPU are judged too, instead of kept in bf16")
+    parser.add_argument("--out", default=None, help="plan file, .yaml/.yml/.json (default: plan-<recipe>.yaml)")
+    args = parser.parse_args(argv)
+    if args.batches < 1:
+        parser.error(f"--batches {args.batches}: measure at least 1 batch")
+    out = Path(args.out or f"plan-{args.recipe}.yaml")
+    try:
+        _suffix(out)  # a bad name fails before measuring
+    except ValueError as err:
+        parser.error(str(err))
+    model, data = RECIPES[args.recipe].build()
+    data.prepare_data()
+    data.setup("fit")
+    batches = list(itertools.islice(iter(data.train_dataloader()), args.batches))
+    print(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...", flush=True)
+    plan = make_plan(model, batches, loss_fn=lambda m, b: m.training_loss(b), recipe=args.recipe_fp8,
+                     skip_small_layers=not args.emulate)
+    print(plan.table())
+    print(f"wrote {plan.save(out)}")
+    return 0

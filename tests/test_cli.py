@@ -58,7 +58,7 @@ def test_version(capsys):
                                                f" {torch.__version__}, lightning {lightning.__version__})")
 
 
-@pytest.mark.parametrize("command", ["doctor", "compare", "fit"])
+@pytest.mark.parametrize("command", ["doctor", "compare", "fit", "plan"])
 def test_every_command_has_help_and_does_not_run(command, capsys, monkeypatch):
     from lightning_precision import compare, doctor
 
@@ -151,3 +151,22 @@ def test_fit_precision_fp8_without_an_fp8_gpu_is_a_one_line_hint(tmp_path, capsy
     assert _fit_quick("vit.yaml", "--precision", "fp8") == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "use --precision fp8-emulated" in err
+
+
+def test_plan_measures_a_recipe_and_writes_the_plan(tmp_path, capsys):
+    pytest.importorskip("torchao")
+    from lightning_precision.plan import PrecisionPlan
+
+    out = tmp_path / "vit.json"
+    assert cli.main(["plan", "--recipe", "vit", "--emulate", "--batches", "1", "--out", str(out)]) == 0
+    plan = PrecisionPlan.load(out)
+    assert plan.batches == 1 and plan.fp8_layers  # emulated: the tiny layers are judged, and pass
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_bad_output_name_before_measuring(tmp_path, capsys, monkeypatch):
+    from lightning_precision import plan
+
+    monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))
+    assert cli.main(["plan", "--recipe", "vit", "--out", str(tmp_path / "plan.txt")]) == 2
+    assert "name a .yaml, .yml or .json file" in capsys.readouterr().err

@@ -23,8 +23,12 @@ class ClassificationRecipe(L.LightningModule):
     def logits(self, batch: Any) -> Tensor:
         raise NotImplementedError
 
+    def training_loss(self, batch: Any) -> Tensor:
+        """The loss of a training batch, without logging (``lightning-precision plan`` measures with it)."""
+        return nn.functional.cross_entropy(self.logits(batch).float(), batch[-1])
+
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = nn.functional.cross_entropy(self.logits(batch).float(), batch[-1])
+        loss = self.training_loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
