@@ -22,6 +22,11 @@ from lightning_precision.warnings import NoEffectWarning, warn
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
+# The tensors of a linear layer that fp8 casts, and the format each is cast to by default (TE's HYBRID format, and
+# torchao's tensorwise recipe): e4m3fn forward, e5m2 gradients.
+TENSORS = ("input", "weight", "grad_output")
+HYBRID_FORMAT = {"input": "e4m3fn", "weight": "e4m3fn", "grad_output": "e5m2"}
+
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 TE_RECIPES = ("delayed", "current", "mxfp8", "block")
 BACKENDS = ("torchao", "transformer_engine")

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_precision.fp8 import LayerDecision
-from lightning_precision.sensitivity import TENSORS, LayerSensitivity
+from lightning_precision.fp8 import TENSORS, LayerDecision
+from lightning_precision.sensitivity import LayerSensitivity
 
 FP8, HIGH = "fp8", "bf16"
 PLAN_VERSION = 1

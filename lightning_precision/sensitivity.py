@@ -22,8 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_precision import _imports
-
-TENSORS = ("input", "weight", "grad_output")
+from lightning_precision import fp8 as _fp8
+from lightning_precision.formats import get_format
+from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS
 
 # torchao clamps amax to this before dividing (torchao.float8.float8_utils.EPS; tests/test_sensitivity.py pins it):
 # a tensor whose amax is below it gets a capped scale, and its values may flush to zero.
@@ -47,11 +48,11 @@ def cast_specs(config: Any) -> dict[str, CastSpec]:
     """The ``CastSpec`` of input, weight and grad_output under a torchao ``Float8LinearConfig``."""
     ScalingGranularity = _imports.import_quietly("torchao.float8.config").ScalingGranularity
 
-    defaults = {"input": torch.float8_e4m3fn, "weight": torch.float8_e4m3fn, "grad_output": torch.float8_e5m2}
     specs = {}
     for tensor in TENSORS:
         cast = getattr(config, f"cast_config_{tensor}")
-        specs[tensor] = CastSpec(getattr(cast, "target_dtype", None) or defaults[tensor],
+        default = get_format(HYBRID_FORMAT[tensor]).dtype  # torchao's when the config names none
+        specs[tensor] = CastSpec(getattr(cast, "target_dtype", None) or default,
                                  cast.scaling_granularity == ScalingGranularity.AXISWISE,
                                  bool(getattr(config, "round_scales_to_power_of_2", False)))
     return specs
@@ -239,8 +240,6 @@ def fp8_sensitivity(
     (default: every ``nn.Linear`` whose forward runs). ``recipe``: a torchao recipe name or ``Float8LinearConfig``.
     torchao must be installed; it runs emulated, so any device works.
     """
-    from lightning_precision import fp8 as _fp8
-
     config = _fp8.torchao_config(recipe, emulate=True)
     linears = {fqn: m for fqn, m, _ in _fp8._linear_layers(model)}
     functional = _fp8.functional_linears(model)

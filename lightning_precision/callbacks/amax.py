@@ -17,13 +17,10 @@ from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision.callbacks._cadence import check_every, on_cadence
 from lightning_precision.formats import FORMATS
-from lightning_precision.fp8 import functional_linears
+from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS, functional_linears
 from lightning_precision.functional import delayed_scale, measurable_values, multi_scale_stats
 
-# The tensors of a linear layer that fp8 casts, and the format each is cast to (TE's HYBRID format).
-TENSORS = ("input", "weight", "grad_output")
-_FORMAT = {"input": "e4m3fn", "weight": "e4m3fn", "grad_output": "e5m2"}
-_FP8_MAX = torch.tensor([FORMATS[_FORMAT[t]].max for t in TENSORS])
+_FP8_MAX = torch.tensor([FORMATS[HYBRID_FORMAT[t]].max for t in TENSORS])
 
 
 def block_sample(t: Tensor, limit: Optional[int], block: int = 1024) -> Tensor:
@@ -265,7 +262,7 @@ class AmaxHistoryLogger(Callback):
             lengths = torch.tensor([part.numel() for _, part in parts], device=sample.device)
             rows = torch.tensor([i for i, _ in parts], device=sample.device)
             scales = [s[rows, k].repeat_interleave(lengths) for s in (delayed, jit)]
-            for kind, stats in zip(("delayed", "current"), multi_scale_stats(sample, _FORMAT[tensor], scales)):
+            for kind, stats in zip(("delayed", "current"), multi_scale_stats(sample, HYBRID_FORMAT[tensor], scales)):
                 out[f"precision/fp8_whatif/{tensor}/{kind}/underflow"] = stats.underflow_fraction
                 out[f"precision/fp8_whatif/{tensor}/{kind}/overflow"] = stats.overflow_fraction
         self._last_whatif = out
