@@ -190,17 +190,23 @@ class SensitivityProbe:
         return hook
 
     def result(self, reduce: Optional[Reduce] = None) -> dict[str, LayerSensitivity]:
-        """Per layer that ran: its ``LayerSensitivity`` over the batches so far (one device read)."""
-        if not self._sums:
+        """Per layer that ran (on any process): its ``LayerSensitivity`` over the batches so far (one device read).
+        ``reduce`` gets one row for every probed layer, ran or not, so the all-reduce has the same shape on every
+        rank even when a layer runs on some ranks only (data-dependent routing)."""
+        if not self.layers:
             return {}
-        names = [fqn for fqn in self.layers if fqn in self._sums]
-        stacked = torch.stack([self._sums[fqn] for fqn in names])
+        device = next(iter(self._sums.values())).device if self._sums else \
+            next(iter(self.layers.values())).weight.device
+        width = 3 * _NUMERIC_FIELDS + 4
+        stacked = torch.stack([self._sums.get(fqn, torch.zeros(width, dtype=torch.float64, device=device))
+                               for fqn in self.layers])
         if reduce is not None:
             stacked = reduce(stacked)
         n = _NUMERIC_FIELDS
         out = {}
-        for fqn, row in zip(names, stacked.cpu()):
-            layer = self.layers[fqn]
+        for (fqn, layer), row in zip(self.layers.items(), stacked.cpu()):
+            if row[n - 1] == 0:  # the input's element count: the layer never ran while measured
+                continue
             numerics = [_numerics(row[i * n : (i + 1) * n]) for i in range(3)]
             out_err, out_ref, gin_err, gin_ref = row[3 * n :].tolist()
             out[fqn] = LayerSensitivity(fqn, layer.in_features, layer.out_features, *numerics,

@@ -296,3 +296,20 @@ def test_under_ddp_every_rank_applies_the_same_plan(tmp_path):
     assert reports[0] == reports[1]
     assert "net.a" not in reports[0]["fp8"] and "input underflow" in reports[0]["a"]
     assert reports[0]["converted"] == reports[0]["fp8"] != []
+
+
+def test_the_sums_every_rank_reduces_have_one_row_per_layer_whichever_ran():
+    """Under DDP a layer may run on some ranks only (data-dependent routing): the tensor handed to the all-reduce must
+    have the same shape on every rank (a rank's own set of rows would hang or mix layers), and a layer that ran on no
+    rank is left out of the result. The reduce here records what it is given, as ``dist.all_reduce`` would see it."""
+    from lightning_precision.fp8 import torchao_config
+    from lightning_precision.sensitivity import SensitivityProbe
+
+    model = Outliers()
+    probe = SensitivityProbe({"a": model.a, "c": model.c}, torchao_config("tensorwise", emulate=True))
+    model.a(torch.randn(8, 64)).sum().backward()  # only `a` runs
+    probe.close()
+    seen = []
+    result = probe.result(lambda t: seen.append(tuple(t.shape)) or t)
+    assert seen == [(2, 22)] and list(result) == ["a"]
+    assert probe.result() == result
