@@ -313,3 +313,12 @@ def test_the_sums_every_rank_reduces_have_one_row_per_layer_whichever_ran():
     result = probe.result(lambda t: seen.append(tuple(t.shape)) or t)
     assert seen == [(2, 22)] and list(result) == ["a"]
     assert probe.result() == result
+
+
+def test_a_fit_that_ends_before_the_plan_is_made_says_nothing_was_converted():
+    from lightning_precision import NoEffectWarning
+
+    plugin = FP8Precision(layers="auto", calibration_batches=4, **FP8_KW)
+    with pytest.warns(NoEffectWarning, match=r"ended after 2 of the 4 steps to measure, so no layer was converted"):
+        _, module = fit(plugin, 2)
+    assert plugin.plan is None and type(module.net.a).__name__ == "Linear"

@@ -18,6 +18,7 @@ from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 from lightning_precision.plan import PlanLike, PlanRule, PrecisionPlan, as_plan
 from lightning_precision.sensitivity import SensitivityProbe
+from lightning_precision.warnings import NoEffectWarning, warn
 
 _PRECISION_OF = {
     # Lightning's standard strings: strategies and ThroughputMonitor read them. The torchao backend keeps the
@@ -373,6 +374,16 @@ class FP8Precision(_AutocastPrecision):
         output = super().optimizer_step(optimizer, **kwargs)
         self._after_optimizer_step()
         return output
+
+    @override
+    def teardown(self) -> None:
+        calibration = self._calibration
+        if calibration is not None and calibration.probe.batches:  # a run that stepped but stopped before deciding
+            warn(f"{type(self).__name__}(layers='auto'): training ended after {calibration.probe.batches} of the"
+                 f" {calibration.probe.batches + calibration.steps_left} steps to measure, so no layer was converted"
+                 f" to fp8: it all trained in {self.compute_dtype}. Train longer, or lower `calibration_batches`.",
+                 NoEffectWarning)
+        super().teardown()
 
     @override
     def _after_backward(self) -> None:
