@@ -11,12 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_precision.fp8 import TENSORS, LayerDecision
-from lightning_precision.sensitivity import LayerSensitivity
+import torch
+from torch import nn
+
+from lightning_precision import fp8 as _fp8
+from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
+from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity
 
 FP8, HIGH = "fp8", "bf16"
 PLAN_VERSION = 1
@@ -169,12 +174,19 @@ class PrecisionPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrecisionPlan:
+        if not isinstance(data, dict):
+            raise ValueError(f"PrecisionPlan: a plan is a mapping with `version` and `layers`, not a {type(data).__name__}.")
         version = data.get("version")
         if version != PLAN_VERSION:
             raise ValueError(f"PrecisionPlan: version {version!r} is not {PLAN_VERSION}, the one this package reads.")
-        layers = tuple(LayerPlan(d["fqn"], d["precision"], d.get("reason", ""),
-                                 {k: float(v) for k, v in (d.get("numbers") or {}).items()}) for d in data["layers"])
-        return cls(layers, data.get("recipe", "tensorwise"), PlanRule(**data.get("rule", {})), int(data.get("batches", 0)))
+        try:
+            layers = tuple(LayerPlan(d["fqn"], d["precision"], d.get("reason", ""),
+                                     {k: float(v) for k, v in (d.get("numbers") or {}).items()}) for d in data["layers"])
+            return cls(layers, data.get("recipe", "tensorwise"), PlanRule(**data.get("rule", {})),
+                       int(data.get("batches", 0)))
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"PrecisionPlan: not a plan this package wrote ({type(err).__name__}: {err}); each layer"
+                             " needs `fqn` and `precision`.") from None
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), to a temporary file first: a failed write leaves any
@@ -225,30 +237,24 @@ def as_plan(layers: PlanLike) -> PrecisionPlan:
 
 
 def make_plan(
-    model: Any,
-    batches: Any,
-    loss_fn: Any = None,
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Optional[LossFn] = None,
     recipe: Any = "tensorwise",
     rule: Optional[PlanRule] = None,
-    module_filter: Any = None,
+    module_filter: Optional[ModuleFilter] = None,
     skip_small_layers: bool = True,
     skip_first_last: bool = True,
-    autocast_dtype: Any = "bfloat16",
+    autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
 ) -> PrecisionPlan:
     """Shape rules, then ``sensitivity.fp8_sensitivity`` on ``batches`` for the layers they leave, then ``rule``: the
     plan ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``).
     Arguments as ``fp8_sensitivity`` and ``FP8Precision``; the weights are not updated."""
-    import torch
-
-    from lightning_precision import fp8 as _fp8
-    from lightning_precision.sensitivity import fp8_sensitivity
-
     config = _fp8.torchao_config(recipe, emulate=True)
     recipe_name = _fp8.torchao_recipe_name(config)
     _fp8.check_module_filter("make_plan", module_filter)
     decisions = _fp8.select_fp8_layers(model, recipe_name, module_filter, skip_small_layers, skip_first_last)
-    dtype = getattr(torch, autocast_dtype) if isinstance(autocast_dtype, str) else autocast_dtype
-    sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8], dtype)
+    sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8], autocast_dtype)
     return PrecisionPlan.decide(decisions, sensitivity, rule, recipe_name)
 
 

@@ -172,6 +172,12 @@ def test_bad_plans_and_rules_fail_clearly(tmp_path):
     (tmp_path / "old.json").write_text('{"version": 99, "layers": []}')
     with pytest.raises(ValueError, match="version 99"):
         PrecisionPlan.load(tmp_path / "old.json")
+    (tmp_path / "cut.yaml").write_text("version: 1\nlayers:\n- fqn: a\n")
+    with pytest.raises(ValueError, match="each layer needs `fqn` and `precision`"):
+        PrecisionPlan.load(tmp_path / "cut.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="not a list"):
+        PrecisionPlan.load(tmp_path / "list.yaml")
 
 
 # ---- FP8Precision(layers=...) -----------------------------------------------------------------------------------------
