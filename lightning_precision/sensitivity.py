@@ -120,12 +120,24 @@ def _relative(err: float, ref: float) -> float:
     return math.sqrt(err / ref)
 
 
+def sum_across_processes(t: Tensor) -> Tensor:
+    """All processes' sum (plain torch.distributed: Fabric and the Trainer alike), so every rank decides alike."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
 class SensitivityProbe:
     """Forward hooks on the given linear layers that measure each training forward and backward (see the module
     docstring) and accumulate on the device; ``result(reduce)`` reads them once (``reduce`` sums across processes, so
-    every rank decides on the same numbers). Holds, per layer, the fp8 copy's input and output until the backward."""
+    every rank decides on the same numbers). Holds, per layer, the fp8 copy's input and output until the backward.
+    ``keep_outputs``: collect each forward's layer outputs in ``outputs`` (for a gradient-only backward; the caller
+    empties it every step, since each output holds its step's graph)."""
 
-    def __init__(self, layers: Mapping[str, nn.Linear], config: Any) -> None:
+    def __init__(self, layers: Mapping[str, nn.Linear], config: Any, keep_outputs: bool = False) -> None:
         config = dataclasses.replace(config, emulate=True, enable_fsdp_float8_all_gather=False)
         self.specs = cast_specs(config)
         self.config = config
@@ -133,6 +145,7 @@ class SensitivityProbe:
         self.batches = 0
         # Per layer: 3 tensors x _NUMERIC_FIELDS, then output error/ref powers and grad-input error/ref powers.
         self._sums: dict[str, Tensor] = {}
+        self.keep_outputs = keep_outputs
         self.outputs: list[Tensor] = []  # this step's layer outputs: where a gradient-only backward must reach
         self._handles = [m.register_forward_hook(self._forward(fqn)) for fqn, m in self.layers.items()]
 
@@ -174,7 +187,8 @@ class SensitivityProbe:
                                                                 ref.double().pow(2).sum()]))
             if output.requires_grad:
                 output.register_hook(self._backward(fqn, x8, y8, w))
-                self.outputs.append(output)
+                if self.keep_outputs:
+                    self.outputs.append(output)
 
         return hook
 
@@ -253,7 +267,7 @@ def fp8_sensitivity(
     unknown = [f for f in wanted if f not in linears]
     if unknown:
         raise ValueError(f"fp8_sensitivity(layers=...): not nn.Linear layers of the model: {', '.join(unknown)}.")
-    probe = SensitivityProbe({f: linears[f] for f in wanted}, config)
+    probe = SensitivityProbe({f: linears[f] for f in wanted}, config, keep_outputs=True)
     loss_fn = loss_fn or _default_loss
     device = next(model.parameters()).device
     try:

@@ -328,3 +328,5 @@ def test_a_fit_that_ends_before_the_plan_is_made_says_nothing_was_converted():
     with pytest.warns(NoEffectWarning, match=r"ended after 2 of the 4 steps to measure, so no layer was converted"):
         _, module = fit(plugin, 2)
     assert plugin.plan is None and type(module.net.a).__name__ == "Linear"
+    # The measured steps' layer outputs are not kept: each would hold its step's whole graph until the plan is made.
+    assert plugin._calibration.probe.outputs == []
