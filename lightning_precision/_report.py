@@ -76,6 +76,11 @@ def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     if emulated:
         lines.append(f"emulated: no hardware arithmetic for {', '.join(emulated)} on this machine (torch emulates"
                      " it): the numerics are real, the speed says nothing about hardware that has the format.")
+    for r in rows:
+        if "fp8_layers" in r:
+            how = "chosen from measured numerics (the measured steps are not timed)" if "fp8_plan" in r else \
+                "all that the shape rules leave"
+            lines.append(f"{r['precision']}: {r['fp8_layers']} of {r['linear_layers']} linear layers in fp8, {how}.")
     lines.append(memory_note(meta["device"]))
     return lines
 

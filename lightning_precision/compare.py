@@ -36,7 +36,8 @@ from lightning_precision._io import check_writable_dir
 from lightning_precision._report import NOISY
 from lightning_precision.recipes import RECIPES
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8", "fp8-auto")
+FP8_PRECISIONS = ("fp8", "fp8-auto")  # fp8-auto: FP8Precision(layers="auto"), layers chosen from measured numerics
 WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
 QUICK_STEPS, QUICK_VAL_BATCHES = 30, 2
 MIN_PAIRS = 3  # paired blocks needed before a speedup can count as resolved
@@ -51,7 +52,17 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def make_plugin(precision: str, emulate: bool) -> Any:
+def calibration_steps(steps: int) -> int:
+    """fp8-auto's measured steps: 8 (the plugin's default), fewer in short runs so that most steps run the plan."""
+    return max(1, min(8, steps // 4))
+
+
+def untimed_steps(precision: str, steps: int) -> int:
+    """Steps left out of the timings: the warm-up, and for fp8-auto its measured steps and a warm-up after them."""
+    return WARMUP + (calibration_steps(steps) if precision == "fp8-auto" else 0)
+
+
+def make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
     from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
     from lightning_precision.fp8 import fp8_gpu_available
 
@@ -62,7 +73,10 @@ def make_plugin(precision: str, emulate: bool) -> Any:
     if precision == "16-mixed":
         return FP16MixedPrecision()
     # Emulated fp8 is for numerics on small models: run every eligible layer in fp8, not only the large ones.
-    return FP8Precision(emulate=emulate and not fp8_gpu_available(), skip_small_layers=not emulate)
+    kwargs = {"emulate": emulate and not fp8_gpu_available(), "skip_small_layers": not emulate}
+    if precision == "fp8-auto":
+        kwargs.update(layers="auto", calibration_batches=calibration_steps(steps))
+    return FP8Precision(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------- planning
@@ -74,7 +88,7 @@ def on_gpu(args: argparse.Namespace) -> bool:
 
 def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
     """Whether this precision's arithmetic is emulated where it runs: its speed then says nothing about the format."""
-    if precision == "fp8":
+    if precision in FP8_PRECISIONS:
         from lightning_precision.fp8 import fp8_gpu_available
 
         return not fp8_gpu_available()
@@ -112,8 +126,8 @@ def precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
     """Why this precision cannot run here, found before any precision starts; None if it can."""
     from lightning_precision._imports import _TORCHAO_AVAILABLE
 
-    if precision == "fp8" and not _TORCHAO_AVAILABLE:
-        return "fp8 needs torchao, which is not installed: pip install 'lightning-precision[fp8]'"
+    if precision in FP8_PRECISIONS and not _TORCHAO_AVAILABLE:
+        return f"{precision} needs torchao, which is not installed: pip install 'lightning-precision[fp8]'"
     if precision == "bf16-mixed" and on_gpu(args):
         from lightning_precision.fabric.bf16_mixed import _check_bf16_supported
 
@@ -122,7 +136,7 @@ def precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
         except RuntimeError as err:
             return one_line(err)
     try:
-        make_plugin(precision, args.emulate)
+        make_plugin(precision, args.emulate, args.steps)
     except Exception as err:  # a constructor's own check (hardware, versions): its message is the reason
         return f"{type(err).__name__}: {one_line(err)}"
     return None
@@ -259,7 +273,7 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callabl
     stats = RunStats(block_size(args.steps), gate, on_block)
     monitor = GradientUnderflowMonitor(formats=("fp16",), top_k=0, warn_threshold=1.0,
                                        measure_every_n_steps=max(1, args.steps // 10), log_every_n_steps=args.steps)
-    plugin = make_plugin(precision, args.emulate)
+    plugin = make_plugin(precision, args.emulate, args.steps)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, plugins=[plugin] if plugin else None,
         callbacks=[stats, monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -277,7 +291,18 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callabl
         "val_samples": stats.val_samples,
         "grad_underflow_fp16": float(underflow) if underflow is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
+        **_fp8_layers(trainer.precision_plugin),
     }
+
+
+def _fp8_layers(plugin: Any) -> dict[str, Any]:
+    """For fp8 runs: how many linear layers ran in fp8, of how many; for fp8-auto, the plan it made."""
+    decisions = getattr(plugin, "layer_decisions", None)
+    if not decisions:
+        return {}
+    plan = getattr(plugin, "plan", None)
+    return {"fp8_layers": sum(d.fp8 for d in decisions), "linear_layers": len(decisions),
+            **({"fp8_plan": plan.to_dict()} if plan is not None else {})}
 
 
 def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> None:
@@ -434,11 +459,11 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def _timed(run: Run) -> list[list[float]]:
-    """The run's blocks with the warm-up steps left out (empty blocks dropped)."""
-    blocks, seen = [], 0
+def _timed(run: Run, steps: int) -> list[list[float]]:
+    """The run's blocks with the untimed steps left out (``untimed_steps``; emptied blocks stay, for pairing)."""
+    blocks, seen, skip = [], 0, untimed_steps(run.precision, steps)
     for block in run.blocks:
-        kept = block[max(0, WARMUP - seen):]
+        kept = block[max(0, skip - seen):]
         seen += len(block)
         blocks.append(kept)
     return blocks
@@ -455,7 +480,7 @@ def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interr
     elif run.result is None:
         row["error"] = (f"interrupted (Ctrl-C) after {len(run.times)} of {args.steps} steps" if interrupted
                         else "did not finish")
-    times = [t for block in _timed(run) for t in block] or run.times
+    times = [t for block in _timed(run, args.steps) for t in block] or run.times
     if times:
         q1, median, q3 = quartiles(times)
         row.update(median_step_ms=median * 1e3, step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3,
@@ -467,19 +492,19 @@ def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interr
     return row
 
 
-def add_speedups(rows: list[dict[str, Any]], runs: dict[str, Run]) -> None:
+def add_speedups(rows: list[dict[str, Any]], runs: dict[str, Run], steps: int) -> None:
     """Speedup over 32-true from blocks measured back to back: the median of the paired ratios, their interquartile
     range, and whether that range excludes 1x (with at least ``MIN_PAIRS`` pairs)."""
     if "32-true" not in runs:
         return
-    base = [statistics.median(b) if b else None for b in _timed(runs["32-true"])]
+    base = [statistics.median(b) if b else None for b in _timed(runs["32-true"], steps)]
     for row in rows:
         if "median_step_ms" not in row:
             continue
         if row["precision"] == "32-true":
             row.update(speedup=1.0, speedup_resolved=None)  # the reference itself
             continue
-        mine = [statistics.median(b) if b else None for b in _timed(runs[row["precision"]])]
+        mine = [statistics.median(b) if b else None for b in _timed(runs[row["precision"]], steps)]
         ratios = [b / m for b, m in zip(base, mine) if b and m]
         if not ratios:
             continue
@@ -500,10 +525,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
                " a precision failed or the report could not be written, 2 bad arguments, 130 interrupted.")
     parser.add_argument("--recipe", default="distilbert", help=f"the recipe: {', '.join(RECIPES)} (default: distilbert)")
     parser.add_argument("--precisions", default=None,
-                        help="comma-separated, from 32-true, bf16-mixed, 16-mixed, fp8 (default: chosen for this"
-                             " machine: 32-true and bf16-mixed; 16-mixed where fp16 arithmetic is native (any CUDA GPU,"
-                             " CPUs with AVX512-FP16/AMX-FP16); fp8 on a GPU of compute capability >= 8.9 or with"
-                             " --emulate)")
+                        help="comma-separated, from 32-true, bf16-mixed, 16-mixed, fp8, fp8-auto (default: chosen"
+                             " for this machine: 32-true and bf16-mixed; 16-mixed where fp16 arithmetic is native (any"
+                             " CUDA GPU, CPUs with AVX512-FP16/AMX-FP16); fp8 on a GPU of compute capability >= 8.9 or"
+                             " with --emulate). fp8-auto: the layers chosen from their measured fp8 numerics"
+                             " (FP8Precision(layers='auto'); its measured steps are left out of the timings)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"training steps per precision (default: 100; {QUICK_STEPS} with --quick)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
@@ -533,8 +559,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         for p in args.precisions:
             if p not in PRECISIONS:
                 raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
-        if "fp8" in args.precisions and not (fp8_gpu_available() or args.emulate):
-            raise UsageError("fp8 needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
+        fp8 = [p for p in args.precisions if p in FP8_PRECISIONS]
+        if fp8 and not (fp8_gpu_available() or args.emulate):
+            raise UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
                              " emulated")
     if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
         raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
@@ -591,7 +618,7 @@ def main(argv: list[str]) -> int:
             rows.append({"precision": p, "error": why, "steps_done": 0, "losses": []})
         else:
             rows.append(make_row(runs[p], args, machine, meta["interrupted"]))
-    add_speedups(rows, runs)
+    add_speedups(rows, runs, args.steps)
     meta["verdict"] = _report.verdict(rows, meta)
     _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     try:

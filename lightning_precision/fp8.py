@@ -240,10 +240,30 @@ def _restore_inference_mode(module: nn.Module, args: Any, output: Any) -> None:
         exits.close()
 
 
+_INFERENCE_HOOKS = "_lightning_precision_inference_hooks"
+
+
 def run_outside_inference_mode(layer: nn.Module) -> None:
     """Make ``layer`` (a torchao ``Float8Linear``) work under ``torch.inference_mode``: see above."""
-    layer.register_forward_pre_hook(_leave_inference_mode)
-    layer.register_forward_hook(_restore_inference_mode, always_call=True)
+    setattr(layer, _INFERENCE_HOOKS, (layer.register_forward_pre_hook(_leave_inference_mode),
+                                      layer.register_forward_hook(_restore_inference_mode, always_call=True)))
+
+
+def demote_torchao_layer(layer: nn.Module) -> None:
+    """Turn a torchao ``Float8Linear`` back into an ``nn.Linear``, in place: the same module object, so its Parameters
+    (and the optimizer's state of them), every hook on it and every reference to it stay valid, and ``torch.compile``
+    recompiles (it guards on the module's type). ``Float8Linear`` is an ``nn.Linear`` holding the same ``weight`` and
+    ``bias``; only its forward differs."""
+    Float8Linear = _imports.import_quietly("torchao.float8.float8_linear").Float8Linear
+    if type(layer) is not Float8Linear:
+        raise TypeError(f"demote_torchao_layer: {type(layer).__name__} is not torchao's Float8Linear.")
+    if type(layer.weight) is not nn.Parameter:  # float8 all-gather's weight subclass casts in every forward
+        raise RuntimeError("demote_torchao_layer: the layer's weight is a torchao tensor subclass (float8 all-gather"
+                           " under FSDP2); it cannot return to high precision in place.")
+    for handle in getattr(layer, _INFERENCE_HOOKS, ()):
+        handle.remove()
+    layer.__dict__.pop(_INFERENCE_HOOKS, None)
+    layer.__class__ = nn.Linear
 
 
 # ---- torchao ---------------------------------------------------------------------------------------------------------

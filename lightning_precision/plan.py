@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -67,7 +67,9 @@ class PlanRule:
         return "; ".join(failed) or None
 
 
-def _numbers(s: LayerSensitivity) -> dict[str, float]:
+def measured_numbers(s: LayerSensitivity) -> dict[str, float]:
+    """The numbers a plan keeps for a measured layer: per tensor SQNR, underflow, overflow; output and input-gradient
+    errors."""
     out = {}
     for tensor, n in s.tensors().items():
         out.update({f"{tensor}_sqnr_db": n.sqnr_db, f"{tensor}_underflow": n.underflow, f"{tensor}_overflow": n.overflow})
@@ -118,9 +120,15 @@ class PrecisionPlan:
                 layers.append(LayerPlan(d.fqn, HIGH, "did not run while measured: nothing to judge"))
             else:
                 why = rule.why_not(s)
-                layers.append(LayerPlan(d.fqn, HIGH if why else FP8, why or "measured within the rule", _numbers(s)))
+                layers.append(LayerPlan(d.fqn, HIGH if why else FP8, why or "measured within the rule",
+                                        measured_numbers(s)))
         batches = max((s.batches for s in sensitivity.values()), default=0)
         return cls(tuple(layers), recipe, rule, batches)
+
+    @classmethod
+    def from_decisions(cls, decisions: list[LayerDecision], recipe: str = "tensorwise") -> PrecisionPlan:
+        """The plan of layers chosen by shape rules alone (``layers=None``): nothing measured."""
+        return cls(tuple(LayerPlan(d.fqn, FP8 if d.fp8 else HIGH, d.reason) for d in decisions), recipe)
 
     @property
     def fp8_layers(self) -> frozenset[str]:
@@ -227,6 +235,13 @@ def _parse(text: str, path: Path) -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load(text)
+
+
+def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: Optional[PlanRule] = None) -> dict[str, str]:
+    """The measured layers that ``rule`` rejects, each with why: what ``FP8Guard`` moves back to high precision."""
+    rule = rule or PlanRule()
+    failed = {fqn: rule.why_not(s) for fqn, s in sensitivity.items()}
+    return {fqn: why for fqn, why in failed.items() if why}
 
 
 PlanLike = Union[PrecisionPlan, str, Path]

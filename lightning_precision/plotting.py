@@ -108,7 +108,8 @@ def plot_amax_history(
     return str(path)
 
 
-PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "16-mixed": "tab:red", "fp8": "tab:green"}
+PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "16-mixed": "tab:red", "fp8": "tab:green",
+                    "fp8-auto": "tab:olive"}
 
 
 def precision_color(precision: str) -> str:

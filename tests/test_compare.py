@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from lightning_precision import _report, cli, compare
+from lightning_precision import PrecisionPlan, _report, cli, compare
 
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
 
@@ -141,6 +141,25 @@ def test_a_doomed_precision_fails_before_any_precision_starts(tmp_path, monkeypa
     assert row["error"] == "fp8 needs torchao, which is not installed: pip install 'lightning-precision[fp8]'"
 
 
+def test_fp8_auto_runs_beside_fp8_and_says_which_layers_it_chose(tmp_path, capsys):
+    """fp8-auto is FP8Precision(layers="auto"): its first steps measure (in bf16) and are left out of its timings; the
+    report says how many layers each fp8 run put in fp8 and keeps the plan fp8-auto made."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "r"
+    steps = 12  # 3 measured steps (a quarter), then the plan; 3 warm-up steps after them are not timed either
+    assert cli.main(["compare", "--recipe", "vit", "--steps", str(steps), "--batch-size", "8", "--val-batches", "0",
+                     "--precisions", "fp8,fp8-auto", "--emulate", "--out", str(out)]) == 0
+    fp8, auto = json.loads((out / "report.json").read_text())["results"]
+    assert fp8["fp8_layers"] == auto["fp8_layers"] > 0 and fp8["linear_layers"] == auto["linear_layers"]
+    assert "fp8_plan" not in fp8  # the embedded ViT measures well: auto keeps every layer fp8 would run
+    plan = PrecisionPlan.from_dict(auto["fp8_plan"])
+    assert plan.batches == compare.calibration_steps(steps) == 3 and len(plan.fp8_layers) == auto["fp8_layers"]
+    assert auto["steps_done"] == steps and compare.untimed_steps("fp8-auto", steps) == compare.WARMUP + 3
+    printed = capsys.readouterr().out
+    assert f"fp8-auto: {auto['fp8_layers']} of {auto['linear_layers']} linear layers in fp8, chosen from measured" \
+        in " ".join(printed.split())
+
+
 def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, monkeypatch):
     """A real SIGINT to the comparison: every process stops, the partial figures are written and marked, the exit code
     says "interrupted", no process is left behind, and Ctrl-C works again afterwards."""
@@ -179,6 +198,7 @@ def _fail_if_trained(monkeypatch):
         (["--recipe", "gpt2"], "unknown recipe 'gpt2'"),
         (["--precisions", "32-true,fp4"], "unknown precision 'fp4'"),
         (["--precisions", "fp8"], "fp8 needs a CUDA GPU.*--emulate"),
+        (["--precisions", "32-true,fp8-auto"], "fp8-auto needs a CUDA GPU.*--emulate"),
         (["--data-dir", "/nonexistent/imdb"], "data folder '/nonexistent/imdb' does not exist"),
         (["--precisions", ",,,"], r"--precisions ',,,' names no precision"),
         (["--out", "{blocker}/report"], r"--out: cannot write into .*a-file"),

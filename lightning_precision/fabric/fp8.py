@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
+import weakref
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
@@ -16,8 +17,8 @@ from typing_extensions import override
 from lightning_precision import _fsdp, _imports
 from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
-from lightning_precision.plan import PlanLike, PlanRule, PrecisionPlan, as_plan
-from lightning_precision.sensitivity import SensitivityProbe
+from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, as_plan
+from lightning_precision.sensitivity import SensitivityProbe, sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, warn
 
 _PRECISION_OF = {
@@ -62,16 +63,6 @@ def _check_not_sharded(module: Module, decisions: list[_fp8.LayerDecision]) -> N
             " `fully_shard`. With Fabric, shard in `ModelParallelStrategy(parallelize_fn=...)`, which runs after the"
             " conversion."
         )
-
-
-def _sum_across_processes(t: Tensor) -> Tensor:
-    """All processes' sum (plain torch.distributed: Fabric and the Trainer alike), so every rank decides alike."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.clone()
-        dist.all_reduce(t)
-    return t
 
 
 class _Calibration:
@@ -177,6 +168,7 @@ class FP8Precision(_AutocastPrecision):
         self.layer_decisions: list[_fp8.LayerDecision] = []
         self._forward_watch: Optional[_fp8.ForwardWatch] = None
         self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
+        self._root: Optional[weakref.ref] = None  # the module converted: `layer_decisions` name paths in it
 
     def _check_layers(self, owner: str) -> Optional[PrecisionPlan]:
         """Validate ``layers`` and its companions now; load a plan file now (a bad path fails here, not mid-fit)."""
@@ -279,7 +271,7 @@ class FP8Precision(_AutocastPrecision):
         calibration, self._calibration = self._calibration, None
         assert calibration is not None
         calibration.probe.close()
-        sensitivity = calibration.probe.result(_sum_across_processes)
+        sensitivity = calibration.probe.result(sum_across_processes)
         self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.recipe_name)
         self._apply_plan(calibration.module)
 
@@ -309,6 +301,7 @@ class FP8Precision(_AutocastPrecision):
                 _fp8.run_outside_inference_mode(layer)
         self._forward_watch = _fp8.ForwardWatch(fp8_layers)
         self._fp8_layers = None
+        self._root = weakref.ref(module)
         setattr(module, _CONVERTED, True)
         return module
 
@@ -348,6 +341,38 @@ class FP8Precision(_AutocastPrecision):
                 with te.autocast(enabled=True, recipe=self.recipe):
                     yield
 
+    def fp8_modules(self) -> dict[str, Module]:
+        """The layers that compute in fp8 now, by path: none before conversion, nor while ``layers="auto"`` measures."""
+        module = self._root() if self._root is not None else None
+        if module is None or self._calibration is not None:
+            return {}
+        return {d.fqn: module.get_submodule(d.fqn) for d in self.layer_decisions if d.fp8}
+
+    def demote(self, layers: Mapping[str, str], numbers: Optional[Mapping[str, dict[str, float]]] = None) -> list[str]:
+        """Move fp8 layers back to ``compute_dtype``, in place: ``layers`` maps a path to the reason. Each stays the
+        same module with the same Parameters, so the optimizer and its state are untouched. Recorded in ``plan`` and
+        ``layer_decisions`` (and so in checkpoints: a resumed run keeps them in high precision); ``numbers`` are the
+        measurements behind each. Returns the paths moved (those not in fp8 now are left). Call it on every process at
+        the same step (``FP8Guard`` does)."""
+        current = self.fp8_modules()
+        chosen = [fqn for fqn in layers if fqn in current]
+        if not chosen:
+            return []
+        if self.backend != "torchao":
+            raise RuntimeError(f"{type(self).__name__}.demote: Transformer Engine layers cannot return to high precision"
+                               " in place; only torchao's can (backend='torchao').")
+        for fqn in chosen:
+            _fp8.demote_torchao_layer(current[fqn])
+        plan = self.plan or PrecisionPlan.from_decisions(self.layer_decisions, self.recipe_name)
+        for fqn in chosen:
+            plan = plan.with_layer(fqn, HIGH, layers[fqn], (numbers or {}).get(fqn))
+        self.plan = plan
+        self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=f"demoted: {layers[d.fqn]}")
+                                if d.fqn in chosen else d for d in self.layer_decisions]
+        if self._fp8_layers is not None:
+            self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
+        return chosen
+
     def _after_optimizer_step(self) -> None:
         if self._scales is not None:
             self._scales.after_optimizer_step()
@@ -356,18 +381,25 @@ class FP8Precision(_AutocastPrecision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The plan ``layers="auto"`` made: a resumed fit applies it instead of measuring again."""
-        return {"plan": self.plan.to_dict()} if self.layers == "auto" and self.plan is not None else {}
+        """The plan in force (made by ``layers="auto"``, given, or changed by ``demote``): a resumed fit applies it
+        instead of measuring again, and keeps demoted layers in high precision."""
+        return {"plan": self.plan.to_dict()} if self.plan is not None else {}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "plan" not in state_dict or self.layers != "auto":
+        if "plan" not in state_dict:
             return
-        self.plan = PrecisionPlan.from_dict(state_dict["plan"])
+        saved = PrecisionPlan.from_dict(state_dict["plan"])
         if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
+            self.plan = saved
             calibration, self._calibration = self._calibration, None
             calibration.probe.close()
             self._apply_plan(calibration.module)
+        elif not self.layer_decisions:  # not converted yet: convert as the saved run was
+            self.plan = saved
+        else:  # converted already: what the run moved back to high precision stays there
+            high = {p.fqn: p for p in saved.layers if p.precision == HIGH}
+            self.demote({f: p.reason for f, p in high.items()}, {f: p.numbers for f, p in high.items()})
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -419,4 +451,5 @@ class FP8Precision(_AutocastPrecision):
         state["_forward_watch"] = None  # hook handles stay with the process that set them
         state["_scales"] = None  # found again when the model is sharded in the new process
         state["_calibration"] = None  # hooks too; a spawned process starts measuring at its own setup
+        state["_root"] = None  # a weak reference; set again when the new process converts
         return state

@@ -1,0 +1,268 @@
+"""FP8Guard: a layer whose fp8 numerics degrade mid-run is moved back to bf16, and training recovers.
+
+Real torchao (``emulate=True``), real Trainer and Fabric fits. The injected degradation: from step ``INJECT`` on, the
+gradient reaching layer ``b``'s output is multiplied by 1e-21 and the one leaving its input by 1e21 (identity in the
+forward), as where a layer sits in a tiny stretch of the gradient's range. bf16 holds 1e-21 gradients (8 exponent bits)
+and ``a`` gets its usual gradient; torchao's dynamic e5m2 scale cannot lift them (it clamps amax at 1e-12), so in fp8
+``b``'s output gradients all flush to zero and nothing reaches ``a``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_precision import BF16MixedPrecision, FP8Precision, PlanRule, PrecisionPlan
+from lightning_precision import fabric as lp_fabric
+from lightning_precision.callbacks import FP8Guard, GuardEvent
+
+pytest.importorskip("torchao")
+
+FP8_KW = {"emulate": True, "skip_small_layers": False, "skip_first_last": False}
+INJECT, EVERY, STEPS = 30, 10, 200
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``s``."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.s, None
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+        self.grad_scale = 1.0  # 1e-21 from INJECT on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = ScaleGrad.apply(self.b(ScaleGrad.apply(h, 1 / self.grad_scale)), self.grad_scale)
+        return self.head(torch.relu(h))
+
+
+class Lit(L.LightningModule):
+    def __init__(self, inject_at: int = INJECT) -> None:
+        super().__init__()
+        self.net, self.inject_at = Net(), inject_at
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step >= self.inject_at:
+            self.net.grad_scale = 1e-21
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def loader(steps: int, size: int = 64) -> torch.utils.data.DataLoader:
+    """A learnable task: labels from a fixed random two-layer teacher."""
+    g = torch.Generator().manual_seed(1)
+    t1, t2 = torch.randn(32, 32, generator=g), torch.randn(32, 16, generator=g)
+    x = torch.randn(steps * size, 32, generator=g)
+    y = (torch.tanh(x @ t1) @ t2).argmax(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=size)
+
+
+def fit(plugin, steps: int, callbacks=(), module=None, **kwargs) -> tuple[L.Trainer, Lit]:
+    module = module or Lit()
+    kwargs = {"logger": False, "enable_checkpointing": False, **kwargs}
+    trainer = L.Trainer(accelerator="cpu", plugins=[plugin], callbacks=list(callbacks), max_steps=steps,
+                        enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    trainer.fit(module, loader(steps))
+    return trainer, module
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def test_the_guard_demotes_the_degraded_layer_and_training_recovers(tmp_path):
+    """200 steps from the same seed, degradation injected at step 30, guard measuring every 10th step. Measured
+    (torch 2.13, torchao 0.18, CPU), mean loss over steps 180-199: bf16 1.553; fp8 with the guard 1.566 (``b``
+    demoted at step 39, the first measured step after the injection; ``a`` and ``head`` stay fp8); fp8 without it
+    2.294 (``a`` stops learning; chance is ln 16 = 2.77)."""
+    _, bf16 = fit(BF16MixedPrecision(), STEPS)
+    _, unguarded = fit(FP8Precision(**FP8_KW), STEPS)
+    plugin, guard = FP8Precision(**FP8_KW), FP8Guard(every_n_steps=EVERY)
+    trainer, guarded = fit(plugin, STEPS, [guard], default_root_dir=tmp_path)
+
+    assert [(e.step, e.fqn) for e in guard.events] == [(39, "net.b")]
+    assert "grad_output underflow 1.00e+00" in guard.events[0].reason
+    net = guarded.net
+    assert (type(net.a).__name__, type(net.b), type(net.head).__name__) == ("Float8Linear", nn.Linear, "Float8Linear")
+    # Same Parameter objects, still the optimizer's, with their momentum: nothing restarted.
+    optimizer = trainer.optimizers[0]
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in net.parameters()}
+    assert "momentum_buffer" in optimizer.state[net.b.weight]
+    assert [d.fqn for d in plugin.layer_decisions if d.fp8] == ["net.a", "net.head"]
+
+    late = slice(STEPS - 20, STEPS)
+    before = slice(20, 30)  # the runs are alike until the injection
+    assert abs(mean(guarded.losses[before]) - mean(bf16.losses[before])) < 0.02
+    assert abs(mean(guarded.losses[late]) - mean(bf16.losses[late])) < 0.1
+    assert mean(unguarded.losses[late]) > mean(bf16.losses[late]) + 0.5
+    assert all(math.isfinite(v) for v in guarded.losses)
+
+    # The final plan is written, with the reason and the numbers behind it.
+    saved = PrecisionPlan.load(tmp_path / "fp8_plan.yaml")
+    assert saved == plugin.plan and saved.fp8_layers == {"net.a", "net.head"}
+    assert saved.get("net.b").reason.startswith("FP8Guard, step 39: ")
+    assert saved.get("net.b").numbers["grad_output_underflow"] == 1.0
+
+
+def test_each_event_and_the_fp8_layer_count_reach_the_logger(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer, _ = fit(FP8Precision(**FP8_KW), 50, [FP8Guard(every_n_steps=EVERY)],
+                     logger=CSVLogger(tmp_path, name="run"))
+    rows = list(csv.DictReader(open(trainer.logger.experiment.metrics_file_path)))
+    layers = [(int(r["step"]), float(r["precision/fp8_layers"])) for r in rows if r.get("precision/fp8_layers")]
+    assert layers == [(9, 3.0), (19, 3.0), (29, 3.0), (39, 2.0), (49, 2.0)]
+    demoted = [(int(r["step"]), r["precision/fp8_demoted/net.b"]) for r in rows if r.get("precision/fp8_demoted/net.b")]
+    assert demoted == [(39, "39.0")]
+    assert (trainer.logger.log_dir and (tmp_path / "run" / "version_0" / "fp8_plan.yaml").is_file())
+
+
+def test_nothing_is_demoted_while_the_numerics_hold_and_steps_between_are_not_measured(tmp_path):
+    guard = FP8Guard(every_n_steps=4)
+    started = []
+    watch = guard._start
+    guard._start = lambda plugin: started.append(plugin) or watch(plugin)  # records the steps it measured
+    plugin = FP8Precision(**FP8_KW)
+    _, module = fit(plugin, 12, [guard], module=Lit(inject_at=10**9), default_root_dir=tmp_path)
+    assert guard.events == [] and list(plugin.fp8_modules()) == ["net.a", "net.b", "net.head"]
+    assert [d.fqn for d in plugin.layer_decisions if d.fp8] == ["net.a", "net.b", "net.head"]
+    assert len(started) == 3  # steps 3, 7, 11: one forward each, no gradient accumulation
+    assert PrecisionPlan.load(tmp_path / "fp8_plan.yaml").fp8_layers == {"net.a", "net.b", "net.head"}
+
+
+def test_a_resumed_run_keeps_the_demoted_layer_in_bf16(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = FP8Precision(**FP8_KW)
+    fit(first, 40, [FP8Guard(every_n_steps=EVERY), ModelCheckpoint(dirpath=tmp_path, filename="last")],
+        enable_checkpointing=True, default_root_dir=tmp_path)
+    assert first.plan.get("net.b").precision == "bf16"
+    resumed, guard = FP8Precision(**FP8_KW), FP8Guard(every_n_steps=EVERY)
+    module = Lit()
+    trainer = L.Trainer(accelerator="cpu", plugins=[resumed], callbacks=[guard], max_steps=45, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(module, loader(45), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert type(module.net.b) is nn.Linear and type(module.net.a).__name__ == "Float8Linear"
+    assert resumed.plan == first.plan
+    assert [(e.step, e.fqn) for e in guard.events] == [(39, "net.b")]  # the callback's record came back too
+    assert len(module.losses) == 5 and all(math.isfinite(v) for v in module.losses)
+
+
+def test_fabric_uses_the_same_three_calls(tmp_path):
+    plugin = lp_fabric.FP8Precision(**FP8_KW)
+    guard = FP8Guard(every_n_steps=EVERY, plan_path=tmp_path / "plan.json")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    lit = Lit()
+    model, optimizer = fabric.setup(lit.net, torch.optim.SGD(lit.net.parameters(), lr=0.05, momentum=0.9))
+    for step, (x, y) in enumerate(loader(45)):
+        lit.net.grad_scale = 1e-21 if step >= INJECT else 1.0
+        guard.watch(plugin, step)
+        fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
+        guard.check(plugin, step)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert guard.save(plugin) == tmp_path / "plan.json"
+    assert [(e.step, e.fqn) for e in guard.events] == [(39, "b")]
+    assert type(lit.net.b) is nn.Linear and PrecisionPlan.load(tmp_path / "plan.json").fp8_layers == {"a", "head"}
+
+
+def test_demote_keeps_the_module_its_hooks_and_parameters():
+    from lightning_precision.fp8 import demote_torchao_layer
+
+    plugin = lp_fabric.FP8Precision(**FP8_KW)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = Net()
+    model = fabric.setup_module(net)
+    layer, weight = net.b, net.b.weight
+    calls = []
+    layer.register_forward_hook(lambda m, i, o: calls.append(1))
+    assert plugin.demote({"b": "by hand"}) == ["b"] and plugin.demote({"b": "again", "nope": "x"}) == []
+    assert net.b is layer and type(layer) is nn.Linear and layer.weight is weight
+    x = torch.randn(4, 32)
+    with torch.inference_mode():  # validation: a plain Linear now, without the fp8 layers' inference-mode hooks
+        out = model(x)
+    assert calls == [1] and not out.requires_grad
+    assert plugin.plan.get("b") .reason == "by hand" and plugin.plan.fp8_layers == {"a", "head"}
+    with pytest.raises(TypeError, match="not torchao's Float8Linear"):
+        demote_torchao_layer(layer)
+
+
+def test_bad_arguments_and_setups_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        FP8Guard(every_n_steps=0)
+    with pytest.raises(ValueError, match="pass a `lightning_precision.PlanRule`"):
+        FP8Guard(rule={"min_sqnr_db": 10})
+    with pytest.raises(ValueError, match="name a .yaml, .yml or .json file"):
+        FP8Guard(plan_path=tmp_path / "plan.txt")
+    with pytest.raises(ValueError, match="this Trainer's precision plugin is BF16MixedPrecision"):
+        fit(BF16MixedPrecision(), 1, [FP8Guard()])
+    assert FP8Guard(rule=PlanRule(min_sqnr_db=10)).rule.min_sqnr_db == 10
+
+
+def test_while_auto_measures_there_is_nothing_to_guard(tmp_path):
+    """``layers='auto'`` trains its first steps in bf16 while measuring: the guard starts with the converted layers."""
+    plugin, guard = FP8Precision(layers="auto", calibration_batches=12, **FP8_KW), FP8Guard(every_n_steps=EVERY)
+    fit(plugin, 45, [guard], default_root_dir=tmp_path)
+    # Steps 0-11 measured by the plugin (before the injection: all pass); the guard's first measured step is 19.
+    assert plugin.plan.fp8_layers == {"net.a", "net.head"}
+    assert [(e.step, e.fqn) for e in guard.events] == [(39, "net.b")]
+
+
+class RankInjected(Lit):
+    """The degradation on rank 1 only; each rank reports which layers it demoted and which are fp8."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 0:
+            self.inject_at = 10**9
+        return super().training_step(batch, batch_idx)
+
+    def on_train_end(self):
+        import json
+
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, FP8Guard))
+        report = {"events": [[e.step, e.fqn] for e in guard.events],
+                  "fp8": sorted(f"net.{n}" for n, m in self.net.named_children() if type(m).__name__ == "Float8Linear")}
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump(report, f)
+
+
+def test_under_ddp_every_rank_demotes_the_same_layer_at_the_same_step(tmp_path):
+    """The measurements are summed across ranks before the rule decides: rank 0's gradients are healthy, rank 1's
+    flush, and both demote ``b`` at step 39 (half of its gradients underflow). A rank deciding alone would train
+    different numerics on the same Parameters, which DDP would not notice."""
+    from tests.distributed import fit_spawned
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", plugins=[FP8Precision(**FP8_KW)],
+                        callbacks=[FP8Guard(every_n_steps=EVERY)], max_steps=40, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path)
+    reports = fit_spawned(trainer, RankInjected(str(tmp_path)), loader(80), tmp_path)
+    assert reports[0] == reports[1] == {"events": [[39, "net.b"]], "fp8": ["net.a", "net.head"]}
