@@ -10,6 +10,7 @@ and ``a`` gets its usual gradient; torchao's dynamic e5m2 scale cannot lift them
 from __future__ import annotations
 
 import csv
+import warnings
 import math
 
 import lightning as L
@@ -266,3 +267,24 @@ def test_under_ddp_every_rank_demotes_the_same_layer_at_the_same_step(tmp_path):
                         default_root_dir=tmp_path)
     reports = fit_spawned(trainer, RankInjected(str(tmp_path)), loader(80), tmp_path)
     assert reports[0] == reports[1] == {"events": [[39, "net.b"]], "fp8": ["net.a", "net.head"]}
+
+
+def test_a_measured_step_that_saw_no_layer_is_said_not_watched():
+    """When none of the probe's hooks run with gradients on, the guard would watch nothing and report nothing: it says
+    so, once. The real cause is torch.compile, which ignores hooks added after compiling (``skip_nnmodule_hook_guards``)
+    when the layers are inside its graph; here the measured step's forward runs without gradients, which the probe
+    skips the same way. (Today every fp8 layer breaks the compiled graph at its inference-mode hook, so the hooks run
+    under torch.compile too: noted in docs/plan.md.)"""
+    from lightning_precision import NoEffectWarning
+
+    plugin, guard = lp_fabric.FP8Precision(**FP8_KW), FP8Guard(every_n_steps=1)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup_module(Net())
+    x = torch.randn(8, 32)
+    with pytest.warns(NoEffectWarning, match="none of the 3 fp8 layers' forward hooks ran"):
+        for step in range(3):
+            guard.watch(plugin, step)
+            with torch.no_grad():
+                model(x)
+            assert guard.check(plugin, step) == []
+    assert guard.events == [] and guard._blind

@@ -21,7 +21,7 @@ from lightning_precision._checks import is_positive_int
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.plan import PlanRule, PrecisionPlan, _suffix, demotions, measured_numbers
 from lightning_precision.sensitivity import SensitivityProbe, sum_across_processes
-from lightning_precision.warnings import warn
+from lightning_precision.warnings import NoEffectWarning, warn
 
 DEFAULT_PLAN_FILE = "fp8_plan.yaml"
 
@@ -68,6 +68,8 @@ class FP8Guard(Callback):
         self.plan_path = None if plan_path is None else Path(plan_path)
         self.events: list[GuardEvent] = []
         self._probe: Optional[SensitivityProbe] = None
+        self._blind = False  # warned that a measured step saw no layer
+        self._fit_path: Optional[Path] = None  # plan_path, or the default in this fit's log directory
 
     # ---- the loop, Trainer and Fabric alike -------------------------------------------------------------------------
 
@@ -97,6 +99,13 @@ class FP8Guard(Callback):
         probe.close()
         probe.batches = 1
         sensitivity = probe.result(sum_across_processes)
+        if not sensitivity and not self._blind:
+            self._blind = True
+            if rank_zero_only.rank == 0:
+                warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward hooks"
+                     " ran with gradients on, so nothing is watched. Under torch.compile, hooks added after compiling"
+                     " are ignored (torch._dynamo.config.skip_nnmodule_hook_guards, True by default): set it to False"
+                     " before compiling, or guard the model uncompiled.", NoEffectWarning)
         failed = demotions(sensitivity, self.rule or plugin.plan_rule)
         moved = plugin.demote({fqn: f"FP8Guard, step {step}: {why}" for fqn, why in failed.items()},
                               {fqn: measured_numbers(sensitivity[fqn]) for fqn in failed})
@@ -111,7 +120,7 @@ class FP8Guard(Callback):
 
     def save(self, plugin: Any, path: Optional[Union[str, Path]] = None) -> Optional[Path]:
         """Write the plan in force to ``path`` (default ``plan_path``), on rank zero; returns where, or None."""
-        path = Path(path) if path is not None else self.plan_path
+        path = Path(path) if path is not None else (self.plan_path or self._fit_path)
         if path is None or rank_zero_only.rank != 0 or not plugin.layer_decisions:
             return None
         plan = plugin.plan or PrecisionPlan.from_decisions(plugin.layer_decisions, plugin.recipe_name)
@@ -138,8 +147,7 @@ class FP8Guard(Callback):
         if isinstance(trainer.strategy, ModelParallelStrategy):
             raise ValueError("FP8Guard cannot move layers sharded by FSDP2 (`ModelParallelStrategy`): FSDP2 holds"
                              " them. Measure on one process (`lightning-precision plan`) and pass the plan.")
-        if self.plan_path is None:
-            self.plan_path = Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_PLAN_FILE
+        self._fit_path = Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_PLAN_FILE
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
