@@ -1,8 +1,16 @@
 """Callbacks; each is a thin layer over a pure function in ``lightning_precision.functional`` or beside it."""
 
 from lightning_precision.callbacks.amax import AmaxHistoryLogger
-from lightning_precision.callbacks.guard import FP8Guard, GuardEvent
 from lightning_precision.callbacks.channels_last import ChannelsLast, apply_channels_last, to_channels_last
+from lightning_precision.callbacks.guard import FP8Guard, GuardEvent
 from lightning_precision.callbacks.underflow import GradientUnderflowMonitor
 
-__all__ = ["AmaxHistoryLogger", "ChannelsLast", "FP8Guard", "GuardEvent", "GradientUnderflowMonitor", "apply_channels_last", "to_channels_last"]
+__all__ = [
+    "AmaxHistoryLogger",
+    "ChannelsLast",
+    "FP8Guard",
+    "GradientUnderflowMonitor",
+    "GuardEvent",
+    "apply_channels_last",
+    "to_channels_last",
+]
