@@ -3,9 +3,12 @@ installed on these CPU machines. What runs here: recipe construction, module rep
 included), the autocast call, `_extra_state` round trips, and the clear errors. Real TE runs are in test_cuda.py,
 gated on transformer_engine and a CUDA device."""
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
+
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_precision import FP8Precision
 from lightning_precision import fabric as lp_fabric
@@ -113,3 +116,31 @@ def test_adopting_parameters_refuses_a_mismatch_instead_of_keeping_random_weight
     same_old, same_new = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     _adopt_parameters(same_new, same_old)
     assert same_new.weight is same_old.weight
+
+
+def test_auto_measures_through_torchao_and_converts_the_accepted_layers_to_te(te):
+    """``layers="auto"`` with the TE backend: the layers are measured through torchao's emulation of per-tensor
+    scaling (TE's own casts need CUDA), then the accepted ones become TE modules. The stand-in does no fp8 arithmetic:
+    what is tested is the choice and the conversion."""
+    pytest.importorskip("torchao")
+    from lightning_precision.callbacks import FP8Guard
+    from tests.test_plan import Outliers, batches
+
+    plugin = lp_fabric.FP8Precision(backend="transformer_engine", layers="auto", calibration_batches=2,
+                                    skip_small_layers=False, skip_first_last=False)
+    model = plugin.convert_module(Outliers())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in batches(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        plugin.optimizer_step(optimizer)  # the plugin counts the measured steps here
+    assert plugin.plan.fp8_layers == {"a", "d", "head"} and plugin.plan.batches == 2
+    assert (type(model.a), type(model.b), type(model.c)) == (te.Linear, nn.Linear, nn.Linear)
+    # TE modules cannot go back to high precision in place: the guard and `demote` say so instead of trying.
+    with pytest.raises(RuntimeError, match="Transformer Engine layers cannot return to high precision in place"):
+        plugin.demote({"a": "by hand"})
+    trainer = L.Trainer(accelerator="cpu", plugins=[FP8Precision(backend="transformer_engine")],
+                        callbacks=[FP8Guard()], max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match="FP8Guard: Transformer Engine layers cannot return"):
+        trainer.fit(BoringModel())
