@@ -11,10 +11,10 @@ from typing import Any, Optional
 
 from lightning_precision.warnings import warn
 
-COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "peak mem MB", "final loss", "val acc",
+COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "MFU", "peak mem MB", "final loss", "val acc",
            "fp16 underflow", "skipped")
-CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "samples_per_s", "speedup", "speedup_q1",
-               "speedup_q3", "speedup_resolved", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
+CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "samples_per_s", "achieved_tflops", "mfu",
+               "peak_tflops", "speedup", "speedup_q1", "speedup_q3", "speedup_resolved", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
                "skipped_steps", "steps_done", "emulated", "noisy", "error"]
 # Interquartile range / median of a run's step times above which it is flagged as measured on a busy machine. Steps
 # vary by ~20-30% on an idle shared VM (the monitor's measuring steps, the first step after a turn, slow drift that
@@ -42,12 +42,31 @@ def cells(row: dict[str, Any]) -> list[str]:
         + (f" [{row['speedup_q1']:.2f}-{row['speedup_q3']:.2f}]" if "speedup_q1" in row else "")
         + (" emulated" if row.get("emulated") and speedup is not None else ""),
         _fmt(row["samples_per_s"], ".0f"),
+        _fmt(row["mfu"] * 100, ".1f", "%") if row.get("mfu") is not None else "n/a",
         _fmt(row.get("peak_memory_mb"), ".0f"),
         _fmt(row.get("final_loss"), ".3f"),
         _fmt(row.get("val_acc"), ".3f"),
         _fmt(row.get("grad_underflow_fp16"), ".2e"),
         _fmt(row.get("skipped_steps"), "d"),
     ]
+
+
+def mfu_notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """What MFU was measured against, once per distinct peak (or why it is n/a)."""
+    flops = meta.get("model_flops_per_step")
+    timed = [r for r in rows if "peak_source" in r]
+    if not timed:
+        return []
+    if not flops:
+        return ["MFU: n/a, the model's FLOPs per step could not be counted."]
+    lines = [f"MFU: the model's {flops / 1e9:.3g} GFLOP per step (forward and backward, torch.utils.flop_counter) over"
+             " the median step time, against the device's dense peak for the run's compute kind:"]
+    by_source: dict[str, list[str]] = {}
+    for r in timed:
+        peak = f"{r['peak_tflops']:g} TFLOP/s, " if r.get("peak_tflops") else ""
+        by_source.setdefault(peak + r["peak_source"], []).append(f"{r['precision']} ({r['compute_kind']})")
+    lines += [f"  {', '.join(names)}: {source}" for source, names in by_source.items()]
+    return lines
 
 
 def memory_note(device: str) -> str:
@@ -76,6 +95,7 @@ def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     if emulated:
         lines.append(f"emulated: no hardware arithmetic for {', '.join(emulated)} on this machine (torch emulates"
                      " it): the numerics are real, the speed says nothing about hardware that has the format.")
+    lines += mfu_notes(rows, meta)
     for r in rows:
         if "fp8_layers" in r:
             how = "chosen from measured numerics (the measured steps are not timed)" if "fp8_plan" in r else \

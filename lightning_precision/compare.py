@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_precision._io import check_writable_dir
 from lightning_precision._report import NOISY
+from lightning_precision.mfu import choose_peak, compute_kind, model_flops_per_step, parse_peak_override
 from lightning_precision.recipes import RECIPES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8", "fp8-auto")
@@ -492,6 +493,38 @@ def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interr
     return row
 
 
+def measure_flops(args: argparse.Namespace) -> Optional[int]:
+    """The recipe's FLOPs per training step (forward and backward of one batch, in fp32 on the CPU): the same for every
+    precision, so it is measured once, before the runs. None if it cannot be counted."""
+    data_args = {"batch_size": args.batch_size, "seed": args.seed}
+    if args.data_dir:
+        data_args["data_dir"] = args.data_dir
+    try:
+        model, data = RECIPES[args.recipe].build(data_args=data_args)
+        data.prepare_data()
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))
+        return model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
+    except Exception as err:  # a model flop_counter cannot trace: MFU is then n/a, the comparison still runs
+        warnings.warn(f"compare: the model's FLOPs could not be counted ({type(err).__name__}: {err}); MFU is n/a.")
+        return None
+
+
+def add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
+    """Achieved TFLOP/s (the model's FLOPs per step over the median step time) and MFU against the device's dense
+    peak for the run's compute kind (``lightning_precision.mfu``), with the peak's source or why there is none."""
+    flops = meta.get("model_flops_per_step")
+    for row in rows:
+        if "median_step_ms" not in row:
+            continue
+        kind = compute_kind(row["precision"], bool(row.get("emulated")) and row["precision"] in FP8_PRECISIONS)
+        peak = choose_peak(meta["device"], kind, args.peak_overrides)
+        row.update(compute_kind=kind, peak_tflops=peak.tflops, peak_source=peak.source)
+        if flops:
+            achieved = flops / (row["median_step_ms"] / 1e3) / 1e12
+            row.update(achieved_tflops=achieved, mfu=achieved / peak.tflops if peak.tflops else None)
+
+
 def add_speedups(rows: list[dict[str, Any]], runs: dict[str, Run], steps: int) -> None:
     """Speedup over 32-true from blocks measured back to back: the median of the paired ratios, their interquartile
     range, and whether that range excludes 1x (with at least ``MIN_PAIRS`` pairs)."""
@@ -546,6 +579,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--emulate", action="store_true",
                         help="allow fp8 without fp8 hardware (torchao emulation: numerics, not speed)")
     parser.add_argument("--out", default="compare-report", help="output folder (default: ./compare-report)")
+    parser.add_argument("--peak-tflops", default=None,
+                        help="the device's peak for MFU, instead of the built-in table of GPUs: one number in TFLOP/s"
+                             " for every precision, or kind=number pairs (kinds fp32, tf32, bf16, fp16, fp8), e.g."
+                             " bf16=989,fp8=1979")
     args = parser.parse_args(argv)
     if args.recipe not in RECIPES:
         raise UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
@@ -563,6 +600,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if fp8 and not (fp8_gpu_available() or args.emulate):
             raise UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
                              " emulated")
+    try:
+        args.peak_overrides = parse_peak_override(args.peak_tflops) if args.peak_tflops is not None else {}
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
         raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
@@ -601,6 +642,7 @@ def main(argv: list[str]) -> int:
     out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
     for note in notes:
         out.print(f"note: {note}", highlight=False, markup=False)
+    meta["model_flops_per_step"] = measure_flops(args)
     doomed = {p: why for p in args.precisions if (why := precheck(p, args))}
     for p, why in doomed.items():
         out.print(f"{p} cannot run here: {why}", style="red", highlight=False, markup=False)
@@ -619,6 +661,7 @@ def main(argv: list[str]) -> int:
         else:
             rows.append(make_row(runs[p], args, machine, meta["interrupted"]))
     add_speedups(rows, runs, args.steps)
+    add_mfu(rows, meta, args)
     meta["verdict"] = _report.verdict(rows, meta)
     _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     try:

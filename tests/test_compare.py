@@ -160,6 +160,29 @@ def test_fp8_auto_runs_beside_fp8_and_says_which_layers_it_chose(tmp_path, capsy
         in " ".join(printed.split())
 
 
+def test_mfu_is_the_models_flops_over_the_step_time_against_the_peak_given(tmp_path, capsys):
+    """On a CPU there is no peak (n/a, and why); with --peak-tflops the MFU is achieved over that peak, and the FLOPs
+    per step are those torch.utils.flop_counter counts for the recipe's model on one batch."""
+    from lightning_precision.mfu import model_flops_per_step
+    from lightning_precision.recipes import RECIPES
+
+    out = tmp_path / "r"
+    assert cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--out", str(out),
+                     "--peak-tflops", "bf16=0.5"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    fp32, bf16 = report["results"]
+    model, data = RECIPES["vit"].build(data_args={"batch_size": 8, "seed": 0})
+    data.prepare_data()
+    data.setup("fit")
+    flops = model_flops_per_step(model, next(iter(data.train_dataloader())), lambda m, b: m.training_loss(b))
+    assert report["meta"]["model_flops_per_step"] == flops > 0
+    assert bf16["achieved_tflops"] == pytest.approx(flops / (bf16["median_step_ms"] / 1e3) / 1e12)
+    assert bf16["mfu"] == pytest.approx(bf16["achieved_tflops"] / 0.5) and bf16["peak_source"] == "--peak-tflops"
+    assert fp32["mfu"] is None and fp32["peak_source"].startswith("n/a on a CPU")  # fp32 was not given a peak
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"{bf16['mfu'] * 100:.1f}%" in printed and "32-true (fp32): n/a on a CPU" in printed
+
+
 def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, monkeypatch):
     """A real SIGINT to the comparison: every process stops, the partial figures are written and marked, the exit code
     says "interrupted", no process is left behind, and Ctrl-C works again afterwards."""
@@ -199,6 +222,7 @@ def _fail_if_trained(monkeypatch):
         (["--precisions", "32-true,fp4"], "unknown precision 'fp4'"),
         (["--precisions", "fp8"], "fp8 needs a CUDA GPU.*--emulate"),
         (["--precisions", "32-true,fp8-auto"], "fp8-auto needs a CUDA GPU.*--emulate"),
+        (["--peak-tflops", "bf16=fast"], r"--peak-tflops 'bf16=fast': could not convert"),
         (["--data-dir", "/nonexistent/imdb"], "data folder '/nonexistent/imdb' does not exist"),
         (["--precisions", ",,,"], r"--precisions ',,,' names no precision"),
         (["--out", "{blocker}/report"], r"--out: cannot write into .*a-file"),

@@ -1,0 +1,144 @@
+"""Model FLOPs utilisation: the model's FLOPs per step, and the device's dense tensor-core peak for the compute dtype.
+
+Peaks are the vendors' datasheet figures without sparsity (a datasheet's larger "with sparsity" figure is twice these),
+in TFLOP/s, per GPU. Lightning's own table (``lightning.fabric.utilities.throughput.get_available_flops``) matches
+device names by substrings in an order that gives an "NVIDIA L40S" the L4's peak (a third of its own: MFU 3x too high)
+and finds none for an "NVIDIA H200"; the names here are matched most specific first, and tested.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+# The compute kinds a peak is given for: matmul inputs in fp32 (no tensor cores), tf32, bf16, fp16, fp8.
+KINDS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """A GPU's dense peak TFLOP/s per compute kind, matched by ``patterns`` (all lower-case substrings must appear in
+    the device name) and ``excludes`` (none may)."""
+
+    name: str
+    tflops: Mapping[str, float]
+    patterns: tuple[str, ...]
+    excludes: tuple[str, ...] = ()
+    source: str = ""
+
+    def matches(self, device_name: str) -> bool:
+        name = device_name.lower()
+        return all(p in name for p in self.patterns) and not any(e in name for e in self.excludes)
+
+
+def _peak(name: str, fp32: float, tf32: float, half: float, fp8: Optional[float], patterns: tuple[str, ...],
+          excludes: tuple[str, ...] = (), source: str = "") -> DevicePeak:
+    tflops = {"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half}
+    if fp8 is not None:
+        tflops["fp8"] = fp8
+    return DevicePeak(name, tflops, patterns, excludes, source)
+
+
+# Most specific first: the first match wins.
+PEAKS: tuple[DevicePeak, ...] = (
+    _peak("B200", 75.0, 1100.0, 2250.0, 4500.0, ("b200",), source="NVIDIA HGX B200 datasheet, per GPU, dense"),
+    _peak("H200 NVL", 60.0, 417.5, 835.5, 1670.5, ("h200", "nvl"), source="NVIDIA H200 NVL datasheet, dense"),
+    _peak("H200 SXM", 67.0, 494.5, 989.5, 1979.0, ("h200",), source="NVIDIA H200 SXM datasheet, dense"),
+    _peak("H100 NVL", 60.0, 417.5, 835.5, 1670.5, ("h100", "nvl"), source="NVIDIA H100 NVL datasheet, dense"),
+    _peak("H100 PCIe", 51.0, 378.0, 756.5, 1513.0, ("h100", "pcie"), source="NVIDIA H100 PCIe datasheet, dense"),
+    _peak("H100 SXM", 67.0, 494.5, 989.5, 1979.0, ("h100",), source="NVIDIA H100 SXM datasheet, dense"),
+    _peak("A100", 19.5, 156.0, 312.0, None, ("a100",), source="NVIDIA A100 datasheet, dense (no fp8)"),
+    _peak("L40S", 91.6, 183.0, 362.05, 733.0, ("l40s",), source="NVIDIA L40S datasheet, dense"),
+    _peak("L4", 30.3, 60.0, 121.0, 242.5, ("l4",), excludes=("l40",), source="NVIDIA L4 datasheet, dense"),
+)
+
+
+def device_peak(device_name: str) -> Optional[DevicePeak]:
+    """The table's entry for a device name (``torch.cuda.get_device_name()``), or None."""
+    return next((p for p in PEAKS if p.matches(device_name)), None)
+
+
+def compute_kind(precision: str, emulated: bool = False) -> str:
+    """The kind of the run's matmuls: fp8 runs count against the fp8 peak unless emulated (then their GEMMs run in the
+    high-precision dtype); fp32 counts as tf32 when torch lets matmuls use it (``set_float32_matmul_precision``)."""
+    if precision in ("fp8", "fp8-auto"):
+        return "bf16" if emulated else "fp8"
+    if precision in ("bf16-mixed", "bf16-true"):
+        return "bf16"
+    if precision in ("16-mixed", "16-true"):
+        return "fp16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+@dataclass(frozen=True)
+class PeakChoice:
+    """The peak a run is measured against, or why there is none."""
+
+    tflops: Optional[float]
+    source: str
+    kind: str = ""
+    overrides: Mapping[str, float] = field(default_factory=dict)
+
+
+def parse_peak_override(text: str) -> dict[str, float]:
+    """``--peak-tflops``: one number for every kind (``"989"``) or ``kind=number`` pairs (``"bf16=989,fp8=1979"``)."""
+    text = text.strip()
+    try:
+        if "=" not in text:
+            value = float(text)
+            pairs = dict.fromkeys(KINDS, value)
+        else:
+            pairs = {}
+            for part in text.split(","):
+                kind, _, number = part.partition("=")
+                kind = kind.strip()
+                if kind not in KINDS:
+                    raise ValueError(f"unknown kind {kind!r}: choose from {', '.join(KINDS)}")
+                pairs[kind] = float(number)
+    except ValueError as err:
+        raise ValueError(f"--peak-tflops {text!r}: {err}; give one number or kind=number pairs, e.g."
+                         " bf16=989,fp8=1979") from None
+    bad = [k for k, v in pairs.items() if not v > 0 or v == float("inf")]
+    if bad:
+        raise ValueError(f"--peak-tflops {text!r}: peaks must be positive and finite")
+    return pairs
+
+
+def choose_peak(device: str, kind: str, overrides: Optional[Mapping[str, float]] = None) -> PeakChoice:
+    """The peak for ``kind`` on ``device`` ("cpu" or a CUDA device name): the override, else the table, else None with
+    why."""
+    if overrides and kind in overrides:
+        return PeakChoice(overrides[kind], "--peak-tflops", kind)
+    if device == "cpu":
+        return PeakChoice(None, "n/a on a CPU: no table of CPU peaks (vector units, clocks and cores vary too much);"
+                                " pass --peak-tflops to set one", kind)
+    peak = device_peak(device)
+    if peak is None:
+        return PeakChoice(None, f"n/a: {device!r} is not in the table; pass --peak-tflops", kind)
+    if kind not in peak.tflops:
+        return PeakChoice(None, f"n/a: the {peak.name} has no {kind} tensor cores", kind)
+    return PeakChoice(peak.tflops[kind], f"{peak.name} {kind} ({peak.source})", kind)
+
+
+def model_flops_per_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> int:
+    """Forward and backward FLOPs of one training step on ``batch`` (``torch.utils.flop_counter``: matmuls,
+    convolutions and attention; the optimizer's elementwise work is not counted), in fp32 on the model's device. The
+    model's ``.grad`` is left as it was."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            loss = loss_fn(model, batch)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        del grads
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    return int(counter.get_total_flops())
