@@ -288,3 +288,17 @@ def test_a_measured_step_that_saw_no_layer_is_said_not_watched():
                 model(x)
             assert guard.check(plugin, step) == []
     assert guard.events == [] and guard._blind
+
+
+def test_layers_that_could_not_move_back_are_refused_before_training():
+    """fp8 all-gather's weights are torchao tensor subclasses: demoting them in place is impossible, so the guard
+    refuses them at its first call (Trainer: at fit start), not with a crash at the first demotion mid-run."""
+    plugin = lp_fabric.FP8Precision(fsdp_float8_all_gather=True, **FP8_KW)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    try:
+        fabric.setup_module(Net())
+    except RuntimeError as err:  # torch < 2.8: the plugin itself refuses float8 all-gather here
+        pytest.skip(f"float8 all-gather unavailable here: {err}")
+    assert plugin._float8_all_gather
+    with pytest.raises(ValueError, match="all-gather their weights in fp8"):
+        FP8Guard().watch(plugin, 0)

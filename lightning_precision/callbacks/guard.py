@@ -26,6 +26,17 @@ from lightning_precision.warnings import NoEffectWarning, warn
 DEFAULT_PLAN_FILE = "fp8_plan.yaml"
 
 
+def _check_movable(plugin: Any) -> None:
+    """Refuse, before training, fp8 layers that could not be moved back in place when the time came."""
+    if plugin.backend != "torchao":
+        raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place; use"
+                         " `FP8Precision(backend='torchao')`, or pass a plan (`layers='plan.yaml'`).")
+    if getattr(plugin, "_float8_all_gather", False):
+        raise ValueError("FP8Guard: these fp8 layers all-gather their weights in fp8 (`fsdp_float8_all_gather`), whose"
+                         " weights are torchao tensor subclasses that cannot return to high precision in place. Leave"
+                         " `fsdp_float8_all_gather` off, or measure first and pass a plan.")
+
+
 @dataclass(frozen=True)
 class GuardEvent:
     """A layer moved back to high precision at optimizer step ``step``, and why."""
@@ -79,6 +90,7 @@ class FP8Guard(Callback):
 
     def watch(self, plugin: Any, step: int) -> bool:
         """Before step ``step``'s forward: start measuring the fp8 layers if the step is due. True if it started."""
+        _check_movable(plugin)
         return self.due(step) and self._start(plugin)
 
     def _start(self, plugin: Any) -> bool:
@@ -141,13 +153,15 @@ class FP8Guard(Callback):
         if not isinstance(plugin, FP8Precision):
             raise ValueError(f"FP8Guard watches the fp8 layers of `lightning_precision.FP8Precision`; this Trainer's"
                              f" precision plugin is {type(plugin).__name__}. Add `plugins=[FP8Precision(...)]`.")
-        if plugin.backend != "torchao":
-            raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place; use"
-                             " `FP8Precision(backend='torchao')`, or pass a plan (`layers='plan.yaml'`).")
+        _check_movable(plugin)
         if isinstance(trainer.strategy, ModelParallelStrategy):
             raise ValueError("FP8Guard cannot move layers sharded by FSDP2 (`ModelParallelStrategy`): FSDP2 holds"
                              " them. Measure on one process (`lightning-precision plan`) and pass the plan.")
         self._fit_path = Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_PLAN_FILE
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _check_movable(trainer.precision_plugin)  # the model is converted by now: before any step, not at a demotion
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
