@@ -74,8 +74,9 @@ def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     q = (x * scale).clamp(-fmax, fmax).to(spec.dtype).float()
     noise = (q / scale - x).double().pow(2).sum()
     nonzero = x != 0
+    # torch.full, not torch.tensor: a host-to-device copy from pageable memory would wait for the device.
     return torch.stack([x.double().pow(2).sum(), noise, nonzero.sum().double(), (nonzero & (q == 0)).sum().double(),
-                        (~finite).sum().double(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
+                        (~finite).sum().double(), torch.full((), x.numel(), dtype=torch.float64, device=x.device)])
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ class SensitivityProbe:
             y8 = self._fp8_copy(module)(x8)
             w = module.weight.detach().float()
             b = module.bias.detach().float() if module.bias is not None else None
-            ref = nn.functional.linear(x.detach().float(), w, b)
+            with torch.autocast(x.device.type, enabled=False):  # the hook runs inside the forward's autocast
+                ref = nn.functional.linear(x.detach().float(), w, b)
             self._add(fqn, slice(3 * n, 3 * n + 2), torch.stack([(y8.float() - ref).double().pow(2).sum(),
                                                                 ref.double().pow(2).sum()]))
             if output.requires_grad:
@@ -197,7 +199,8 @@ class SensitivityProbe:
             n = _NUMERIC_FIELDS
             self._add(fqn, slice(2 * n, 3 * n), cast_numerics(grad, self.specs["grad_output"]))
             (g8,) = torch.autograd.grad(y8, x8, grad.to(y8.dtype))
-            ref = grad.detach().float() @ w
+            with torch.autocast(grad.device.type, enabled=False):
+                ref = grad.detach().float() @ w
             self._add(fqn, slice(3 * n + 2, 3 * n + 4), torch.stack([(g8.float() - ref).double().pow(2).sum(),
                                                                     ref.double().pow(2).sum()]))
 

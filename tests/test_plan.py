@@ -354,3 +354,27 @@ def test_auto_trains_closer_to_bf16_than_every_eligible_layer_in_fp8():
             assert plugin.plan.fp8_layers == {"net.a", "net.head"} and plugin.plan.batches == 8
     assert abs(runs["auto"] - runs["bf16"]) < 0.1
     assert runs["fp8"] > runs["bf16"] + 0.5
+
+
+def test_the_errors_are_against_an_fp32_reference_inside_autocast():
+    """The probe's hooks run inside the training forward's bf16 autocast, which would turn the reference matmul into
+    bf16 too (an error against bf16, not fp32, silently). One layer, one batch: the error equals the hand-computed
+    ||fp8 output - fp32 output|| / ||fp32 output||."""
+    import copy
+
+    from torchao.float8 import convert_to_float8_training
+
+    from lightning_precision.fp8 import torchao_config
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 32)), torch.randn(16, 64)
+    result = fp8_sensitivity(model, [x], loss_fn=lambda m, b: m(b).float().pow(2).sum())["0"]
+    shadow = convert_to_float8_training(copy.deepcopy(model), config=torchao_config("tensorwise", emulate=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y8 = shadow(x).float()
+        bf16_ref = model(x).float()
+    ref = model(x)
+    expected = ((y8 - ref).norm() / ref.norm()).item()
+    assert result.output_error == pytest.approx(expected, rel=1e-4)
+    # Against the bf16 output it would read 0.03274 here, not 0.03268: small, but not the number the docs define.
+    assert result.output_error != pytest.approx(((y8 - bf16_ref).norm() / bf16_ref.norm()).item(), rel=1e-3)
