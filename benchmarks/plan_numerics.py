@@ -16,7 +16,6 @@ fit-to-fit noise) and of the fit without the guard. Goal: <= 1.03. The cadence t
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import math
 import statistics
@@ -62,10 +61,7 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # the fits' banners and layer tables
     torch.manual_seed(0)
     for name in args.recipes:
-        model, data = RECIPES[name].build()
-        data.prepare_data()
-        data.setup("fit")
-        batches = list(itertools.islice(iter(data.train_dataloader()), args.batches))
+        model, batches = RECIPES[name].training_batches(args.batches)
         _plain(model, batches[:1])  # warm-up
         t0 = time.perf_counter()
         _plain(model, batches)

@@ -280,7 +280,6 @@ def main(argv: list[str]) -> int:
     """``lightning-precision plan --recipe vit|distilbert``: measure the recipe's embedded default, print the plan and
     write it (YAML or JSON by ``--out``'s suffix)."""
     import argparse
-    import itertools
 
     from lightning_precision.recipes import RECIPES
 
@@ -303,10 +302,7 @@ def main(argv: list[str]) -> int:
         _suffix(out)  # a bad name fails before measuring
     except ValueError as err:
         parser.error(str(err))
-    model, data = RECIPES[args.recipe].build()
-    data.prepare_data()
-    data.setup("fit")
-    batches = list(itertools.islice(iter(data.train_dataloader()), args.batches))
+    model, batches = RECIPES[args.recipe].training_batches(args.batches)
     print(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...", flush=True)
     plan = make_plan(model, batches, loss_fn=lambda m, b: m.training_loss(b), recipe=args.recipe_fp8,
                      skip_small_layers=not args.emulate)

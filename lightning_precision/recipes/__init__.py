@@ -32,6 +32,16 @@ class Recipe:
     def build(self, model_args: dict[str, Any] | None = None, data_args: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
         return self.model(**{**self.model_args, **(model_args or {})}), self.data(**{**self.data_args, **(data_args or {})})
 
+    def training_batches(self, n: int, data_args: dict[str, Any] | None = None) -> tuple[L.LightningModule, list[Any]]:
+        """The model and the first ``n`` training batches of its data: what measuring before a fit needs (``plan``,
+        ``compare``'s FLOPs per step)."""
+        import itertools
+
+        model, data = self.build(data_args=data_args)
+        data.prepare_data()
+        data.setup("fit")
+        return model, list(itertools.islice(iter(data.train_dataloader()), n))
+
 
 RECIPES: dict[str, Recipe] = {
     "distilbert": Recipe(
