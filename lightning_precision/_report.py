@@ -64,7 +64,8 @@ def mfu_notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     by_source: dict[str, list[str]] = {}
     for r in timed:
         peak = f"{r['peak_tflops']:g} TFLOP/s, " if r.get("peak_tflops") else ""
-        by_source.setdefault(peak + r["peak_source"], []).append(f"{r['precision']} ({r['compute_kind']})")
+        kind = f" ({r['compute_kind']})" if "compute_kind" in r else ""
+        by_source.setdefault(peak + r["peak_source"], []).append(r["precision"] + kind)
     lines += [f"  {', '.join(names)}: {source}" for source, names in by_source.items()]
     return lines
 

@@ -292,6 +292,8 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callabl
         "val_samples": stats.val_samples,
         "grad_underflow_fp16": float(underflow) if underflow is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
+        # what the plugin's matmuls ran in (an fp8 plugin says fp8 only for real fp8 layers): MFU's peak
+        "compute_dtype": str(getattr(trainer.precision_plugin, "peak_flops_dtype", torch.float32)),
         **_fp8_layers(trainer.precision_plugin),
     }
 
@@ -500,10 +502,7 @@ def measure_flops(args: argparse.Namespace) -> Optional[int]:
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
     try:
-        model, data = RECIPES[args.recipe].build(data_args=data_args)
-        data.prepare_data()
-        data.setup("fit")
-        batch = next(iter(data.train_dataloader()))
+        model, (batch,) = RECIPES[args.recipe].training_batches(1, data_args)
         return model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
     except Exception as err:  # a model flop_counter cannot trace: MFU is then n/a, the comparison still runs
         warnings.warn(f"compare: the model's FLOPs could not be counted ({type(err).__name__}: {err}); MFU is n/a.")
@@ -517,7 +516,10 @@ def add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Nam
     for row in rows:
         if "median_step_ms" not in row:
             continue
-        kind = compute_kind(row["precision"], bool(row.get("emulated")) and row["precision"] in FP8_PRECISIONS)
+        if row.get("compute_dtype") is None:  # a run that did not finish does not say
+            row.update(peak_source="n/a: the run did not finish")
+            continue
+        kind = compute_kind(row["compute_dtype"])
         peak = choose_peak(meta["device"], kind, args.peak_overrides)
         row.update(compute_kind=kind, peak_tflops=peak.tflops, peak_source=peak.source)
         if flops:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -62,15 +62,18 @@ def device_peak(device_name: str) -> Optional[DevicePeak]:
     return next((p for p in PEAKS if p.matches(device_name)), None)
 
 
-def compute_kind(precision: str, emulated: bool = False) -> str:
-    """The kind of the run's matmuls: fp8 runs count against the fp8 peak unless emulated (then their GEMMs run in the
-    high-precision dtype); fp32 counts as tf32 when torch lets matmuls use it (``set_float32_matmul_precision``)."""
-    if precision in ("fp8", "fp8-auto"):
-        return "bf16" if emulated else "fp8"
-    if precision in ("bf16-mixed", "bf16-true"):
-        return "bf16"
-    if precision in ("16-mixed", "16-true"):
-        return "fp16"
+_KIND_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "int8": "fp8"}
+
+
+def compute_kind(dtype: Union[torch.dtype, str]) -> str:
+    """The peak a run's matmuls count against, from the dtype its precision plugin names for it (``peak_flops_dtype``
+    of this package's plugins: an fp8 plugin names Lightning's fp8 key ``torch.int8`` only when its layers really run
+    in fp8, not emulated; fp32 for no plugin). fp32 counts as tf32 when torch lets matmuls use it."""
+    name = str(dtype).removeprefix("torch.")
+    if name in _KIND_OF_DTYPE:
+        return _KIND_OF_DTYPE[name]
+    if name != "float32":
+        raise ValueError(f"compute_kind: no peak kind for {dtype!r}")
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 

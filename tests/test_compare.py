@@ -171,14 +171,13 @@ def test_mfu_is_the_models_flops_over_the_step_time_against_the_peak_given(tmp_p
                      "--peak-tflops", "bf16=0.5"]) == 0
     report = json.loads((out / "report.json").read_text())
     fp32, bf16 = report["results"]
-    model, data = RECIPES["vit"].build(data_args={"batch_size": 8, "seed": 0})
-    data.prepare_data()
-    data.setup("fit")
-    flops = model_flops_per_step(model, next(iter(data.train_dataloader())), lambda m, b: m.training_loss(b))
+    model, (batch,) = RECIPES["vit"].training_batches(1, {"batch_size": 8, "seed": 0})
+    flops = model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
     assert report["meta"]["model_flops_per_step"] == flops > 0
     assert bf16["achieved_tflops"] == pytest.approx(flops / (bf16["median_step_ms"] / 1e3) / 1e12)
     assert bf16["mfu"] == pytest.approx(bf16["achieved_tflops"] / 0.5) and bf16["peak_source"] == "--peak-tflops"
     assert fp32["mfu"] is None and fp32["peak_source"].startswith("n/a on a CPU")  # fp32 was not given a peak
+    assert (fp32["compute_kind"], bf16["compute_kind"]) == ("fp32", "bf16")  # from each run's plugin
     printed = " ".join(capsys.readouterr().out.split())
     assert f"{bf16['mfu'] * 100:.1f}%" in printed and "32-true (fp32): n/a on a CPU" in printed
 

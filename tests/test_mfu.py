@@ -46,17 +46,24 @@ def test_lightnings_table_gives_an_l40s_the_l4s_peak_which_is_why_we_keep_our_ow
 
 
 def test_compute_kinds_follow_the_run(monkeypatch):
-    assert compute_kind("fp8") == "fp8" and compute_kind("fp8-auto") == "fp8"
-    assert compute_kind("fp8", emulated=True) == "bf16"  # emulated GEMMs run in the high-precision dtype
-    assert compute_kind("bf16-mixed") == "bf16" and compute_kind("16-mixed") == "fp16"
+    """The kind comes from the plugin's ``peak_flops_dtype``: fp8 only where layers really run in fp8."""
+    pytest.importorskip("torchao")
+    from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
+
+    assert compute_kind(FP8Precision().peak_flops_dtype) == "fp8" and compute_kind(torch.int8) == "fp8"
+    assert compute_kind(FP8Precision(emulate=True).peak_flops_dtype) == "bf16"  # emulated GEMMs run in bf16
+    assert compute_kind(BF16MixedPrecision().peak_flops_dtype) == "bf16"
+    assert compute_kind(FP16MixedPrecision().peak_flops_dtype) == "fp16" and compute_kind("torch.float16") == "fp16"
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert compute_kind("32-true") == "fp32"
+        assert compute_kind(torch.float32) == "fp32"
         torch.set_float32_matmul_precision("high")
-        assert compute_kind("32-true") == "tf32"
+        assert compute_kind(torch.float32) == "tf32"
     finally:
         torch.set_float32_matmul_precision(previous)
+    with pytest.raises(ValueError, match="no peak kind"):
+        compute_kind(torch.float64)
 
 
 def test_peaks_overrides_and_why_there_is_none():
