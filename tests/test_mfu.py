@@ -36,7 +36,8 @@ def test_device_names_match_the_most_specific_entry(device, name):
 
 def test_lightnings_table_gives_an_l40s_the_l4s_peak_which_is_why_we_keep_our_own(monkeypatch):
     """Lightning 2.6's ``get_available_flops`` maps any name containing "l4" to the L4 (121 bf16 TFLOP/s): an L40S
-    (362) would show 3x its MFU. If this starts failing, Lightning fixed it: compare their table with ours."""
+    (362) would show 3x its MFU. If this starts failing, Lightning fixed it: compare their table with ours. The device
+    name is stubbed (``torch.cuda.get_device_name``): no GPU exists here, and Lightning reads nothing else of it."""
     from lightning.fabric.utilities.throughput import get_available_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
