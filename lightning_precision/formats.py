@@ -1,7 +1,11 @@
-"""The number formats mixed precision reasons about, in one table.
+"""The number formats mixed precision reasons about, in one table, and the block-scaled formats built on them.
 
-Values come from ``torch.finfo`` where torch has the dtype; tf32 (a tensor-core compute mode, not a storage dtype) is
-derived from its bit layout. Used by the callbacks, the docs and the command line.
+Values come from ``torch.finfo`` where torch has the dtype; tf32 (a tensor-core compute mode, not a storage dtype) and
+e2m1 (fp4, which torch stores only packed two to a byte) are derived from their bit layouts. Used by the callbacks, the
+docs and the command line.
+
+A block-scaled format (``BLOCK_FORMATS``: MXFP8, NVFP4) casts each block of consecutive elements at its own scale, so
+what it flushes or saturates depends on the block's largest value, not on one scale for the tensor.
 """
 
 from __future__ import annotations
@@ -57,12 +61,26 @@ class NumberFormat:
     def cast(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` rounded to this format and back to ``x.dtype`` (the real cast; tf32 is rounded in place)."""
         if self.dtype is not None:
+            if not self.has_inf:  # saturate: torch's eager cast did not before 2.12 (nan instead), torchao clamps too
+                x = x.clamp(-self.max, self.max)
             return x.to(self.dtype).to(x.dtype)
+        if self.name != "tf32":
+            return _round_saturating(x, self)
         # tf32 keeps fp32's exponent and 10 of its 23 mantissa bits: round to nearest even on the 13 dropped bits.
         bits = x.float().view(torch.int32)
         rounded = (bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF
         finite = torch.isfinite(x.float())
         return torch.where(finite, rounded.view(torch.float32), x.float()).to(x.dtype)
+
+
+def _round_saturating(x: torch.Tensor, f: NumberFormat) -> torch.Tensor:
+    """Round to nearest even on ``f``'s grid (subnormals included) and saturate at ``f.max``, as casts to formats
+    without inf do (torchao clamps before its fp4 cast); nan stays nan."""
+    a = x.float().abs().clamp(max=2 * f.max)  # inf saturates like any value past max
+    exponent = torch.floor(torch.log2(a)).clamp(min=f.min_exponent + f.mantissa_bits)  # below: the subnormal grid
+    ulp = torch.exp2(exponent - f.mantissa_bits)
+    rounded = (torch.round(a / ulp) * ulp).clamp(max=f.max)  # torch.round: half to even
+    return torch.where(torch.isnan(x), x.float(), torch.copysign(rounded, x.float())).to(x.dtype)
 
 
 def _from_finfo(name: str, dtype: torch.dtype, exponent_bits: int, mantissa_bits: int, has_inf: bool = True) -> NumberFormat:
@@ -96,6 +114,18 @@ FORMATS: dict[str, NumberFormat] = {
     "fp16": _from_finfo("fp16", torch.float16, 5, 10),
     "e4m3fn": _from_finfo("e4m3fn", torch.float8_e4m3fn, 4, 3, has_inf=False),
     "e5m2": _from_finfo("e5m2", torch.float8_e5m2, 5, 2),
+    # fp4: 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf or nan, saturating. Only meaningful with a block scale (NVFP4).
+    "e2m1": NumberFormat(
+        name="e2m1",
+        dtype=None,
+        exponent_bits=2,
+        mantissa_bits=1,
+        max=6.0,
+        smallest_normal=1.0,
+        smallest_subnormal=0.5,
+        eps=0.5,
+        has_inf=False,
+    ),
 }
 
 _ALIASES = {
@@ -109,12 +139,90 @@ _ALIASES = {
     "float8_e4m3fn": "e4m3fn",
     "fp8_e5m2": "e5m2",
     "float8_e5m2": "e5m2",
+    "fp4": "e2m1",
+    "fp4_e2m1": "e2m1",
 }
 
 
-def get_format(fmt: Union[str, torch.dtype, NumberFormat]) -> NumberFormat:
-    """Look a format up by name (``"fp16"``, ``"e4m3fn"``, aliases such as ``"half"``), dtype, or pass one through."""
-    if isinstance(fmt, NumberFormat):
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block-scaled format: each ``block_size`` consecutive elements share one scale (stored in ``scale_format``),
+    chosen from the block's largest finite magnitude so that it lands near ``element.max``; NVFP4 adds one fp32 scale
+    per tensor (``tensor_scale``) that brings the block scales into e4m3's range.
+
+    ``scale_rounding`` is how the block scale is rounded: ``"rceil"`` (MXFP8 in Transformer Engine and torchao's
+    training recipes: the power of two at or above ``amax / element.max``, so nothing saturates), ``"floor"`` (the OCP
+    MX v1.0 rule, ``2**(floor(log2 amax) - floor(log2 element.max))``: a block's largest values can exceed
+    ``element.max`` and saturate) or ``"nearest"`` (an e4m3 scale, NVFP4).
+    """
+
+    name: str
+    element: NumberFormat
+    block_size: int
+    scale_format: str
+    scale_rounding: str
+    tensor_scale: bool = False
+
+    @property
+    def bits(self) -> float:
+        """Storage bits per element, the block scale shared out (the per-tensor scale is negligible)."""
+        return self.element.bits + 8 / self.block_size
+
+    def block_multipliers(self, block_amax: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What each block's elements are multiplied by before the element cast (saturating at ``element.max``), from
+        the blocks' largest finite magnitudes (fp32). The operations are torchao's reference casts', in their order
+        (``to_mx`` and ``nvfp4_quantize``), so the products round identically; tested against them."""
+        amax = block_amax.float()
+        if self.scale_rounding == "rceil":
+            exponent = torch.ceil(torch.log2(amax / self.element.max)).clamp(-127, 127)
+            # e8m0's smallest code (2**-127) multiplies by 1, as torchao's and Transformer Engine's casts do.
+            return torch.where(exponent == -127, 1.0, torch.exp2(-exponent))
+        if self.scale_rounding == "floor":
+            _, e = torch.frexp(amax)  # amax = m * 2**e with m in [0.5, 1): floor(log2 amax) = e - 1
+            exponent = (e - 1 - self.element.max_exponent).clamp(-127, 128).float()
+            return 1.0 / torch.exp2(exponent).clamp(min=torch.finfo(torch.float32).tiny)
+        tensor = torch.ones((), device=amax.device) if tensor_amax is None else \
+            _tensor_scale(tensor_amax.float(), self.element.max)
+        block = (amax / self.element.max / tensor).clamp(E4M3_TINY, FORMATS["e4m3fn"].max)
+        return (1.0 / tensor) / block.to(torch.float8_e4m3fn).float()
+
+    def cast(self, x: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x`` cast to this format and back (blocks along the last dimension, which ``block_size`` must divide): the
+        real rounding and saturation of each element at its block's scale. For tests and the docs; the statistics count
+        the same without building it."""
+        if x.shape[-1] % self.block_size:
+            raise ValueError(f"{self.name}: the last dimension ({x.shape[-1]}) must be a multiple of {self.block_size}")
+        blocks = x.float().reshape(-1, self.block_size)
+        magnitudes = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
+        if self.tensor_scale and tensor_amax is None:
+            tensor_amax = magnitudes.amax()
+        m = self.block_multipliers(magnitudes.amax(-1), tensor_amax if self.tensor_scale else None)[:, None]
+        return (self.element.cast(blocks * m) / m).reshape(x.shape).to(x.dtype)
+
+
+E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # the smallest e4m3 block scale torchao lets NVFP4 use
+
+
+def _tensor_scale(tensor_amax: torch.Tensor, element_max: float) -> torch.Tensor:
+    """NVFP4's fp32 tensor scale ``amax / (448 * 6)``: the block scales then span e4m3's range. An all-zero tensor
+    gets 1 (any scale leaves zeros zero, and 0 would make the multipliers nan)."""
+    scale = tensor_amax / (FORMATS["e4m3fn"].max * element_max)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+BLOCK_FORMATS: dict[str, BlockFormat] = {
+    "mxfp8": BlockFormat("mxfp8", FORMATS["e4m3fn"], 32, "e8m0", "rceil"),
+    "mxfp8_floor": BlockFormat("mxfp8_floor", FORMATS["e4m3fn"], 32, "e8m0", "floor"),
+    "nvfp4": BlockFormat("nvfp4", FORMATS["e2m1"], 16, "e4m3fn", "nearest", tensor_scale=True),
+}
+
+AnyFormat = Union[NumberFormat, BlockFormat]
+
+
+def get_format(fmt: Union[str, torch.dtype, NumberFormat, BlockFormat]) -> AnyFormat:
+    """Look a format up by name (``"fp16"``, ``"e4m3fn"``, ``"mxfp8"``, ``"nvfp4"``, aliases such as ``"half"``),
+    dtype, or pass one through."""
+    if isinstance(fmt, (NumberFormat, BlockFormat)):
         return fmt
     if isinstance(fmt, torch.dtype):
         for candidate in FORMATS.values():
@@ -122,8 +230,11 @@ def get_format(fmt: Union[str, torch.dtype, NumberFormat]) -> NumberFormat:
                 return candidate
         raise ValueError(f"No number format for dtype {fmt}. Known dtypes: {[f.dtype for f in FORMATS.values() if f.dtype]}.")
     name = _ALIASES.get(str(fmt).lower(), str(fmt).lower())
+    if name in BLOCK_FORMATS:
+        return BLOCK_FORMATS[name]
     if name not in FORMATS:
-        raise ValueError(f"Unknown number format {fmt!r}. Use one of {list(FORMATS)} (or an alias: {list(_ALIASES)}).")
+        raise ValueError(f"Unknown number format {fmt!r}. Use one of {list(FORMATS) + list(BLOCK_FORMATS)} (or an"
+                         f" alias: {list(_ALIASES)}).")
     return FORMATS[name]
 
 
@@ -135,4 +246,9 @@ def format_table() -> str:
             f"| {f.name} | {f.bits} | {f.exponent_bits} | {f.mantissa_bits} | {f.max:.6g} | {f.smallest_normal:.6g}"
             f" (2^{f.min_exponent + f.mantissa_bits}) | {f.smallest_subnormal:.6g} (2^{f.min_exponent}) | {f.eps:.6g} |"
         )
+    rows += ["", "| block format | element | block | scale | scale rounding | tensor scale | bits per element |",
+             "|---" * 7 + "|"]
+    for b in BLOCK_FORMATS.values():
+        rows.append(f"| {b.name} | {b.element.name} | {b.block_size} | {b.scale_format} | {b.scale_rounding} |"
+                    f" {'fp32' if b.tensor_scale else 'none'} | {b.bits:g} |")
     return "\n".join(rows)

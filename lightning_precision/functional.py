@@ -14,11 +14,11 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_precision.formats import FORMATS, NumberFormat, get_format
+from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format
 from lightning_precision.sensitivity import fp8_sensitivity  # noqa: F401  (the Fabric and plain-PyTorch entry)
 
 TensorsLike = Union[Tensor, Iterable[Tensor], Mapping[str, Tensor]]
-FormatLike = Union[str, torch.dtype, NumberFormat]
+FormatLike = Union[str, torch.dtype, NumberFormat, BlockFormat]
 
 
 @dataclass
@@ -115,14 +115,50 @@ def _magnitudes(chunk: Tensor) -> Tensor:
     return chunk.float().abs() if chunk.element_size() < 4 else chunk.abs()
 
 
-def _counts(a: Tensor, formats: Sequence[NumberFormat]) -> Tensor:
+def _counts(a: Tensor, formats: Sequence[AnyFormat], tensor_amax: Optional[Tensor] = None) -> Tensor:
     """For |x| values ``a``: [zeros, finite, inf, then (at most flush bound, at least overflow bound) per format],
-    as one int64 tensor on the device. Each count is one compare-and-count pass (the cheapest on CPU and GPU alike)."""
+    as one int64 tensor on the device. Each count is one compare-and-count pass (the cheapest on CPU and GPU alike).
+    A block format compares each element scaled by its block's multiplier with the element format's bounds (a scaled
+    zero stays zero and inf stays inf, so the subtractions in ``_stats_from_counts`` still hold)."""
     count = torch.count_nonzero
     passes = [count(a == 0), count(a <= torch.finfo(a.dtype).max), count(a == math.inf)]
     for f in formats:
-        passes += [count(a <= f.flush_bound), count(a >= f.overflow_bound)]
+        if isinstance(f, BlockFormat):
+            m, f = _block_scaled(a, f, tensor_amax), f.element
+        else:
+            m = a
+        passes += [count(m <= f.flush_bound), count(m >= f.overflow_bound)]
     return torch.stack(passes)
+
+
+def _block_scaled(a: Tensor, f: BlockFormat, tensor_amax: Optional[Tensor]) -> Tensor:
+    """|x| values ``a`` (fp32, one chunk: a whole number of blocks but for the tensor's tail) times their blocks'
+    multipliers. Blocks are consecutive elements in memory order: for a row-major matrix whose rows are a multiple of
+    the block (every layer MX and NVFP4 can run), exactly the row blocks the real casts use. Non-finite values are
+    reported apart and set no scale."""
+    pad = -a.numel() % f.block_size
+    blocks = torch.nn.functional.pad(a, (0, pad)).view(-1, f.block_size)
+    amax = torch.where(blocks <= torch.finfo(a.dtype).max, blocks, 0.0).amax(-1)
+    return (blocks * f.block_multipliers(amax, tensor_amax)[:, None]).view(-1)[: a.numel()]
+
+
+def _elementwise(fmt: FormatLike, caller: str) -> NumberFormat:
+    f = get_format(fmt)
+    if isinstance(f, BlockFormat):
+        raise ValueError(f"`{caller}` takes one scale per tensor; {f.name} scales each block of {f.block_size} itself."
+                         f" Use `underflow_stats(x, {f.name!r})`.")
+    return f
+
+
+def _tensor_amax(flat: Tensor, formats: Sequence[AnyFormat]) -> Optional[Tensor]:
+    """The largest finite magnitude of the tensor, when a format has a per-tensor scale (NVFP4): one more pass."""
+    if not any(isinstance(f, BlockFormat) and f.tensor_scale for f in formats):
+        return None
+    amax = torch.zeros((), device=flat.device)
+    for chunk in _chunks(flat):
+        a = _magnitudes(chunk)
+        amax = torch.maximum(amax, torch.where(a <= torch.finfo(a.dtype).max, a, 0.0).amax().float())
+    return amax
 
 
 def _stats_from_counts(numel: Tensor, counts: Tensor, n_formats: int) -> list[CastStats]:
@@ -161,18 +197,24 @@ def cast_stats(tensor: Tensor, fmt: FormatLike, scale: Union[float, Tensor] = 1.
 
 
 def multi_format_stats(
-    tensor: Tensor, formats: Iterable[FormatLike], scale: Union[float, Tensor] = 1.0
+    tensor: Tensor, formats: Iterable[FormatLike], scale: Union[float, Tensor] = 1.0,
+    tensor_amax: Optional[Tensor] = None,
 ) -> dict[str, CastStats]:
     """``cast_stats`` for several formats at once: one compare-and-count pass per count over each chunk, temporaries
-    bounded by the chunk (see ``CHUNK``), nothing read from the device."""
+    bounded by the chunk (see ``CHUNK``), nothing read from the device. ``tensor_amax`` sets NVFP4's tensor scale when
+    ``tensor`` is a sample of a larger tensor (by default, its own largest finite magnitude)."""
     fmts = [get_format(f) for f in formats]
     flat = measurable_values(tensor)
+    if tensor_amax is None:
+        tensor_amax = _tensor_amax(flat, fmts)
+    if tensor_amax is not None and (isinstance(scale, Tensor) or scale != 1.0):
+        tensor_amax = tensor_amax * scale
     total = None
     for chunk in _chunks(flat):
         a = _magnitudes(chunk)
         if isinstance(scale, Tensor) or scale != 1.0:
             a = a.mul_(scale)  # a tensor scale stays on the device
-        counts = _counts(a, fmts)
+        counts = _counts(a, fmts, tensor_amax)
         total = counts if total is None else total + counts
     numel = torch.zeros((), dtype=torch.int64, device=flat.device) + flat.numel()
     if total is None:
@@ -183,7 +225,7 @@ def multi_format_stats(
 def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[Union[float, Tensor]]) -> list[CastStats]:
     """``cast_stats`` of one tensor at several scales (per-element scale tensors allowed): |x| and the counts of zeros
     and of non-finite values are computed once, then two compare-and-count passes per scale."""
-    f = get_format(fmt)
+    f = _elementwise(fmt, "multi_scale_stats")
     flat = measurable_values(tensor)
     shared = per_scale = None
     for start in range(0, flat.numel(), CHUNK):
@@ -213,10 +255,11 @@ def gradient_stats(
     fp16 counts of ``tensor * scale`` when a scale is given, and the exponent histogram of the unscaled values."""
     fmts = [get_format(f) for f in formats]
     flat = measurable_values(tensor)
+    tensor_amax = _tensor_amax(flat, fmts)
     total = scaled_total = hist = None
     for chunk in _chunks(flat):
         a = _magnitudes(chunk)
-        counts = _counts(a, fmts)
+        counts = _counts(a, fmts, tensor_amax)
         total = counts if total is None else total + counts
         hist = _histogram_add(hist, a)
         if scale is not None:
@@ -241,7 +284,9 @@ def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, T
 
     Args:
         tensors: a tensor, an iterable of tensors, or a mapping name -> tensor (e.g. parameter gradients).
-        fmt: ``"fp16"``, ``"bf16"``, ``"e4m3fn"``, ``"e5m2"``, ``"tf32"``, ``"fp32"``, a dtype or a ``NumberFormat``.
+        fmt: ``"fp16"``, ``"bf16"``, ``"e4m3fn"``, ``"e5m2"``, ``"tf32"``, ``"fp32"``, a dtype or a ``NumberFormat``;
+            or a block-scaled format (``"mxfp8"``, ``"mxfp8_floor"``, ``"nvfp4"``), each block of consecutive elements
+            cast at its own scale (NVFP4's tensor scale from the tensor's own largest finite magnitude).
         scale: multiplied in before the cast, e.g. the loss scale, to ask "would ``g * S`` flush?".
 
     Returns:
@@ -304,7 +349,7 @@ def recommend_loss_scale(
     ``2**-max_log2_scale`` could overflow, the largest safe scale below it: a scale is never recommended that overflows
     what was seen.
     """
-    f = get_format(fmt)
+    f = _elementwise(fmt, "recommend_loss_scale")
     hist = histogram.detach().double().cpu()
     total = hist.sum().item()
     if total == 0:

@@ -103,6 +103,15 @@ def test_what_if_fractions_equal_underflow_stats():
             assert float(logged[f"{key}/underflow"]) == pytest.approx(float(stats.underflow_fraction))
             assert float(logged[f"{key}/overflow"]) == pytest.approx(float(stats.overflow_fraction))
     assert float(logged["precision/fp8_whatif/input/current/underflow"]) > 0  # not vacuous
+    # Block-scaled what-if: each layer's tensor cast to MXFP8 / NVFP4 (each block at its own scale) by underflow_stats.
+    for tensor in ("input", "weight", "grad_output"):
+        for fmt in ("mxfp8", "nvfp4"):
+            key = f"precision/fp8_whatif/{tensor}/{fmt}"
+            direct = sum_stats([underflow_stats(ref.tensors[n][tensor], fmt).total for n in logger.layers])
+            assert float(logged[f"{key}/underflow"]) == pytest.approx(float(direct.underflow_fraction))
+            assert float(logged[f"{key}/overflow"]) == pytest.approx(float(direct.overflow_fraction))
+    # The 1e-7 column shares its blocks with O(1) inputs: both block formats flush it, as the per-tensor cast does.
+    assert float(logged["precision/fp8_whatif/input/nvfp4/underflow"]) > 0
 
 
 def test_what_if_sample_is_evenly_spaced_contiguous_runs():
@@ -203,6 +212,9 @@ def test_writes_to_a_real_logger(tmp_path):
         ({"what_if_sample": 2.5}, r"what_if_sample=2\.5.*positive number"),
         ({"what_if": "yes"}, r"what_if='yes'.*True or False"),
         ({"save_dir": 3}, r"save_dir=3.*folder path"),
+        ({"block_formats": "mxfp8"}, r"block_formats='mxfp8'.*tuple of block-scaled"),
+        ({"block_formats": ("e4m3fn",)}, r"block_formats=\('e4m3fn',\).*tuple of block-scaled"),
+        ({"block_formats": ("fp7",)}, r"block_formats=\('fp7',\).*tuple of block-scaled"),
     ],
 )
 def test_more_bad_arguments(kwargs, match):

@@ -104,6 +104,21 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert int(other.histogram.sum()) > int(monitor.histogram.sum()) > 0  # resumed from, then added to
 
 
+def test_block_scaled_what_if_on_a_bf16_fit():
+    """A bf16 run asks "would MXFP8 or NVFP4 lose these gradients?": the logged fractions are the block casts' own
+    counts on the same gradients (each block at its own scale), and NVFP4's 4-bit elements lose more than MXFP8's."""
+    monitor = GradientUnderflowMonitor(formats=("bf16", "mxfp8", "nvfp4"), top_k=0, warn_threshold=1.0)
+    capture = GradCapture()
+    t = trainer(BF16MixedPrecision(), max_steps=2, log_every_n_steps=2, callbacks=[monitor, capture])
+    t.fit(TinyGrads(), loader(make_data(2)))
+    logged = t.callback_metrics
+    for fmt in ("mxfp8", "nvfp4"):
+        direct = underflow_stats(capture.grads[-1], fmt).total
+        assert float(logged[f"precision/underflow/{fmt}"]) == pytest.approx(float(direct.underflow_fraction))
+        assert float(logged[f"precision/overflow/{fmt}"]) == pytest.approx(float(direct.overflow_fraction))
+    assert float(logged["precision/underflow/nvfp4"]) > float(logged["precision/underflow/mxfp8"])
+
+
 def test_fabric_loop_uses_the_same_methods():
     plugin = L.fabric.plugins.precision.Precision()  # plain fp32 Fabric
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -16,9 +17,11 @@ from lightning_precision._checks import is_positive_int
 from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision.callbacks._cadence import check_every, on_cadence
-from lightning_precision.formats import FORMATS
+from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
 from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS, functional_linears
-from lightning_precision.functional import delayed_scale, measurable_values, multi_scale_stats
+from lightning_precision.functional import CastStats, delayed_scale, measurable_values, multi_format_stats, multi_scale_stats
+
+_BLOCK_ALIGN = 32  # a multiple of every block format's block size
 
 _FP8_MAX = torch.tensor([FORMATS[HYBRID_FORMAT[t]].max for t in TENSORS])
 
@@ -34,7 +37,22 @@ def block_sample(t: Tensor, limit: Optional[int], block: int = 1024) -> Tensor:
     block = max(1, min(block, limit))
     count = max(1, limit // block)
     step = max(block, (n - block) // max(count - 1, 1))
+    step -= step % _BLOCK_ALIGN  # runs start on MXFP8/NVFP4 block boundaries, so the block what-if sees real blocks
     return flat.unfold(0, block, step)[:count].reshape(-1)
+
+
+def _block_format(name: str) -> object:
+    try:
+        return get_format(name)
+    except ValueError:
+        return None
+
+
+def _sum(stats: Iterable[CastStats]) -> CastStats:
+    total, *rest = stats
+    for s in rest:
+        total = total + s
+    return total
 
 
 def _values(weight: Tensor) -> Tensor:
@@ -77,7 +95,9 @@ class AmaxHistoryLogger(Callback):
     At the logging cadence it writes to the Trainer's loggers (and ``last_metrics``) ``precision/amax/<tensor>/<layer>``,
     ``precision/fp8_scale/<tensor>/<layer>`` and, with ``what_if=True``, the underflow and overflow fractions of each
     tensor cast to fp8 (e4m3fn for input and weight, e5m2 for gradients) with the delayed scale versus the current
-    (just-in-time) scale: ``precision/fp8_whatif/<tensor>/<delayed|current>/<underflow|overflow>``. Nothing is read from
+    (just-in-time) scale: ``precision/fp8_whatif/<tensor>/<delayed|current>/<underflow|overflow>``, and of the same
+    tensors cast to each block-scaled format in ``block_formats`` (each block at its own scale, NVFP4's tensor scale
+    from the tensor's amax): ``precision/fp8_whatif/<tensor>/<mxfp8|nvfp4>/<underflow|overflow>``. Nothing is read from
     the device on other steps. Layers whose forward never ran (``nn.MultiheadAttention.out_proj``, whose weight the
     attention uses directly, or a layer the model skips) are left out of the logs and the plot: they have no amax.
 
@@ -90,6 +110,8 @@ class AmaxHistoryLogger(Callback):
         what_if_sample: compute them on at most this many elements per tensor, taken as evenly spaced contiguous runs;
             ``None`` uses every element. At 2**16 a fraction p is estimated within about ``2 * sqrt(p / 65536)``;
             whole weight matrices would make the logging step cost several ordinary steps.
+        block_formats: block-scaled formats the what-if also asks about (``"mxfp8"``, ``"mxfp8_floor"``,
+            ``"nvfp4"``; ``()`` for none): would this run's tensors survive MXFP8 or NVFP4?
         save_dir: if set, ``amax_history.pt`` and ``amax_history.png`` are written there at the end of training (the
             folder is checked at setup, before any step).
     """
@@ -105,6 +127,7 @@ class AmaxHistoryLogger(Callback):
         what_if: bool = True,
         what_if_sample: Optional[int] = 2**16,
         save_dir: Optional[str] = None,
+        block_formats: Sequence[str] = ("mxfp8", "nvfp4"),
     ) -> None:
         owner = "AmaxHistoryLogger"
         if not is_positive_int(history_len) or history_len > self.MAX_HISTORY_LEN:
@@ -121,6 +144,10 @@ class AmaxHistoryLogger(Callback):
         if what_if_sample is not None and not is_positive_int(what_if_sample):
             raise ValueError(f"`{owner}(what_if_sample={what_if_sample!r})`: a positive number of elements, e.g. 65536,"
                              " or None for all.")
+        if isinstance(block_formats, str) or not all(
+                isinstance(f, str) and isinstance(_block_format(f), BlockFormat) for f in block_formats):
+            raise ValueError(f"`{owner}(block_formats={block_formats!r})`: a tuple of block-scaled formats from"
+                             f" {tuple(BLOCK_FORMATS)}, or ().")
         if save_dir is not None and not isinstance(save_dir, (str, os.PathLike)):
             raise ValueError(f"`{owner}(save_dir={save_dir!r})`: a folder path, or None.")
         self.history_len = history_len
@@ -129,6 +156,7 @@ class AmaxHistoryLogger(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.what_if = what_if
         self.what_if_sample = what_if_sample
+        self.block_formats = tuple(get_format(f).name for f in block_formats)
         self.save_dir = save_dir
         self.layers: list[str] = []
         # A ring of history_len rows [layers, 3]; `_pos` is the slot of the step in progress, so the history in
@@ -262,7 +290,11 @@ class AmaxHistoryLogger(Callback):
             lengths = torch.tensor([part.numel() for _, part in parts], device=sample.device)
             rows = torch.tensor([i for i, _ in parts], device=sample.device)
             scales = [s[rows, k].repeat_interleave(lengths) for s in (delayed, jit)]
-            for kind, stats in zip(("delayed", "current"), multi_scale_stats(sample, HYBRID_FORMAT[tensor], scales)):
+            per_kind = dict(zip(("delayed", "current"), multi_scale_stats(sample, HYBRID_FORMAT[tensor], scales)))
+            if self.block_formats:  # each layer's sample at its own blocks, NVFP4 scaled by that tensor's amax
+                per_layer = [multi_format_stats(part, self.block_formats, tensor_amax=current[i, k]) for i, part in parts]
+                per_kind.update({f: _sum(layer[f] for layer in per_layer) for f in self.block_formats})
+            for kind, stats in per_kind.items():
                 out[f"precision/fp8_whatif/{tensor}/{kind}/underflow"] = stats.underflow_fraction
                 out[f"precision/fp8_whatif/{tensor}/{kind}/overflow"] = stats.overflow_fraction
         self._last_whatif = out
