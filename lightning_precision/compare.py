@@ -34,7 +34,14 @@ from typing_extensions import override
 
 from lightning_precision._io import check_writable_dir
 from lightning_precision._report import NOISY
-from lightning_precision.mfu import choose_peak, compute_kind, model_flops_per_step, parse_peak_override
+from lightning_precision.mfu import (
+    choose_peak,
+    compute_kind,
+    mfu,
+    model_flops_per_step,
+    parse_peak_override,
+    plugin_compute_dtype,
+)
 from lightning_precision.recipes import RECIPES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8", "fp8-auto")
@@ -293,7 +300,7 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callabl
         "grad_underflow_fp16": float(underflow) if underflow is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
         # what the plugin's matmuls ran in (an fp8 plugin says fp8 only for real fp8 layers): MFU's peak
-        "compute_dtype": str(getattr(trainer.precision_plugin, "peak_flops_dtype", torch.float32)),
+        "compute_dtype": str(plugin_compute_dtype(trainer.precision_plugin)),
         **_fp8_layers(trainer.precision_plugin),
     }
 
@@ -523,8 +530,8 @@ def add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Nam
         peak = choose_peak(meta["device"], kind, args.peak_overrides)
         row.update(compute_kind=kind, peak_tflops=peak.tflops, peak_source=peak.source)
         if flops:
-            achieved = flops / (row["median_step_ms"] / 1e3) / 1e12
-            row.update(achieved_tflops=achieved, mfu=achieved / peak.tflops if peak.tflops else None)
+            achieved, fraction = mfu(flops, row["median_step_ms"] / 1e3, peak.tflops)
+            row.update(achieved_tflops=achieved, mfu=fraction)
 
 
 def add_speedups(rows: list[dict[str, Any]], runs: dict[str, Run], steps: int) -> None:

@@ -8,6 +8,8 @@ and finds none for an "NVIDIA H200"; the names here are matched most specific fi
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -111,20 +113,62 @@ def parse_peak_override(text: str) -> dict[str, float]:
     return pairs
 
 
-def choose_peak(device: str, kind: str, overrides: Optional[Mapping[str, float]] = None) -> PeakChoice:
+def choose_peak(device: str, kind: str, overrides: Optional[Mapping[str, float]] = None,
+                option: str = "--peak-tflops") -> PeakChoice:
     """The peak for ``kind`` on ``device`` ("cpu" or a CUDA device name): the override, else the table, else None with
-    why."""
+    why. ``option`` is how the caller's user gives an override (the command line's flag, a callback's argument)."""
     if overrides and kind in overrides:
-        return PeakChoice(overrides[kind], "--peak-tflops", kind)
+        return PeakChoice(overrides[kind], option, kind)
+    # What the user can do about a missing peak: give one, or (overrides without this kind) give this kind too.
+    hint = (f"{option} names no {kind} peak (only {', '.join(overrides)})" if overrides
+            else f"pass {option} to set one")
     if device == "cpu":
-        return PeakChoice(None, "n/a on a CPU: no table of CPU peaks (vector units, clocks and cores vary too much);"
-                                " pass --peak-tflops to set one", kind)
+        return PeakChoice(None, f"n/a on a CPU: no table of CPU peaks (vector units, clocks and cores vary too much);"
+                                f" {hint}", kind)
     peak = device_peak(device)
     if peak is None:
-        return PeakChoice(None, f"n/a: {device!r} is not in the table; pass --peak-tflops", kind)
+        return PeakChoice(None, f"n/a: {device!r} is not in the table; {hint}", kind)
     if kind not in peak.tflops:
         return PeakChoice(None, f"n/a: the {peak.name} has no {kind} tensor cores", kind)
     return PeakChoice(peak.tflops[kind], f"{peak.name} {kind} ({peak.source})", kind)
+
+
+def peak_device_name(device: torch.device) -> str:
+    """The name ``choose_peak`` looks a device up by: the CUDA device's name, "cpu" for the CPU, else the device type
+    (no table: MFU is n/a there without an override)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+# Lightning's own plugins name no `peak_flops_dtype`: their precision string says what their matmuls run in.
+_DTYPE_OF_PRECISION = (("bf16", torch.bfloat16), ("16", torch.float16), ("transformer-engine", torch.int8),
+                       ("64", torch.float64))
+
+
+def plugin_compute_dtype(plugin: Any) -> torch.dtype:
+    """The dtype a precision plugin's matmuls count against: this package's plugins say it (``peak_flops_dtype``, which
+    an fp8 plugin changes once ``layers="auto"`` has chosen); for others, from Lightning's precision string
+    ("bf16-mixed"/"bf16-true": bf16, "16-mixed"/"16-true": fp16, "transformer-engine*": Lightning's fp8 key
+    ``torch.int8``, "64-true": fp64), else fp32."""
+    dtype = getattr(plugin, "peak_flops_dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    precision = str(getattr(plugin, "precision", ""))
+    return next((d for prefix, d in _DTYPE_OF_PRECISION if precision.startswith(prefix)), torch.float32)
+
+
+def mfu(flops_per_step: float, seconds_per_step: float, peak_tflops: Optional[float]) -> tuple[float, Optional[float]]:
+    """``(achieved TFLOP/s, MFU)`` of a step of ``flops_per_step`` FLOPs taking ``seconds_per_step``: MFU is the
+    fraction of ``peak_tflops`` achieved, None without a peak. Per device: pass one device's FLOPs, time and peak."""
+    for name, value in (("flops_per_step", flops_per_step), ("seconds_per_step", seconds_per_step)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            raise ValueError(f"mfu: {name} must be a positive, finite number, not {value!r}")
+    if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, numbers.Real)
+                                    or not 0 < peak_tflops < math.inf):
+        raise ValueError(f"mfu: peak_tflops must be a positive, finite number or None, not {peak_tflops!r}")
+    achieved = flops_per_step / seconds_per_step / 1e12
+    return achieved, (achieved / peak_tflops if peak_tflops is not None else None)
 
 
 def model_flops_per_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> int:

@@ -3,6 +3,7 @@
 from lightning_precision.callbacks.amax import AmaxHistoryLogger
 from lightning_precision.callbacks.channels_last import ChannelsLast, apply_channels_last, to_channels_last
 from lightning_precision.callbacks.guard import FP8Guard, GuardEvent
+from lightning_precision.callbacks.mfu import MFUMonitor, MFUWindow
 from lightning_precision.callbacks.underflow import GradientUnderflowMonitor
 
 __all__ = [
@@ -11,6 +12,8 @@ __all__ = [
     "FP8Guard",
     "GradientUnderflowMonitor",
     "GuardEvent",
+    "MFUMonitor",
+    "MFUWindow",
     "apply_channels_last",
     "to_channels_last",
 ]
