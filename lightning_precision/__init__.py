@@ -7,7 +7,13 @@ Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric p
 import lightning_precision.accelerators  # noqa: F401  (registers accelerator='xpu')
 from lightning_precision.fabric._scaler import SkippedStepsError
 from lightning_precision.plan import PlanRule, PrecisionPlan
-from lightning_precision.plugins import BF16MixedPrecision, FP8Precision, FP16MixedPrecision, XPUPrecision
+from lightning_precision.plugins import (
+    BF16MixedPrecision,
+    FP8Precision,
+    FP16MixedPrecision,
+    NVFP4Precision,
+    XPUPrecision,
+)
 from lightning_precision.warnings import NoEffectWarning
 
 __version__ = "0.1.0"
@@ -16,6 +22,7 @@ __all__ = [
     "BF16MixedPrecision",
     "FP16MixedPrecision",
     "FP8Precision",
+    "NVFP4Precision",
     "NoEffectWarning",
     "PlanRule",
     "PrecisionPlan",

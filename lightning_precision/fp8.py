@@ -27,8 +27,20 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 TENSORS = ("input", "weight", "grad_output")
 HYBRID_FORMAT = {"input": "e4m3fn", "weight": "e4m3fn", "grad_output": "e5m2"}
 
-TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 TE_RECIPES = ("delayed", "current", "mxfp8", "block")
+# NVFP4 is not fp8: its own plugin (NVFP4Precision) names it; the TE table below holds it beside the fp8 recipes.
+TE_NVFP4 = "nvfp4"
+
+# The GEMM dims a recipe needs divisible: 16 for fp8 tensor cores; a block-scaled recipe's block size (MXFP8 casts
+# blocks of 32 along K in the forward and along N and the tokens in the backward; NVFP4 blocks of 16, and Transformer
+# Engine asks 32 of its NVFP4 GEMMs' dims).
+_DIVISOR = {"mxfp8": 32, TE_NVFP4: 32}
+BLOCK_SCALED = tuple(_DIVISOR)
+
+
+def gemm_divisor(recipe_name: str) -> int:
+    return _DIVISOR.get(recipe_name, 16)
 BACKENDS = ("torchao", "transformer_engine")
 
 # Below these GEMM sizes fp8 is slower than bf16: the cast and scale kernels cost more than the faster matmul saves.
@@ -89,7 +101,8 @@ def select_fp8_layers(
 ) -> list[LayerDecision]:
     """Decide, for every ``nn.Linear`` in ``module``, whether it runs in fp8. Rules, in order:
 
-    1. GEMM dims (in and out features) must be divisible by 16: the fp8 tensor-core requirement. Always applied.
+    1. GEMM dims (in and out features) must be divisible by 16, the fp8 tensor-core requirement, or by the block of a
+       block-scaled recipe (32 for MXFP8 and NVFP4, ``gemm_divisor``). Always applied.
     2. A layer whose forward never runs (``nn.MultiheadAttention.out_proj``) stays as it is. Always applied.
     3. ``module_filter(module, fqn)``, when given, decides alone for the rest.
     4. Otherwise the first and last linear layers in registration order, among those that run as modules (rule 2's
@@ -108,10 +121,11 @@ def select_fp8_layers(
     runs = [fqn for fqn, linear, _ in linears if id(linear) not in functional]
     edge = {runs[-1]: "last", runs[0]: "first"} if runs else {}  # a lone layer: "first"
     decisions = []
+    divisor = gemm_divisor(recipe_name)
     for fqn, linear, aliases in linears:
         n, k = linear.out_features, linear.in_features
-        if n % 16 or k % 16:
-            fp8, reason = False, f"dims {k}x{n} not divisible by 16 (fp8 GEMM requirement)"
+        if n % divisor or k % divisor:
+            fp8, reason = False, f"dims {k}x{n} not divisible by {divisor} ({recipe_name} GEMM requirement)"
         elif id(linear) in functional:
             fp8, reason = False, functional[id(linear)]
         elif module_filter is not None:
@@ -255,14 +269,16 @@ def demote_torchao_layer(layer: nn.Module) -> None:
     recompiles (it guards on the module's type). ``Float8Linear`` is an ``nn.Linear`` holding the same ``weight`` and
     ``bias``; only its forward differs."""
     Float8Linear = _imports.import_quietly("torchao.float8.float8_linear").Float8Linear
-    if type(layer) is not Float8Linear:
-        raise TypeError(f"demote_torchao_layer: {type(layer).__name__} is not torchao's Float8Linear.")
+    if type(layer) is not Float8Linear and not getattr(layer, _MXFP8, False):
+        raise TypeError(f"demote_torchao_layer: {type(layer).__name__} is not torchao's Float8Linear nor an MXFP8 layer.")
     if type(layer.weight) is not nn.Parameter:  # float8 all-gather's weight subclass casts in every forward
         raise RuntimeError("demote_torchao_layer: the layer's weight is a torchao tensor subclass (float8 all-gather"
                            " under FSDP2); it cannot return to high precision in place.")
     for handle in getattr(layer, _INFERENCE_HOOKS, ()):
         handle.remove()
     layer.__dict__.pop(_INFERENCE_HOOKS, None)
+    for attribute in (_MXFP8, "kernel_preference", "scale_calculation_mode", "wgrad_with_hp", "_mxfp8_fallbacks"):
+        layer.__dict__.pop(attribute, None)
     layer.__class__ = nn.Linear
 
 
@@ -281,20 +297,27 @@ def torchao_config(recipe: Any, emulate: bool) -> Any:
             " (see the compatibility table in the README)."
         ) from err
 
+    if isinstance(recipe, MXFP8Recipe):
+        return dataclasses.replace(recipe, emulate=True) if emulate else recipe
+    if recipe == "mxfp8":
+        _mxfp8_linear()  # fails now, with the version, if this torchao has no MXFP8 training layer
+        return MXFP8Recipe(emulate=emulate)
     if isinstance(recipe, Float8LinearConfig):
         config = recipe
     elif isinstance(recipe, str) and recipe in TORCHAO_RECIPES:
         config = Float8LinearConfig.from_recipe_name(recipe)
     else:
         raise ValueError(
-            f"`FP8Precision(backend='torchao', recipe={recipe!r})`: use one of {TORCHAO_RECIPES} or a"
-            " `torchao.float8.Float8LinearConfig`."
+            f"`FP8Precision(backend='torchao', recipe={recipe!r})`: use one of {TORCHAO_RECIPES}, a"
+            " `torchao.float8.Float8LinearConfig` or a `lightning_precision.fp8.MXFP8Recipe`."
         )
     return dataclasses.replace(config, emulate=True) if emulate and not config.emulate else config
 
 
 def torchao_recipe_name(config: Any) -> str:
-    """The threshold family of a torchao config: per-tensor scaling or finer."""
+    """The threshold family of a torchao config: per-tensor scaling, finer, or MXFP8."""
+    if isinstance(config, MXFP8Recipe):
+        return "mxfp8"
     ScalingGranularity = _imports.import_quietly("torchao.float8.config").ScalingGranularity
 
     granularity = config.cast_config_input.scaling_granularity
@@ -307,10 +330,96 @@ def convert_with_torchao(module: nn.Module, config: Any, decisions: list[LayerDe
     convert_to_float8_training = _imports.import_quietly("torchao.float8").convert_to_float8_training
 
     chosen = {d.fqn for d in decisions if d.fp8}
+    if isinstance(config, MXFP8Recipe):
+        for fqn, m, _ in _linear_layers(module):
+            if fqn in chosen:
+                to_mxfp8_linear(m, config)
+        return module
     # torchao's public verb converts a bare nn.Linear into its Float8Linear, reusing weight and bias.
     replacements = {id(m): convert_to_float8_training(m, config=config) for fqn, m, _ in _linear_layers(module)
                     if fqn in chosen}
     return replace_modules(module, replacements)
+
+
+@dataclass(frozen=True)
+class MXFP8Recipe:
+    """torchao's MXFP8 training (``torchao.prototype.moe_training``'s ``MXFP8Linear``): e4m3 with an e8m0 scale per
+    32 elements, the scale rounded up (``"rceil"``), for input, weight and gradients. ``emulate`` runs the same casts
+    with torch ops (any device); ``wgrad_with_hp`` computes the weight gradient in high precision."""
+
+    emulate: bool = False
+    wgrad_with_hp: bool = False
+
+
+_MXFP8 = "_lightning_precision_mxfp8"
+MXFP8_TOKENS = 32  # the backward casts the tokens (batch x sequence) in blocks of 32 too
+
+
+def _mxfp8_linear() -> Any:
+    """torchao's MXFP8 training layer, or an error naming what this torchao lacks. It moved between torchao releases
+    (``mx_formats.mx_linear.MXLinear`` up to 0.11); one API is supported, the current one."""
+    _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", "FP8Precision(recipe='mxfp8')")
+    try:
+        return _imports.import_quietly("torchao.prototype.moe_training.mxfp8_linear")
+    except Exception as err:
+        raise ImportError(
+            f"FP8Precision(backend='torchao', recipe='mxfp8') needs torchao's MXFP8 training layer"
+            f" (torchao.prototype.moe_training.mxfp8_linear.MXFP8Linear), which torchao"
+            f" {_imports.version_of('torchao')} does not have ({type(err).__name__}: {err}). Upgrade torchao, or use"
+            " backend='transformer_engine' on a GPU with compute capability >= 10.0."
+        ) from err
+
+
+def to_mxfp8_linear(layer: nn.Linear, recipe: MXFP8Recipe) -> None:
+    """Make ``layer`` compute in MXFP8, in place (the same module and Parameters, as ``demote_torchao_layer`` undoes)."""
+    mx = _mxfp8_linear()
+    kernels = _imports.import_quietly("torchao.quantization.quantize_.common").KernelPreference
+    modes = _imports.import_quietly("torchao.prototype.mx_formats.config").ScaleCalculationMode
+    layer.kernel_preference = kernels.EMULATED if recipe.emulate else kernels.AUTO
+    layer.scale_calculation_mode = modes.RCEIL
+    layer.wgrad_with_hp = recipe.wgrad_with_hp
+    layer._mxfp8_fallbacks = 0
+    setattr(layer, _MXFP8, True)
+    layer.__class__ = _autocast_mxfp8_class(mx.MXFP8Linear)
+
+
+_MXFP8_CLASS: dict[type, type] = {}
+
+
+def _autocast_mxfp8_class(base: type) -> type:
+    """torchao's ``MXFP8Linear`` under autocast: its matmul takes input and weight as they come (an fp32 weight beside
+    a bf16 input fails; fp32 inputs compute in fp32), and its backward needs the tokens in blocks of 32. This subclass
+    casts both to the autocast dtype, as ``Float8Linear`` does, and runs a step whose tokens are not a multiple of 32
+    (an epoch's last, short batch) in high precision with a warning instead of failing mid-run."""
+    if base not in _MXFP8_CLASS:
+
+        class AutocastMXFP8Linear(base):
+            def forward(self, input: torch.Tensor) -> torch.Tensor:
+                device = input.device.type
+                dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else input.dtype
+                tokens = input.numel() // max(input.shape[-1], 1)
+                if tokens % MXFP8_TOKENS:
+                    self._mxfp8_fallbacks += 1
+                    if self._mxfp8_fallbacks == 1:
+                        warn(f"MXFP8: a batch of {tokens} tokens (not a multiple of {MXFP8_TOKENS}) ran in {dtype} in"
+                             " this layer; MXFP8's backward casts tokens in blocks of 32. Make batch x sequence a"
+                             " multiple of 32 (or drop_last=True) to keep every step in MXFP8.", NoEffectWarning)
+                    return nn.functional.linear(input, self.weight, self.bias)
+                with torch.autocast(device, enabled=False):
+                    return _mxfp8_forward(self, input.to(dtype), self.weight.to(dtype))
+
+        _MXFP8_CLASS[base] = AutocastMXFP8Linear
+    return _MXFP8_CLASS[base]
+
+
+def _mxfp8_forward(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``MXFP8Linear.forward`` with the weight in the input's dtype: torchao's forward passes ``self.weight`` as is,
+    so its (prototype) matmul function is called directly, as that forward does."""
+    mx = _mxfp8_linear()
+    output = mx._to_mxfp8_then_scaled_mm(input, weight, kernel_preference=layer.kernel_preference,
+                                        scale_calculation_mode=layer.scale_calculation_mode,
+                                        wgrad_with_hp=layer.wgrad_with_hp)
+    return output if layer.bias is None else output + layer.bias.to(output.dtype)
 
 
 def with_float8_all_gather(config: Any) -> Any:
@@ -341,34 +450,40 @@ def _te():
     return te, te_recipe
 
 
-def te_recipe(recipe: Any) -> Any:
-    """A Transformer Engine recipe from a name (``"delayed"``, ``"current"``, ``"mxfp8"``, ``"block"``), a mapping
-    ``{"name": ..., **recipe_kwargs}``, or a recipe object (returned as is)."""
+# Transformer Engine's recipe classes by our names: the one table `te_recipe` and `te_recipe_name` read.
+_TE_RECIPE_CLASSES = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "mxfp8": "MXFP8BlockScaling",
+    "block": "Float8BlockScaling",
+    TE_NVFP4: "NVFP4BlockScaling",
+}
+
+
+def te_recipe(recipe: Any, owner: str = "FP8Precision") -> Any:
+    """A Transformer Engine recipe from a name (``"delayed"``, ``"current"``, ``"mxfp8"``, ``"block"``, ``"nvfp4"``),
+    a mapping ``{"name": ..., **recipe_kwargs}``, or a recipe object (returned as is)."""
     _, recipes = _te()
-    classes = {
-        "delayed": recipes.DelayedScaling,
-        "current": recipes.Float8CurrentScaling,
-        "mxfp8": recipes.MXFP8BlockScaling,
-        "block": recipes.Float8BlockScaling,
-    }
     if isinstance(recipe, recipes.Recipe):
         return recipe
-    if isinstance(recipe, str) and recipe in classes:
-        return classes[recipe]()
-    if isinstance(recipe, Mapping) and recipe.get("name") in classes:
-        kwargs = {k: v for k, v in recipe.items() if k != "name"}
-        return classes[recipe["name"]](**kwargs)
+    name = recipe if isinstance(recipe, str) else recipe.get("name") if isinstance(recipe, Mapping) else None
+    if name in _TE_RECIPE_CLASSES:
+        cls = getattr(recipes, _TE_RECIPE_CLASSES[name], None)
+        if cls is None:
+            raise ImportError(f"`{owner}(recipe={name!r})`: Transformer Engine {_imports.version_of('transformer-engine')}"
+                              f" has no {_TE_RECIPE_CLASSES[name]}; upgrade Transformer Engine.")
+        kwargs = {k: v for k, v in recipe.items() if k != "name"} if isinstance(recipe, Mapping) else {}
+        return cls(**kwargs)
     raise ValueError(
-        f"`FP8Precision(backend='transformer_engine', recipe={recipe!r})`: use one of {TE_RECIPES}, a mapping such as"
-        " {'name': 'delayed', 'amax_history_len': 16}, or a `transformer_engine.common.recipe` object."
+        f"`{owner}(backend='transformer_engine', recipe={recipe!r})`: use one of {TE_RECIPES + (TE_NVFP4,)}, a mapping"
+        " such as {'name': 'delayed', 'amax_history_len': 16}, or a `transformer_engine.common.recipe` object."
     )
 
 
 def te_recipe_name(recipe: Any) -> str:
     _, recipes = _te()
-    for name, cls in (("delayed", "DelayedScaling"), ("current", "Float8CurrentScaling"),
-                      ("mxfp8", "MXFP8BlockScaling"), ("block", "Float8BlockScaling")):
-        if isinstance(recipe, getattr(recipes, cls)):
+    for name, cls in _TE_RECIPE_CLASSES.items():
+        if hasattr(recipes, cls) and isinstance(recipe, getattr(recipes, cls)):
             return name
     return "custom"
 
@@ -435,7 +550,7 @@ def _adopt_parameters(new: nn.Module, old: nn.Module) -> None:
 # ---- hardware --------------------------------------------------------------------------------------------------------
 
 
-# fp8 tensor cores: Ada and Hopper (8.9, 9.0); MXFP8 block scaling: Blackwell (10.0).
+# fp8 tensor cores: Ada and Hopper (8.9, 9.0); MXFP8 and NVFP4 block scaling: Blackwell (10.0).
 FP8_MIN_CAPABILITY = (8, 9)
 MXFP8_MIN_CAPABILITY = (10, 0)
 
@@ -449,9 +564,10 @@ def fp8_gpu_available() -> bool:
     return torch.cuda.is_available() and fp8_capable(torch.cuda.get_device_capability())
 
 
-def check_fp8_hardware(device_type: str, backend: str, recipe_name: str, emulate: bool) -> None:
-    """fp8 GEMMs need CUDA compute capability >= 8.9 (Ada, Hopper), MXFP8 >= 10.0 (Blackwell); ``emulate=True``
-    (torchao only) runs the same numerics anywhere."""
+def check_fp8_hardware(device_type: str, backend: str, recipe_name: str, emulate: bool,
+                       owner: str = "FP8Precision") -> None:
+    """fp8 GEMMs need CUDA compute capability >= 8.9 (Ada, Hopper), MXFP8 and NVFP4 >= 10.0 (Blackwell);
+    ``emulate=True`` (torchao only) runs the same numerics anywhere."""
     if emulate:
         if backend != "torchao":
             raise ValueError(
@@ -459,16 +575,19 @@ def check_fp8_hardware(device_type: str, backend: str, recipe_name: str, emulate
                 " Use `backend='torchao'` to emulate fp8 numerics without an fp8 GPU."
             )
         return
-    need = MXFP8_MIN_CAPABILITY if recipe_name == "mxfp8" else FP8_MIN_CAPABILITY
+    need = MXFP8_MIN_CAPABILITY if recipe_name in BLOCK_SCALED else FP8_MIN_CAPABILITY
     if device_type != "cuda":
+        emulation = " Pass `emulate=True` (torchao backend) to run the fp8 numerics emulated here." \
+            if recipe_name != TE_NVFP4 else " NVFP4 has no emulation here: measure what it would lose with" \
+            " `GradientUnderflowMonitor(formats=('nvfp4',))` on a bf16 run."
         raise RuntimeError(
-            f"FP8Precision needs a CUDA GPU with compute capability >= {need[0]}.{need[1]} for fp8 matmuls; the model"
-            f" is on {device_type!r}. Pass `emulate=True` (torchao backend) to run the fp8 numerics emulated here."
+            f"{owner} ({recipe_name}) needs a CUDA GPU with compute capability >= {need[0]}.{need[1]}; the model is"
+            f" on {device_type!r}.{emulation}"
         )
     found = torch.cuda.get_device_capability()
     if found < need:
         raise RuntimeError(
-            f"FP8Precision ({recipe_name}) needs CUDA compute capability >= {need[0]}.{need[1]}, found"
+            f"{owner} ({recipe_name}) needs CUDA compute capability >= {need[0]}.{need[1]}, found"
             f" {torch.cuda.get_device_name()!r} with {found[0]}.{found[1]}. Use `BF16MixedPrecision()` on this GPU,"
             " or `FP8Precision(emulate=True)` to check fp8 numerics (slowly)."
         )

@@ -59,6 +59,12 @@ class Float8BlockScaling(Recipe):
 
 
 @dataclass
+class NVFP4BlockScaling(Recipe):
+    fp4_format: str = "E2M1"
+    disable_rht: bool = False
+
+
+@dataclass
 class _Scaling:
     amax_history: torch.Tensor
     scale: torch.Tensor
@@ -125,7 +131,8 @@ def install(monkeypatch) -> types.ModuleType:
     recipe = types.ModuleType("transformer_engine.common.recipe")
     for name in ("Linear", "LayerNorm", "autocast"):
         setattr(pytorch, name, globals()[name])
-    for name in ("Recipe", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling", "Format"):
+    for name in ("Recipe", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling",
+                 "Format"):
         setattr(recipe, name, globals()[name])
     root.pytorch, root.common, common.recipe = pytorch, common, recipe
     for name, mod in [("transformer_engine", root), ("transformer_engine.pytorch", pytorch),

@@ -144,3 +144,31 @@ def test_auto_measures_through_torchao_and_converts_the_accepted_layers_to_te(te
                         callbacks=[FP8Guard()], max_steps=1, logger=False, enable_checkpointing=False)
     with pytest.raises(ValueError, match="FP8Guard: Transformer Engine layers cannot return"):
         trainer.fit(BoringModel())
+
+
+def test_nvfp4_has_its_own_plugin_with_block_rules_and_a_blackwell_check(te, monkeypatch):
+    """NVFP4 through TE's NVFP4BlockScaling (stand-in: TE needs CUDA). It is 4-bit, so `FP8Precision` refuses it and
+    `NVFP4Precision` takes only it; its layers need dims divisible by 32, and the GPU compute capability 10.0."""
+    import lightning_precision
+    from lightning_precision.fp8 import check_fp8_hardware
+
+    plugin = lp_fabric.NVFP4Precision(recipe={"name": "nvfp4", "disable_rht": True})
+    assert isinstance(plugin.recipe, te_standin.NVFP4BlockScaling) and plugin.recipe.disable_rht
+    assert plugin.recipe_name == "nvfp4" and plugin.backend == "transformer_engine"
+    assert isinstance(lightning_precision.NVFP4Precision(), lightning_precision.FP8Precision)  # the Trainer's
+    with pytest.raises(ValueError, match="NVFP4 is 4-bit, not fp8: use `NVFP4Precision"):
+        FP8Precision(backend="transformer_engine", recipe="nvfp4")
+    with pytest.raises(ValueError, match="`NVFP4Precision` takes|FP8Precision` takes the fp8 ones"):
+        lp_fabric.NVFP4Precision(recipe="delayed")
+
+    fabric = L.Fabric(accelerator="cpu", devices=1,
+                      plugins=[lp_fabric.NVFP4Precision(skip_small_layers=False, skip_first_last=False)])
+    with pytest.raises(RuntimeError, match=r"NVFP4Precision \(nvfp4\) needs a CUDA GPU.*10\.0.*formats=\('nvfp4',\)"):
+        fabric.setup(nn.Sequential(nn.Linear(64, 64)))(torch.randn(2, 64))  # the device is known at the first forward
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48), nn.Linear(48, 64), nn.Linear(64, 64))
+    decisions = select_fp8_layers(model, "nvfp4", module_filter=lambda m, fqn: True)
+    assert [d.fp8 for d in decisions] == [True, False, False, True]  # 48 is a multiple of 16, not of 32
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    with pytest.raises(RuntimeError, match=r"NVFP4Precision \(nvfp4\) needs CUDA compute capability >= 10\.0.*H200"):
+        check_fp8_hardware("cuda", "transformer_engine", "nvfp4", emulate=False, owner="NVFP4Precision")

@@ -86,8 +86,9 @@ class FP8Precision(_AutocastPrecision):
     Args:
         backend: ``"torchao"`` (default; ``convert_to_float8_training``) or ``"transformer_engine"``
             (``te.autocast(recipe=...)``, TE >= 2.9; ``nn.Linear``/``nn.LayerNorm`` replaced by TE modules).
-        recipe: torchao: ``"tensorwise"`` (default), ``"rowwise"``, ``"rowwise_with_gw_hp"`` or a
-            ``Float8LinearConfig``. TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``, ``"block"``, a mapping
+        recipe: torchao: ``"tensorwise"`` (default), ``"rowwise"``, ``"rowwise_with_gw_hp"``, a
+            ``Float8LinearConfig``, or ``"mxfp8"`` (torchao's MXFP8 training layer; compute capability >= 10.0, or
+            ``emulate=True``; dims divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``, ``"block"``, a mapping
             ``{"name": "delayed", "amax_history_len": 16, ...}`` or a TE recipe object.
         emulate: run torchao's fp8 numerics without fp8 hardware (CPU included), slowly. torchao only.
         compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16).
@@ -109,6 +110,8 @@ class FP8Precision(_AutocastPrecision):
             tensor subclasses that a plain ``torch.load`` cannot read without torchao. Fabric with FSDP2: pass True.
         device, matmul_precision, reduce_dtype: as for every plugin.
     """
+
+    _nvfp4 = False  # NVFP4Precision's recipes are NVFP4's, and only those
 
     def __init__(
         self,
@@ -149,8 +152,13 @@ class FP8Precision(_AutocastPrecision):
         else:
             if emulate:
                 _fp8.check_fp8_hardware("cpu", backend, "", emulate=True)
-            self.recipe = _fp8.te_recipe(recipe if recipe is not None else "delayed")
+            self.recipe = _fp8.te_recipe(recipe if recipe is not None else "delayed", owner)
         self.recipe_name = _fp8.recipe_name_of(backend, self.recipe)
+        if (self.recipe_name == _fp8.TE_NVFP4) != self._nvfp4:
+            raise ValueError(f"`{owner}(recipe={recipe!r})`: NVFP4 is 4-bit, not fp8: use `NVFP4Precision()`."
+                             if not self._nvfp4 else
+                             f"`{owner}(recipe={recipe!r})`: an NVFP4 recipe ('nvfp4', a mapping"
+                             " {'name': 'nvfp4', ...} or TE's NVFP4BlockScaling); `FP8Precision` takes the fp8 ones.")
         if fsdp_float8_all_gather not in (None, True, False):
             raise ValueError(f"`{owner}(fsdp_float8_all_gather={fsdp_float8_all_gather!r})`: pass None, True or False.")
         if fsdp_float8_all_gather and (backend != "torchao" or self.recipe_name != "tensorwise"):
@@ -188,6 +196,10 @@ class FP8Precision(_AutocastPrecision):
             return None
         if auto:
             _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", f"{owner}(layers='auto'), which measures with torchao,")
+            if self.recipe_name in _fp8.BLOCK_SCALED:
+                raise ValueError(f"`{owner}(layers='auto', recipe={self.recipe_name!r})`: the measurement casts per tensor"
+                                 " or per row, not in blocks; choose the layers with a plan, `module_filter`, or the"
+                                 " shape rules. `underflow_stats(x, 'mxfp8')` measures block-scaled casts.")
             if self.fsdp_float8_all_gather:
                 raise ValueError(f"`{owner}(layers='auto', fsdp_float8_all_gather=True)`: layers cannot be chosen"
                                  " during sharded training. Measure first and pass the plan: see docs/plan.md.")
@@ -444,7 +456,7 @@ class FP8Precision(_AutocastPrecision):
     @override
     def _on_device_resolved(self, device_type: str) -> None:
         if any(d.fp8 for d in self.layer_decisions):
-            _fp8.check_fp8_hardware(device_type, self.backend, self.recipe_name, self.emulate)
+            _fp8.check_fp8_hardware(device_type, self.backend, self.recipe_name, self.emulate, type(self).__name__)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -453,3 +465,42 @@ class FP8Precision(_AutocastPrecision):
         state["_calibration"] = None  # hooks too; a spawned process starts measuring at its own setup
         state["_root"] = None  # a weak reference; set again when the new process converts
         return state
+
+
+class NVFP4Precision(FP8Precision):
+    """NVFP4 linear layers through Transformer Engine's ``NVFP4BlockScaling`` (TE >= 2.8, compute capability >= 10.0):
+    ``Fabric(plugins=[NVFP4Precision()])``. Each block of 16 values is stored as 4-bit e2m1 (0.5 to 6) with an e4m3
+    scale, under one fp32 scale per tensor; TE adds its own safeguards (random Hadamard transforms, 2D weight blocks,
+    stochastic rounding of gradients; see its ``NVFP4BlockScaling``). Not fp8, hence its own name; everything else is
+    ``FP8Precision``'s (layer rules, with dims divisible by 32; ``nn.Linear``/``nn.LayerNorm`` replaced by TE modules).
+
+    There is no emulation: on a bf16 run, ``GradientUnderflowMonitor(formats=("nvfp4",))`` and
+    ``underflow_stats(x, "nvfp4")`` measure what NVFP4's casts would lose first.
+
+    Args:
+        recipe: ``"nvfp4"`` (default), a mapping ``{"name": "nvfp4", **NVFP4BlockScaling_kwargs}`` or TE's
+            ``NVFP4BlockScaling`` object.
+        compute_dtype, module_filter, skip_small_layers, skip_first_last, layers, device, matmul_precision,
+            reduce_dtype: as for ``FP8Precision``.
+    """
+
+    _nvfp4 = True
+
+    def __init__(
+        self,
+        recipe: Any = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        module_filter: Optional[_fp8.ModuleFilter] = None,
+        skip_small_layers: bool = True,
+        skip_first_last: bool = True,
+        device: Optional[str] = None,
+        matmul_precision: Optional[MatmulPrecision] = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        layers: Optional[PlanLike] = None,
+    ) -> None:
+        super().__init__(
+            backend="transformer_engine", recipe=recipe if recipe is not None else _fp8.TE_NVFP4,
+            compute_dtype=compute_dtype, module_filter=module_filter, skip_small_layers=skip_small_layers,
+            skip_first_last=skip_first_last, device=device, matmul_precision=matmul_precision,
+            reduce_dtype=reduce_dtype, layers=layers,
+        )

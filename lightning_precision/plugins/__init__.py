@@ -2,7 +2,7 @@
 
 from lightning_precision.plugins.bf16_mixed import BF16MixedPrecision
 from lightning_precision.plugins.fp16_mixed import FP16MixedPrecision
-from lightning_precision.plugins.fp8 import FP8Precision
+from lightning_precision.plugins.fp8 import FP8Precision, NVFP4Precision
 from lightning_precision.plugins.xpu import XPUPrecision
 
-__all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "FP8Precision", "XPUPrecision"]
+__all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "FP8Precision", "NVFP4Precision", "XPUPrecision"]

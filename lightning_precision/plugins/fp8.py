@@ -7,6 +7,7 @@ from lightning.fabric.utilities.types import Optimizable
 from typing_extensions import override
 
 from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
+from lightning_precision.fabric.fp8 import NVFP4Precision as _FabricNVFP4Precision
 from lightning_precision.plugins._trainer import _TrainerAutocast
 
 
@@ -26,3 +27,8 @@ class FP8Precision(_TrainerAutocast, _FabricFP8Precision):
         output = super().optimizer_step(optimizer, model, closure, **kwargs)
         self._after_optimizer_step()
         return output
+
+
+class NVFP4Precision(FP8Precision, _FabricNVFP4Precision):
+    """NVFP4 linear layers through Transformer Engine for the Trainer: ``Trainer(plugins=[NVFP4Precision()])``. Same
+    arguments as :class:`lightning_precision.fabric.NVFP4Precision`; compute capability >= 10.0."""
