@@ -236,6 +236,8 @@ _INFERENCE_EXITS = threading.local()
 
 
 def _leave_inference_mode(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # see _restore_inference_mode
     stack = getattr(_INFERENCE_EXITS, "stack", None)
     if stack is None:
         stack = _INFERENCE_EXITS.stack = []
@@ -249,6 +251,11 @@ def _leave_inference_mode(module: nn.Module, args: Any) -> None:
 
 
 def _restore_inference_mode(module: nn.Module, args: Any, output: Any) -> None:
+    # Under torch.compile both hooks are traced with the layer's call and do nothing: reading the inference mode is a
+    # graph break, which split a compiled fp8 model at every fp8 layer. A compiled graph traced under inference mode
+    # runs torchao's casts as traced ops, which work there (tested), so nothing needs to leave it.
+    if torch.compiler.is_compiling():
+        return
     exits = _INFERENCE_EXITS.stack.pop()
     if exits is not None:
         exits.close()

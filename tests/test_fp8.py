@@ -336,3 +336,34 @@ def test_module_filter_with_the_wrong_arity_fails_at_construction():
     with pytest.raises(ValueError, match=r"module_filter=3.*callable"):
         FP8Precision(emulate=True, module_filter=3)
     FP8Precision(emulate=True, module_filter=lambda module, fqn, *rest: True)  # compatible signatures pass
+
+
+def test_compiled_fp8_layers_do_not_break_the_graph_and_evaluate_under_inference_mode():
+    """The inference-mode hooks on each fp8 layer read the mode, which is a graph break for torch.compile: a compiled
+    fp8 model was split at every fp8 layer (3 breaks for the 3 layers here). Under compilation they now do nothing;
+    an AOT-compiled graph (aot_eager, as inductor traces) runs torchao's casts under inference mode as traced ops."""
+    import torch._dynamo
+
+    from lightning_precision.fp8 import run_outside_inference_mode
+
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    import dataclasses
+
+    convert_to_float8_training(net, config=dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
+                                                               emulate=True))
+    for layer in net:
+        if isinstance(layer, Float8Linear):
+            run_outside_inference_mode(layer)
+
+    def forward(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return net(x)
+
+    x = torch.randn(16, 64)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(forward)(x).graph_break_count == 0
+    compiled = torch.compile(forward, backend="aot_eager")
+    with torch.inference_mode():
+        expected = forward(x)  # eager: the hooks leave inference mode for each fp8 layer
+        torch.testing.assert_close(compiled(x), expected)
+    torch._dynamo.reset()
