@@ -1,5 +1,5 @@
-"""What the benchmarks share: a step timer, and ResNet18 (He et al. 2016, torchvision's layout) without torchvision,
-so the benchmarks run on a bare CPU install."""
+"""What the benchmarks share: a step timer, and ResNet18 and ResNet50 (He et al. 2016, torchvision's layout) without
+torchvision, so the benchmarks run on a bare CPU install."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+
+from lightning_precision.recipes.vision import Bottleneck
 
 # Steps dropped from the start of every fit (allocator and thread-pool warm-up).
 WARMUP = 5
@@ -28,6 +30,8 @@ class StepTimer(Callback):
 
 
 class BasicBlock(nn.Module):
+    expansion = 1  # output channels per unit of width (the package's Bottleneck has 4)
+
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
@@ -46,14 +50,31 @@ class BasicBlock(nn.Module):
         return self.relu(self.bn2(self.conv2(out)) + self.down(x))
 
 
-def resnet18(num_classes: int = 10) -> nn.Module:
-    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
-    cin = 64
-    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
+def resnet(block: type[nn.Module], depths: tuple[int, ...], num_classes: int = 10, base_width: int = 64,
+           channels: int = 3) -> nn.Module:
+    """torchvision's ResNet layout: a 7x7 stem and max-pool, stages of ``depths`` blocks whose width doubles from
+    ``base_width`` (the first block of every stage after the first halves the resolution), pooling, a linear head.
+    ``block(cin, width, stride)`` outputs ``width * block.expansion`` channels."""
+    layers: list[nn.Module] = [nn.Conv2d(channels, base_width, 7, 2, 3, bias=False), nn.BatchNorm2d(base_width),
+                               nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+    cin = base_width
+    for i, depth in enumerate(depths):
+        width = base_width * 2**i
+        for b in range(depth):
+            layers.append(block(cin, width, 2 if b == 0 and i > 0 else 1))
+            cin = width * block.expansion
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
     return nn.Sequential(*layers)
+
+
+def resnet18(num_classes: int = 10) -> nn.Module:
+    return resnet(BasicBlock, (2, 2, 2, 2), num_classes)
+
+
+def resnet50(num_classes: int = 1000, base_width: int = 64, channels: int = 3) -> nn.Module:
+    """ResNet50: bottleneck blocks (the package's, also behind its ResNet50 recipe) in stages of 3, 4, 6, 3;
+    ``base_width`` 64 is the standard network, smaller widths keep the layout for quick CPU runs."""
+    return resnet(Bottleneck, (3, 4, 6, 3), num_classes, base_width, channels)
 
 
 class ResNet18Module(L.LightningModule):
