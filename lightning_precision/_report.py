@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 from lightning_precision.warnings import warn
 
-COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "MFU", "peak mem MB", "final loss", "val acc",
+COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "final loss", "val acc",
            "fp16 underflow", "skipped")
-CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "samples_per_s", "achieved_tflops", "mfu",
+CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "samples_per_s", "units_per_s", "achieved_tflops", "mfu",
                "peak_tflops", "speedup", "speedup_q1", "speedup_q3", "speedup_resolved", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
                "skipped_steps", "steps_done", "emulated", "noisy", "error"]
 # Interquartile range / median of a run's step times above which it is flagged as measured on a busy machine. Steps
@@ -25,6 +25,11 @@ SAME_ACCURACY = 0.01  # the least difference of validation accuracies the verdic
 
 def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
+
+
+def columns(meta: dict[str, Any]) -> tuple[str, ...]:
+    """The table's headers: the throughput column is named after the recipe's unit (tokens/s, images/s)."""
+    return tuple(f"{meta.get('unit') or 'units'}/s" if c == "units/s" else c for c in COLUMNS)
 
 
 def cells(row: dict[str, Any]) -> list[str]:
@@ -42,6 +47,7 @@ def cells(row: dict[str, Any]) -> list[str]:
         + (f" [{row['speedup_q1']:.2f}-{row['speedup_q3']:.2f}]" if "speedup_q1" in row else "")
         + (" emulated" if row.get("emulated") and speedup is not None else ""),
         _fmt(row["samples_per_s"], ".0f"),
+        _fmt(row.get("units_per_s"), ".0f"),
         _fmt(row["mfu"] * 100, ".1f", "%") if row.get("mfu") is not None else "n/a",
         _fmt(row.get("peak_memory_mb"), ".0f"),
         _fmt(row.get("final_loss"), ".3f"),
@@ -166,7 +172,7 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], console: Any) 
 
     title = f"{meta['recipe']}: {meta['task']} | {meta['steps']} steps, batch {meta['batch_size']}, {meta['device']}"
     table = Table(title=title + (" | INTERRUPTED: partial results" if meta.get("interrupted") else ""))
-    for column in COLUMNS:
+    for column in columns(meta):
         table.add_column(column, justify="left" if column == "precision" else "right")
     for row in rows:
         table.add_row(*(Text(c, style="red" if "error" in row and i < 2 else "") for i, c in enumerate(cells(row))))
@@ -188,7 +194,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]
         f"- Packages: {packages}",
         f"- Command: `{meta.get('command', 'lightning-precision compare')}`",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
+        "| " + " | ".join(columns(meta)) + " |",
         "|" + "|".join("---" if c == "precision" else "---:" for c in COLUMNS) + "|",
     ]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]

@@ -502,27 +502,33 @@ def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interr
     return row
 
 
-def measure_flops(args: argparse.Namespace) -> Optional[int]:
-    """The recipe's FLOPs per training step (forward and backward of one batch, in fp32 on the CPU): the same for every
-    precision, so it is measured once, before the runs. None if it cannot be counted."""
+def measure_batch(args: argparse.Namespace) -> dict[str, Any]:
+    """What one training batch of the recipe costs and holds, the same for every precision, so measured once before the
+    runs: ``model_flops_per_step`` (forward and backward, in fp32 on the CPU; None if it cannot be counted) and
+    ``units_per_batch`` with its ``unit`` (tokens or images)."""
+    recipe = RECIPES[args.recipe]
     data_args = {"batch_size": args.batch_size, "seed": args.seed}
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
+    out: dict[str, Any] = {"model_flops_per_step": None, "unit": recipe.unit, "units_per_batch": None}
     try:
-        model, (batch,) = RECIPES[args.recipe].training_batches(1, data_args)
-        return model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
+        model, (batch,) = recipe.training_batches(1, data_args)
+        out["units_per_batch"] = recipe.units(batch)
+        out["model_flops_per_step"] = model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
     except Exception as err:  # a model flop_counter cannot trace: MFU is then n/a, the comparison still runs
         warnings.warn(f"compare: the model's FLOPs could not be counted ({type(err).__name__}: {err}); MFU is n/a.")
-        return None
+    return out
 
 
 def add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
     """Achieved TFLOP/s (the model's FLOPs per step over the median step time) and MFU against the device's dense
     peak for the run's compute kind (``lightning_precision.mfu``), with the peak's source or why there is none."""
-    flops = meta.get("model_flops_per_step")
+    flops, units = meta.get("model_flops_per_step"), meta.get("units_per_batch")
     for row in rows:
         if "median_step_ms" not in row:
             continue
+        if units:  # tokens or images per second: what a recipe's readers compare, beside samples/s
+            row["units_per_s"] = units / (row["median_step_ms"] / 1e3)
         if row.get("compute_dtype") is None:  # a run that did not finish does not say
             row.update(peak_source="n/a: the run did not finish")
             continue
@@ -651,7 +657,7 @@ def main(argv: list[str]) -> int:
     out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
     for note in notes:
         out.print(f"note: {note}", highlight=False, markup=False)
-    meta["model_flops_per_step"] = measure_flops(args)
+    meta.update(measure_batch(args))
     doomed = {p: why for p in args.precisions if (why := precheck(p, args))}
     for p, why in doomed.items():
         out.print(f"{p} cannot run here: {why}", style="red", highlight=False, markup=False)

@@ -180,6 +180,19 @@ def test_mfu_is_the_models_flops_over_the_step_time_against_the_peak_given(tmp_p
     assert (fp32["compute_kind"], bf16["compute_kind"]) == ("fp32", "bf16")  # from each run's plugin
     printed = " ".join(capsys.readouterr().out.split())
     assert f"{bf16['mfu'] * 100:.1f}%" in printed and "32-true (fp32): n/a on a CPU" in printed
+    # Throughput in the recipe's unit: the ViT's are images, 8 a batch.
+    assert (report["meta"]["unit"], report["meta"]["units_per_batch"]) == ("images", 8)
+    assert bf16["units_per_s"] == pytest.approx(8 / (bf16["median_step_ms"] / 1e3))
+    assert "images/s" in (out / "report.md").read_text()
+
+
+def test_text_throughput_counts_tokens():
+    """DistilBERT's unit is the token: every position of the padded batch (what the model computes)."""
+    from lightning_precision.recipes import RECIPES
+
+    recipe = RECIPES["distilbert"]
+    _, (batch,) = recipe.training_batches(1, {"batch_size": 4, "seed": 0})
+    assert recipe.unit == "tokens" and recipe.units(batch) == 4 * recipe.data_args["max_length"] == batch[0].numel()
 
 
 def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, monkeypatch):

@@ -28,6 +28,14 @@ class Recipe:
     # The learning task of the embedded default, and its chance accuracy.
     task: str = ""
     chance: float = 0.0
+    # What throughput counts: "tokens" (every position of the padded sequences, what the model computes, as MFU
+    # counts it) or "images".
+    unit: str = "samples"
+
+    def units(self, batch: Any) -> int:
+        """How many ``unit`` one batch holds: its inputs' elements up to the sequence (tokens) or its first dim."""
+        inputs = batch[0]
+        return int(inputs.numel()) if self.unit == "tokens" else int(inputs.shape[0])
 
     def build(self, model_args: dict[str, Any] | None = None, data_args: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
         return self.model(**{**self.model_args, **(model_args or {})}), self.data(**{**self.data_args, **(data_args or {})})
@@ -47,17 +55,17 @@ RECIPES: dict[str, Recipe] = {
     "distilbert": Recipe(
         "distilbert", DistilBertClassifier, TextClassificationData,
         {"size": "tiny"}, {"max_length": 48, "batch_size": 32, "num_samples": 4096},
-        "sentiment of generated movie reviews (2 classes)", 0.5,
+        "sentiment of generated movie reviews (2 classes)", 0.5, "tokens",
     ),
     "vit": Recipe(
         "vit", ViTClassifier, ImageClassificationData,
         {"size": "tiny", "num_classes": 10, "channels": 3}, {"image_size": 32, "channels": 3, "num_classes": 10},
-        "orientation of generated gratings, 32x32 RGB (10 classes)", 0.1,
+        "orientation of generated gratings, 32x32 RGB (10 classes)", 0.1, "images",
     ),
     "resnet50": Recipe(
         "resnet50", ResNet50Classifier, ImageClassificationData,
         {"size": "tiny", "num_classes": 10, "channels": 1}, {"image_size": 28, "channels": 1, "num_classes": 10},
-        "orientation of generated gratings, FashionMNIST-shaped 1x28x28 (10 classes)", 0.1,
+        "orientation of generated gratings, FashionMNIST-shaped 1x28x28 (10 classes)", 0.1, "images",
     ),
 }
 
