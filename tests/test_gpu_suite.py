@@ -33,6 +33,33 @@ common = _load("_common")
 INJECTED = ("vit", "fp8-rowwise compiled")
 
 
+def _rowwise_emulates_on_cpu() -> bool:
+    """torchao 0.11 cannot emulate the rowwise recipe under CPU autocast (its float8 tensor has no rowwise cast there;
+    docs/plugins/fp8.md): the suite then records those rows as failed, which is what it should do."""
+    import dataclasses
+
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return False
+
+    net = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(16, 16)), config=dataclasses.replace(
+        Float8LinearConfig.from_recipe_name("rowwise"), emulate=True))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            net(torch.randn(16, 16)).float().sum().backward()
+    except (AssertionError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+ROWWISE_OK = _rowwise_emulates_on_cpu()
+
+
+def _expected_ok(key: tuple[str, str]) -> bool:
+    return key != INJECTED and (ROWWISE_OK or "rowwise" not in key[1])
+
+
 def _oom_for_one_row(make_plugin):
     """``make_plugin`` that fails the way an out-of-memory fit does, for the row ``INJECTED`` only."""
 
@@ -60,7 +87,8 @@ def test_every_planned_row_ran_with_a_finite_positive_step_time(smoke):
     assert set(smoke["rows"]) == planned
     assert len(planned) == 6 + 8 + 6 + 4  # resnet50, encoder, vit, monitors
     for key, row in smoke["rows"].items():
-        if key == INJECTED:
+        if not _expected_ok(key):
+            assert row["status"] == "failed" and row["reason"]
             continue
         assert row["status"] == "ok", (key, row["reason"])
         assert math.isfinite(row["ms_per_step"]) and row["ms_per_step"] > 0, key
@@ -93,7 +121,7 @@ def test_mfu_is_null_with_a_reason_on_cpu_but_flops_are_counted(smoke):
 
 def test_fp8_rows_ran_emulated_with_converted_layers(smoke):
     fp8 = [r for r in smoke["json"]["rows"] if r["precision"].startswith("fp8") and r["status"] == "ok"]
-    assert len(fp8) == 7  # encoder 4, vit 3 (one injected failure)
+    assert len(fp8) == (7 if ROWWISE_OK else 4)  # encoder 4, vit 3 (one injected failure); rowwise where it emulates
     for row in fp8:
         assert row["fp8_emulated"] is True
         assert 0 < row["fp8_layers"] < row["linear_layers"]  # the heads (dims not divisible by 16) stay high precision

@@ -110,7 +110,7 @@ def test_block_rules_demotion_and_refusals():
                                          "mxfp8", module_filter=lambda m, fqn: True)
     assert [d.fp8 for d in decisions] == [False, True, False]
     assert "not divisible by 32" in decisions[0].reason
-    # FP8Guard's in-place move back to high precision works on an MXFP8 layer too.
+    # The in-place move back to high precision (FP8Precision.demote) works on an MXFP8 layer too.
     layer = nn.Linear(64, 64)
     weight = layer.weight
     lp_fp8.to_mxfp8_linear(layer, lp_fp8.MXFP8Recipe(emulate=True))
@@ -118,6 +118,14 @@ def test_block_rules_demotion_and_refusals():
     assert type(layer) is nn.Linear and layer.weight is weight and not hasattr(layer, "kernel_preference")
     with pytest.raises(ValueError, match="casts per tensor or per row, not in blocks"):
         FP8Precision(recipe="mxfp8", emulate=True, layers="auto")
+    # FP8Guard measures per-tensor casts: it would judge MXFP8 layers by the wrong numerics, so it refuses before a step.
+    from lightning_precision.callbacks import FP8Guard
+
+    model = Net()
+    with pytest.raises(ValueError, match="not in the blocks of mxfp8"):
+        trainer(FP8Precision(recipe="mxfp8", emulate=True, skip_small_layers=False), max_steps=2,
+                callbacks=[FP8Guard(every_n_steps=1)]).fit(model, data(2))
+    assert model.losses == []
     with pytest.raises(ValueError, match="tensorwise scaling only"):
         FP8Precision(recipe="mxfp8", emulate=True, fsdp_float8_all_gather=True)
 

@@ -17,6 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_precision import fp8 as _fp8
 from lightning_precision._checks import is_positive_int
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.plan import PlanRule, PrecisionPlan, _suffix, demotions, measured_numbers
@@ -31,6 +32,10 @@ def _check_movable(plugin: Any) -> None:
     if plugin.backend != "torchao":
         raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place; use"
                          " `FP8Precision(backend='torchao')`, or pass a plan (`layers='plan.yaml'`).")
+    if plugin.recipe_name in _fp8.BLOCK_SCALED:
+        raise ValueError(f"FP8Guard: its measurement casts per tensor or per row, not in the blocks of {plugin.recipe_name};"
+                         " it would judge these layers by the wrong numerics. Watch them with"
+                         f" `GradientUnderflowMonitor(formats=({plugin.recipe_name!r},))` instead.")
     if getattr(plugin, "_float8_all_gather", False):
         raise ValueError("FP8Guard: these fp8 layers all-gather their weights in fp8 (`fsdp_float8_all_gather`), whose"
                          " weights are torchao tensor subclasses that cannot return to high precision in place. Leave"
