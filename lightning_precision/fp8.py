@@ -235,9 +235,17 @@ def warn_never_ran(paths: list[str]) -> None:
 _INFERENCE_EXITS = threading.local()
 
 
+def _compiled_training() -> bool:
+    """Under torch.compile with gradients on (training), the hooks do nothing: reading the inference mode is a graph
+    break, which split a compiled fp8 model at every fp8 layer. Both checks are traced without a break, and grad mode is
+    the same at both hooks of a call in that case, so they stay paired. Evaluation (gradients off) still leaves
+    inference mode, a break per fp8 layer: torch 2.7's AOT graph cannot run torchao's casts under inference mode."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
+
+
 def _leave_inference_mode(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling():
-        return  # see _restore_inference_mode
+    if _compiled_training():
+        return
     stack = getattr(_INFERENCE_EXITS, "stack", None)
     if stack is None:
         stack = _INFERENCE_EXITS.stack = []
@@ -251,10 +259,7 @@ def _leave_inference_mode(module: nn.Module, args: Any) -> None:
 
 
 def _restore_inference_mode(module: nn.Module, args: Any, output: Any) -> None:
-    # Under torch.compile both hooks are traced with the layer's call and do nothing: reading the inference mode is a
-    # graph break, which split a compiled fp8 model at every fp8 layer. A compiled graph traced under inference mode
-    # runs torchao's casts as traced ops, which work there (tested), so nothing needs to leave it.
-    if torch.compiler.is_compiling():
+    if _compiled_training():
         return
     exits = _INFERENCE_EXITS.stack.pop()
     if exits is not None:

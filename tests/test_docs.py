@@ -48,12 +48,23 @@ def _xpu() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
+def _torchao_mxfp8() -> bool:
+    from lightning_precision import fp8
+
+    try:
+        fp8._mxfp8_linear()
+    except ImportError:
+        return False
+    return True
+
+
 # marker -> (is it here?, what is missing when it is not)
 REQUIRES = {
     "cuda": (_cuda, "needs a CUDA GPU"),
     "fp8-gpu": (_fp8_gpu, "needs a CUDA GPU with fp8 tensor cores (compute capability >= 8.9)"),
     "transformer_engine": (_transformer_engine, "needs NVIDIA Transformer Engine and a CUDA GPU"),
     "xpu": (_xpu, "needs an Intel GPU (torch.xpu)"),
+    "torchao-mxfp8": (_torchao_mxfp8, "needs torchao's MXFP8 training layer (torchao.prototype.moe_training, after 0.11)"),
 }
 REQUIRES_RE = re.compile(r"#\s*requires:\s*(.+)")
 NOT_RUN_RE = re.compile(r"#\s*not run:\s*(.+)")

@@ -340,8 +340,9 @@ def test_module_filter_with_the_wrong_arity_fails_at_construction():
 
 def test_compiled_fp8_layers_do_not_break_the_graph_and_evaluate_under_inference_mode():
     """The inference-mode hooks on each fp8 layer read the mode, which is a graph break for torch.compile: a compiled
-    fp8 model was split at every fp8 layer (3 breaks for the 3 layers here). Under compilation they now do nothing;
-    an AOT-compiled graph (aot_eager, as inductor traces) runs torchao's casts under inference mode as traced ops."""
+    fp8 model was split at every fp8 layer in training (3 breaks for the 3 layers here). Compiled with gradients on
+    they now do nothing; evaluation under inference mode still leaves it per layer (torch 2.7's AOT graph cannot run
+    torchao's casts there) and gives the eager result."""
     import torch._dynamo
 
     from lightning_precision.fp8 import run_outside_inference_mode
