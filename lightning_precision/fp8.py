@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_precision import _fsdp, _imports
-from lightning_precision.warnings import NoEffectWarning, warn
+from lightning_precision.warnings import NoEffectWarning, deprecated, deprecated_alias, warn
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -39,8 +39,8 @@ _DIVISOR = {"mxfp8": 32, TE_NVFP4: 32}
 BLOCK_SCALED = tuple(_DIVISOR)
 
 
-def gemm_divisor(recipe_name: str) -> int:
-    return _DIVISOR.get(recipe_name, 16)
+def gemm_divisor(scaling_family: str) -> int:
+    return _DIVISOR.get(scaling_family, 16)
 BACKENDS = ("torchao", "transformer_engine")
 
 # Below these GEMM sizes fp8 is slower than bf16: the cast and scale kernels cost more than the faster matmul saves.
@@ -51,8 +51,8 @@ BACKENDS = ("torchao", "transformer_engine")
 _PER_TENSOR = ("tensorwise", "delayed", "current")
 
 
-def _too_small(recipe_name: str, n: int, k: int) -> bool:
-    if recipe_name in _PER_TENSOR:
+def _too_small(scaling_family: str, n: int, k: int) -> bool:
+    if scaling_family in _PER_TENSOR:
         return k <= 4096 and n <= 1024
     return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
@@ -94,12 +94,16 @@ def functional_linears(module: nn.Module) -> dict[int, str]:
 
 def select_fp8_layers(
     module: nn.Module,
-    recipe_name: str = "tensorwise",
+    scaling_family: str = "tensorwise",
     module_filter: Optional[ModuleFilter] = None,
     skip_small_layers: bool = True,
     skip_first_last: bool = True,
+    *,
+    recipe_name: Optional[str] = None,
 ) -> list[LayerDecision]:
-    """Decide, for every ``nn.Linear`` in ``module``, whether it runs in fp8. Rules, in order:
+    """Decide, for every ``nn.Linear`` in ``module``, whether it runs in fp8. ``scaling_family`` is what the rules
+    depend on: the per-tensor, per-row or block scaling of the recipe (``FP8Precision.scaling_family``; torchao's
+    ``rowwise_with_gw_hp`` is ``"rowwise"``); ``recipe_name=`` is its deprecated name. Rules, in order:
 
     1. GEMM dims (in and out features) must be divisible by 16, the fp8 tensor-core requirement, or by the block of a
        block-scaled recipe (32 for MXFP8 and NVFP4, ``gemm_divisor``). Always applied.
@@ -114,6 +118,9 @@ def select_fp8_layers(
 
     A layer registered under several names is decided (and converted) once, under its first name.
     """
+    if recipe_name is not None:
+        deprecated("select_fp8_layers(recipe_name=...)", "select_fp8_layers(scaling_family=...)")
+        scaling_family = recipe_name
     linears = _linear_layers(module)
     functional = functional_linears(module)
     # MultiheadAttention's out_proj is registered first in a TransformerEncoder layer but never runs: choosing it would
@@ -121,11 +128,11 @@ def select_fp8_layers(
     runs = [fqn for fqn, linear, _ in linears if id(linear) not in functional]
     edge = {runs[-1]: "last", runs[0]: "first"} if runs else {}  # a lone layer: "first"
     decisions = []
-    divisor = gemm_divisor(recipe_name)
+    divisor = gemm_divisor(scaling_family)
     for fqn, linear, aliases in linears:
         n, k = linear.out_features, linear.in_features
         if n % divisor or k % divisor:
-            fp8, reason = False, f"dims {k}x{n} not divisible by {divisor} ({recipe_name} GEMM requirement)"
+            fp8, reason = False, f"dims {k}x{n} not divisible by {divisor} ({scaling_family} GEMM requirement)"
         elif id(linear) in functional:
             fp8, reason = False, functional[id(linear)]
         elif module_filter is not None:
@@ -133,8 +140,8 @@ def select_fp8_layers(
             reason = "module_filter" if fp8 else "excluded by module_filter"
         elif skip_first_last and fqn in edge:
             fp8, reason = False, f"{edge[fqn]} linear layer that runs as a module (kept in high precision for accuracy)"
-        elif skip_small_layers and _too_small(recipe_name, n, k):
-            fp8, reason = False, f"too small to gain ({k}x{n} is under the {recipe_name} thresholds)"
+        elif skip_small_layers and _too_small(scaling_family, n, k):
+            fp8, reason = False, f"too small to gain ({k}x{n} is under the {scaling_family} thresholds)"
         else:
             fp8, reason = True, "fp8"
         decisions.append(LayerDecision(fqn, k, n, fp8, reason, aliases))
@@ -326,7 +333,7 @@ def torchao_config(recipe: Any, emulate: bool) -> Any:
     return dataclasses.replace(config, emulate=True) if emulate and not config.emulate else config
 
 
-def torchao_recipe_name(config: Any) -> str:
+def torchao_scaling_family(config: Any) -> str:
     """The threshold family of a torchao config: per-tensor scaling, finer, or MXFP8."""
     if isinstance(config, MXFP8Recipe):
         return "mxfp8"
@@ -440,10 +447,10 @@ def with_float8_all_gather(config: Any) -> Any:
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
 
 
-def float8_all_gather_possible(recipe_name: str) -> Optional[str]:
+def float8_all_gather_possible(scaling_family: str) -> Optional[str]:
     """None if torchao's float8 all-gather can run here, else why not."""
-    if recipe_name != "tensorwise":
-        return f"torchao all-gathers in fp8 with tensorwise scaling only (this recipe is {recipe_name})"
+    if scaling_family != "tensorwise":
+        return f"torchao all-gathers in fp8 with tensorwise scaling only (this recipe is {scaling_family})"
     if _fsdp.process_group_backend() == "gloo" and not _fsdp.custom_all_gather_supported():
         return (f"gloo has no float8 dtype, and torch {torch.__version__} cannot give FSDP2 the uint8 all-gather that"
                 " carries it (torch >= 2.8 can)")
@@ -462,7 +469,7 @@ def _te():
     return te, te_recipe
 
 
-# Transformer Engine's recipe classes by our names: the one table `te_recipe` and `te_recipe_name` read.
+# Transformer Engine's recipe classes by our names: the one table `te_recipe` and `te_scaling_family` read.
 _TE_RECIPE_CLASSES = {
     "delayed": "DelayedScaling",
     "current": "Float8CurrentScaling",
@@ -492,7 +499,7 @@ def te_recipe(recipe: Any, owner: str = "FP8Precision") -> Any:
     )
 
 
-def te_recipe_name(recipe: Any) -> str:
+def te_scaling_family(recipe: Any) -> str:
     _, recipes = _te()
     for name, cls in _TE_RECIPE_CLASSES.items():
         if hasattr(recipes, cls) and isinstance(recipe, getattr(recipes, cls)):
@@ -576,7 +583,7 @@ def fp8_gpu_available() -> bool:
     return torch.cuda.is_available() and fp8_capable(torch.cuda.get_device_capability())
 
 
-def check_fp8_hardware(device_type: str, backend: str, recipe_name: str, emulate: bool,
+def check_fp8_hardware(device_type: str, backend: str, scaling_family: str, emulate: bool,
                        owner: str = "FP8Precision") -> None:
     """fp8 GEMMs need CUDA compute capability >= 8.9 (Ada, Hopper), MXFP8 and NVFP4 >= 10.0 (Blackwell);
     ``emulate=True`` (torchao only) runs the same numerics anywhere."""
@@ -587,24 +594,32 @@ def check_fp8_hardware(device_type: str, backend: str, recipe_name: str, emulate
                 " Use `backend='torchao'` to emulate fp8 numerics without an fp8 GPU."
             )
         return
-    need = MXFP8_MIN_CAPABILITY if recipe_name in BLOCK_SCALED else FP8_MIN_CAPABILITY
+    need = MXFP8_MIN_CAPABILITY if scaling_family in BLOCK_SCALED else FP8_MIN_CAPABILITY
     if device_type != "cuda":
         emulation = " Pass `emulate=True` (torchao backend) to run the fp8 numerics emulated here." \
-            if recipe_name != TE_NVFP4 else " NVFP4 has no emulation here: measure what it would lose with" \
+            if scaling_family != TE_NVFP4 else " NVFP4 has no emulation here: measure what it would lose with" \
             " `GradientUnderflowMonitor(formats=('nvfp4',))` on a bf16 run."
         raise RuntimeError(
-            f"{owner} ({recipe_name}) needs a CUDA GPU with compute capability >= {need[0]}.{need[1]}; the model is"
+            f"{owner} ({scaling_family}) needs a CUDA GPU with compute capability >= {need[0]}.{need[1]}; the model is"
             f" on {device_type!r}.{emulation}"
         )
     found = torch.cuda.get_device_capability()
     if found < need:
         raise RuntimeError(
-            f"{owner} ({recipe_name}) needs CUDA compute capability >= {need[0]}.{need[1]}, found"
+            f"{owner} ({scaling_family}) needs CUDA compute capability >= {need[0]}.{need[1]}, found"
             f" {torch.cuda.get_device_name()!r} with {found[0]}.{found[1]}. Use `BF16MixedPrecision()` on this GPU,"
             " or `FP8Precision(emulate=True)` to check fp8 numerics (slowly)."
         )
 
 
-def recipe_name_of(backend: str, recipe: Any) -> str:
-    return torchao_recipe_name(recipe) if backend == "torchao" else te_recipe_name(recipe)
+def scaling_family_of(backend: str, recipe: Any) -> str:
+    """What the layer rules and hardware checks depend on: ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"`` for torchao,
+    the recipe's name for Transformer Engine."""
+    return torchao_scaling_family(recipe) if backend == "torchao" else te_scaling_family(recipe)
+
+
+# The names before issue 14: each returned a threshold family, not a recipe name.
+torchao_recipe_name = deprecated_alias(torchao_scaling_family, "torchao_recipe_name")
+te_recipe_name = deprecated_alias(te_scaling_family, "te_recipe_name")
+recipe_name_of = deprecated_alias(scaling_family_of, "recipe_name_of")
 

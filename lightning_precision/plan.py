@@ -266,11 +266,11 @@ def make_plan(
     plan ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``).
     Arguments as ``fp8_sensitivity`` and ``FP8Precision``; the weights are not updated."""
     config = _fp8.torchao_config(recipe, emulate=True)
-    recipe_name = _fp8.torchao_recipe_name(config)
+    scaling_family = _fp8.torchao_scaling_family(config)
     _fp8.check_module_filter("make_plan", module_filter)
-    decisions = _fp8.select_fp8_layers(model, recipe_name, module_filter, skip_small_layers, skip_first_last)
+    decisions = _fp8.select_fp8_layers(model, scaling_family, module_filter, skip_small_layers, skip_first_last)
     sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8], autocast_dtype)
-    return PrecisionPlan.decide(decisions, sensitivity, rule, recipe_name)
+    return PrecisionPlan.decide(decisions, sensitivity, rule, scaling_family)
 
 
 # ---- `lightning-precision plan` ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 import warnings
+from typing import Any, Callable
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -54,6 +55,23 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """
     if getattr(rank_zero_only, "rank", 0) == 0:
         warnings.warn(message, category, stacklevel=_user_stacklevel())
+
+
+def deprecated(old: str, new: str) -> None:
+    """Say once per call site that ``old`` is now ``new`` (issue 14's renames keep the old public names working)."""
+    warn(f"`{old}` is deprecated and will be removed after 0.2: use `{new}`.", DeprecationWarning)
+
+
+def deprecated_alias(function: Callable[..., Any], old: str) -> Callable[..., Any]:
+    """``function`` under its old public name: the same call, with a ``DeprecationWarning``."""
+
+    @functools.wraps(function)
+    def alias(*args: Any, **kwargs: Any) -> Any:
+        deprecated(old, function.__name__)
+        return function(*args, **kwargs)
+
+    alias.__name__ = old
+    return alias
 
 
 # Warnings of the libraries beneath us that a user of our command line can do nothing about, by message. Lightning

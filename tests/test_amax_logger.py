@@ -166,14 +166,14 @@ def test_reads_transformer_engines_own_delayed_scaling_state(monkeypatch):
 
     logger = AmaxHistoryLogger(history_len=8)
     logger.attach(nn.Sequential(layer))
-    metrics = logger.step()
+    metrics = logger.end_step()
     assert float(metrics["precision/amax/grad_output/0"]) == 0.25
     assert float(metrics["precision/fp8_scale/weight/0"]) == 20.0
     # TE's rows land in the ring in TE's order at any ring position (here the copy wraps around its end): after a
     # step, TE's row 0 (the step just done) is the newest completed row, its rows 2.. come before it
     layer.fp8_meta["scaling_fwd"].amax_history[:, 0] = torch.arange(8.0) + 1  # TE's input amax rows: 1, 2, ..., 8
     for _ in range(3):
-        logger.step(log=False)
+        logger.end_step(log=False)
     history = logger.history[:, 0, 0]  # the input amax of layer 0, TE's order
     assert history[-1] == 1.0 and torch.equal(history[1:-1], torch.arange(3.0, 9.0))
 

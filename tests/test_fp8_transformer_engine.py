@@ -58,7 +58,7 @@ def test_replaces_linear_and_layernorm_including_without_affine(te):
 
 def test_plugin_enters_te_autocast_with_its_recipe_inside_bf16_autocast(te):
     plugin = lp_fabric.FP8Precision(backend="transformer_engine", recipe={"name": "delayed", "amax_history_len": 4})
-    assert plugin.precision == "transformer-engine" and plugin.recipe_name == "delayed"
+    assert plugin.precision == "transformer-engine" and plugin.scaling_family == "delayed"
     with plugin.forward_context():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     (call,) = te_standin.AUTOCAST_CALLS
@@ -154,7 +154,7 @@ def test_nvfp4_has_its_own_plugin_with_block_rules_and_a_blackwell_check(te, mon
 
     plugin = lp_fabric.NVFP4Precision(recipe={"name": "nvfp4", "disable_rht": True})
     assert isinstance(plugin.recipe, te_standin.NVFP4BlockScaling) and plugin.recipe.disable_rht
-    assert plugin.recipe_name == "nvfp4" and plugin.backend == "transformer_engine"
+    assert plugin.scaling_family == "nvfp4" and plugin.backend == "transformer_engine"
     assert isinstance(lightning_precision.NVFP4Precision(), lightning_precision.FP8Precision)  # the Trainer's
     with pytest.raises(ValueError, match="NVFP4 is 4-bit, not fp8: use `NVFP4Precision"):
         FP8Precision(backend="transformer_engine", recipe="nvfp4")

@@ -75,7 +75,7 @@ def test_trainer_matches_a_hand_written_torchao_mxfp8_loop():
     plugin, model = FP8Precision(recipe="mxfp8", emulate=True, skip_small_layers=False), Net()
     trainer(plugin, max_steps=STEPS).fit(model, data())
     assert isinstance(model.net[2], mx.MXFP8Linear) and type(model.net[0]) is nn.Linear
-    assert plugin.recipe_name == "mxfp8" and plugin.peak_flops_dtype == torch.bfloat16  # emulated: the bf16 peak
+    assert plugin.scaling_family == "mxfp8" and plugin.peak_flops_dtype == torch.bfloat16  # emulated: the bf16 peak
     torch.testing.assert_close(model.losses, expected_losses)
     assert_params_equal(params(model.net), params(expected_net))
 

@@ -10,7 +10,7 @@ from lightning_precision._checks import is_positive_int
 from lightning_precision._lightning import batches_that_stepped, should_update_logs
 
 
-def check_every(owner: str, name: str, value: Optional[int]) -> None:
+def validate_every(owner: str, name: str, value: Optional[int]) -> None:
     if value is not None and not is_positive_int(value):
         raise ValueError(f"`{owner}({name}={value!r})`: use a positive int, or None to follow the Trainer.")
 

@@ -16,10 +16,11 @@ from typing_extensions import override
 from lightning_precision._checks import is_positive_int
 from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
-from lightning_precision.callbacks._cadence import check_every, on_cadence
+from lightning_precision.callbacks._cadence import on_cadence, validate_every
 from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
 from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS, functional_linears
 from lightning_precision.functional import CastStats, delayed_scale, measurable_values, multi_format_stats, multi_scale_stats
+from lightning_precision.warnings import deprecated
 
 _BLOCK_ALIGN = 32  # a multiple of every block format's block size
 
@@ -138,7 +139,7 @@ class AmaxHistoryLogger(Callback):
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ValueError(f"`{owner}(margin={margin!r})`: Transformer Engine's margin, a whole number of powers of two"
                              " >= 0, e.g. 0.")
-        check_every(owner, "log_every_n_steps", log_every_n_steps)
+        validate_every(owner, "log_every_n_steps", log_every_n_steps)
         if not isinstance(what_if, bool):
             raise ValueError(f"`{owner}(what_if={what_if!r})`: pass True or False.")
         if what_if_sample is not None and not is_positive_int(what_if_sample):
@@ -245,11 +246,16 @@ class AmaxHistoryLogger(Callback):
         self._capture = [{} for _ in self.layers] if on and self.what_if else None
 
     def step(self, log: bool = True, reduce_max: Any = None) -> dict[str, Tensor]:
+        """Deprecated: ``end_step`` (``step`` read like the optimizer's)."""
+        deprecated("AmaxHistoryLogger.step()", "AmaxHistoryLogger.end_step()")
+        return self.end_step(log, reduce_max)
+
+    def end_step(self, log: bool = True, reduce_max: Any = None) -> dict[str, Tensor]:
         """End a step: with ``log``, the metrics (amax, delayed scale, what-if if capturing) as device tensors; then
         the history moves on. ``reduce_max`` takes the max across processes for the logged values (as TE's
         ``reduce_amax``). On other steps: three small device ops, no host read."""
         if self._ring is None or self._last_nonzero is None:
-            raise RuntimeError("AmaxHistoryLogger.step() before attach(model): attach the model first.")
+            raise RuntimeError("AmaxHistoryLogger.end_step() before attach(model): attach the model first.")
         scale = self.scale if log else None  # in effect for this step: from the window before its amax is written
         self._flush()
         if self._te_layers:
@@ -420,7 +426,7 @@ class AmaxHistoryLogger(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         log = on_cadence(trainer, self.log_every_n_steps)
         reduce_max = (lambda t: trainer.strategy.reduce(t, reduce_op="max")) if log and trainer.world_size > 1 else None
-        metrics = self.step(log, reduce_max)
+        metrics = self.end_step(log, reduce_max)
         if log and metrics:
             # Straight to the loggers in one device read: per-layer keys are many, and `self.log` costs about a
             # millisecond per key on CPU (more than the statistics themselves).

@@ -32,10 +32,10 @@ def _check_movable(plugin: Any) -> None:
     if plugin.backend != "torchao":
         raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place; use"
                          " `FP8Precision(backend='torchao')`, or pass a plan (`layers='plan.yaml'`).")
-    if plugin.recipe_name in _fp8.BLOCK_SCALED:
-        raise ValueError(f"FP8Guard: its measurement casts per tensor or per row, not in the blocks of {plugin.recipe_name};"
+    if plugin.scaling_family in _fp8.BLOCK_SCALED:
+        raise ValueError(f"FP8Guard: its measurement casts per tensor or per row, not in the blocks of {plugin.scaling_family};"
                          " it would judge these layers by the wrong numerics. Watch them with"
-                         f" `GradientUnderflowMonitor(formats=({plugin.recipe_name!r},))` instead.")
+                         f" `GradientUnderflowMonitor(formats=({plugin.scaling_family!r},))` instead.")
     if getattr(plugin, "_float8_all_gather", False):
         raise ValueError("FP8Guard: these fp8 layers all-gather their weights in fp8 (`fsdp_float8_all_gather`), whose"
                          " weights are torchao tensor subclasses that cannot return to high precision in place. Leave"
@@ -140,7 +140,7 @@ class FP8Guard(Callback):
         path = Path(path) if path is not None else (self.plan_path or self._fit_path)
         if path is None or rank_zero_only.rank != 0 or not plugin.layer_decisions:
             return None
-        plan = plugin.plan or PrecisionPlan.from_decisions(plugin.layer_decisions, plugin.recipe_name)
+        plan = plugin.plan or PrecisionPlan.from_decisions(plugin.layer_decisions, plugin.scaling_family)
         path.parent.mkdir(parents=True, exist_ok=True)
         return plan.save(path)
 

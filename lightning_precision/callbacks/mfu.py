@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision._lightning import batches_that_stepped
-from lightning_precision.callbacks._cadence import check_every, on_cadence
+from lightning_precision.callbacks._cadence import on_cadence, validate_every
 from lightning_precision.mfu import (
     KINDS,
     PeakChoice,
@@ -183,7 +183,7 @@ class MFUMonitor(Callback):
                              " micro-batch, or a function `(batch) -> FLOPs`.")
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"`{_OWNER}(loss_fn={loss_fn!r})`: a function `(module, batch) -> loss tensor`.")
-        check_every(_OWNER, "log_every_n_steps", log_every_n_steps)
+        validate_every(_OWNER, "log_every_n_steps", log_every_n_steps)
         if isinstance(keep_windows, bool) or not isinstance(keep_windows, int) or keep_windows < 1:
             raise ValueError(f"`{_OWNER}(keep_windows={keep_windows!r})`: a positive int.")
         self.flops_per_batch = flops_per_batch

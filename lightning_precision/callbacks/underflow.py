@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_precision._fsdp import is_sharded, local_shard
 from lightning_precision._lightning import unwrapped_name
-from lightning_precision.callbacks._cadence import check_every, on_cadence
+from lightning_precision.callbacks._cadence import on_cadence, validate_every
 from lightning_precision.fabric._scaler import ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format
 from lightning_precision.functional import (
@@ -188,8 +188,8 @@ class GradientUnderflowMonitor(Callback):
         if not isinstance(formats, Iterable) or not list(formats):
             raise ValueError(f"`{owner}(formats={formats!r})`: name at least one format, e.g. ('fp16',) or 'fp16'.")
         self.formats = tuple(get_format(f).name for f in formats)
-        check_every(owner, "measure_every_n_steps", measure_every_n_steps)
-        check_every(owner, "log_every_n_steps", log_every_n_steps)
+        validate_every(owner, "measure_every_n_steps", measure_every_n_steps)
+        validate_every(owner, "log_every_n_steps", log_every_n_steps)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"`{owner}(top_k={top_k!r})`: a whole number of modules, 0 (no per-layer keys) or more.")
         _check_fraction("warn_threshold", warn_threshold)

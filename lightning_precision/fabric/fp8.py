@@ -19,7 +19,7 @@ from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, as_plan
 from lightning_precision.sensitivity import SensitivityProbe, sum_across_processes
-from lightning_precision.warnings import NoEffectWarning, warn
+from lightning_precision.warnings import NoEffectWarning, deprecated, warn
 
 _PRECISION_OF = {
     # Lightning's standard strings: strategies and ThroughputMonitor read them. The torchao backend keeps the
@@ -153,18 +153,18 @@ class FP8Precision(_AutocastPrecision):
             if emulate:
                 _fp8.check_fp8_hardware("cpu", backend, "", emulate=True)
             self.recipe = _fp8.te_recipe(recipe if recipe is not None else "delayed", owner)
-        self.recipe_name = _fp8.recipe_name_of(backend, self.recipe)
-        if (self.recipe_name == _fp8.TE_NVFP4) != self._nvfp4:
+        self.scaling_family = _fp8.scaling_family_of(backend, self.recipe)
+        if (self.scaling_family == _fp8.TE_NVFP4) != self._nvfp4:
             raise ValueError(f"`{owner}(recipe={recipe!r})`: NVFP4 is 4-bit, not fp8: use `NVFP4Precision()`."
                              if not self._nvfp4 else
                              f"`{owner}(recipe={recipe!r})`: an NVFP4 recipe ('nvfp4', a mapping"
                              " {'name': 'nvfp4', ...} or TE's NVFP4BlockScaling); `FP8Precision` takes the fp8 ones.")
         if fsdp_float8_all_gather not in (None, True, False):
             raise ValueError(f"`{owner}(fsdp_float8_all_gather={fsdp_float8_all_gather!r})`: pass None, True or False.")
-        if fsdp_float8_all_gather and (backend != "torchao" or self.recipe_name != "tensorwise"):
+        if fsdp_float8_all_gather and (backend != "torchao" or self.scaling_family != "tensorwise"):
             raise ValueError(
                 f"`{owner}(fsdp_float8_all_gather=True)`: torchao all-gathers in fp8 with tensorwise scaling only; this"
-                f" plugin uses {backend} ({self.recipe_name}). Use `backend='torchao', recipe='tensorwise'`, or leave"
+                f" plugin uses {backend} ({self.scaling_family}). Use `backend='torchao', recipe='tensorwise'`, or leave"
                 " `fsdp_float8_all_gather` unset."
             )
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
@@ -196,8 +196,8 @@ class FP8Precision(_AutocastPrecision):
             return None
         if auto:
             _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", f"{owner}(layers='auto'), which measures with torchao,")
-            if self.recipe_name in _fp8.BLOCK_SCALED:
-                raise ValueError(f"`{owner}(layers='auto', recipe={self.recipe_name!r})`: the measurement casts per tensor"
+            if self.scaling_family in _fp8.BLOCK_SCALED:
+                raise ValueError(f"`{owner}(layers='auto', recipe={self.scaling_family!r})`: the measurement casts per tensor"
                                  " or per row, not in blocks; choose the layers with a plan, `module_filter`, or the"
                                  " shape rules. `underflow_stats(x, 'mxfp8')` measures block-scaled casts.")
             if self.fsdp_float8_all_gather:
@@ -210,6 +210,13 @@ class FP8Precision(_AutocastPrecision):
             raise ValueError(f"`{owner}(layers=<plan>, module_filter=...)`: a plan names its fp8 layers itself; pass"
                              " one or the other.")
         return as_plan(layers)
+
+    @property
+    def recipe_name(self) -> str:
+        """Deprecated: ``scaling_family`` (it never was the recipe's name: torchao's ``rowwise_with_gw_hp`` is
+        ``"rowwise"``)."""
+        deprecated(f"{type(self).__name__}.recipe_name", f"{type(self).__name__}.scaling_family")
+        return self.scaling_family
 
     @property
     def peak_flops_dtype(self) -> torch.dtype:
@@ -234,7 +241,7 @@ class FP8Precision(_AutocastPrecision):
             decisions = self._decisions_of_plan(module, self.plan)
         else:
             decisions = _fp8.select_fp8_layers(
-                module, self.recipe_name, self.module_filter, self.skip_small_layers, self.skip_first_last
+                module, self.scaling_family, self.module_filter, self.skip_small_layers, self.skip_first_last
             )
         if self.layers == "auto" and self.plan is None:
             return self._start_calibration(module, decisions)
@@ -242,7 +249,7 @@ class FP8Precision(_AutocastPrecision):
 
     def _decisions_of_plan(self, module: Module, plan: PrecisionPlan) -> list[_fp8.LayerDecision]:
         """fp8 where the plan says so and the rules that always hold (divisibility, a forward that runs) allow."""
-        hard = _fp8.select_fp8_layers(module, self.recipe_name, module_filter=lambda m, fqn: True)
+        hard = _fp8.select_fp8_layers(module, self.scaling_family, module_filter=lambda m, fqn: True)
         unknown = sorted(plan.fp8_layers - {d.fqn for d in hard})
         if unknown:
             raise ValueError(f"{type(self).__name__}: the plan puts layers in fp8 that this model does not have as"
@@ -284,7 +291,7 @@ class FP8Precision(_AutocastPrecision):
         assert calibration is not None
         calibration.probe.close()
         sensitivity = calibration.probe.result(sum_across_processes)
-        self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.recipe_name)
+        self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.scaling_family)
         self._apply_plan(calibration.module)
 
     def _apply_plan(self, module: Module) -> None:
@@ -322,7 +329,7 @@ class FP8Precision(_AutocastPrecision):
             return False
         if self.fsdp_float8_all_gather is None and not _to_be_sharded(module):
             return False
-        why_not = _fp8.float8_all_gather_possible(self.recipe_name)
+        why_not = _fp8.float8_all_gather_possible(self.scaling_family)
         if why_not is None:
             return True
         if self.fsdp_float8_all_gather:  # asked for explicitly (tensorwise is checked at construction)
@@ -375,7 +382,7 @@ class FP8Precision(_AutocastPrecision):
                                " in place; only torchao's can (backend='torchao').")
         for fqn in chosen:
             _fp8.demote_torchao_layer(current[fqn])
-        plan = self.plan or PrecisionPlan.from_decisions(self.layer_decisions, self.recipe_name)
+        plan = self.plan or PrecisionPlan.from_decisions(self.layer_decisions, self.scaling_family)
         for fqn in chosen:
             plan = plan.with_layer(fqn, HIGH, layers[fqn], (numbers or {}).get(fqn))
         self.plan = plan
@@ -456,7 +463,7 @@ class FP8Precision(_AutocastPrecision):
     @override
     def _on_device_resolved(self, device_type: str) -> None:
         if any(d.fp8 for d in self.layer_decisions):
-            _fp8.check_fp8_hardware(device_type, self.backend, self.recipe_name, self.emulate, type(self).__name__)
+            _fp8.check_fp8_hardware(device_type, self.backend, self.scaling_family, self.emulate, type(self).__name__)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

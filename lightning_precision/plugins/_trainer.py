@@ -17,8 +17,8 @@ LIGHTNING_AMP_KEY = "MixedPrecision"
 _LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")
 
 
-class _TrainerAutocast(TrainerPrecision):
-    """Mixed into ``class X(_TrainerAutocast, FabricX)``: Trainer hooks first, Fabric behaviour after (see MRO)."""
+class _TrainerPrecision(TrainerPrecision):
+    """Mixed into ``class X(_TrainerPrecision, FabricX)``: Trainer hooks first, Fabric behaviour after (see MRO)."""
 
     @override
     def connect(

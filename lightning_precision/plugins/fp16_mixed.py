@@ -19,10 +19,10 @@ from lightning_precision._lightning import optimizer_handles_unscaling, should_u
 from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricFP16MixedPrecision
 from lightning_precision.fabric.fp16_mixed import _check_optimizer
 from lightning_precision.plugins._schedulers import hold_step_schedulers
-from lightning_precision.plugins._trainer import LIGHTNING_AMP_KEY, _TrainerAutocast
+from lightning_precision.plugins._trainer import LIGHTNING_AMP_KEY, _TrainerPrecision
 
 
-class FP16MixedPrecision(_TrainerAutocast, _FabricFP16MixedPrecision):
+class FP16MixedPrecision(_TrainerPrecision, _FabricFP16MixedPrecision):
     """fp16 autocast with a ``GradScaler`` for the Trainer: ``Trainer(plugins=[FP16MixedPrecision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.FP16MixedPrecision`. In addition, at the logger's cadence it

@@ -8,10 +8,10 @@ from typing_extensions import override
 
 from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
 from lightning_precision.fabric.fp8 import NVFP4Precision as _FabricNVFP4Precision
-from lightning_precision.plugins._trainer import _TrainerAutocast
+from lightning_precision.plugins._trainer import _TrainerPrecision
 
 
-class FP8Precision(_TrainerAutocast, _FabricFP8Precision):
+class FP8Precision(_TrainerPrecision, _FabricFP8Precision):
     """fp8 linear layers inside bf16 autocast for the Trainer: ``Trainer(plugins=[FP8Precision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.FP8Precision`. The model is converted in the strategy's
