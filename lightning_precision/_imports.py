@@ -1,41 +1,53 @@
 """Every optional dependency is checked here, and nowhere else.
 
 Checks use package metadata (``RequirementCache``) so nothing is imported speculatively; the error names the pip
-extra that installs the missing package; ``import_quietly`` imports one without the log lines known to be harmless.
+extra that installs the missing package (for a core dependency: reinstall); ``import_quietly`` imports one without
+the log lines known to be harmless.
 """
 
 import importlib
 import logging
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
 from lightning_utilities.core.imports import RequirementCache
 
+# The minimums repeat pyproject.toml's extras (tests/test_one_table.py checks that they agree).
 _TORCHAO_AVAILABLE = RequirementCache("torchao>=0.11")
 _TRANSFORMER_ENGINE_AVAILABLE = RequirementCache("transformer-engine>=2.9")
-_DATASETS_AVAILABLE = RequirementCache("datasets")
+_DATASETS_AVAILABLE = RequirementCache("datasets>=2.14")
+# Core dependencies: missing only from a broken install.
 _TRANSFORMERS_AVAILABLE = RequirementCache("transformers")
 _MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
 
+# The pip extra of each optional package, as pyproject.toml's [project.optional-dependencies] lists it. Core
+# dependencies are in no extra and not here.
 _EXTRA_OF = {
     "torchao": "fp8",
     "transformer-engine": "te",
     "datasets": "recipes",
-    "transformers": "recipes",
-    "matplotlib": "plots",
 }
+
+IPEX = "intel-extension-for-pytorch"
+
+
+def install_command(package: str) -> str:
+    """The pip command that installs an optional package: ``pip install 'lightning-precision[fp8]'``."""
+    return f"pip install 'lightning-precision[{_EXTRA_OF[package]}]'"
 
 
 def require(available: RequirementCache, package: str, feature: str) -> None:
-    """Raise a ``ModuleNotFoundError`` naming the extra to install when ``available`` is false."""
+    """Raise a ``ModuleNotFoundError`` saying how to install ``package`` when ``available`` is false: its extra, or a
+    reinstall for a core dependency (whose absence means a broken install)."""
     if not available:
-        extra = _EXTRA_OF[package]
-        raise ModuleNotFoundError(
-            f"{feature} needs `{package}`, which is not installed ({available.message}). "
-            f"Install it with `pip install 'lightning-precision[{extra}]'`."
-        )
+        remedy = (f"Install it with `{install_command(package)}`." if package in _EXTRA_OF else
+                  "lightning-precision depends on it, so this install is broken: reinstall lightning-precision.")
+        raise ModuleNotFoundError(f"{feature} needs `{package}`, which is not installed ({available.message})."
+                                  f" {remedy}")
 
 
 # Log records known to be harmless, by logger. Without CUDA, torchao's CUDA kernels (`_C_mxfp8`, `_C_cutlass_90a`)
@@ -101,27 +113,28 @@ def version_of(distribution: str) -> str:
     return installed_version(distribution) or "(not installed)"
 
 
+def _major_minor(version: str) -> str:
+    """``"2.8"`` for ``"2.8.10+xpu"``."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
 def ipex_status() -> tuple[bool, str]:
     """Whether intel-extension-for-pytorch can be imported beside this torch, from package metadata alone.
 
     IPEX is archived (last release 2.8, pinned to torch 2.8) and calls ``os._exit(127)`` when imported beside another
     torch major.minor, killing the process: so it is never imported before this check passes.
     """
-    import importlib.metadata
-
     import torch
 
-    try:
-        version = importlib.metadata.version("intel-extension-for-pytorch")
-    except importlib.metadata.PackageNotFoundError:
-        return False, "intel-extension-for-pytorch is not installed"
-    ours, theirs = torch.__version__.split("+")[0].split(".")[:2], version.split("+")[0].split(".")[:2]
-    if ours != theirs:
+    version = installed_version(IPEX)
+    if version is None:
+        return False, f"{IPEX} is not installed"
+    if _major_minor(version) != _major_minor(torch.__version__):
         return False, (
-            f"intel-extension-for-pytorch {version} is built for torch {'.'.join(theirs)}, this is torch"
-            f" {torch.__version__} (importing it would end the process)"
+            f"{IPEX} {version} is built for torch {_major_minor(version)}, this is torch {torch.__version__}"
+            " (importing it would end the process)"
         )
-    return True, f"intel-extension-for-pytorch {version}"
+    return True, f"{IPEX} {version}"
 
 
 def load_ipex(mode: "bool | str") -> object:
@@ -140,3 +153,24 @@ def load_ipex(mode: "bool | str") -> object:
     import intel_extension_for_pytorch
 
     return intel_extension_for_pytorch
+
+
+def imports_cleanly(module: str) -> tuple[bool, str]:
+    """Whether ``module`` imports, tried in a child process, and the last line of its error: a broken build (torchvision
+    for another torch) or IPEX beside the wrong torch (which calls ``os._exit``) must not take this process down."""
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    return proc.returncode == 0, last[:100]
+
+
+def import_torchvision(need: str, instead: str) -> ModuleType:
+    """torchvision, or a ``RuntimeError`` saying ``need`` and what to do ``instead``. It is in no extra (the registry's
+    torchvision is a CUDA build that does not import beside a CPU torch), and a build for another torch installs but
+    fails at import: so importing it is the check."""
+    try:
+        return importlib.import_module("torchvision")
+    except Exception as err:  # not installed, or a build that does not match this torch
+        raise RuntimeError(
+            f"{need}, but torchvision cannot be imported here ({err}). Install the torchvision build that matches your"
+            f" torch, or {instead}."
+        ) from err

@@ -107,7 +107,7 @@ def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
 
 def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The precisions this machine can compare usefully, and a line for each one left out, saying why."""
-    from lightning_precision._imports import _TORCHAO_AVAILABLE
+    from lightning_precision import _imports
     from lightning_precision.fp8 import fp8_gpu_available
 
     chosen, notes = ["32-true"], []
@@ -123,19 +123,19 @@ def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tup
         notes.append("16-mixed left out: this CPU has no fp16 arithmetic (torch emulates it, several times slower than"
                      " 32-true). Add it with --precisions 32-true,bf16-mixed,16-mixed to check its numerics.")
     if fp8_gpu_available() or args.emulate:
-        if _TORCHAO_AVAILABLE:
+        if _imports._TORCHAO_AVAILABLE:
             chosen.append("fp8")
         else:
-            notes.append("fp8 left out: torchao is not installed (pip install 'lightning-precision[fp8]').")
+            notes.append(f"fp8 left out: torchao is not installed ({_imports.install_command('torchao')}).")
     return chosen, notes
 
 
 def precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
     """Why this precision cannot run here, found before any precision starts; None if it can."""
-    from lightning_precision._imports import _TORCHAO_AVAILABLE
+    from lightning_precision import _imports
 
-    if precision in FP8_PRECISIONS and not _TORCHAO_AVAILABLE:
-        return f"{precision} needs torchao, which is not installed: pip install 'lightning-precision[fp8]'"
+    if precision in FP8_PRECISIONS and not _imports._TORCHAO_AVAILABLE:
+        return f"{precision} needs torchao, which is not installed: {_imports.install_command('torchao')}"
     if precision == "bf16-mixed" and on_gpu(args):
         from lightning_precision.fabric.bf16_mixed import _check_bf16_supported
 

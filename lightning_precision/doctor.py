@@ -5,52 +5,49 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
-import sys
 
 import torch
+from lightning_utilities.core.imports import RequirementCache
 from rich.text import Text
 
+from lightning_precision import _imports
 from lightning_precision._imports import installed_version as _version
 from lightning_precision._machine import cpu_info, describe_cpu, machine_info
-from lightning_precision.fp8 import MXFP8_MIN_CAPABILITY, fp8_capable
+from lightning_precision.fabric.bf16_mixed import bf16_capable
+from lightning_precision.fp8 import FP8_MIN_CAPABILITY, MXFP8_MIN_CAPABILITY, fp8_capable
 
 
-def _major_minor(v: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in v.split("+")[0].split(".")[:2])
+def _optional_row(package: str, available: RequirementCache, ok: str, missing: str) -> tuple[str, str, str]:
+    """An optional package's row: ``ok`` when it meets ``_imports``' requirement, ``missing`` when absent."""
+    version = _version(package)
+    status = ok if available else f"needs {available.requirement}" if version else missing
+    return package, version or "not installed", status
 
 
-def _imports_cleanly(module: str) -> tuple[bool, str]:
-    """Import in a child process: a broken build (torchvision for another torch) or IPEX beside the wrong torch
-    (which calls os._exit) must not take this process down."""
-    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
-    last = (proc.stderr.strip().splitlines() or [""])[-1]
-    return proc.returncode == 0, last[:100]
+def _ipex_row() -> tuple[str, str, str]:
+    version = _version(_imports.IPEX)
+    if version is None:
+        return _imports.IPEX, "not installed", "not needed: upstream torch has torch.xpu"
+    usable, _ = _imports.ipex_status()
+    return _imports.IPEX, version, "ok" if usable else (
+        f"INCOMPATIBLE with torch {torch.__version__} (importing it would exit the process)")
 
 
 def package_rows() -> list[tuple[str, str, str]]:
-    torch_mm = _major_minor(torch.__version__)
     rows = [("python", platform.python_version(), "ok"), ("torch", torch.__version__, f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build")]
     for dist in ("lightning", "torchmetrics", "transformers"):
         v = _version(dist)
         rows.append((dist, v or "not installed", "ok" if v else "-"))
-    ao = _version("torchao")
-    rows.append(("torchao", ao or "not installed", "ok (fp8 backend)" if ao else "pip install 'lightning-precision[fp8]'"))
-    te = _version("transformer-engine")
-    rows.append(("transformer-engine", te or "not installed",
-                 "ok" if te and _major_minor(te) >= (2, 9) else ("needs >= 2.9" if te else "CUDA only: lightning-precision[te]")))
-    ipex = _version("intel-extension-for-pytorch")
-    if ipex is None:
-        rows.append(("intel-extension-for-pytorch", "not installed", "not needed: upstream torch has torch.xpu"))
-    else:
-        same = _major_minor(ipex) == torch_mm
-        rows.append(("intel-extension-for-pytorch", ipex, "ok" if same else
-                     f"INCOMPATIBLE with torch {torch.__version__} (importing it would exit the process)"))
+    rows.append(_optional_row("torchao", _imports._TORCHAO_AVAILABLE, "ok (fp8 backend)",
+                              _imports.install_command("torchao")))
+    rows.append(_optional_row("transformer-engine", _imports._TRANSFORMER_ENGINE_AVAILABLE, "ok",
+                              f"CUDA only: lightning-precision[{_imports._EXTRA_OF['transformer-engine']}]"))
+    rows.append(_ipex_row())
     tv = _version("torchvision")
     if tv is None:
         rows.append(("torchvision", "not installed", "optional (pretrained weights, FashionMNIST download)"))
     else:
-        ok, why = _imports_cleanly("torchvision")
+        ok, why = _imports.imports_cleanly("torchvision")
         rows.append(("torchvision", tv, "ok" if ok else f"BROKEN with this torch: {why}"))
     return rows
 
@@ -68,11 +65,13 @@ def device_rows() -> list[tuple[str, str, str, str, str, str]]:
     )]
     for i in range(torch.cuda.device_count()):
         cc = torch.cuda.get_device_capability(i)
-        fp8 = "yes" + (", MXFP8" if cc >= MXFP8_MIN_CAPABILITY else "") if fp8_capable(cc) else "no (needs 8.9)"
+        fp8 = ("yes" + (", MXFP8" if cc >= MXFP8_MIN_CAPABILITY else "") if fp8_capable(cc)
+               else f"no (needs {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]})")
         recommended = "FP8Precision for large layers, else BF16MixedPrecision" if fp8_capable(cc) else (
-            "BF16MixedPrecision" if cc >= (8, 0) else "FP16MixedPrecision")
-        rows.append((f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{cc[0]}{cc[1]})", "yes" if cc >= (8, 0) else "no",
-                     "yes", fp8, f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB", recommended))
+            "BF16MixedPrecision" if bf16_capable(cc) else "FP16MixedPrecision")
+        bf16 = "yes" if bf16_capable(cc) else "no"
+        rows.append((f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{cc[0]}{cc[1]})", bf16, "yes", fp8,
+                     f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB", recommended))
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         for i in range(torch.xpu.device_count()):
             props = torch.xpu.get_device_properties(i)

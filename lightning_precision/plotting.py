@@ -1,4 +1,4 @@
-"""Plots (matplotlib, an optional dependency: `pip install 'lightning-precision[plots]'`)."""
+"""Plots (matplotlib)."""
 
 from __future__ import annotations
 

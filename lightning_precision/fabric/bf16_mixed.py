@@ -10,13 +10,26 @@ from typing_extensions import override
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 
 
+# bf16 arithmetic on CUDA arrived with Ampere: the one threshold, for this plugin and for `doctor`.
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def bf16_capable(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability has bf16 arithmetic (every ROCm GPU torch runs on has, as
+    ``torch.cuda.is_bf16_supported`` says)."""
+    return bool(torch.version.hip) or capability >= BF16_MIN_CAPABILITY
+
+
 def _check_bf16_supported(device_type: str) -> None:
-    if device_type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if device_type != "cuda":
+        return
+    found = torch.cuda.get_device_capability()
+    if not bf16_capable(found):
         name = torch.cuda.get_device_name()
-        capability = ".".join(map(str, torch.cuda.get_device_capability()))
+        need = ".".join(map(str, BF16_MIN_CAPABILITY))
         raise RuntimeError(
-            f"BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0), found {name!r}"
-            f" (compute capability {capability}). Use `FP16MixedPrecision()` on this GPU."
+            f"BF16MixedPrecision needs a GPU with bf16 support (compute capability >= {need}), found {name!r}"
+            f" (compute capability {'.'.join(map(str, found))}). Use `FP16MixedPrecision()` on this GPU."
         )
 
 

@@ -220,8 +220,9 @@ class ImageClassificationData(_TensorData):
             if h.data_dir is None:
                 raise ValueError("`ImageClassificationData(dataset='fashion_mnist')` needs `data_dir`.")
             if h.download:
-                import torchvision
-
+                torchvision = _imports.import_torchvision(
+                    "`ImageClassificationData(download=True)` downloads FashionMNIST with torchvision",
+                    "put the four idx files under data_dir")
                 for train in (True, False):
                     torchvision.datasets.FashionMNIST(h.data_dir, train=train, download=True)
             self._train, self._val = read_fashion_mnist(h.data_dir, True), read_fashion_mnist(h.data_dir, False)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_precision import _imports
 from lightning_precision.recipes._base import ClassificationRecipe
 
 VIT_SIZES = {
@@ -79,13 +80,8 @@ def resnet50(channels: int, num_classes: int, base_width: int = 64) -> nn.Module
 
 
 def _torchvision_model(name: str, num_classes: int) -> nn.Module:
-    try:
-        import torchvision
-    except Exception as err:  # not installed, or a build that does not match this torch
-        raise RuntimeError(
-            f"`pretrained=True` needs torchvision's weights for {name}, but torchvision cannot be imported here ({err})."
-            " Install the torchvision build that matches your torch, or pass pretrained=False."
-        ) from err
+    torchvision = _imports.import_torchvision(f"`pretrained=True` needs torchvision's weights for {name}",
+                                              "pass pretrained=False")
     model = getattr(torchvision.models, name)(weights="DEFAULT")
     head = "heads" if name.startswith("vit") else "fc"
     old = model.heads.head if head == "heads" else model.fc
