@@ -18,7 +18,13 @@ import torch
 
 @dataclass(frozen=True)
 class NumberFormat:
-    """One floating-point format. ``dtype`` is None for tf32, which only exists inside matmuls."""
+    """One floating-point format. ``dtype`` is None for tf32, which only exists inside matmuls.
+
+    Example:
+        >>> fp16 = get_format("fp16")
+        >>> fp16.bits, fp16.max, fp16.min_exponent, fp16.max_exponent
+        (16, 65504.0, -24, 15)
+    """
 
     name: str
     dtype: Optional[torch.dtype]
@@ -48,18 +54,43 @@ class NumberFormat:
     @property
     def flush_bound(self) -> float:
         """Round-to-nearest-even sends ``0 < |x| <= flush_bound`` to zero: half the smallest subnormal (the tie at
-        exactly half goes to the even neighbour, zero) and nothing above it (fp16 rounds (2**-25, 2**-24) up)."""
+        exactly half goes to the even neighbour, zero) and nothing above it (fp16 rounds (2**-25, 2**-24) up).
+
+        Example:
+            >>> get_format("fp16").flush_bound == 2.0**-25
+            True
+            >>> (torch.tensor([2.0**-25, 3e-8]).half() == 0).tolist()
+            [True, False]
+        """
         return self.smallest_subnormal / 2
 
     @property
     def overflow_bound(self) -> float:
         """``|x| >= overflow_bound`` overflows: ``max`` plus half its ulp. Below it the cast rounds to at most ``max``
         (plain rounding); from it on, an IEEE format rounds to inf (the tie goes away from ``max``, whose mantissa is
-        odd) and e4m3fn, which has no inf, saturates at ``max`` with an error beyond rounding."""
+        odd) and e4m3fn, which has no inf, saturates at ``max`` with an error beyond rounding.
+
+        Example:
+            >>> get_format("fp16").overflow_bound, get_format("e4m3fn").overflow_bound
+            (65520.0, 464.0)
+            >>> torch.tensor([65519.0, 65520.0]).half().isinf().tolist()
+            [False, True]
+        """
         return self.max + 2.0 ** (self.max_exponent - self.mantissa_bits) / 2
 
     def cast(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` rounded to this format and back to ``x.dtype`` (the real cast; tf32 is rounded in place)."""
+        """``x`` rounded to this format and back to ``x.dtype`` (the real cast; tf32 is rounded in place).
+
+        Example:
+            fp16 flushes 2**-26, rounds 3e-8 up to 2**-24 and overflows; e4m3fn saturates; e2m1 ties to even.
+
+            >>> get_format("fp16").cast(torch.tensor([2.0**-26, 3e-8, 1e5])).tolist()
+            [0.0, 5.960464477539063e-08, inf]
+            >>> get_format("e4m3fn").cast(torch.tensor([500.0, -1e4])).tolist()
+            [448.0, -448.0]
+            >>> get_format("e2m1").cast(torch.tensor([0.2, 0.3, 2.5, 5.0, 7.0])).tolist()
+            [0.0, 0.5, 2.0, 4.0, 6.0]
+        """
         if self.dtype is not None:
             if not self.has_inf:  # saturate: torch's eager cast did not before 2.12 (nan instead), torchao clamps too
                 x = x.clamp(-self.max, self.max)
@@ -154,6 +185,11 @@ class BlockFormat:
     training recipes: the power of two at or above ``amax / element.max``, so nothing saturates), ``"floor"`` (the OCP
     MX v1.0 rule, ``2**(floor(log2 amax) - floor(log2 element.max))``: a block's largest values can exceed
     ``element.max`` and saturate) or ``"nearest"`` (an e4m3 scale, NVFP4).
+
+    Example:
+        >>> mx = get_format("mxfp8")
+        >>> mx.element.name, mx.block_size, mx.scale_format, mx.bits
+        ('e4m3fn', 32, 'e8m0', 8.25)
     """
 
     name: str
@@ -171,7 +207,16 @@ class BlockFormat:
     def block_multipliers(self, block_amax: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What each block's elements are multiplied by before the element cast (saturating at ``element.max``), from
         the blocks' largest finite magnitudes (fp32). The operations are torchao's reference casts', in their order
-        (``to_mx`` and ``nvfp4_quantize``), so the products round identically; tested against them."""
+        (``to_mx`` and ``nvfp4_quantize``), so the products round identically; tested against them.
+
+        Example:
+            rceil brings 1000 to 250 (at most 448); floor brings it to 500, which then saturates.
+
+            >>> get_format("mxfp8").block_multipliers(torch.tensor([1000.0, 1e-3])).tolist()
+            [0.25, 262144.0]
+            >>> get_format("mxfp8_floor").block_multipliers(torch.tensor([1000.0, 1e-3])).tolist()
+            [0.5, 262144.0]
+        """
         amax = block_amax.float()
         if self.scale_rounding == "rceil":
             exponent = torch.ceil(torch.log2(amax / self.element.max)).clamp(-127, 127)
@@ -189,7 +234,17 @@ class BlockFormat:
     def cast(self, x: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` cast to this format and back (blocks along the last dimension, which ``block_size`` must divide): the
         real rounding and saturation of each element at its block's scale. For tests and the docs; the statistics count
-        the same without building it."""
+        the same without building it.
+
+        Example:
+            MXFP8 flushes the 31 small values in the outlier's block; the next block keeps 1e-3 (to 3 mantissa bits).
+
+            >>> x = torch.full((64,), 1e-3)
+            >>> x[0] = 1000.0
+            >>> y = get_format("mxfp8").cast(x)
+            >>> (y == 0).sum().item(), y[0].item(), y[32:].unique().tolist()
+            (31, 1024.0, [0.0009765625])
+        """
         if x.shape[-1] % self.block_size:
             raise ValueError(f"{self.name}: the last dimension ({x.shape[-1]}) must be a multiple of {self.block_size}")
         blocks = x.float().reshape(-1, self.block_size)
@@ -221,7 +276,16 @@ AnyFormat = Union[NumberFormat, BlockFormat]
 
 def get_format(fmt: Union[str, torch.dtype, NumberFormat, BlockFormat]) -> AnyFormat:
     """Look a format up by name (``"fp16"``, ``"e4m3fn"``, ``"mxfp8"``, ``"nvfp4"``, aliases such as ``"half"``),
-    dtype, or pass one through."""
+    dtype, or pass one through.
+
+    Example:
+        >>> get_format("half").name, get_format(torch.bfloat16).name, get_format("mxfp8").block_size
+        ('fp16', 'bf16', 32)
+        >>> get_format("fp6")
+        Traceback (most recent call last):
+            ...
+        ValueError: Unknown number format 'fp6'. Use one of ['fp32', 'tf32', ...] (or an alias: ['float32', ...]).
+    """
     if isinstance(fmt, (NumberFormat, BlockFormat)):
         return fmt
     if isinstance(fmt, torch.dtype):
@@ -239,7 +303,12 @@ def get_format(fmt: Union[str, torch.dtype, NumberFormat, BlockFormat]) -> AnyFo
 
 
 def format_table() -> str:
-    """The table as Markdown, for the docs and the command line."""
+    """The table as Markdown, for the docs and the command line.
+
+    Example:
+        >>> print(format_table().splitlines()[5])
+        | fp16 | 16 | 5 | 10 | 65504 | 6.10352e-05 (2^-14) | 5.96046e-08 (2^-24) | 0.000976562 |
+    """
     rows = ["| format | bits | exp | mantissa | max | smallest normal | smallest subnormal | eps |", "|---" * 8 + "|"]
     for f in FORMATS.values():
         rows.append(

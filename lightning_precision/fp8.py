@@ -40,6 +40,12 @@ BLOCK_SCALED = tuple(_DIVISOR)
 
 
 def gemm_divisor(scaling_family: str) -> int:
+    """What a layer's in and out features must be divisible by to run in fp8 with ``scaling_family``.
+
+    Example:
+        >>> gemm_divisor("tensorwise"), gemm_divisor("rowwise"), gemm_divisor("mxfp8"), gemm_divisor("nvfp4")
+        (16, 16, 32, 32)
+    """
     return _DIVISOR.get(scaling_family, 16)
 BACKENDS = ("torchao", "transformer_engine")
 
@@ -117,6 +123,18 @@ def select_fp8_layers(
     5. Layers too small to gain are skipped (``skip_small_layers``; thresholds above).
 
     A layer registered under several names is decided (and converted) once, under its first name.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10))
+        >>> for d in select_fp8_layers(model):
+        ...     print(d.fqn, d.fp8, d.reason)
+        0 False first linear layer that runs as a module (kept in high precision for accuracy)
+        1 False too small to gain (64x64 is under the tensorwise thresholds)
+        2 False dims 64x10 not divisible by 16 (tensorwise GEMM requirement)
+        >>> [d.fp8 for d in select_fp8_layers(model, skip_small_layers=False)]
+        [False, True, False]
+        >>> [d.fp8 for d in select_fp8_layers(model, module_filter=lambda module, fqn: fqn == "0")]
+        [True, False, False]
     """
     if recipe_name is not None:
         deprecated("select_fp8_layers(recipe_name=...)", "select_fp8_layers(scaling_family=...)")
@@ -178,6 +196,15 @@ def replace_modules(root: nn.Module, replacements: dict[int, nn.Module]) -> nn.M
 
 
 def format_summary(decisions: list[LayerDecision]) -> str:
+    """``select_fp8_layers``'s decisions as the table ``FP8Precision`` logs: one line per layer, with why.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 10))
+        >>> print(format_summary(select_fp8_layers(model, skip_first_last=False, skip_small_layers=False)))
+        fp8: 1 of 2 linear layers run in fp8
+          0      32 -> 64      fp8   fp8
+          1      64 -> 10      high  dims 64x10 not divisible by 16 (tensorwise GEMM requirement)
+    """
     n = sum(d.fp8 for d in decisions)
     lines = [f"fp8: {n} of {len(decisions)} linear layers run in fp8"]
     width = max((len(d.fqn) for d in decisions), default=5)

@@ -31,6 +31,13 @@ class CastStats:
     - ``overflow``: finite values whose cast is inf or, for formats without inf (e4m3fn), saturates at ``max``
       with an error beyond rounding (``|x| >= max + ulp(max)/2``).
     - ``nonfinite``: inf or nan already before the cast (counted in nothing else).
+
+    Example:
+        >>> s = cast_stats(torch.tensor([0.0, 1e-9, 1.0, 1e5]), "fp16")
+        >>> s.exact_zero.item(), s.underflow.item(), s.overflow.item(), s.nonfinite.item()
+        (1, 1, 1, 0)
+        >>> s.underflow_fraction.item()
+        0.25
     """
 
     numel: Tensor
@@ -63,7 +70,15 @@ class CastStats:
 
 @dataclass
 class UnderflowReport:
-    """``underflow_stats``'s answer: the format, the scale applied, counts per tensor and in total."""
+    """``underflow_stats``'s answer: the format, the scale applied, counts per tensor and in total.
+
+    Example:
+        >>> report = underflow_stats({"w": torch.tensor([2.0**-26, 3e-8]), "b": torch.tensor([0.0, 1.0])}, "fp16")
+        >>> report.format.name, {name: s.underflow.item() for name, s in report.per_tensor.items()}
+        ('fp16', {'w': 1, 'b': 0})
+        >>> report.total.underflow.item(), report.total.exact_zero.item()
+        (1, 1)
+    """
 
     format: NumberFormat
     scale: Union[float, Tensor]
@@ -89,7 +104,14 @@ HIST_MIN, HIST_MAX = -150, 129
 
 def measurable_values(tensor: Tensor) -> Tensor:
     """The real floating-point values a tensor holds, flat and, where the layout allows, without a copy: a sparse
-    tensor's stored values, a complex tensor's real and imaginary parts."""
+    tensor's stored values, a complex tensor's real and imaginary parts.
+
+    Example:
+        >>> measurable_values(torch.tensor([1 + 2j, 3 - 4j])).tolist()
+        [1.0, 2.0, 3.0, -4.0]
+        >>> measurable_values(torch.eye(3).to_sparse()).tolist()
+        [1.0, 1.0, 1.0]
+    """
     x = tensor.detach()
     if x.layout != torch.strided:
         x = x.coalesce().values() if x.layout == torch.sparse_coo else x.values()
@@ -191,7 +213,18 @@ def _histogram_finish(hist: Tensor, not_counted: Tensor) -> Tensor:
 
 
 def cast_stats(tensor: Tensor, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> CastStats:
-    """Counts for one tensor: what casting ``tensor * scale`` to ``fmt`` flushes to zero or overflows."""
+    """Counts for one tensor: what casting ``tensor * scale`` to ``fmt`` flushes to zero or overflows.
+
+    Example:
+        fp16 flushes 2**-26 but rounds 3e-8 (above 2**-25) up to 2**-24; a loss scale saves the small value.
+
+        >>> x = torch.tensor([2.0**-26, 3e-8, 0.0, 70000.0])
+        >>> s = cast_stats(x, "fp16")
+        >>> s.underflow.item(), s.exact_zero.item(), s.overflow.item()
+        (1, 1, 1)
+        >>> cast_stats(x, "fp16", scale=1024.0).underflow.item()
+        0
+    """
     f = get_format(fmt)
     return multi_format_stats(tensor, (f,), scale)[f.name]
 
@@ -202,7 +235,13 @@ def multi_format_stats(
 ) -> dict[str, CastStats]:
     """``cast_stats`` for several formats at once: one compare-and-count pass per count over each chunk, temporaries
     bounded by the chunk (see ``CHUNK``), nothing read from the device. ``tensor_amax`` sets NVFP4's tensor scale when
-    ``tensor`` is a sample of a larger tensor (by default, its own largest finite magnitude)."""
+    ``tensor`` is a sample of a larger tensor (by default, its own largest finite magnitude).
+
+    Example:
+        >>> stats = multi_format_stats(torch.tensor([1e-6, 1e-30, 1e5]), ["fp16", "bf16", "e4m3fn"])
+        >>> {name: (s.underflow.item(), s.overflow.item()) for name, s in stats.items()}
+        {'fp16': (1, 1), 'bf16': (0, 0), 'e4m3fn': (2, 1)}
+    """
     fmts = [get_format(f) for f in formats]
     flat = measurable_values(tensor)
     if tensor_amax is None:
@@ -224,7 +263,15 @@ def multi_format_stats(
 
 def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[Union[float, Tensor]]) -> list[CastStats]:
     """``cast_stats`` of one tensor at several scales (per-element scale tensors allowed): |x| and the counts of zeros
-    and of non-finite values are computed once, then two compare-and-count passes per scale."""
+    and of non-finite values are computed once, then two compare-and-count passes per scale.
+
+    Example:
+        (underflow, overflow) at three loss scales; 2**8 saves 2**-30 and 2**16 overflows 1.0.
+
+        >>> x = torch.tensor([2.0**-30, 2.0**-20, 1.0])
+        >>> [(s.underflow.item(), s.overflow.item()) for s in multi_scale_stats(x, "fp16", [1.0, 2.0**8, 2.0**16])]
+        [(1, 0), (0, 0), (0, 1)]
+    """
     f = _elementwise(fmt, "multi_scale_stats")
     flat = measurable_values(tensor)
     shared = per_scale = None
@@ -252,7 +299,16 @@ def gradient_stats(
     tensor: Tensor, formats: Sequence[FormatLike], scale: Union[float, Tensor, None] = None
 ) -> tuple[dict[str, CastStats], Optional[CastStats], Tensor]:
     """Everything the monitor measures on one gradient, in one sweep of its chunks: the unscaled counts per format, the
-    fp16 counts of ``tensor * scale`` when a scale is given, and the exponent histogram of the unscaled values."""
+    fp16 counts of ``tensor * scale`` when a scale is given, and the exponent histogram of the unscaled values.
+
+    Example:
+        >>> g = torch.tensor([2.0**-26, 2.0**-10, 1.0])
+        >>> per_format, scaled, hist = gradient_stats(g, ["fp16", "bf16"], scale=1024.0)
+        >>> {name: s.underflow.item() for name, s in per_format.items()}, scaled.underflow.item()
+        ({'fp16': 1, 'bf16': 0}, 0)
+        >>> (hist.nonzero().flatten() + HIST_MIN).tolist()  # floor(log2|g|) of each value
+        [-26, -10, 0]
+    """
     fmts = [get_format(f) for f in formats]
     flat = measurable_values(tensor)
     tensor_amax = _tensor_amax(flat, fmts)
@@ -291,6 +347,18 @@ def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, T
 
     Returns:
         An ``UnderflowReport``; counts are tensors on the device (read them when you log).
+
+    Example:
+        e4m3fn keeps 1e-3 (and saturates 1000); MXFP8 scales each block of 32 by its largest value, so the 31
+        small values beside the outlier flush while the next block, all 1e-3, keeps them.
+
+        >>> x = torch.full((64,), 1e-3)
+        >>> x[0] = 1000.0
+        >>> report = underflow_stats(x, "e4m3fn")
+        >>> report.total.underflow.item(), report.total.overflow.item()
+        (0, 1)
+        >>> underflow_stats(x, "mxfp8").total.underflow.item()
+        31
     """
     if not isinstance(scale, Tensor) and not scale > 0:
         raise ValueError(f"`underflow_stats(scale={scale!r})`: the scale must be > 0 (a loss scale, 1.0 for none).")
@@ -308,7 +376,15 @@ def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, T
 
 def exponent_histogram(tensors: TensorsLike, scale: Union[float, Tensor] = 1.0) -> Tensor:
     """Counts of non-zero finite values by ``floor(log2|x * scale|)``, bins ``HIST_MIN .. HIST_MAX - 1`` (on device),
-    computed chunk by chunk (bounded memory, no host read)."""
+    computed chunk by chunk (bounded memory, no host read).
+
+    Example:
+        The bin of 2**e holds [2**e, 2**(e+1)); zeros are not counted.
+
+        >>> hist = exponent_histogram(torch.tensor([0.0, 0.75, 1.0, 3.0, 2.0**-30]))
+        >>> {e: n for e, n in zip(range(HIST_MIN, HIST_MAX), hist.tolist()) if n}
+        {-30: 1, -1: 1, 0: 1, 1: 1}
+    """
     hist = not_counted = None
     for tensor in _named(tensors).values():
         for chunk in _chunks(measurable_values(tensor)):
@@ -329,6 +405,11 @@ class LossScaleAdvice(NamedTuple):
     - ``scale``: the loss scale to use, a power of two (1.0 when the histogram is empty).
     - ``underflow``: the fraction of the histogrammed values that still flush to zero in the format at ``scale``.
     - ``overflow``: the fraction that overflows at ``scale``; always 0 (no scale is advised that overflows a value seen).
+
+    Example:
+        >>> scale, underflow, overflow = recommend_loss_scale(exponent_histogram(torch.tensor([2.0**-40, 2.0**-10])))
+        >>> scale, underflow, overflow
+        (32768.0, 0.0, 0.0)
     """
 
     scale: float
@@ -348,6 +429,14 @@ def recommend_loss_scale(
     overflow is always 0. If no scale in the window reaches the target, the largest safe one (least underflow); if even
     ``2**-max_log2_scale`` could overflow, the largest safe scale below it: a scale is never recommended that overflows
     what was seen.
+
+    Example:
+        2**15 lifts 2**-40 into fp16's range; with 2**14 also seen, no scale above 1 is safe.
+
+        >>> recommend_loss_scale(exponent_histogram(torch.tensor([2.0**-40, 2.0**-10])))
+        LossScaleAdvice(scale=32768.0, underflow=0.0, overflow=0.0)
+        >>> recommend_loss_scale(exponent_histogram(torch.tensor([2.0**-40, 2.0**14])))
+        LossScaleAdvice(scale=1.0, underflow=0.5, overflow=0.0)
     """
     f = _elementwise(fmt, "recommend_loss_scale")
     hist = histogram.detach().double().cpu()
@@ -374,6 +463,14 @@ def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tenso
     ``history[0]`` holds the step just finished. The amax is the max over the window (``"max"``) or that row alone
     (``"most_recent"``); then the history rolls up by one and row 0 is cleared for the next step, so the window always
     holds the last ``len(history)`` steps. Works on any trailing shape; stays on the device.
+
+    Example:
+        >>> history = torch.tensor([[3.0], [5.0], [2.0]])
+        >>> rolled, amax = roll_amax_history(history)
+        >>> amax.tolist(), rolled.flatten().tolist()
+        ([5.0], [0.0, 2.0, 3.0])
+        >>> roll_amax_history(history, "most_recent")[1].tolist()
+        [3.0]
     """
     if algo == "max":
         amax = history.amax(dim=0)
@@ -388,7 +485,14 @@ def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tenso
 
 def delayed_scale(amax: Tensor, fp8_max: Union[float, Tensor], margin: int = 0, previous: Optional[Tensor] = None) -> Tensor:
     """``(fp8_max / amax) / 2**margin``, as Transformer Engine computes it; where amax is 0 (nothing seen, or all
-    zeros) or the scale would not be finite, the previous scale is kept (1.0 if none). Five small ops, no host read."""
+    zeros) or the scale would not be finite, the previous scale is kept (1.0 if none). Five small ops, no host read.
+
+    Example:
+        >>> delayed_scale(torch.tensor([448.0, 14.0, 0.0]), 448.0).tolist()
+        [1.0, 32.0, 1.0]
+        >>> delayed_scale(torch.tensor([14.0, 0.0]), 448.0, margin=1, previous=torch.tensor([4.0, 4.0])).tolist()
+        [16.0, 4.0]
+    """
     scale = (fp8_max / 2.0**margin) / amax
     keep = previous if previous is not None else torch.ones_like(scale)
     return torch.where((amax > 0) & torch.isfinite(scale), scale, keep)
