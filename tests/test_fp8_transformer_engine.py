@@ -168,6 +168,7 @@ def test_nvfp4_has_its_own_plugin_with_block_rules_and_a_blackwell_check(te, mon
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48), nn.Linear(48, 64), nn.Linear(64, 64))
     decisions = select_fp8_layers(model, "nvfp4", module_filter=lambda m, fqn: True)
     assert [d.fp8 for d in decisions] == [True, False, False, True]  # 48 is a multiple of 16, not of 32
+    # No CUDA device here: torch.cuda's answers are stubbed to an H200's (9.0), which has fp8 but not NVFP4.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     with pytest.raises(RuntimeError, match=r"NVFP4Precision \(nvfp4\) needs CUDA compute capability >= 10\.0.*H200"):

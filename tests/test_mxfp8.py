@@ -131,6 +131,7 @@ def test_block_rules_demotion_and_refusals():
 
 
 def test_mxfp8_needs_compute_capability_10(monkeypatch):
+    # No CUDA device here: torch.cuda's answers are stubbed to an H100's (9.0), which has fp8 but not MXFP8.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     with pytest.raises(RuntimeError, match=r"mxfp8\) needs CUDA compute capability >= 10.0.*H100.*9.0"):
