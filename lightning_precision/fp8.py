@@ -295,7 +295,10 @@ def _leave_inference_mode(module: nn.Module, args: Any) -> None:
 def _restore_inference_mode(module: nn.Module, args: Any, output: Any) -> None:
     if _compiled_training():
         return
-    exits = _INFERENCE_EXITS.stack.pop()
+    stack = getattr(_INFERENCE_EXITS, "stack", None)
+    if not stack:  # the pre-hook was traced (and stood aside) while this one runs eagerly: nothing to undo
+        return
+    exits = stack.pop()
     if exits is not None:
         exits.close()
 

@@ -368,3 +368,24 @@ def test_compiled_fp8_layers_do_not_break_the_graph_and_evaluate_under_inference
         expected = forward(x)  # eager: the hooks leave inference mode for each fp8 layer
         torch.testing.assert_close(compiled(x), expected)
     torch._dynamo.reset()
+
+
+def test_a_post_hook_without_its_pre_hook_does_nothing():
+    """Under torch.compile the pre-hook may be traced (standing aside) while the post-hook runs eagerly: the post-hook
+    must not pop an entry that is not its own, nor fail on an empty stack, in a thread that never pushed."""
+    import threading
+
+    from lightning_precision.fp8 import _restore_inference_mode
+
+    errors = []
+
+    def run():
+        try:
+            _restore_inference_mode(nn.Linear(2, 2), (), None)
+        except Exception as err:  # noqa: BLE001 - the test reports any
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert errors == []
