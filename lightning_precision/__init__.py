@@ -5,7 +5,8 @@ Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric p
 """
 
 import lightning_precision.accelerators  # noqa: F401  (registers accelerator='xpu')
-from lightning_precision.fabric._scaler import SkippedStepsError
+from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
+from lightning_precision.fp8 import FP8LayerPolicy
 from lightning_precision.plan import PlanRule, PrecisionPlan
 from lightning_precision.plugins import (
     BF16MixedPrecision,
@@ -21,11 +22,13 @@ __version__ = "0.1.0"
 __all__ = [
     "BF16MixedPrecision",
     "FP16MixedPrecision",
+    "FP8LayerPolicy",
     "FP8Precision",
     "NVFP4Precision",
     "NoEffectWarning",
     "PlanRule",
     "PrecisionPlan",
+    "ScalerConfig",
     "SkippedStepsError",
     "XPUPrecision",
     "__version__",

@@ -12,15 +12,19 @@ import inspect
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
 from lightning_precision import _fsdp, _imports
+from lightning_precision._checks import one_config
 from lightning_precision.warnings import NoEffectWarning, deprecated, deprecated_alias, warn
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+# A recipe: its name ("tensorwise", "delayed", ...), a TE mapping {"name": "delayed", ...}, or the recipe object itself
+# (torchao's Float8LinearConfig, a TE recipe). Those classes live in optional packages, hence the `Any`.
+RecipeLike = Union[str, Mapping[str, Any], Any]
 
 # The tensors of a linear layer that fp8 casts, and the format each is cast to by default (TE's HYBRID format, and
 # torchao's tensorwise recipe): e4m3fn forward, e5m2 gradients.
@@ -105,11 +109,14 @@ def select_fp8_layers(
     skip_small_layers: bool = True,
     skip_first_last: bool = True,
     *,
+    layer_policy: Optional[FP8LayerPolicy] = None,
     recipe_name: Optional[str] = None,
 ) -> list[LayerDecision]:
     """Decide, for every ``nn.Linear`` in ``module``, whether it runs in fp8. ``scaling_family`` is what the rules
     depend on: the per-tensor, per-row or block scaling of the recipe (``FP8Precision.scaling_family``; torchao's
-    ``rowwise_with_gw_hp`` is ``"rowwise"``); ``recipe_name=`` is its deprecated name. Rules, in order:
+    ``rowwise_with_gw_hp`` is ``"rowwise"``); ``recipe_name=`` is its deprecated name. The choice is ``layer_policy`` (an
+    :class:`FP8LayerPolicy`) or, as before, the flat ``module_filter``, ``skip_small_layers`` and ``skip_first_last``;
+    not both. Rules, in order:
 
     1. GEMM dims (in and out features) must be divisible by 16, the fp8 tensor-core requirement, or by the block of a
        block-scaled recipe (32 for MXFP8 and NVFP4, ``gemm_divisor``). Always applied.
@@ -139,6 +146,11 @@ def select_fp8_layers(
     if recipe_name is not None:
         deprecated("select_fp8_layers(recipe_name=...)", "select_fp8_layers(scaling_family=...)")
         scaling_family = recipe_name
+    policy = resolve_layer_policy("select_fp8_layers", layer_policy, module_filter=module_filter,
+                                  skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
+    module_filter, skip_small_layers, skip_first_last = (
+        policy.module_filter, policy.skip_small_layers, policy.skip_first_last
+    )
     linears = _linear_layers(module)
     functional = functional_linears(module)
     # MultiheadAttention's out_proj is registered first in a TransformerEncoder layer but never runs: choosing it would
@@ -181,6 +193,42 @@ def check_module_filter(owner: str, module_filter: Any) -> None:
         ) from None
     except ValueError:  # no signature to inspect (a builtin): trust it
         pass
+
+
+@dataclass(frozen=True)
+class FP8LayerPolicy:
+    """Which ``nn.Linear`` layers run in fp8, beyond the rules that always hold (GEMM dims divisible by the recipe's
+    block, a forward that runs): ``FP8Precision(layer_policy=FP8LayerPolicy(skip_first_last=False))``. The rules and
+    their order are those of :func:`select_fp8_layers`.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10))
+        >>> [d.fp8 for d in select_fp8_layers(model, layer_policy=FP8LayerPolicy(skip_small_layers=False))]
+        [False, True, False]
+    """
+
+    # `(module, fqn) -> bool`: when given, it alone decides for every layer the hard rules leave (the two flags below
+    # then do not apply). Use it to keep attention or a known-sensitive block in high precision.
+    module_filter: Optional[ModuleFilter] = None
+    # Keep layers too small to gain from fp8 in high precision: below the thresholds above, the casts cost more time
+    # than the fp8 GEMM saves.
+    skip_small_layers: bool = True
+    # Keep the first and last linear layers that run as modules in high precision: usually the input projection and the
+    # classifier head, where e4m3's 3 mantissa bits cost the most accuracy, and small.
+    skip_first_last: bool = True
+
+    def validate(self, owner: str) -> None:
+        check_module_filter(owner, self.module_filter)
+        for name in ("skip_small_layers", "skip_first_last"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{owner}({name}={getattr(self, name)!r})`: pass True or False.")
+
+
+def resolve_layer_policy(owner: str, policy: Optional[FP8LayerPolicy], **flat: Any) -> FP8LayerPolicy:
+    """One validated policy from ``layer_policy=`` or the flat arguments (either, not both)."""
+    resolved: FP8LayerPolicy = one_config(owner, "layer_policy", FP8LayerPolicy, policy, flat)
+    resolved.validate(owner)
+    return resolved
 
 
 def replace_modules(root: nn.Module, replacements: dict[int, nn.Module]) -> nn.Module:

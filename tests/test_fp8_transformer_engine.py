@@ -12,7 +12,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_precision import FP8Precision
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.fp8 import convert_with_te, select_fp8_layers, te_recipe
+from lightning_precision.fp8 import FP8LayerPolicy, convert_with_te, select_fp8_layers, te_recipe
 from tests import te_standin
 
 
@@ -162,7 +162,7 @@ def test_nvfp4_has_its_own_plugin_with_block_rules_and_a_blackwell_check(te, mon
         lp_fabric.NVFP4Precision(recipe="delayed")
 
     fabric = L.Fabric(accelerator="cpu", devices=1,
-                      plugins=[lp_fabric.NVFP4Precision(skip_small_layers=False, skip_first_last=False)])
+                      plugins=[lp_fabric.NVFP4Precision(layer_policy=FP8LayerPolicy(skip_small_layers=False, skip_first_last=False))])
     with pytest.raises(RuntimeError, match=r"NVFP4Precision \(nvfp4\) needs a CUDA GPU.*10\.0.*formats=\('nvfp4',\)"):
         fabric.setup(nn.Sequential(nn.Linear(64, 64)))(torch.randn(2, 64))  # the device is known at the first forward
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48), nn.Linear(48, 64), nn.Linear(64, 64))

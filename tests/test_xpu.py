@@ -16,7 +16,8 @@ from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from lightning_precision import XPUPrecision
+import lightning_precision
+from lightning_precision import NoEffectWarning, ScalerConfig, XPUPrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.accelerators import TrainerXPUAccelerator, XPUAccelerator
 from lightning_precision.accelerators.xpu import parse_xpu_devices
@@ -67,12 +68,29 @@ def test_default_strategies(fake_xpus):
 
 def test_precision_bf16_autocasts_with_the_dtype_passed_and_no_scaler():
     plugin = lp_fabric.XPUPrecision(device="cpu")
-    assert (plugin.precision, plugin.compute_dtype, plugin.scaler.is_enabled()) == ("bf16-mixed", torch.bfloat16, False)
+    assert (plugin.precision, plugin.compute_dtype, plugin.scaler) == ("bf16-mixed", torch.bfloat16, None)
     with plugin.forward_context():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert plugin.state_dict() == {} and plugin.metrics() == {}
     assert XPUPrecision().autocast_context_manager().device == "xpu"  # the real target, dtype explicit
     assert XPUPrecision().autocast_context_manager().fast_dtype == torch.bfloat16
+
+
+def test_xpu_precision_is_not_an_fp16_plugin_and_bf16_owns_no_scaler():
+    # Code that asks "is this fp16?" with isinstance must not get yes for a bf16 XPU plugin.
+    for module in (lp_fabric, lightning_precision):
+        assert not isinstance(module.XPUPrecision(device="cpu"), module.FP16MixedPrecision)
+        assert not isinstance(module.XPUPrecision(dtype="fp16", device="cpu"), module.FP16MixedPrecision)
+    assert XPUPrecision(dtype="fp16", device="cpu").scaler.is_enabled()
+
+
+def test_xpu_bf16_says_scaler_arguments_have_no_effect():
+    with pytest.warns(NoEffectWarning, match="no effect"):
+        XPUPrecision(device="cpu", init_scale=1024.0)
+    with pytest.warns(NoEffectWarning, match="no effect"):
+        XPUPrecision(device="cpu", scaler=ScalerConfig())
+    plugin = XPUPrecision(dtype="fp16", device="cpu", scaler=ScalerConfig(init_scale=1024.0))
+    assert plugin.loss_scale == 1024.0
 
 
 def test_precision_fp16_trains_with_the_scaler_on_a_real_fit():

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch.optim import Optimizer
 
-from lightning_precision._checks import is_positive_int
+from lightning_precision._checks import is_positive_int, one_config
 from lightning_precision.warnings import warn
 
 
@@ -42,7 +42,11 @@ _SCALE_RANGE = (2.0**-126, 2.0**126)
 
 @dataclass(frozen=True)
 class ScalerConfig:
-    """Arguments of the loss scaler, validated with errors that say the fix. The defaults are written here only."""
+    """The loss scaler's arguments, one frozen value: ``FP16MixedPrecision(scaler=ScalerConfig(init_scale=2.0**10))``.
+
+    Validated when a plugin takes it, with errors that say the fix. The defaults are written here only; the plugins'
+    flat arguments (``FP16MixedPrecision(init_scale=...)``) take them from this class.
+    """
 
     # 2**16 is torch's default: large enough that small gradients survive fp16, and the first few steps back off.
     init_scale: float = 2.0**16
@@ -98,6 +102,13 @@ class ScalerConfig:
                                    " value in (0, 1) such as 0.5.")
         steps("growth_interval")
         steps("max_consecutive_skips", allow_none=True)
+
+
+def resolve_scaler_config(owner: str, scaler: Optional[ScalerConfig], **flat: Any) -> ScalerConfig:
+    """One validated config from a plugin's ``scaler=`` and its flat scaler arguments (either, not both)."""
+    config: ScalerConfig = one_config(owner, "scaler", ScalerConfig, scaler, flat)
+    config.validate(owner)
+    return config
 
 
 class _TrackingGradScaler(torch.amp.GradScaler):

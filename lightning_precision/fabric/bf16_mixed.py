@@ -9,6 +9,8 @@ from typing_extensions import override
 
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 
+__all__ = ["BF16_MIN_CAPABILITY", "BF16MixedPrecision", "bf16_capable"]
+
 
 # bf16 arithmetic on CUDA arrived with Ampere: the one threshold, for this plugin and for `doctor`.
 BF16_MIN_CAPABILITY = (8, 0)
@@ -36,6 +38,8 @@ def _check_bf16_supported(device_type: str) -> None:
 class BF16MixedPrecision(_AutocastPrecision):
     """bf16 autocast: ``Fabric(plugins=[BF16MixedPrecision()])``.
 
+    Every argument is keyword-only.
+
     Args:
         device: autocast device type; ``None`` takes it from where the model lives.
         matmul_precision: ``torch.set_float32_matmul_precision`` for the run, restored at teardown.
@@ -47,6 +51,7 @@ class BF16MixedPrecision(_AutocastPrecision):
 
     def __init__(
         self,
+        *,
         device: Optional[str] = None,
         matmul_precision: Optional[MatmulPrecision] = None,
         scaler: Any = None,

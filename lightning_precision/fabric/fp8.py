@@ -92,6 +92,8 @@ class FP8Precision(_AutocastPrecision):
             ``{"name": "delayed", "amax_history_len": 16, ...}`` or a TE recipe object.
         emulate: run torchao's fp8 numerics without fp8 hardware (CPU included), slowly. torchao only.
         compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16).
+        layer_policy: which linear layers run in fp8, as one :class:`~lightning_precision.fp8.FP8LayerPolicy`; or
+            the same three choices flat (not both):
         module_filter: ``(module, fqn) -> bool`` choosing the linear layers that run in fp8; replaces the defaults.
         skip_small_layers: leave layers too small to gain in high precision (thresholds in ``lightning_precision.fp8``).
         skip_first_last: leave the first and last linear layers that run as modules in high precision.
@@ -115,10 +117,12 @@ class FP8Precision(_AutocastPrecision):
 
     def __init__(
         self,
+        *,
         backend: Literal["torchao", "transformer_engine"] = "torchao",
-        recipe: Any = None,
+        recipe: Optional[_fp8.RecipeLike] = None,
         emulate: bool = False,
         compute_dtype: torch.dtype = torch.bfloat16,
+        layer_policy: Optional[_fp8.FP8LayerPolicy] = None,
         module_filter: Optional[_fp8.ModuleFilter] = None,
         skip_small_layers: bool = True,
         skip_first_last: bool = True,
@@ -138,14 +142,13 @@ class FP8Precision(_AutocastPrecision):
                 f"`{owner}(compute_dtype={compute_dtype})`: the high-precision parts run in torch.bfloat16 (default)"
                 " or torch.float16."
             )
-        _fp8.check_module_filter(owner, module_filter)
+        self.layer_policy = _fp8.resolve_layer_policy(owner, layer_policy, module_filter=module_filter,
+                                                      skip_small_layers=skip_small_layers,
+                                                      skip_first_last=skip_first_last)
         super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
         self.precision = _PRECISION_OF[(backend, compute_dtype)]
         self.backend = backend
         self.emulate = emulate
-        self.module_filter = module_filter
-        self.skip_small_layers = skip_small_layers
-        self.skip_first_last = skip_first_last
         # Resolved now, so a bad recipe or a missing package fails at construction, not mid-setup.
         if backend == "torchao":
             self.recipe = _fp8.torchao_config(recipe if recipe is not None else "tensorwise", emulate)
@@ -211,6 +214,11 @@ class FP8Precision(_AutocastPrecision):
                              " one or the other.")
         return as_plan(layers)
 
+    # The layer choice is `layer_policy`; these read it, for code written against the flat arguments.
+    module_filter = property(lambda self: self.layer_policy.module_filter)
+    skip_small_layers = property(lambda self: self.layer_policy.skip_small_layers)
+    skip_first_last = property(lambda self: self.layer_policy.skip_first_last)
+
     @property
     def recipe_name(self) -> str:
         """Deprecated: ``scaling_family`` (it never was the recipe's name: torchao's ``rowwise_with_gw_hp`` is
@@ -240,9 +248,7 @@ class FP8Precision(_AutocastPrecision):
         if self.plan is not None:
             decisions = self._decisions_of_plan(module, self.plan)
         else:
-            decisions = _fp8.select_fp8_layers(
-                module, self.scaling_family, self.module_filter, self.skip_small_layers, self.skip_first_last
-            )
+            decisions = _fp8.select_fp8_layers(module, self.scaling_family, layer_policy=self.layer_policy)
         if self.layers == "auto" and self.plan is None:
             return self._start_calibration(module, decisions)
         return self._swap(module, decisions)
@@ -487,27 +493,26 @@ class NVFP4Precision(FP8Precision):
     Args:
         recipe: ``"nvfp4"`` (default), a mapping ``{"name": "nvfp4", **NVFP4BlockScaling_kwargs}`` or TE's
             ``NVFP4BlockScaling`` object.
-        compute_dtype, module_filter, skip_small_layers, skip_first_last, layers, device, matmul_precision,
-            reduce_dtype: as for ``FP8Precision``.
+        compute_dtype, layer_policy, layers, device, matmul_precision, reduce_dtype: as for ``FP8Precision``. The
+            layer choice is a ``layer_policy`` only (no flat ``module_filter``/``skip_*`` arguments). Every argument
+            is keyword-only.
     """
 
     _nvfp4 = True
 
     def __init__(
         self,
-        recipe: Any = None,
+        *,
+        recipe: Optional[_fp8.RecipeLike] = None,
         compute_dtype: torch.dtype = torch.bfloat16,
-        module_filter: Optional[_fp8.ModuleFilter] = None,
-        skip_small_layers: bool = True,
-        skip_first_last: bool = True,
+        layer_policy: Optional[_fp8.FP8LayerPolicy] = None,
+        layers: Optional[PlanLike] = None,
         device: Optional[str] = None,
         matmul_precision: Optional[MatmulPrecision] = None,
         reduce_dtype: torch.dtype = torch.float32,
-        layers: Optional[PlanLike] = None,
     ) -> None:
         super().__init__(
             backend="transformer_engine", recipe=recipe if recipe is not None else _fp8.TE_NVFP4,
-            compute_dtype=compute_dtype, module_filter=module_filter, skip_small_layers=skip_small_layers,
-            skip_first_last=skip_first_last, device=device, matmul_precision=matmul_precision,
-            reduce_dtype=reduce_dtype, layers=layers,
+            compute_dtype=compute_dtype, layer_policy=layer_policy, layers=layers, device=device,
+            matmul_precision=matmul_precision, reduce_dtype=reduce_dtype,
         )

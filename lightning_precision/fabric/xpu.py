@@ -11,8 +11,11 @@ from typing_extensions import override
 
 from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaler import ScalerConfig
-from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision
+from lightning_precision.fabric._scaled import _ScaledPrecision
+from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision.warnings import NoEffectWarning, warn
+
+__all__ = ["XPUPrecision", "check_fp64"]
 
 _DTYPES = {"bf16": (torch.bfloat16, "bf16-mixed"), "fp16": (torch.float16, "16-mixed")}
 
@@ -27,8 +30,11 @@ def check_fp64(props: Any) -> None:
         )
 
 
-class XPUPrecision(FP16MixedPrecision):
+class XPUPrecision(_ScaledPrecision):
     """Mixed precision on Intel GPUs: ``Fabric(accelerator="xpu", plugins=[XPUPrecision()])``.
+
+    Not an ``FP16MixedPrecision``: in bf16 (the default) it has no scaler (``scaler`` is ``None``). Every argument is
+    keyword-only.
 
     Args:
         dtype: ``"bf16"`` (default; no scaler) or ``"fp16"`` (with ``torch.amp.GradScaler("xpu")``, the same skipped-step
@@ -36,8 +42,8 @@ class XPUPrecision(FP16MixedPrecision):
         ipex: ``False`` (default): upstream torch only. ``True``: ``intel_extension_for_pytorch.optimize`` the model (and
             optimizer, with the Trainer), or an error if IPEX is missing or built for another torch. ``"auto"``: IPEX
             when it matches, else upstream torch, quietly. IPEX is checked from package metadata before any import.
-        init_scale, growth_factor, backoff_factor, growth_interval, skip_schedulers_on_overflow, min_scale, max_scale,
-            max_consecutive_skips: fp16 only, as in ``FP16MixedPrecision``.
+        scaler, init_scale, growth_factor, backoff_factor, growth_interval, skip_schedulers_on_overflow, min_scale,
+            max_scale, max_consecutive_skips: fp16 only, as in ``FP16MixedPrecision`` (a ``NoEffectWarning`` in bf16).
         matmul_precision: as for every plugin.
         reduce_dtype: as for every plugin (FSDP2's gradient reduction under ``mp_policy``).
         device: ``"xpu"``; another device type only to exercise the logic where no XPU exists (the tests do).
@@ -45,8 +51,10 @@ class XPUPrecision(FP16MixedPrecision):
 
     def __init__(
         self,
+        *,
         dtype: Literal["bf16", "fp16"] = "bf16",
         ipex: Union[bool, Literal["auto"]] = False,
+        scaler: Optional[ScalerConfig] = None,
         init_scale: float = ScalerConfig.init_scale,
         growth_factor: float = ScalerConfig.growth_factor,
         backoff_factor: float = ScalerConfig.backoff_factor,
@@ -64,20 +72,27 @@ class XPUPrecision(FP16MixedPrecision):
             raise ValueError(f"`{owner}(dtype={dtype!r})`: use 'bf16' (recommended on XPU) or 'fp16'.")
         if ipex not in (False, True, "auto"):
             raise ValueError(f"`{owner}(ipex={ipex!r})`: use False, True or 'auto'.")
-        self._uses_scaler = dtype == "fp16"
-        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, device=device,
-                         matmul_precision=matmul_precision, skip_schedulers_on_overflow=skip_schedulers_on_overflow,
-                         min_scale=min_scale, max_scale=max_scale, max_consecutive_skips=max_consecutive_skips,
-                         reduce_dtype=reduce_dtype)
+        config = resolve_scaler_config(
+            owner, scaler, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, min_scale=min_scale, max_scale=max_scale,
+            max_consecutive_skips=max_consecutive_skips,
+        )
+        if dtype == "bf16" and (scaler is not None or config != ScalerConfig()):
+            # Accepted (a run that passed them before keeps working), but said: they do nothing in bf16.
+            warn(f"`{owner}(dtype='bf16', ...)` was given loss-scaler arguments, which have no effect: bf16 has fp32's"
+                 " exponent range and runs without a scaler. Drop them, or pass `dtype='fp16'` to scale the loss.",
+                 NoEffectWarning)
+        compute_dtype, self.precision = _DTYPES[dtype]
+        super().__init__(compute_dtype, config if dtype == "fp16" else None, skip_schedulers_on_overflow, device,
+                         matmul_precision, reduce_dtype)
         self.dtype = dtype
-        self.compute_dtype, self.precision = _DTYPES[dtype]
         self.ipex = ipex
         self._ipex_module = _imports.load_ipex(ipex)
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
         super()._on_device_resolved(device_type)
-        if self._uses_scaler and device_type == "xpu":
+        if self.scaler is not None and device_type == "xpu":
             check_fp64(torch.xpu.get_device_properties())
 
     def ipex_optimize(self, model: Module, optimizer: Any = None) -> Any:

@@ -9,15 +9,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_precision.fabric.xpu import XPUPrecision as _FabricXPUPrecision
-from lightning_precision.plugins.fp16_mixed import FP16MixedPrecision
+from lightning_precision.plugins._scaled import _TrainerScaledPrecision
+
+__all__ = ["XPUPrecision"]
 
 
-class XPUPrecision(FP16MixedPrecision, _FabricXPUPrecision):
+class XPUPrecision(_TrainerScaledPrecision, _FabricXPUPrecision):
     """bf16 (default) or fp16 autocast on Intel GPUs for the Trainer:
     ``Trainer(accelerator="xpu", plugins=[XPUPrecision()], callbacks=[ChannelsLast()])``.
 
-    Same arguments as :class:`lightning_precision.fabric.XPUPrecision`. The Trainer behaviour (hooks, loss-scale
-    logging, scheduler holding, checkpoints) is ``FP16MixedPrecision``'s, with the scaler disabled in bf16. With IPEX
+    Same arguments as :class:`lightning_precision.fabric.XPUPrecision` (keyword-only). In fp16 the Trainer behaviour
+    (hooks, loss-scale logging, scheduler holding, checkpoints) is ``FP16MixedPrecision``'s; in bf16 there is no
+    scaler. With IPEX
     in use, the model and its single optimizer are passed through ``ipex.optimize`` in place at ``connect``.
     """
 

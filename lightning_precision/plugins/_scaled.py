@@ -1,0 +1,139 @@
+"""What the Trainer adds to a plugin with a loss scaler (``FP16MixedPrecision``, ``XPUPrecision``): the scale
+unscaled before the closure's hooks, updated once per backward, logged at the logger's cadence, held schedulers on
+skipped steps, and checkpoints Lightning's own plugin can resume. Without a scaler (XPU in bf16) it is plain autocast.
+
+Which hooks see scaled values:
+
+- ``on_before_backward``: the unscaled loss (Lightning's ``MixedPrecision`` passes the scaled one);
+- ``on_after_backward``: scaled gradients (unscaling waits until every accumulated backward pass is done);
+- ``on_before_optimizer_step`` and ``configure_gradient_clipping``: unscaled gradients, except with fused optimizers,
+  which unscale inside ``step`` (clipping then raises, as in Lightning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_precision._lightning import optimizer_handles_unscaling, should_update_logs
+from lightning_precision.fabric._scaled import check_optimizer
+from lightning_precision.plugins._schedulers import hold_step_schedulers
+from lightning_precision.plugins._trainer import LIGHTNING_AMP_KEY, _TrainerPrecision
+
+__all__: list[str] = []
+
+
+class _TrainerScaledPrecision(_TrainerPrecision):
+    """Mixed into ``class X(_TrainerScaledPrecision, FabricX)`` where ``FabricX`` is a ``_ScaledPrecision``.
+
+    The scale is updated after the optimizer step with automatic optimization (one optimizer per backward), and at the
+    end of ``training_step`` with manual optimization, so that several optimizers stepped after one backward are all
+    unscaled with the same scale. The state it keeps for the Trainer is created at ``connect`` (the class has no
+    ``__init__``, so ``help()`` and LightningCLI show the Fabric class's real signature).
+    """
+
+    @override
+    def connect(
+        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[Module, list[Optimizer], list[Any]]:
+        self._held_optimizers: set[int] = set()
+        self._manual_model: Optional[pl.LightningModule] = None
+        if self.scaler is not None:
+            for optimizer in optimizers:
+                check_optimizer(type(self).__name__, optimizer)
+        model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
+        if self.scaler is not None and self.skip_schedulers_on_overflow:
+            lr_schedulers = hold_step_schedulers(lr_schedulers, lambda opt: id(opt) in self._held_optimizers)
+        return model, optimizers, lr_schedulers
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        # Hooks see the real loss; only the tensor handed to backward is scaled.
+        tensor = super().pre_backward(tensor, module)
+        self.apply_pending_update()
+        return self._scale_loss(tensor)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizable,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        closure_result = closure()
+        # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
+        skipped_backward = closure_result is None and model.automatic_optimization
+        if not skipped_backward and self.scaler is not None and not optimizer_handles_unscaling(optimizer):
+            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        self._after_closure(model, optimizer)
+        if skipped_backward:
+            return closure_result
+        output = self._scaler_step(optimizer, **kwargs)
+        if self.step_was_skipped:
+            self._held_optimizers.add(id(optimizer))
+        else:
+            self._held_optimizers.discard(id(optimizer))
+        if model.automatic_optimization:  # one optimizer per backward: its update is due now
+            self._update_and_log(model)
+        else:
+            self._manual_model = model
+        return output
+
+    @override
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        with super().train_step_context():
+            yield
+        # With manual optimization every optimizer step of this training_step has happened by now.
+        model, self._manual_model = self._manual_model, None
+        if model is not None:
+            self._update_and_log(model)
+
+    def _update_and_log(self, model: pl.LightningModule) -> None:
+        self.apply_pending_update()
+        if should_update_logs(model.trainer):
+            for name, value in self.metrics().items():
+                model.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val > 0 and self.scaler is not None and optimizer_handles_unscaling(optimizer):
+            raise RuntimeError(
+                f"`{type(optimizer).__qualname__}` unscales gradients inside `step()` (a fused optimizer), so they"
+                " cannot be clipped. Use the non-fused optimizer, or drop `gradient_clip_val`."
+            )
+        TrainerPrecision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Also under Lightning's key, so that a run resumed with `precision="16-mixed"` keeps its scale.
+        state = self.state_dict()
+        if state:
+            checkpoint[LIGHTNING_AMP_KEY] = state
+
+    @override
+    def teardown(self) -> None:
+        self._held_optimizers = set()
+        self._manual_model = None
+        super().teardown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_manual_model"] = None
+        return state
