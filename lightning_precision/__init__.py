@@ -4,7 +4,7 @@ Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric p
 ``lightning_precision.fabric``.
 """
 
-import lightning_precision.accelerators  # noqa: F401  (registers accelerator='xpu')
+import lightning_precision.accelerators  # noqa: F401  (registers accelerator='xpu' where the name is free)
 from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
 from lightning_precision.fp8 import FP8LayerPolicy
 from lightning_precision.plan import PlanRule, PrecisionPlan

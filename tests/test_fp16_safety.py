@@ -240,3 +240,13 @@ def test_lightnings_plugin_resumes_our_checkpoint_with_its_scale(tmp_path):
     assert lightning_plugin.scaler.get_scale() == straight_plugin.loss_scale != 2.0**16
     assert_params_equal(params(resumed), params(straight))
     assert math.isfinite(lightning_plugin.scaler.get_scale())
+
+
+def test_the_scaler_overrides_no_private_method_of_torchs():
+    """Issue 14: whether a step ran is seen through the optimizer's public step post-hook, not by overriding
+    ``GradScaler._maybe_opt_step``; this fails if a private override comes back."""
+    from lightning_precision.fabric._scaler import _TrackingGradScaler
+
+    overridden = {name for name in vars(_TrackingGradScaler) if name.startswith("_") and not name.startswith("__")
+                  and hasattr(torch.amp.GradScaler, name)}
+    assert overridden == set()

@@ -26,8 +26,8 @@ from tests.helpers import LitNet, loader, make_data, params, trainer
 
 
 def test_registered_under_xpu_in_both_registries():
-    assert AcceleratorRegistry.get("xpu").__class__ is TrainerXPUAccelerator
-    assert ACCELERATOR_REGISTRY.get("xpu").__class__ is XPUAccelerator
+    assert AcceleratorRegistry["xpu"]["accelerator"] is TrainerXPUAccelerator
+    assert ACCELERATOR_REGISTRY["xpu"]["accelerator"] is XPUAccelerator
     assert issubclass(TrainerXPUAccelerator, XPUAccelerator)
 
 
@@ -54,16 +54,56 @@ def test_parse_devices(fake_xpus):
         parse_xpu_devices([5])
 
 
-def test_default_strategies(fake_xpus):
-    single = L.Trainer(accelerator="xpu", devices=1, logger=False).strategy
+def test_the_xpu_strategy_is_a_public_object_for_trainer_and_fabric(fake_xpus):
+    single = L.Trainer(strategy=TrainerXPUAccelerator.strategy(devices=1), logger=False).strategy
     assert type(single) is SingleDeviceStrategy and single.root_device == torch.device("xpu", 0)  # Lightning: cpu
-    ddp = L.Trainer(accelerator="xpu", devices=2, logger=False).strategy
+    assert isinstance(single.accelerator, TrainerXPUAccelerator)
+    ddp = L.Trainer(strategy=TrainerXPUAccelerator.strategy(devices=2), logger=False).strategy
     assert isinstance(ddp, DDPStrategy) and ddp.process_group_backend == "xccl"  # Lightning: gloo
     assert ddp.parallel_devices == [torch.device("xpu", 0), torch.device("xpu", 1)]
-    fabric = L.Fabric(accelerator="xpu", devices=1)
+    fabric = L.Fabric(strategy=XPUAccelerator.strategy(devices=1))
     assert fabric.device == torch.device("xpu", 0)
-    assert L.Fabric(accelerator="xpu", devices=2)._strategy._process_group_backend == "xccl"
-    assert L.Trainer(accelerator="cpu", devices=1, logger=False).strategy.root_device.type == "cpu"  # others untouched
+    assert L.Fabric(strategy=XPUAccelerator.strategy(devices=2))._strategy._process_group_backend == "xccl"
+    assert isinstance(TrainerXPUAccelerator.strategy(devices=1, num_nodes=2), DDPStrategy)  # several nodes: DDP
+
+
+def test_lightnings_wrong_strategy_choice_is_stopped_with_the_fix(fake_xpus):
+    # accelerator="xpu" alone: Lightning picks a CPU single-device strategy, and DDP over gloo. Both are stopped when
+    # the fit sets them up (before any step), saying what to pass instead.
+    trainer = L.Trainer(accelerator="xpu", devices=1, logger=False)
+    assert trainer.strategy.root_device.type == "cpu"  # Lightning's choice, left as it is
+    with pytest.raises(ValueError, match=r"CPU strategy.*strategy=TrainerXPUAccelerator.strategy\(devices=\.\.\.\)"):
+        trainer.accelerator.setup_device(trainer.strategy.root_device)
+    with pytest.raises(ValueError, match=r"strategy=XPUAccelerator.strategy"):
+        XPUAccelerator().setup_device(torch.device("cpu"))
+    ddp = L.Trainer(accelerator="xpu", devices=2, logger=False)
+    with pytest.raises(ValueError, match=r"'gloo', which cannot reduce XPU tensors.*xccl"):
+        ddp.accelerator.setup(ddp)
+
+
+def test_importing_the_package_patches_nothing_of_lightnings():
+    from lightning.fabric.connector import _Connector
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    for connector in (_Connector, _AcceleratorConnector):
+        for name in ("_choose_strategy", "_set_parallel_devices_and_init_accelerator"):
+            assert getattr(connector, name).__module__.startswith("lightning."), (connector, name)
+    assert L.Trainer(accelerator="cpu", devices=1, logger=False).strategy.root_device.type == "cpu"
+
+
+def test_an_existing_xpu_registration_is_never_replaced():
+    from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+
+    class TheirXPU(XPUAccelerator):
+        pass
+
+    registry = _AcceleratorRegistry()
+    registry.register("xpu", TheirXPU, description="registered first")
+    XPUAccelerator.register_accelerators(registry)
+    assert registry["xpu"]["accelerator"] is TheirXPU
+    empty = _AcceleratorRegistry()
+    XPUAccelerator.register_accelerators(empty)
+    assert empty["xpu"]["accelerator"] is XPUAccelerator
 
 
 def test_precision_bf16_autocasts_with_the_dtype_passed_and_no_scaler():

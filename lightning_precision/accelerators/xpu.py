@@ -1,10 +1,13 @@
 """XPUAccelerator: Intel GPUs through upstream torch's ``torch.xpu`` (no IPEX needed), for Fabric and the Trainer.
 
 Lightning 2.6 rejects ``accelerator="xpu"`` (#20848). Importing ``lightning_precision`` registers this accelerator
-under ``"xpu"`` with both registries, and teaches both connectors two things they get wrong for an accelerator they do
-not know: the default single-device strategy (they pick ``cpu``) and the DDP backend (they pick ``gloo``, which cannot
-reduce XPU tensors; torch's backend for XPU is ``xccl``). Not run on real Intel hardware here: no XPU exists on this
-project's machines.
+under ``"xpu"`` in both registries, unless the name is taken (a Lightning that ships its own XPU accelerator keeps it).
+
+For an accelerator they do not know, Lightning's connectors pick the wrong strategy: single-device on ``cpu``, and DDP
+over ``gloo``, which cannot reduce XPU tensors (torch's backend for XPU is ``xccl``). Nothing here patches them: the
+right strategy comes from ``XPUAccelerator.strategy(devices)`` (Fabric) or ``TrainerXPUAccelerator.strategy(devices)``
+(the Trainer), public objects passed as ``strategy=``; the wrong one is stopped before the first step with that fix.
+Not run on real Intel hardware here: no XPU exists on this project's machines.
 """
 
 from __future__ import annotations
@@ -13,8 +16,14 @@ from typing import Any, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
 from lightning.pytorch.accelerators import Accelerator as TrainerAccelerator
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
+
+__all__ = ["XPU_BACKEND", "TrainerXPUAccelerator", "XPUAccelerator", "describe_missing_xpu", "parse_xpu_devices",
+           "xpu_available", "xpu_device_count"]
 
 XPU_BACKEND = "xccl"
 
@@ -58,13 +67,46 @@ def parse_xpu_devices(devices: Union[int, str, list[int]]) -> list[int]:
     return list(devices)
 
 
+def _fix(cls: type) -> str:
+    trainer = issubclass(cls, TrainerAccelerator)
+    return (f"`{'L.Trainer' if trainer else 'L.Fabric'}(strategy={cls.__name__}.strategy(devices=...))`, from"
+            " `lightning_precision.accelerators`")
+
+
 class XPUAccelerator(FabricAccelerator):
-    """Intel XPU accelerator for Fabric: ``Fabric(accelerator="xpu")``."""
+    """Intel XPU accelerator for Fabric: ``Fabric(strategy=XPUAccelerator.strategy(devices=1))``. With
+    ``accelerator="xpu"`` alone Lightning picks a CPU or gloo strategy, which ``setup_device`` stops with this fix.
+
+    Constructing it without an XPU raises an error that says why (torch without XPU support, or no device visible) and
+    what was found instead; Lightning builds it exactly when ``accelerator="xpu"`` is asked for.
+    """
+
+    _single_strategy: Any = FabricSingleDeviceStrategy
+    _ddp_strategy: Any = FabricDDPStrategy
+
+    def __init__(self) -> None:
+        if not xpu_available():
+            raise RuntimeError(f"`accelerator='xpu'` was asked for, but no Intel XPU is available: {describe_missing_xpu()}.")
+        super().__init__()
+
+    @classmethod
+    def strategy(cls, devices: Union[int, str, list[int]] = "auto", num_nodes: int = 1) -> Any:
+        """The strategy for ``devices`` XPUs, with this accelerator: one device gives a single-device strategy on it,
+        several (or several nodes) DDP over XCCL. Lightning would pick ``cpu`` and ``gloo``."""
+        accelerator = cls()
+        indices = parse_xpu_devices(devices)
+        if num_nodes <= 1 and len(indices) <= 1:
+            return cls._single_strategy(device=torch.device("xpu", indices[0] if indices else 0), accelerator=accelerator)
+        return cls._ddp_strategy(accelerator=accelerator, parallel_devices=[torch.device("xpu", i) for i in indices],
+                                 process_group_backend=XPU_BACKEND)
 
     @override
     def setup_device(self, device: torch.device) -> None:
         if device.type != "xpu":
-            raise ValueError(f"XPUAccelerator got device {device}; expected an xpu device.")
+            raise ValueError(
+                f"{type(self).__name__} was given the strategy's device {device}: Lightning picks a CPU strategy for"
+                f" accelerators it does not know. Pass the XPU strategy: {_fix(type(self))}."
+            )
         torch.xpu.set_device(device)
 
     @override
@@ -99,16 +141,29 @@ class XPUAccelerator(FabricAccelerator):
     @classmethod
     @override
     def register_accelerators(cls, accelerator_registry: Any) -> None:  # Lightning's registry (its class is private)
-        accelerator_registry.register("xpu", cls, description=cls.__name__, override=True)
+        # Never replace a registration: an "xpu" Lightning (or another package) registered first is left in place.
+        if "xpu" not in accelerator_registry:
+            accelerator_registry.register("xpu", cls, description=cls.__name__)
 
 
 class TrainerXPUAccelerator(TrainerAccelerator, XPUAccelerator):
-    """Intel XPU accelerator for the Trainer: ``Trainer(accelerator="xpu")``; device stats from
-    ``torch.xpu.memory_stats``."""
+    """Intel XPU accelerator for the Trainer: ``Trainer(strategy=TrainerXPUAccelerator.strategy(devices=4))``; device
+    stats from ``torch.xpu.memory_stats``."""
+
+    _single_strategy = SingleDeviceStrategy
+    _ddp_strategy = DDPStrategy
 
     @override
     def setup(self, trainer: Any) -> None:
-        pass
+        # Fabric has no such hook; the Trainer's stops DDP over gloo here, before the first step.
+        strategy = trainer.strategy
+        if hasattr(strategy, "process_group_backend") and strategy.process_group_backend != XPU_BACKEND:
+            # None until the process group exists: then Lightning's default for a device it does not know, gloo.
+            backend = strategy.process_group_backend or "gloo"
+            raise ValueError(
+                f"`{type(strategy).__name__}` reduces over {backend!r}, which cannot reduce XPU tensors. Pass the XPU"
+                f" strategy: {_fix(type(self))} (DDP over {XPU_BACKEND!r})."
+            )
 
     @override
     def get_device_stats(self, device: Any) -> dict[str, Any]:

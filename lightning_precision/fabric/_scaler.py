@@ -14,8 +14,9 @@ Three holes of torch's scaler are closed here:
   them, and the host-side answer torch already computed for ordinary optimizers is kept, so that "was this step
   skipped?" is free there.
 
-It relies on torch's ``_per_optimizer_states``, ``_maybe_opt_step``, ``_scale`` and ``_init_scale`` (stable since torch
-1.6), read here only; the tests of this module fail if torch changes them.
+It reads torch's ``_per_optimizer_states``, ``_scale`` and ``_init_scale`` (stable since torch 1.6) and overrides no
+private method; whether a step ran is seen through the optimizer's public step post-hook. The tests of this module fail
+if torch changes them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
+from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.warnings import warn
 
 
@@ -151,10 +153,10 @@ class _TrackingGradScaler(torch.amp.GradScaler):
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         if self._carried is None or self._scale is None:
-            return super().step(optimizer, *args, **kwargs)
+            return self._step_and_record(optimizer, *args, **kwargs)
         live, self._scale = self._scale, self._carried
         try:
-            output = super().step(optimizer, *args, **kwargs)
+            output = self._step_and_record(optimizer, *args, **kwargs)
         finally:
             self._scale = live
         if self._early_found is not None:
@@ -172,11 +174,22 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             return None
         return sum(f.to(self._scale.device, non_blocking=True) for f in flags)  # type: ignore[return-value]
 
-    def _maybe_opt_step(self, optimizer: Optimizer, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
-        # The same host read the parent makes (one sync), kept so nobody has to read the device again.
-        skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
-        self._host_skipped[id(optimizer)] = skipped
-        return None if skipped else optimizer.step(*args, **kwargs)
+    def _step_and_record(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``GradScaler.step``, remembering whether the optimizer stepped. torch reads the answer on the host anyway
+        for ordinary optimizers (one sync, inside ``step``); a step post-hook, public since torch 2.0, sees it for free.
+        Fused optimizers (which unscale inside ``step`` and are always called) and optimizers without hooks are not
+        recorded: asked, they read the device."""
+        register = getattr(optimizer, "register_step_post_hook", None)
+        if not self._enabled or register is None or optimizer_handles_unscaling(optimizer):
+            return super().step(optimizer, *args, **kwargs)
+        stepped: list[bool] = []
+        handle = register(lambda *_: stepped.append(True))
+        try:
+            output = super().step(optimizer, *args, **kwargs)
+        finally:
+            handle.remove()
+        self._host_skipped[id(optimizer)] = not stepped
+        return output
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` was skipped. Free for ordinary optimizers; reads the device for fused

@@ -31,7 +31,7 @@ def check_fp64(props: Any) -> None:
 
 
 class XPUPrecision(_ScaledPrecision):
-    """Mixed precision on Intel GPUs: ``Fabric(accelerator="xpu", plugins=[XPUPrecision()])``.
+    """Mixed precision on Intel GPUs: ``Fabric(strategy=XPUAccelerator.strategy(devices=1), plugins=[XPUPrecision()])``.
 
     Not an ``FP16MixedPrecision``: in bf16 (the default) it has no scaler (``scaler`` is ``None``). Every argument is
     keyword-only.

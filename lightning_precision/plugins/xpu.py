@@ -16,7 +16,7 @@ __all__ = ["XPUPrecision"]
 
 class XPUPrecision(_TrainerScaledPrecision, _FabricXPUPrecision):
     """bf16 (default) or fp16 autocast on Intel GPUs for the Trainer:
-    ``Trainer(accelerator="xpu", plugins=[XPUPrecision()], callbacks=[ChannelsLast()])``.
+    ``Trainer(strategy=TrainerXPUAccelerator.strategy(devices=1), plugins=[XPUPrecision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.XPUPrecision` (keyword-only). In fp16 the Trainer behaviour
     (hooks, loss-scale logging, scheduler holding, checkpoints) is ``FP16MixedPrecision``'s; in bf16 there is no
