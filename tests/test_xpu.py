@@ -126,15 +126,23 @@ def test_xpu_precision_is_not_an_fp16_plugin_and_bf16_owns_no_scaler():
 
 def test_xpu_bf16_says_scaler_arguments_have_no_effect():
     with pytest.warns(NoEffectWarning, match="no effect"):
-        XPUPrecision(device="cpu", init_scale=1024.0)
-    with pytest.warns(NoEffectWarning, match="no effect"):
         XPUPrecision(device="cpu", scaler=ScalerConfig())
     plugin = XPUPrecision(dtype="fp16", device="cpu", scaler=ScalerConfig(init_scale=1024.0))
     assert plugin.loss_scale == 1024.0
 
 
+def test_xpu_flat_scaler_arguments_still_work_deprecated_for_one_config():
+    with pytest.warns(DeprecationWarning, match=r"XPUPrecision\(init_scale, growth_interval=\.\.\.\).*scaler=ScalerConfig"):
+        plugin = XPUPrecision(dtype="fp16", device="cpu", init_scale=1024.0, growth_interval=3)
+    assert plugin.scaler_config == ScalerConfig(init_scale=1024.0, growth_interval=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'init_scael'"):
+        XPUPrecision(dtype="fp16", device="cpu", init_scael=1024.0)
+    with pytest.raises(ValueError, match="one place"):
+        XPUPrecision(dtype="fp16", device="cpu", scaler=ScalerConfig(), init_scale=1024.0)
+
+
 def test_precision_fp16_trains_with_the_scaler_on_a_real_fit():
-    plugin = XPUPrecision(dtype="fp16", device="cpu", init_scale=1024.0)
+    plugin = XPUPrecision(dtype="fp16", device="cpu", scaler=ScalerConfig(init_scale=1024.0))
     model = LitNet()
     trainer(plugin, max_steps=4).fit(model, loader(make_data(4, overflow_batches=(1,))))
     assert set(model.output_dtypes) == {torch.float16}

@@ -23,6 +23,8 @@ from typing_extensions import override
 from lightning_precision import _fsdp
 from lightning_precision._lightning import convert_fp_tensor, install_throughput_dtype
 
+__all__ = ["MatmulPrecision", "_AutocastPrecision"]
+
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 MatmulPrecision = Literal["highest", "high", "medium"]

@@ -19,7 +19,7 @@ from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, _TrackingGradScaler
 
-__all__ = ["check_optimizer"]
+__all__ = ["_ScaledPrecision", "check_optimizer"]
 
 
 def check_optimizer(owner: str, optimizer: Any) -> None:

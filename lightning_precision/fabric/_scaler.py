@@ -33,6 +33,8 @@ from lightning_precision._checks import is_positive_int, one_config
 from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.warnings import warn
 
+__all__ = ["ScalerConfig", "SkippedStepsError", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
+
 
 class SkippedStepsError(RuntimeError):
     """Raised when the loss scaler skipped ``max_consecutive_skips`` optimizer steps in a row."""

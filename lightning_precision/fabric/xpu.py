@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -13,7 +14,7 @@ from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import _ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision.warnings import NoEffectWarning, warn
+from lightning_precision.warnings import NoEffectWarning, deprecated, warn
 
 __all__ = ["XPUPrecision", "check_fp64"]
 
@@ -42,8 +43,10 @@ class XPUPrecision(_ScaledPrecision):
         ipex: ``False`` (default): upstream torch only. ``True``: ``intel_extension_for_pytorch.optimize`` the model (and
             optimizer, with the Trainer), or an error if IPEX is missing or built for another torch. ``"auto"``: IPEX
             when it matches, else upstream torch, quietly. IPEX is checked from package metadata before any import.
-        scaler, init_scale, growth_factor, backoff_factor, growth_interval, skip_schedulers_on_overflow, min_scale,
-            max_scale, max_consecutive_skips: fp16 only, as in ``FP16MixedPrecision`` (a ``NoEffectWarning`` in bf16).
+        scaler: fp16 only: the loss scaler's arguments as one ``ScalerConfig`` (``None``: its defaults). In bf16 a
+            ``NoEffectWarning`` says it does nothing. The flat ``init_scale=``, ``growth_factor=``, ... of 0.1 still
+            work, deprecated: one config is the one place for them.
+        skip_schedulers_on_overflow: fp16 only, as in ``FP16MixedPrecision``.
         matmul_precision: as for every plugin.
         reduce_dtype: as for every plugin (FSDP2's gradient reduction under ``mp_policy``).
         device: ``"xpu"``; another device type only to exercise the logic where no XPU exists (the tests do).
@@ -55,28 +58,23 @@ class XPUPrecision(_ScaledPrecision):
         dtype: Literal["bf16", "fp16"] = "bf16",
         ipex: Union[bool, Literal["auto"]] = False,
         scaler: Optional[ScalerConfig] = None,
-        init_scale: float = ScalerConfig.init_scale,
-        growth_factor: float = ScalerConfig.growth_factor,
-        backoff_factor: float = ScalerConfig.backoff_factor,
-        growth_interval: int = ScalerConfig.growth_interval,
-        matmul_precision: Optional[MatmulPrecision] = None,
         skip_schedulers_on_overflow: bool = True,
+        matmul_precision: Optional[MatmulPrecision] = None,
         device: str = "xpu",
-        min_scale: float = ScalerConfig.min_scale,
-        max_scale: float = ScalerConfig.max_scale,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
         reduce_dtype: torch.dtype = torch.float32,
+        **flat_scaler: Any,
     ) -> None:
         owner = type(self).__name__
         if dtype not in _DTYPES:
             raise ValueError(f"`{owner}(dtype={dtype!r})`: use 'bf16' (recommended on XPU) or 'fp16'.")
         if ipex not in (False, True, "auto"):
             raise ValueError(f"`{owner}(ipex={ipex!r})`: use False, True or 'auto'.")
-        config = resolve_scaler_config(
-            owner, scaler, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, min_scale=min_scale, max_scale=max_scale,
-            max_consecutive_skips=max_consecutive_skips,
-        )
+        unknown = sorted(set(flat_scaler) - {f.name for f in dataclasses.fields(ScalerConfig)})
+        if unknown:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        if flat_scaler:
+            deprecated(f"{owner}({', '.join(flat_scaler)}=...)", f"{owner}(scaler=ScalerConfig(...))")
+        config = resolve_scaler_config(owner, scaler, **flat_scaler)
         if dtype == "bf16" and (scaler is not None or config != ScalerConfig()):
             # Accepted (a run that passed them before keeps working), but said: they do nothing in bf16.
             warn(f"`{owner}(dtype='bf16', ...)` was given loss-scaler arguments, which have no effect: bf16 has fp32's"

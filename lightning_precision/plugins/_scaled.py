@@ -30,7 +30,7 @@ from lightning_precision.fabric._scaled import check_optimizer
 from lightning_precision.plugins._schedulers import hold_step_schedulers
 from lightning_precision.plugins._trainer import LIGHTNING_AMP_KEY, _TrainerPrecision
 
-__all__: list[str] = []
+__all__ = ["_TrainerScaledPrecision"]
 
 
 class _TrainerScaledPrecision(_TrainerPrecision):

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 from torch.optim import Optimizer
 
+__all__ = ["HeldScheduler", "hold_step_schedulers"]
+
 
 class HeldScheduler:
     """Forwards everything to ``scheduler`` (state, attributes, ``isinstance`` checks) except ``step()``, which is skipped

@@ -12,6 +12,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+__all__ = ["LIGHTNING_AMP_KEY", "_TrainerPrecision"]
+
 # Keys under which Lightning's own plugin saves the scaler: its class name, and the pre-1.6 name.
 LIGHTNING_AMP_KEY = "MixedPrecision"
 _LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")

@@ -10,6 +10,8 @@ from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
 from lightning_precision.fabric.fp8 import NVFP4Precision as _FabricNVFP4Precision
 from lightning_precision.plugins._trainer import _TrainerPrecision
 
+__all__ = ["FP8Precision", "NVFP4Precision"]
+
 
 class FP8Precision(_TrainerPrecision, _FabricFP8Precision):
     """fp8 linear layers inside bf16 autocast for the Trainer: ``Trainer(plugins=[FP8Precision()])``.
