@@ -1,46 +1,32 @@
-"""Invariants every plugin of the package must keep. Plugins are discovered, so new ones are checked for free."""
+"""Invariants every plugin of the package must keep. Plugins are discovered, so new ones are checked for free.
 
-import inspect
-import pickle
+Parity with a hand-written loop, state round-trip, pickling, a no_grad forward before the training forward, and the
+optimizer holding the model's Parameters are run for every plugin by the shared tester (tests/plugin_tester.py, run by
+tests/test_plugin_tester.py); discovery and the runnable arguments of each plugin come from it too."""
 
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 
 import lightning_precision
 import lightning_precision.fabric
 import lightning_precision.plugins
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
+from tests.plugin_tester import FABRIC_PLUGINS, TRAINER_PLUGINS, default_spec, discover, make_runnable, plugin_id
 
 
-def _discover(module, base):
-    found = [obj for name in module.__all__ if inspect.isclass(obj := getattr(module, name)) and issubclass(obj, base)]
-    assert found, f"no plugin found in {module.__name__}"
-    return found
+def _param(cls):
+    spec = default_spec(cls)  # a plugin without a spec fails in tests/test_plugin_tester.py, and runs here as cls()
+    reason = spec.cannot_run_here if spec is not None else None
+    return pytest.param(cls, id=plugin_id(cls), marks=[pytest.mark.skip(reason=reason)] if reason else [])
 
 
-FABRIC_PLUGINS = _discover(lightning_precision.fabric, FabricPrecision)
-TRAINER_PLUGINS = _discover(lightning_precision.plugins, TrainerPrecision)
-# NVFP4Precision is FP8Precision with Transformer Engine's NVFP4 recipe: TE needs CUDA and NVFP4 a Blackwell GPU, and
-# there is no emulation, so it cannot run here. Its own logic is tested against the TE stand-in
-# (tests/test_fp8_transformer_engine.py); the pairing test below still covers it.
-CANNOT_RUN_HERE = {"NVFP4Precision": "needs Transformer Engine and compute capability 10.0 (no emulation)"}
-ALL = [pytest.param(cls, id=f"{cls.__module__.split('.')[1]}.{cls.__name__}",
-                    marks=[pytest.mark.skip(reason=CANNOT_RUN_HERE[cls.__name__])] if cls.__name__ in CANNOT_RUN_HERE
-                    else [])
-       for cls in FABRIC_PLUGINS + TRAINER_PLUGINS]
+ALL = [_param(cls) for cls in FABRIC_PLUGINS + TRAINER_PLUGINS]
 # Each plugin's standard precision string and the dtype autocast must run in.
 EXPECTED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-# Arguments that let a plugin run its logic here: XPUPrecision targets "xpu", which does not exist on these machines;
-# FP8Precision needs torchao's emulation on a CPU, and converts the one layer of the test net that fp8 can take.
-RUNNABLE_HERE = {"XPUPrecision": {"device": "cpu"}, "FP8Precision": {"emulate": True, "skip_small_layers": False}}
 OWN_DEVICE = {"XPUPrecision"}
-
-
-def make(cls, **kwargs):
-    return cls(**{**RUNNABLE_HERE.get(cls.__name__, {}), **kwargs})
+make = make_runnable
 
 
 def test_discovery_pairs_every_trainer_plugin_with_its_fabric_class():
@@ -85,17 +71,6 @@ def test_state_restored_after_an_exception_in_the_forward_context(cls):
     assert torch.get_default_dtype() == default_dtype
     assert not torch.is_autocast_enabled("cpu")
     assert torch.get_float32_matmul_precision() == "highest"
-
-
-@pytest.mark.parametrize("cls", ALL)
-def test_state_dict_round_trips(cls):
-    plugin = make(cls)
-    state = plugin.state_dict()
-    other = make(cls)
-    other.load_state_dict(state)
-    assert other.state_dict() == state
-    # and survives pickling (ddp_spawn pickles the plugin)
-    assert pickle.loads(pickle.dumps(plugin)).state_dict() == state
 
 
 def _record_matmul_precision(net, seen):
@@ -153,29 +128,9 @@ def _optimized(optimizer):
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
-@pytest.mark.parametrize("cls", ALL)
-def test_the_optimizer_holds_the_parameters_the_model_trains(cls):
-    """Fabric builds the optimizer before `setup` converts the model: a conversion that made new Parameters would
-    leave the converted layers untrained."""
-    if cls in TRAINER_PLUGINS:
-        model = LitNet()
-        t = trainer(make(cls), max_steps=1)
-        t.fit(model, loader(make_data(1)))
-        assert _optimized(t.optimizers[0]) == _trainable(model)
-        return
-    net = make_net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[make(cls)])
-    model, optimizer = fabric.setup(net, optimizer)
-    assert _optimized(optimizer) == _trainable(net)
-    before = [p.detach().clone() for p in net.parameters()]
-    fabric.backward(model(torch.randn(4, 16)).square().mean())
-    optimizer.step()
-    assert all(not torch.equal(a, b) for a, b in zip(before, net.parameters()))  # every layer trained
-
-
 def test_the_optimizer_holds_the_parameters_after_a_transformer_engine_conversion(monkeypatch):
-    """Transformer Engine needs CUDA: its modules here are the stand-in of tests/te_standin.py (TE's signatures, and
+    """The shared tester checks this for every plugin that runs here (torchao's fp8 conversion included); Transformer
+    Engine needs CUDA: its modules here are the stand-in of tests/te_standin.py (TE's signatures, and
     fresh Parameters in every new module, as TE makes them)."""
     from tests import te_standin
 
@@ -189,35 +144,6 @@ def test_the_optimizer_holds_the_parameters_after_a_transformer_engine_conversio
     fabric.setup(net, optimizer)
     assert type(net[2]) is te.Linear and type(net[1]) is te.LayerNorm
     assert _optimized(optimizer) == _trainable(net)
-
-
-class TeacherFirst(LitNet):
-    """Runs a no_grad forward (a teacher, an EMA target, a metric) before the forward it trains on."""
-
-    def training_step(self, batch, batch_idx):
-        with torch.no_grad():
-            self(batch[0])
-        return super().training_step(batch, batch_idx)
-
-
-@pytest.mark.parametrize("cls", ALL)
-def test_a_no_grad_forward_first_does_not_break_the_training_forward(cls):
-    """Before pytorch#165068, autocast's weight cache kept the no_grad forward's casts, without grad history, and the
-    next backward failed ("element 0 of tensors does not require grad"; Lightning #20644). Only older torch releases
-    show it: CI runs this on the oldest torch the package admits."""
-    if cls in TRAINER_PLUGINS:
-        model = TeacherFirst()
-        trainer(make(cls), max_steps=2).fit(model, loader(make_data(2)))
-        assert len(model.losses) == 2
-        return
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[make(cls)])
-    net = make_net()
-    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    x = torch.randn(4, 16)
-    with torch.no_grad():
-        model(x)
-    fabric.backward(model(x).square().mean())
-    assert all(p.grad is not None for p in net.parameters())
 
 
 @pytest.mark.parametrize("cls", ALL)
@@ -257,7 +183,7 @@ def test_fp8_counts_against_the_fp8_peak_and_other_plugins_are_left_to_lightning
 import lightning_precision.callbacks  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-CALLBACKS = _discover(lightning_precision.callbacks, Callback)
+CALLBACKS = discover(lightning_precision.callbacks, Callback)
 
 
 # What a callback needs beside it to have anything to do: FP8Guard watches FP8Precision's layers (emulated fp8 here);

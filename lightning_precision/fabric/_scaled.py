@@ -158,3 +158,9 @@ class _ScaledPrecision(_AutocastPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None:
             self.scaler.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch refuses to pickle (or deepcopy) a GradScaler between a step and its update, which is where this plugin
+        # rests at the end of every iteration: apply the update first, as any other read of the state does.
+        self.apply_pending_update()
+        return super().__getstate__()

@@ -1,0 +1,445 @@
+"""A reusable tester that runs every precision plugin of the package through the same checks (torchmetrics'
+``MetricTester`` style): parity with a hand-written PyTorch loop, ``state_dict`` round-trip, pickling, a ``no_grad``
+forward before the training forward, and the optimizer holding the model's own Parameters after setup.
+
+Plugins are discovered from ``lightning_precision.fabric`` and ``lightning_precision.plugins``; each class name needs a
+spec in ``SPECS`` below (how to build it runnably on a CPU, and its reference loop). A new plugin without one fails
+``tests/test_plugin_tester.py`` with a message saying to add it: that is how new plugins get these checks.
+
+Why parity is exact (``rtol=0, atol=0``): the plugin and the reference run the same torch ops in the same order on a
+CPU, whose kernels are deterministic. What differs cannot change a bit: the plugins autocast with
+``cache_enabled=False`` (the cache only reuses a cast, the same values), cast the model output to fp32 (exact) before a
+loss that autocast runs in fp32 anyway, and scale, unscale and step through the same ``GradScaler`` arithmetic.
+
+Each check was seen to fail on a copy of the package broken on purpose: autocast disabled (parity, every plugin); the
+scaler growing one step late (fp16 parity); ``load_state_dict`` ignoring the scaler state (round-trip); ``__getstate__``
+losing the compute dtype (pickling); the autocast weight cache switched on, on torch 2.7 (no_grad forward); the fp8
+conversion making new Parameters (optimizer parameters, and fp8 parity); a spec removed (its plugin's tests fail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import pickle
+from typing import Any, Callable, Optional
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+from torch import nn
+
+import lightning_precision.fabric
+import lightning_precision.plugins
+from lightning_precision import ScalerConfig
+from tests.helpers import LitNet, loader, make_data, make_net, trainer
+
+
+def discover(module: Any, base: type) -> list[type]:
+    """The classes ``module.__all__`` exports that subclass ``base``."""
+    found = [obj for name in module.__all__ if inspect.isclass(obj := getattr(module, name)) and issubclass(obj, base)]
+    assert found, f"no plugin found in {module.__name__}"
+    return found
+
+
+FABRIC_PLUGINS = discover(lightning_precision.fabric, FabricPrecision)
+TRAINER_PLUGINS = discover(lightning_precision.plugins, TrainerPrecision)
+
+
+def is_trainer_plugin(cls: type) -> bool:
+    return issubclass(cls, TrainerPrecision)
+
+
+def plugin_id(cls: type) -> str:
+    """``fabric.X`` or ``plugins.X``: the two classes of one name are told apart in test ids."""
+    return f"{cls.__module__.split('.')[1]}.{cls.__name__}"
+
+
+# ---- specs -----------------------------------------------------------------------------------------------------------
+
+
+def _fp8_layer_2(net: nn.Module) -> None:
+    """The reference's fp8 conversion: torchao's own verb, tensorwise recipe, emulated, on layer "2" of ``make_net``
+    (32x32): the plugin leaves the first and the last linear layer in bf16 (``skip_first_last``), and the last (32x4)
+    is not divisible by 16 either."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    convert_to_float8_training(net, config=config, module_filter_fn=lambda module, fqn: fqn == "2")
+
+
+def _fp8_converted(net: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(net[2], Float8Linear) and type(net[0]) is nn.Linear and type(net[4]) is nn.Linear
+
+
+# The scaler arguments of the fp16 specs, given to the plugin and to the reference's GradScaler alike. A small
+# `growth_interval` and an fp16-overflowing batch make the scale grow, back off on a skipped step and grow again within
+# a few steps, so that the scaler's arithmetic is compared too, and its state has moved by the round-trip.
+_SCALER = {"init_scale": 1024.0, "growth_interval": 2}
+_OVERFLOW_BATCHES = (2,)
+@dataclasses.dataclass(frozen=True)
+class PluginSpec:
+    """How the tester runs one plugin class (its Fabric and its Trainer class alike)."""
+
+    # Keyword arguments that make it run its real logic on a CPU.
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The reference loop: torch.autocast("cpu", dtype), and a torch.amp.GradScaler("cpu", **scaler) unless None.
+    dtype: torch.dtype = torch.bfloat16
+    scaler: Optional[dict[str, Any]] = None
+    # The reference's model conversion (fp8), done before its optimizer is built; and how to see that the plugin's
+    # model was converted the same way.
+    convert: Optional[Callable[[nn.Module], None]] = None
+    converted: Optional[Callable[[nn.Module], bool]] = None
+    # Batches of the training data whose inputs overflow fp16 (the step is skipped, the scale backs off).
+    overflow_batches: tuple[int, ...] = ()
+    # Optional packages it needs (a missing one skips, naming the pip extra).
+    requires: tuple[str, ...] = ()
+    # The only admitted reason not to run: hardware that cannot exist here and cannot be emulated.
+    cannot_run_here: Optional[str] = None
+    # Package bugs the checks found, "<fabric|plugins>.<check>" -> what is wrong: a strict xfail, so the check turns
+    # red (XPASS) the day the bug is fixed, asking for the entry to go.
+    known_bugs: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def make(self, cls: type, **overrides: Any) -> Any:
+        return cls(**{**self.kwargs, **overrides})
+
+
+# Per class name: variant id -> spec. Every variant runs every check.
+SPECS: dict[str, dict[str, PluginSpec]] = {
+    "BF16MixedPrecision": {"default": PluginSpec()},
+    "FP16MixedPrecision": {
+        "default": PluginSpec(kwargs=dict(_SCALER), dtype=torch.float16, scaler=dict(_SCALER),
+                              overflow_batches=_OVERFLOW_BATCHES),
+    },
+    # XPUPrecision targets "xpu", which does not exist here; `device="cpu"` runs the same logic for the CPU.
+    "XPUPrecision": {
+        "bf16": PluginSpec(kwargs={"device": "cpu"}),
+        "fp16": PluginSpec(kwargs={"device": "cpu", "dtype": "fp16", "scaler": ScalerConfig(**_SCALER)}, dtype=torch.float16,
+                           scaler=dict(_SCALER), overflow_batches=_OVERFLOW_BATCHES),
+    },
+    # torchao's fp8 numerics emulated on the CPU; `skip_small_layers=False` so that the 32x32 layer of the test net
+    # is converted (it is far too small to gain on a GPU).
+    "FP8Precision": {
+        "torchao-tensorwise": PluginSpec(kwargs={"emulate": True, "skip_small_layers": False}, convert=_fp8_layer_2,
+                                         converted=_fp8_converted, requires=("torchao",)),
+    },
+    # FP8Precision with Transformer Engine's NVFP4 recipe: TE needs CUDA, NVFP4 a Blackwell GPU, and nothing emulates
+    # it. Its own logic runs against the TE stand-in (tests/test_fp8_transformer_engine.py).
+    "NVFP4Precision": {
+        "te-nvfp4": PluginSpec(cannot_run_here="needs Transformer Engine and compute capability 10.0 (no emulation)"),
+    },
+}
+
+_EXTRAS = {"torchao": "fp8"}
+# The checks of PluginTester, as `known_bugs` keys name them.
+CHECKS = ("parity", "state_round_trip", "pickling", "no_grad_forward", "optimizer_params")
+
+
+def default_spec(cls: type) -> Optional[PluginSpec]:
+    """The first spec variant of ``cls`` (what other shared tests build it with), or None without a spec."""
+    return next(iter(SPECS.get(cls.__name__, {}).values()), None)
+
+
+def make_runnable(cls: type, **overrides: Any) -> Any:
+    """``cls`` built to run here (its default spec's keyword arguments), with ``overrides``."""
+    spec = default_spec(cls)
+    return spec.make(cls, **overrides) if spec is not None else cls(**overrides)
+
+
+def missing_spec_message(cls: type) -> str:
+    return (
+        f"{cls.__module__}.{cls.__qualname__} is a discovered precision plugin without a spec: add an entry"
+        f" {cls.__name__!r} to SPECS in tests/plugin_tester.py (keyword arguments that run it on a CPU, the autocast"
+        " dtype and scaler arguments of its hand-written reference loop, and any model conversion), so that it gets"
+        " parity, state round-trip, pickling, no_grad-forward and optimizer-parameter checks."
+    )
+
+
+def cases(classes: list[type], check: str) -> list[Any]:
+    """One ``pytest.param(cls, spec)`` per class and spec variant for ``check``; a class without a spec gets
+    ``spec=None`` (the test then fails with ``missing_spec_message``); a spec that cannot run here is skipped with its
+    reason; a known bug of the package is a strict xfail."""
+    assert check in CHECKS, check
+    params = []
+    for cls in classes:
+        variants = SPECS.get(cls.__name__)
+        if not variants:
+            params.append(pytest.param(cls, None, id=f"{plugin_id(cls)}-NO-SPEC"))
+            continue
+        for name, spec in variants.items():
+            marks = [pytest.mark.skip(reason=spec.cannot_run_here)] if spec.cannot_run_here else []
+            bug = spec.known_bugs.get(f"{plugin_id(cls).split('.')[0]}.{check}")
+            if bug:
+                marks.append(pytest.mark.xfail(reason=f"package bug: {bug}", strict=True))
+            params.append(pytest.param(cls, spec, id=f"{plugin_id(cls)}-{name}", marks=marks))
+    return params
+
+
+# ---- runs ------------------------------------------------------------------------------------------------------------
+
+STEPS = 6
+LR = 0.1
+
+
+@dataclasses.dataclass
+class Run:
+    losses: list[float]
+    net: nn.Module
+    plugin: Any = None
+    scaler: Optional[torch.amp.GradScaler] = None
+    optimizer: Any = None
+    grads: list[list[Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
+    output_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)  # the Trainer's model outputs
+
+
+def _sgd(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)  # LitNet.configure_optimizers' optimizer
+
+
+def reference_loop(spec: PluginSpec, steps: int = STEPS) -> Run:
+    """The plain PyTorch recipe the plugin must reproduce: autocast, a GradScaler for fp16, the fp8 conversion."""
+    net = make_net(0)
+    if spec.convert is not None:
+        spec.convert(net)
+    optimizer = _sgd(net)
+    scaler = torch.amp.GradScaler("cpu", **spec.scaler) if spec.scaler is not None else None
+    losses = []
+    for x, y in loader(make_data(steps, overflow_batches=spec.overflow_batches)):
+        with torch.autocast(device_type="cpu", dtype=spec.dtype):
+            loss = nn.functional.cross_entropy(net(x), y)
+        losses.append(float(loss))
+        optimizer.zero_grad()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+    return Run(losses, net, scaler=scaler, optimizer=optimizer)
+
+
+def _fabric(plugin: Any) -> L.Fabric:
+    return L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+
+
+def fabric_fit(plugin: Any, spec: PluginSpec, steps: int = STEPS, teacher_first: bool = False,
+               one_region: bool = False, on_setup: Optional[Callable[[Any, nn.Module], None]] = None) -> Run:
+    """A real Fabric loop, the optimizer built before ``setup`` (as Fabric asks). ``one_region`` puts each iteration's
+    forwards and loss in one autocast region (``fabric.autocast()``, as a Trainer's training_step is); otherwise only
+    the wrapped model's own forward context autocasts. ``teacher_first`` runs a no_grad forward before the training
+    forward, as a teacher or an EMA target would."""
+    fabric = _fabric(plugin)
+    net = make_net(0)
+    model, optimizer = fabric.setup(net, _sgd(net))
+    if on_setup is not None:
+        on_setup(plugin, net)
+    run = Run([], net, plugin=plugin, optimizer=optimizer)
+    for x, y in fabric.setup_dataloaders(loader(make_data(steps, overflow_batches=spec.overflow_batches))):
+        with fabric.autocast() if one_region else contextlib.nullcontext():
+            if teacher_first:
+                with torch.no_grad():
+                    model(x)
+            loss = nn.functional.cross_entropy(model(x), y)
+        run.losses.append(float(loss))
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        run.grads.append([p.grad.clone() if p.grad is not None else None for p in net.parameters()])
+        optimizer.step()
+    return run
+
+
+class _Recorder(LitNet):
+    """LitNet that records its gradients as the optimizer sees them (unscaled), and with ``teacher_first`` runs a
+    no_grad forward (a teacher, an EMA target, a metric) before the forward it trains on, in the same training_step
+    (one autocast region)."""
+
+    def __init__(self, teacher_first: bool = False) -> None:
+        super().__init__(lr=LR)
+        self.teacher_first = teacher_first
+        self.grads: list[list[Optional[torch.Tensor]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.teacher_first:
+            with torch.no_grad():
+                self(batch[0])
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.grads.append([p.grad.clone() if p.grad is not None else None for p in self.net.parameters()])
+
+
+def trainer_fit(plugin: Any, spec: PluginSpec, steps: int = STEPS, teacher_first: bool = False,
+                one_region: bool = True, callbacks: tuple[Callback, ...] = ()) -> tuple[Run, L.Trainer]:
+    """A real Trainer fit. The whole training_step runs in the plugin's forward context: one autocast region."""
+    assert one_region, "the Trainer runs training_step in one autocast region"
+    model = _Recorder(teacher_first)
+    t = trainer(plugin, max_steps=steps, callbacks=list(callbacks))
+    t.fit(model, loader(make_data(steps, overflow_batches=spec.overflow_batches)))
+    return Run(model.losses, model.net, plugin=plugin, optimizer=t.optimizers[0], grads=model.grads,
+               output_dtypes=set(model.output_dtypes)), t
+
+
+def fit(cls: type, plugin: Any, spec: PluginSpec, **kwargs: Any) -> Run:
+    """A real fit with the plugin: the Trainer for Trainer classes, Fabric for Fabric classes."""
+    if is_trainer_plugin(cls):
+        return trainer_fit(plugin, spec, **kwargs)[0]
+    return fabric_fit(plugin, spec, **kwargs)
+
+
+# ---- assertions ------------------------------------------------------------------------------------------------------
+
+
+def assert_exactly_equal(actual: Any, expected: Any, what: str) -> None:
+    # NaN == NaN here: the fp16 specs' overflow batch has a NaN loss in both runs (module docstring: why exact).
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def assert_same_params(a: nn.Module, b: nn.Module, what: str) -> None:
+    pa, pb = list(a.parameters()), list(b.parameters())
+    assert len(pa) == len(pb), f"{what}: {len(pa)} parameters vs {len(pb)}"
+    for i, (x, y) in enumerate(zip(pa, pb)):
+        assert_exactly_equal(x.detach(), y.detach(), f"{what}, parameter {i}")
+
+
+def _probe_input() -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(7))
+
+
+def forward_in(plugin: Any, net: nn.Module) -> torch.Tensor:
+    with torch.no_grad(), plugin.forward_context():
+        return net(_probe_input())
+
+
+class PluginTester:
+    """The checks, each for one plugin class and one spec; Trainer classes run real Trainer fits, Fabric classes real
+    Fabric loops."""
+
+    def __init__(self, cls: type, spec: Optional[PluginSpec]) -> None:
+        if spec is None:
+            pytest.fail(missing_spec_message(cls), pytrace=False)
+        for package in spec.requires:
+            if importlib.util.find_spec(package) is None:
+                pytest.skip(f"{cls.__name__} needs {package}: pip install 'lightning-precision[{_EXTRAS[package]}]'")
+        self.cls, self.spec = cls, spec
+        self.trainer_class = is_trainer_plugin(cls)
+
+    def make(self, **overrides: Any) -> Any:
+        return self.spec.make(self.cls, **overrides)
+
+    # (1)
+    def run_parity(self) -> None:
+        """A few steps of a real fit give the very losses and weights of the hand-written loop (exact: see the
+        module docstring), and the same final loss scale."""
+        expected = reference_loop(self.spec)
+        plugin = self.make()
+        run = fit(self.cls, plugin, self.spec)
+        assert len(run.losses) == STEPS
+        if self.spec.converted is not None:
+            assert self.spec.converted(run.net), f"{self.cls.__name__} did not convert the model as the reference"
+        if self.trainer_class:  # the whole training_step ran in autocast, for the CPU, in the reference's dtype
+            assert run.output_dtypes == {self.spec.dtype}
+        assert_exactly_equal(run.losses, expected.losses, "losses")
+        assert_same_params(run.net, expected.net, "weights after the fit")
+        if expected.scaler is None:
+            assert plugin.loss_scale is None
+        else:
+            assert plugin.loss_scale == expected.scaler.get_scale() != self.spec.scaler["init_scale"]
+            assert plugin.skipped_steps == len(self.spec.overflow_batches) > 0
+
+    # (2)
+    def run_state_round_trip(self) -> None:
+        """After some steps, the state loads into a fresh instance and comes out the same; where the plugin keeps
+        state (a loss scale, its counters), it did move, so loading is not a no-op."""
+        plugin = self.make()
+        fit(self.cls, plugin, self.spec, steps=4)
+        state = plugin.state_dict()
+        fresh = self.make()
+        untouched = fresh.state_dict()
+        if self.spec.scaler is not None:
+            assert state != untouched, "the scaler state did not move during the fit"
+        fresh.load_state_dict(state)
+        assert fresh.state_dict() == state
+        assert fresh.loss_scale == plugin.loss_scale and fresh.skipped_steps == plugin.skipped_steps
+
+    # (3)
+    def run_pickling(self) -> None:
+        """``pickle`` (ddp_spawn pickles the plugin) after setup and after steps: the copy has the same state and still
+        works, a forward in its autocast giving the dtype and the values of the original's."""
+        checked = []
+
+        def check(plugin: Any, net: nn.Module) -> None:
+            copy = pickle.loads(pickle.dumps(plugin))
+            assert type(copy) is type(plugin)
+            assert copy.state_dict() == plugin.state_dict()
+            out, expected = forward_in(copy, net), forward_in(plugin, net)
+            assert out.dtype == expected.dtype == self.spec.dtype
+            assert torch.equal(out, expected)
+            checked.append(True)
+
+        plugin = self.make()
+        if self.trainer_class:
+
+            class PickleAtStart(Callback):
+                def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+                    check(trainer.precision_plugin, pl_module.net)
+
+            run, _ = trainer_fit(plugin, self.spec, steps=3, callbacks=(PickleAtStart(),))
+        else:
+            run = fabric_fit(plugin, self.spec, steps=3, on_setup=check)
+        check(plugin, run.net)
+        assert len(checked) == 2
+
+    # (4)
+    def run_no_grad_forward_first(self) -> None:
+        """A no_grad forward inside the plugin's forward context before the training forward leaves the gradients
+        exactly as without it. Before pytorch#165068 (torch < 2.10 or so), autocast's weight cache kept the no_grad
+        forward's casts, without grad history, for the rest of the autocast region: the next backward failed ("element
+        0 of tensors does not require grad") or left those weights without gradients (Lightning #20644). Only torch
+        releases before the fix show it (checked: with `cache_enabled=True` in the plugin, every case here fails on
+        torch 2.7 and passes on 2.13): run this on the oldest torch the package admits."""
+        with_teacher = fit(self.cls, self.make(), self.spec, steps=2, teacher_first=True, one_region=True)
+        without = fit(self.cls, self.make(), self.spec, steps=2, one_region=True)
+        assert len(with_teacher.grads) == len(without.grads) == 2
+        for step, (got, expected) in enumerate(zip(with_teacher.grads, without.grads)):
+            assert all(g is not None for g in got), f"step {step}: a parameter got no gradient"
+            for i, (g, e) in enumerate(zip(got, expected)):
+                assert_exactly_equal(g, e, f"step {step}, gradient of parameter {i}")
+        assert_exactly_equal(with_teacher.losses, without.losses, "losses")
+        assert_same_params(with_teacher.net, without.net, "weights")
+
+    # (5)
+    def run_optimizer_holds_model_params(self) -> None:
+        """After setup (and the fp8 conversion it does) the optimizer's parameters are the very objects the model
+        trains: Fabric builds the optimizer before `setup` converts the model, so a conversion that made new
+        Parameters would leave the converted layers untrained. One step then changes every parameter."""
+        plugin = self.make()
+        if self.trainer_class:
+            before = [p.detach().clone() for p in make_net(0).parameters()]  # _Recorder's net, before training
+            run, t = trainer_fit(plugin, self.spec, steps=1)
+            net, optimizer = run.net, t.optimizers[0]
+        else:
+            fabric, net = _fabric(plugin), make_net(0)
+            before = [p.detach().clone() for p in net.parameters()]
+            optimizer = _sgd(net)
+            model, wrapped = fabric.setup(net, optimizer)
+        if self.spec.converted is not None:
+            assert self.spec.converted(net), f"{self.cls.__name__} did not convert the model"
+        optimized = [p for group in optimizer.param_groups for p in group["params"]]
+        trainable = [p for p in net.parameters() if p.requires_grad]
+        assert len(optimized) == len(trainable) > 0
+        assert all(a is b for a, b in zip(optimized, trainable)), "the optimizer holds other Parameters than the model"
+        if not self.trainer_class:
+            x, y = next(iter(loader(make_data(1))))
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+            wrapped.step()
+        changed = [not torch.equal(a, b) for a, b in zip(before, net.parameters())]
+        assert all(changed), f"parameters {[i for i, c in enumerate(changed) if not c]} were not trained"
