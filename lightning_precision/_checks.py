@@ -2,6 +2,8 @@
 
 from typing import Any
 
+__all__ = ["is_positive_int", "one_config"]
+
 
 def is_positive_int(value: Any) -> bool:
     """A count of steps or elements: an int >= 1 (``True`` is not a count)."""

@@ -26,6 +26,17 @@ from torch import nn
 
 from lightning_precision import _imports
 
+__all__ = [
+    "Float8ScalePrecompute",
+    "check_gather_dtype",
+    "check_gloo_averages",
+    "custom_all_gather_supported",
+    "install_byte_all_gather",
+    "is_sharded",
+    "local_shard",
+    "process_group_backend",
+]
+
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:
     """The modules ``fully_shard`` was applied to (FSDP2 swaps their class to a subclass of ``FSDPModule``)."""

@@ -16,6 +16,26 @@ from types import ModuleType
 
 from lightning_utilities.core.imports import RequirementCache
 
+__all__ = [
+    "IPEX",
+    "_DATASETS_AVAILABLE",
+    "_EXTRA_OF",
+    "_MATPLOTLIB_AVAILABLE",
+    "_TORCHAO_AVAILABLE",
+    "_TRANSFORMERS_AVAILABLE",
+    "_TRANSFORMER_ENGINE_AVAILABLE",
+    "import_quietly",
+    "import_torchvision",
+    "imports_cleanly",
+    "install_command",
+    "installed_version",
+    "ipex_status",
+    "load_ipex",
+    "quiet_known_noise",
+    "require",
+    "version_of",
+]
+
 # The minimums repeat pyproject.toml's extras (tests/test_one_table.py checks that they agree).
 _TORCHAO_AVAILABLE = RequirementCache("torchao>=0.11")
 _TRANSFORMER_ENGINE_AVAILABLE = RequirementCache("transformer-engine>=2.9")

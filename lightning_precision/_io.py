@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+__all__ = ["check_writable_dir"]
+
 
 def check_writable_dir(path: "str | os.PathLike[str]", owner: str) -> Path:
     """Create ``path`` (and its parents) if needed and prove a file can be written in it; a ``ValueError`` naming

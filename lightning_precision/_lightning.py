@@ -20,6 +20,15 @@ from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as conve
 # Whether an optimizer unscales inside `step()` (fused optimizers); Lightning's MixedPrecision asks the same.
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling as optimizer_handles_unscaling  # noqa: F401
 
+__all__ = [
+    "batches_that_stepped",
+    "convert_fp_tensor",
+    "install_throughput_dtype",
+    "optimizer_handles_unscaling",
+    "should_update_logs",
+    "unwrapped_name",
+]
+
 
 def should_update_logs(trainer: pl.Trainer) -> bool:
     """Whether the logger connector writes on this step (``Trainer(log_every_n_steps=...)``). Lightning exposes no

@@ -15,6 +15,8 @@ import torch
 
 from lightning_precision._imports import installed_version
 
+__all__ = ["cpu_info", "describe", "describe_cpu", "machine_info"]
+
 # The instruction sets that decide low-precision speed on a CPU, by their /proc/cpuinfo flag, with their usual name.
 CPU_ISA = {
     "avx2": "AVX2",

@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 from lightning_precision.warnings import warn
 
+__all__ = ["NOISY", "print_table", "verdict", "write_reports"]
+
 COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "final loss", "val acc",
            "fp16 underflow", "skipped")
 CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "samples_per_s", "units_per_s", "achieved_tflops", "mfu",

@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-USAGE = """usage: lightning-precision [--version] {fit,compare,doctor,plan} ...
+__all__ = ["main"]
+
+_USAGE = """usage: lightning-precision [--version] {fit,compare,doctor,plan} ...
 
   fit      LightningCLI over the recipes: lightning-precision fit --config recipes/distilbert.yaml
   compare  one recipe under several precisions, side by side (runs an embedded default with no arguments)
@@ -17,7 +19,7 @@ Each command has --help.
 """
 
 
-def version_line() -> str:
+def _version_line() -> str:
     import lightning
     import torch
 
@@ -45,7 +47,7 @@ def _our_message(text: str) -> Optional[str]:
 
 
 # `fit --precision NAME`: the plugin it puts in `trainer.plugins` (class path, init args), the names of recipes/*.yaml.
-FIT_PRECISIONS = {
+_FIT_PRECISIONS = {
     "32-true": None,
     "bf16-mixed": ("lightning_precision.BF16MixedPrecision", {}),
     "16-mixed": ("lightning_precision.FP16MixedPrecision", {}),
@@ -88,7 +90,7 @@ def _choose_precision(config: object, precision: "str | None") -> None:
             raise _ConfigError(
                 f"trainer.precision={trainer['precision']!r} conflicts with the precision plugin the configuration sets"
                 f" ({name}): choose with `--precision {trainer['precision']}` instead, which swaps in"
-                f" lightning-precision's plugin (one of {', '.join(FIT_PRECISIONS)})."
+                f" lightning-precision's plugin (one of {', '.join(_FIT_PRECISIONS)})."
             )
         return
     if precision == "fp8":
@@ -100,7 +102,7 @@ def _choose_precision(config: object, precision: "str | None") -> None:
     if trainer.get("precision") is not None:
         raise _ConfigError(f"--precision {precision} and trainer.precision={trainer['precision']!r} both choose the"
                            " precision: pass only --precision.")
-    chosen = FIT_PRECISIONS[precision]
+    chosen = _FIT_PRECISIONS[precision]
     others = [p for p in plugins if not _is_precision_plugin(p)]
     if chosen is not None:
         others.append(Namespace(class_path=chosen[0], init_args=Namespace(**chosen[1])))
@@ -110,13 +112,13 @@ def _choose_precision(config: object, precision: "str | None") -> None:
 def _fit(argv: list[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_precision.warnings import ignore_known_harmless
+    from lightning_precision.warnings import _ignore_known_harmless
 
-    ignore_known_harmless()
+    _ignore_known_harmless()
 
     class CLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
-            parser.add_argument("--precision", choices=list(FIT_PRECISIONS), default=None,
+            parser.add_argument("--precision", choices=list(_FIT_PRECISIONS), default=None,
                                 help="train in this precision with lightning-precision's plugin, replacing the one the"
                                      " configuration sets (null: keep the configuration's)")
             parser.add_argument("--ckpt_path", default=None, help="checkpoint to resume from")
@@ -153,22 +155,22 @@ def _fit(argv: list[str]) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(_USAGE)
         return 0 if argv else 2
     if argv[0] == "--version":
-        print(version_line())
+        print(_version_line())
         return 0
     command, rest = argv[0], argv[1:]
     try:
         if command == "fit":
             return _fit(rest)
         if command == "compare":
-            from lightning_precision.compare import UsageError
+            from lightning_precision.compare import _UsageError
             from lightning_precision.compare import main as compare
 
             try:
                 return compare(rest)
-            except UsageError as err:
+            except _UsageError as err:
                 print(f"lightning-precision compare: error: {err}", file=sys.stderr)
                 return 2
         if command == "doctor":
@@ -181,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return plan(rest)
     except SystemExit as exit:  # argparse's --help (0) and usage errors (2): a code, also when called as a function
         return exit.code if isinstance(exit.code, int) else 1
-    print(f"lightning-precision: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    print(f"lightning-precision: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
 
 

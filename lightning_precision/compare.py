@@ -44,33 +44,35 @@ from lightning_precision.mfu import (
 )
 from lightning_precision.recipes import RECIPES
 
+__all__ = ["PRECISIONS", "main"]
+
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8", "fp8-auto")
-FP8_PRECISIONS = ("fp8", "fp8-auto")  # fp8-auto: FP8Precision(layers="auto"), layers chosen from measured numerics
-WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
-QUICK_STEPS, QUICK_VAL_BATCHES = 30, 2
-MIN_PAIRS = 3  # paired blocks needed before a speedup can count as resolved
+_FP8_PRECISIONS = ("fp8", "fp8-auto")  # fp8-auto: FP8Precision(layers="auto"), layers chosen from measured numerics
+_WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
+_QUICK_STEPS, _QUICK_VAL_BATCHES = 30, 2
+_MIN_PAIRS = 3  # paired blocks needed before a speedup can count as resolved
 
 
-class UsageError(Exception):
+class _UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
-def one_line(text: str) -> str:
+def _one_line(text: str) -> str:
     """A message as one line: the whole of it, whitespace runs folded."""
     return " ".join(str(text).split())
 
 
-def calibration_steps(steps: int) -> int:
+def _calibration_steps(steps: int) -> int:
     """fp8-auto's measured steps: 8 (the plugin's default), fewer in short runs so that most steps run the plan."""
     return max(1, min(8, steps // 4))
 
 
-def untimed_steps(precision: str, steps: int) -> int:
+def _untimed_steps(precision: str, steps: int) -> int:
     """Steps left out of the timings: the warm-up, and for fp8-auto its measured steps and a warm-up after them."""
-    return WARMUP + (calibration_steps(steps) if precision == "fp8-auto" else 0)
+    return _WARMUP + (_calibration_steps(steps) if precision == "fp8-auto" else 0)
 
 
-def make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
+def _make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
     from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
     from lightning_precision.fp8 import fp8_gpu_available
 
@@ -83,20 +85,20 @@ def make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
     # Emulated fp8 is for numerics on small models: run every eligible layer in fp8, not only the large ones.
     kwargs = {"emulate": emulate and not fp8_gpu_available(), "skip_small_layers": not emulate}
     if precision == "fp8-auto":
-        kwargs.update(layers="auto", calibration_batches=calibration_steps(steps))
+        kwargs.update(layers="auto", calibration_batches=_calibration_steps(steps))
     return FP8Precision(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------- planning
 
 
-def on_gpu(args: argparse.Namespace) -> bool:
+def _on_gpu(args: argparse.Namespace) -> bool:
     return torch.cuda.is_available() and args.accelerator in ("auto", "cuda", "gpu")
 
 
-def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
+def _emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
     """Whether this precision's arithmetic is emulated where it runs: its speed then says nothing about the format."""
-    if precision in FP8_PRECISIONS:
+    if precision in _FP8_PRECISIONS:
         from lightning_precision.fp8 import fp8_gpu_available
 
         return not fp8_gpu_available()
@@ -105,14 +107,14 @@ def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
     return not machine["cpu"][f"native_{'bf16' if precision == 'bf16-mixed' else 'fp16'}"]
 
 
-def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tuple[list[str], list[str]]:
+def _default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The precisions this machine can compare usefully, and a line for each one left out, saying why."""
     from lightning_precision import _imports
     from lightning_precision.fp8 import fp8_gpu_available
 
     chosen, notes = ["32-true"], []
-    gpu = on_gpu(args)
-    no_bf16 = precheck("bf16-mixed", args) if gpu else None
+    gpu = _on_gpu(args)
+    no_bf16 = _precheck("bf16-mixed", args) if gpu else None
     if no_bf16:
         notes.append(f"bf16-mixed left out: {no_bf16}")
     else:
@@ -130,27 +132,27 @@ def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tup
     return chosen, notes
 
 
-def precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
+def _precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
     """Why this precision cannot run here, found before any precision starts; None if it can."""
     from lightning_precision import _imports
 
-    if precision in FP8_PRECISIONS and not _imports._TORCHAO_AVAILABLE:
+    if precision in _FP8_PRECISIONS and not _imports._TORCHAO_AVAILABLE:
         return f"{precision} needs torchao, which is not installed: {_imports.install_command('torchao')}"
-    if precision == "bf16-mixed" and on_gpu(args):
+    if precision == "bf16-mixed" and _on_gpu(args):
         from lightning_precision.fabric.bf16_mixed import _check_bf16_supported
 
         try:
             _check_bf16_supported("cuda")
         except RuntimeError as err:
-            return one_line(err)
+            return _one_line(err)
     try:
-        make_plugin(precision, args.emulate, args.steps)
+        _make_plugin(precision, args.emulate, args.steps)
     except Exception as err:  # a constructor's own check (hardware, versions): its message is the reason
-        return f"{type(err).__name__}: {one_line(err)}"
+        return f"{type(err).__name__}: {_one_line(err)}"
     return None
 
 
-def block_size(steps: int) -> int:
+def _block_size(steps: int) -> int:
     """Steps per turn: about ten turns per run."""
     return max(1, steps // 10)
 
@@ -192,7 +194,7 @@ def _rss_bytes() -> int:
         return _peak_rss_bytes()
 
 
-class RunStats(Callback):
+class _RunStats(Callback):
     """Step times and losses of one run; waits for its turn at every block start (``gate``) and hands each
     finished block to ``on_block``. Times exclude the waits."""
 
@@ -254,18 +256,18 @@ class RunStats(Callback):
         self.sent = len(self.times)
 
 
-def quiet_lightning() -> None:
+def _quiet_lightning() -> None:
     """One table, not a Trainer banner and hints per precision; Lightning's known-harmless notices go too."""
-    from lightning_precision.warnings import ignore_known_harmless
+    from lightning_precision.warnings import _ignore_known_harmless
 
-    ignore_known_harmless()
+    _ignore_known_harmless()
     for pattern in (".*does not have many workers.*", ".*GPU available but not used.*"):
         warnings.filterwarnings("ignore", pattern)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callable[[], None] = lambda: None,
+def _run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callable[[], None] = lambda: None,
             on_block: Callable[..., None] = lambda *a: None) -> dict[str, Any]:
     """Train ``recipe`` under ``precision`` in this process; the figures that need the whole run (validation accuracy,
     underflow, skipped steps). Step times and losses go to ``on_block`` as they come."""
@@ -278,10 +280,10 @@ def run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callabl
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
     model, data = RECIPES[recipe].build(data_args=data_args)
-    stats = RunStats(block_size(args.steps), gate, on_block)
+    stats = _RunStats(_block_size(args.steps), gate, on_block)
     monitor = GradientUnderflowMonitor(formats=("fp16",), top_k=0, warn_threshold=1.0,
                                        measure_every_n_steps=max(1, args.steps // 10), log_every_n_steps=args.steps)
-    plugin = make_plugin(precision, args.emulate, args.steps)
+    plugin = _make_plugin(precision, args.emulate, args.steps)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, plugins=[plugin] if plugin else None,
         callbacks=[stats, monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -318,7 +320,7 @@ def _fp8_layers(plugin: Any) -> dict[str, Any]:
 def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> None:
     """A spawned process: one precision's run, taking turns when the parent says "go"."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops every run at once
-    quiet_lightning()
+    _quiet_lightning()
 
     def gate() -> None:
         conn.send(("yield",))
@@ -329,11 +331,11 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
         conn.send(("block", times, losses, peak_mb))
 
     try:
-        result = run_one(recipe, precision, args, gate, on_block)
+        result = _run_one(recipe, precision, args, gate, on_block)
     except BaseException as err:  # noqa: BLE001  (the parent reports it; nothing must be lost silently)
         if isinstance(err, SystemExit) and err.code == 0:
             return
-        conn.send(("error", f"{type(err).__name__}: {one_line(err)}", traceback.format_exc()))
+        conn.send(("error", f"{type(err).__name__}: {_one_line(err)}", traceback.format_exc()))
         return
     conn.send(("done", result))
 
@@ -341,7 +343,7 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
 # ------------------------------------------------------------------------------------------------ the parent process
 
 
-class Run:
+class _Run:
     """The parent's record of one precision's process: what it has reported so far."""
 
     def __init__(self, precision: str, process: Any, conn: Any) -> None:
@@ -416,24 +418,24 @@ class Run:
             self.process.join()
 
 
-def start(recipe: str, precision: str, args: argparse.Namespace) -> Run:
+def _start(recipe: str, precision: str, args: argparse.Namespace) -> _Run:
     context = multiprocessing.get_context("spawn")  # fork after torch has threads can deadlock; CUDA needs spawn too
     parent, child = context.Pipe()
     process = context.Process(target=_child, args=(child, recipe, precision, args), daemon=True,
                               name=f"compare-{precision}")
     process.start()
     child.close()
-    return Run(precision, process, parent)
+    return _Run(precision, process, parent)
 
 
-def advance(progress: Any, task: Any, steps: int) -> None:
+def _advance(progress: Any, task: Any, steps: int) -> None:
     """The progress bar of one precision moved by ``steps``."""
     progress.advance(task, steps)
 
 
-def run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> tuple[dict[str, Run], bool]:
+def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> tuple[dict[str, _Run], bool]:
     """Start every precision's process, then take turns until all are done; True as second value if interrupted."""
-    runs: dict[str, Run] = {}
+    runs: dict[str, _Run] = {}
     tasks = {p: progress.add_task(f"{args.recipe} {p:>10}", total=args.steps) for p in precisions}
     interrupted = False
     # Ctrl-C must stop the comparison, whatever the process did before: Lightning leaves SIGINT ignored after a fit it
@@ -441,7 +443,7 @@ def run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> t
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for p in precisions:
-            runs[p] = start(args.recipe, p, args)
+            runs[p] = _start(args.recipe, p, args)
         for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
             run.wait(lambda n: None)
         turn = 0
@@ -449,7 +451,7 @@ def run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> t
             order = precisions[turn % len(precisions):] + precisions[: turn % len(precisions)]
             for p in order:  # the order rotates: no precision always runs first after a pause
                 if not runs[p].finished:
-                    runs[p].take_turn(lambda n, p=p: advance(progress, tasks[p], n))
+                    runs[p].take_turn(lambda n, p=p: _advance(progress, tasks[p], n))
             turn += 1
     except KeyboardInterrupt:
         interrupted = True
@@ -462,16 +464,16 @@ def run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> t
 # --------------------------------------------------------------------------------------------------------- the rows
 
 
-def quartiles(values: list[float]) -> tuple[float, float, float]:
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
     if len(values) == 1:
         return values[0], values[0], values[0]
     q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q1, q2, q3
 
 
-def _timed(run: Run, steps: int) -> list[list[float]]:
-    """The run's blocks with the untimed steps left out (``untimed_steps``; emptied blocks stay, for pairing)."""
-    blocks, seen, skip = [], 0, untimed_steps(run.precision, steps)
+def _timed(run: _Run, steps: int) -> list[list[float]]:
+    """The run's blocks with the untimed steps left out (``_untimed_steps``; emptied blocks stay, for pairing)."""
+    blocks, seen, skip = [], 0, _untimed_steps(run.precision, steps)
     for block in run.blocks:
         kept = block[max(0, skip - seen):]
         seen += len(block)
@@ -479,9 +481,9 @@ def _timed(run: Run, steps: int) -> list[list[float]]:
     return blocks
 
 
-def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interrupted: bool) -> dict[str, Any]:
+def _make_row(run: _Run, args: argparse.Namespace, machine: dict[str, Any], interrupted: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"precision": run.precision, "steps_done": len(run.times),
-                           "emulated": emulated(run.precision, machine, on_gpu(args)), "losses": run.losses,
+                           "emulated": _emulated(run.precision, machine, _on_gpu(args)), "losses": run.losses,
                            "step_ms": [t * 1e3 for t in run.times]}
     if run.error:
         row["error"] = run.error
@@ -492,7 +494,7 @@ def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interr
                         else "did not finish")
     times = [t for block in _timed(run, args.steps) for t in block] or run.times
     if times:
-        q1, median, q3 = quartiles(times)
+        q1, median, q3 = _quartiles(times)
         row.update(median_step_ms=median * 1e3, step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3,
                    samples_per_s=args.batch_size / median, spread=(q3 - q1) / median,
                    noisy=(q3 - q1) / median > NOISY)
@@ -502,7 +504,7 @@ def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interr
     return row
 
 
-def measure_batch(args: argparse.Namespace) -> dict[str, Any]:
+def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
     """What one training batch of the recipe costs and holds, the same for every precision, so measured once before the
     runs: ``model_flops_per_step`` (forward and backward, in fp32 on the CPU; None if it cannot be counted) and
     ``units_per_batch`` with its ``unit`` (tokens or images)."""
@@ -520,7 +522,7 @@ def measure_batch(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
+def _add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
     """Achieved TFLOP/s (the model's FLOPs per step over the median step time) and MFU against the device's dense
     peak for the run's compute kind (``lightning_precision.mfu``), with the peak's source or why there is none."""
     flops, units = meta.get("model_flops_per_step"), meta.get("units_per_batch")
@@ -540,9 +542,9 @@ def add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Nam
             row.update(achieved_tflops=achieved, mfu=fraction)
 
 
-def add_speedups(rows: list[dict[str, Any]], runs: dict[str, Run], steps: int) -> None:
+def _add_speedups(rows: list[dict[str, Any]], runs: dict[str, _Run], steps: int) -> None:
     """Speedup over 32-true from blocks measured back to back: the median of the paired ratios, their interquartile
-    range, and whether that range excludes 1x (with at least ``MIN_PAIRS`` pairs)."""
+    range, and whether that range excludes 1x (with at least ``_MIN_PAIRS`` pairs)."""
     if "32-true" not in runs:
         return
     base = [statistics.median(b) if b else None for b in _timed(runs["32-true"], steps)]
@@ -556,15 +558,15 @@ def add_speedups(rows: list[dict[str, Any]], runs: dict[str, Run], steps: int) -
         ratios = [b / m for b, m in zip(base, mine) if b and m]
         if not ratios:
             continue
-        q1, median, q3 = quartiles(ratios)
+        q1, median, q3 = _quartiles(ratios)
         row.update(speedup=median, speedup_q1=q1, speedup_q3=q3, speedup_pairs=len(ratios),
-                   speedup_resolved=len(ratios) >= MIN_PAIRS and (q1 > 1 or q3 < 1))
+                   speedup_resolved=len(ratios) >= _MIN_PAIRS and (q1 > 1 or q3 < 1))
 
 
 # -------------------------------------------------------------------------------------------------------- arguments
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def _parse(argv: list[str]) -> argparse.Namespace:
     from lightning_precision.fp8 import fp8_gpu_available
 
     parser = argparse.ArgumentParser(
@@ -579,14 +581,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              " with --emulate). fp8-auto: the layers chosen from their measured fp8 numerics"
                              " (FP8Precision(layers='auto'); its measured steps are left out of the timings)")
     parser.add_argument("--steps", type=int, default=None,
-                        help=f"training steps per precision (default: 100; {QUICK_STEPS} with --quick)")
+                        help=f"training steps per precision (default: 100; {_QUICK_STEPS} with --quick)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
     parser.add_argument("--val-batches", type=int, default=None,
-                        help=f"validation batches for the accuracy, 0 for none (default: 8; {QUICK_VAL_BATCHES} with"
+                        help=f"validation batches for the accuracy, 0 for none (default: 8; {_QUICK_VAL_BATCHES} with"
                              " --quick)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and their order (default: 0)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"a rough first look: {QUICK_STEPS} steps, {QUICK_VAL_BATCHES} validation batches")
+                        help=f"a rough first look: {_QUICK_STEPS} steps, {_QUICK_VAL_BATCHES} validation batches")
     parser.add_argument("--accelerator", default="auto", help="auto, cpu, cuda, ... (default: auto)")
     parser.add_argument("--data-dir", default=None,
                         help="real data for the recipe: aclImdb for distilbert, an ImageFolder for vit and resnet50"
@@ -600,33 +602,33 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              " bf16=989,fp8=1979")
     args = parser.parse_args(argv)
     if args.recipe not in RECIPES:
-        raise UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
-    args.steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else 100)
-    args.val_batches = args.val_batches if args.val_batches is not None else (QUICK_VAL_BATCHES if args.quick else 8)
+        raise _UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
+    args.steps = args.steps if args.steps is not None else (_QUICK_STEPS if args.quick else 100)
+    args.val_batches = args.val_batches if args.val_batches is not None else (_QUICK_VAL_BATCHES if args.quick else 8)
     if args.precisions is not None:
         given = args.precisions
         args.precisions = list(dict.fromkeys(p.strip() for p in given.split(",") if p.strip()))
         if not args.precisions:
-            raise UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
+            raise _UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
         for p in args.precisions:
             if p not in PRECISIONS:
-                raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
-        fp8 = [p for p in args.precisions if p in FP8_PRECISIONS]
+                raise _UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
+        fp8 = [p for p in args.precisions if p in _FP8_PRECISIONS]
         if fp8 and not (fp8_gpu_available() or args.emulate):
-            raise UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
+            raise _UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
                              " emulated")
     try:
         args.peak_overrides = parse_peak_override(args.peak_tflops) if args.peak_tflops is not None else {}
     except ValueError as err:
-        raise UsageError(str(err)) from None
+        raise _UsageError(str(err)) from None
     if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
-        raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
+        raise _UsageError("--steps and --batch-size must be positive, --val-batches not negative")
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
-        raise UsageError(f"data folder {args.data_dir!r} does not exist")
+        raise _UsageError(f"data folder {args.data_dir!r} does not exist")
     try:  # before any training: an output folder that cannot be written must not cost the whole comparison
         check_writable_dir(args.out, "--out")
     except ValueError as err:
-        raise UsageError(str(err)) from None
+        raise _UsageError(str(err)) from None
     return args
 
 
@@ -640,43 +642,43 @@ def main(argv: list[str]) -> int:
     from lightning_precision._console import console
     from lightning_precision._machine import describe, machine_info
 
-    args = parse(argv)
+    args = _parse(argv)
     machine = machine_info()
     notes: list[str] = []
     if args.precisions is None:
-        args.precisions, notes = default_precisions(machine, args)
+        args.precisions, notes = _default_precisions(machine, args)
     spec = RECIPES[args.recipe]
-    gpu = on_gpu(args)
+    gpu = _on_gpu(args)
     meta = {"recipe": args.recipe, "task": spec.task if not args.data_dir else args.data_dir, "chance": spec.chance,
             "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "val_batches": args.val_batches,
             "quick": args.quick, "device": torch.cuda.get_device_name() if gpu else "cpu",
             "machine_line": describe(machine, "cuda" if gpu else "cpu"), "machine": machine, "notes": notes,
-            "schedule": f"interleaved, {block_size(args.steps)} steps per turn, first {WARMUP} steps untimed",
+            "schedule": f"interleaved, {_block_size(args.steps)} steps per turn, first {_WARMUP} steps untimed",
             "interrupted": False, "command": shlex.join(["lightning-precision", "compare", *argv])}
     out = console()
     out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
     for note in notes:
         out.print(f"note: {note}", highlight=False, markup=False)
-    meta.update(measure_batch(args))
-    doomed = {p: why for p in args.precisions if (why := precheck(p, args))}
+    meta.update(_measure_batch(args))
+    doomed = {p: why for p in args.precisions if (why := _precheck(p, args))}
     for p, why in doomed.items():
         out.print(f"{p} cannot run here: {why}", style="red", highlight=False, markup=False)
     runnable = [p for p in args.precisions if p not in doomed]
-    quiet_lightning()
-    runs: dict[str, Run] = {}
+    _quiet_lightning()
+    runs: dict[str, _Run] = {}
     if runnable:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=out) as progress:
-            runs, meta["interrupted"] = run_all(args, runnable, progress)
+            runs, meta["interrupted"] = _run_all(args, runnable, progress)
     rows = []
     for p in args.precisions:
         if p in doomed or p not in runs:
             why = doomed.get(p, "not started: the comparison was interrupted before it")
             rows.append({"precision": p, "error": why, "steps_done": 0, "losses": []})
         else:
-            rows.append(make_row(runs[p], args, machine, meta["interrupted"]))
-    add_speedups(rows, runs, args.steps)
-    add_mfu(rows, meta, args)
+            rows.append(_make_row(runs[p], args, machine, meta["interrupted"]))
+    _add_speedups(rows, runs, args.steps)
+    _add_mfu(rows, meta, args)
     meta["verdict"] = _report.verdict(rows, meta)
     _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     try:

@@ -16,6 +16,8 @@ from lightning_precision._machine import cpu_info, describe_cpu, machine_info
 from lightning_precision.fabric.bf16_mixed import bf16_capable
 from lightning_precision.fp8 import FP8_MIN_CAPABILITY, MXFP8_MIN_CAPABILITY, fp8_capable
 
+__all__ = ["main"]
+
 
 def _optional_row(package: str, available: RequirementCache, ok: str, missing: str) -> tuple[str, str, str]:
     """An optional package's row: ``ok`` when it meets ``_imports``' requirement, ``missing`` when absent."""
@@ -33,7 +35,7 @@ def _ipex_row() -> tuple[str, str, str]:
         f"INCOMPATIBLE with torch {torch.__version__} (importing it would exit the process)")
 
 
-def package_rows() -> list[tuple[str, str, str]]:
+def _package_rows() -> list[tuple[str, str, str]]:
     rows = [("python", platform.python_version(), "ok"), ("torch", torch.__version__, f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build")]
     for dist in ("lightning", "torchmetrics", "transformers"):
         v = _version(dist)
@@ -52,7 +54,7 @@ def package_rows() -> list[tuple[str, str, str]]:
     return rows
 
 
-def device_rows() -> list[tuple[str, str, str, str, str, str]]:
+def _device_rows() -> list[tuple[str, str, str, str, str, str]]:
     """(device, bf16, fp16, fp8, notes, recommended)."""
     cpu = cpu_info()
     rows = [(
@@ -83,11 +85,11 @@ def device_rows() -> list[tuple[str, str, str, str, str, str]]:
     return rows
 
 
-PACKAGE_COLUMNS = ("package", "version", "status")
-DEVICE_COLUMNS = ("device", "bf16", "fp16", "fp8", "notes", "recommended")
+_PACKAGE_COLUMNS = ("package", "version", "status")
+_DEVICE_COLUMNS = ("device", "bf16", "fp16", "fp8", "notes", "recommended")
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="lightning-precision doctor",
         description="What this machine can do for low precision: packages, devices, native or emulated bf16/fp16/fp8"
@@ -97,9 +99,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    args = parse(argv)
-    packages = [dict(zip(PACKAGE_COLUMNS, row)) for row in package_rows()]
-    devices = [dict(zip(DEVICE_COLUMNS, row)) for row in device_rows()]
+    args = _parse(argv)
+    packages = [dict(zip(_PACKAGE_COLUMNS, row)) for row in _package_rows()]
+    devices = [dict(zip(_DEVICE_COLUMNS, row)) for row in _device_rows()]
     if args.json:
         print(json.dumps({"machine": machine_info(), "packages": packages, "devices": devices}, indent=2))
         return 0
@@ -108,7 +110,7 @@ def main(argv: list[str]) -> int:
     from lightning_precision._console import console as make_console
 
     console = make_console()
-    for title, columns, rows in (("packages", PACKAGE_COLUMNS, packages), ("devices", DEVICE_COLUMNS, devices)):
+    for title, columns, rows in (("packages", _PACKAGE_COLUMNS, packages), ("devices", _DEVICE_COLUMNS, devices)):
         table = Table(title=title)
         for column in columns:
             table.add_column(column)

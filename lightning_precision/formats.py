@@ -15,9 +15,19 @@ from typing import Optional, Union
 
 import torch
 
+__all__ = ["AnyFormat", "BLOCK_FORMATS", "BlockFormat", "FORMATS", "NumberFormat", "format_table", "get_format"]
+
 
 @dataclass(frozen=True)
-class NumberFormat:
+class _Format:
+    """What every format has: the ``name`` ``get_format`` finds it by. ``NumberFormat`` adds the bit layout of one
+    element, ``BlockFormat`` the element format and the scale its blocks share."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class NumberFormat(_Format):
     """One floating-point format. ``dtype`` is None for tf32, which only exists inside matmuls.
 
     Example:
@@ -26,7 +36,6 @@ class NumberFormat:
         (16, 65504.0, -24, 15)
     """
 
-    name: str
     dtype: Optional[torch.dtype]
     exponent_bits: int
     mantissa_bits: int
@@ -114,6 +123,32 @@ def _round_saturating(x: torch.Tensor, f: NumberFormat) -> torch.Tensor:
     return torch.where(torch.isnan(x), x.float(), torch.copysign(rounded, x.float())).to(x.dtype)
 
 
+def _from_bits(name: str, exponent_bits: int, mantissa_bits: int, has_inf: bool = True) -> NumberFormat:
+    """A format torch has no dtype for, from its bit layout: an IEEE-style exponent bias; with ``has_inf`` the top
+    exponent is reserved for inf and nan (tf32), else every code is a finite value (e2m1).
+
+    Example:
+        >>> tf32 = _from_bits("tf32", 8, 10)
+        >>> tf32.max == (2 - 2.0**-10) * 2.0**127, tf32.smallest_subnormal == 2.0**-136
+        (True, True)
+        >>> _from_bits("e2m1", 2, 1, has_inf=False).max
+        6.0
+    """
+    bias = 2 ** (exponent_bits - 1) - 1
+    top = 2**exponent_bits - (2 if has_inf else 1) - bias  # the largest finite value's exponent
+    return NumberFormat(
+        name=name,
+        dtype=None,
+        exponent_bits=exponent_bits,
+        mantissa_bits=mantissa_bits,
+        max=(2 - 2.0**-mantissa_bits) * 2.0**top,
+        smallest_normal=2.0 ** (1 - bias),
+        smallest_subnormal=2.0 ** (1 - bias - mantissa_bits),
+        eps=2.0**-mantissa_bits,
+        has_inf=has_inf,
+    )
+
+
 def _from_finfo(name: str, dtype: torch.dtype, exponent_bits: int, mantissa_bits: int, has_inf: bool = True) -> NumberFormat:
     info = torch.finfo(dtype)
     return NumberFormat(
@@ -131,32 +166,13 @@ def _from_finfo(name: str, dtype: torch.dtype, exponent_bits: int, mantissa_bits
 
 FORMATS: dict[str, NumberFormat] = {
     "fp32": _from_finfo("fp32", torch.float32, 8, 23),
-    "tf32": NumberFormat(
-        name="tf32",
-        dtype=None,
-        exponent_bits=8,
-        mantissa_bits=10,
-        max=(2 - 2.0**-10) * 2.0**127,
-        smallest_normal=2.0**-126,
-        smallest_subnormal=2.0**-136,
-        eps=2.0**-10,
-    ),
+    "tf32": _from_bits("tf32", 8, 10),
     "bf16": _from_finfo("bf16", torch.bfloat16, 8, 7),
     "fp16": _from_finfo("fp16", torch.float16, 5, 10),
     "e4m3fn": _from_finfo("e4m3fn", torch.float8_e4m3fn, 4, 3, has_inf=False),
     "e5m2": _from_finfo("e5m2", torch.float8_e5m2, 5, 2),
     # fp4: 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf or nan, saturating. Only meaningful with a block scale (NVFP4).
-    "e2m1": NumberFormat(
-        name="e2m1",
-        dtype=None,
-        exponent_bits=2,
-        mantissa_bits=1,
-        max=6.0,
-        smallest_normal=1.0,
-        smallest_subnormal=0.5,
-        eps=0.5,
-        has_inf=False,
-    ),
+    "e2m1": _from_bits("e2m1", 2, 1, has_inf=False),
 }
 
 _ALIASES = {
@@ -176,7 +192,7 @@ _ALIASES = {
 
 
 @dataclass(frozen=True)
-class BlockFormat:
+class BlockFormat(_Format):
     """A block-scaled format: each ``block_size`` consecutive elements share one scale (stored in ``scale_format``),
     chosen from the block's largest finite magnitude so that it lands near ``element.max``; NVFP4 adds one fp32 scale
     per tensor (``tensor_scale``) that brings the block scales into e4m3's range.
@@ -192,17 +208,11 @@ class BlockFormat:
         ('e4m3fn', 32, 'e8m0', 8.25)
     """
 
-    name: str
     element: NumberFormat
     block_size: int
     scale_format: str
     scale_rounding: str
     tensor_scale: bool = False
-
-    @property
-    def bits(self) -> float:
-        """Storage bits per element, the block scale shared out (the per-tensor scale is negligible)."""
-        return self.element.bits + 8 / self.block_size
 
     def block_multipliers(self, block_amax: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What each block's elements are multiplied by before the element cast (saturating at ``element.max``), from
@@ -228,7 +238,7 @@ class BlockFormat:
             return 1.0 / torch.exp2(exponent).clamp(min=torch.finfo(torch.float32).tiny)
         tensor = torch.ones((), device=amax.device) if tensor_amax is None else \
             _tensor_scale(tensor_amax.float(), self.element.max)
-        block = (amax / self.element.max / tensor).clamp(E4M3_TINY, FORMATS["e4m3fn"].max)
+        block = (amax / self.element.max / tensor).clamp(_E4M3_TINY, FORMATS["e4m3fn"].max)
         return (1.0 / tensor) / block.to(torch.float8_e4m3fn).float()
 
     def cast(self, x: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -254,8 +264,13 @@ class BlockFormat:
         m = self.block_multipliers(magnitudes.amax(-1), tensor_amax if self.tensor_scale else None)[:, None]
         return (self.element.cast(blocks * m) / m).reshape(x.shape).to(x.dtype)
 
+    @property
+    def bits(self) -> float:
+        """Storage bits per element, the block scale shared out (the per-tensor scale is negligible)."""
+        return self.element.bits + 8 / self.block_size
 
-E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # the smallest e4m3 block scale torchao lets NVFP4 use
+
+_E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # the smallest e4m3 block scale torchao lets NVFP4 use
 
 
 def _tensor_scale(tensor_amax: torch.Tensor, element_max: float) -> torch.Tensor:
@@ -286,7 +301,7 @@ def get_format(fmt: Union[str, torch.dtype, NumberFormat, BlockFormat]) -> AnyFo
             ...
         ValueError: Unknown number format 'fp6'. Use one of ['fp32', 'tf32', ...] (or an alias: ['float32', ...]).
     """
-    if isinstance(fmt, (NumberFormat, BlockFormat)):
+    if isinstance(fmt, _Format):
         return fmt
     if isinstance(fmt, torch.dtype):
         for candidate in FORMATS.values():

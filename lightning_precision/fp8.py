@@ -19,7 +19,48 @@ from torch import nn
 
 from lightning_precision import _fsdp, _imports
 from lightning_precision._checks import one_config
-from lightning_precision.warnings import NoEffectWarning, deprecated, deprecated_alias, warn
+from lightning_precision.warnings import NoEffectWarning, _deprecated_alias, deprecated, warn
+
+__all__ = [
+    "BACKENDS",
+    "BLOCK_SCALED",
+    "FP8LayerPolicy",
+    "FP8_MIN_CAPABILITY",
+    "HYBRID_FORMAT",
+    "LayerDecision",
+    "MXFP8Recipe",
+    "MXFP8_MIN_CAPABILITY",
+    "MXFP8_TOKENS",
+    "ModuleFilter",
+    "RecipeLike",
+    "TENSORS",
+    "TE_NVFP4",
+    "TE_RECIPES",
+    "TORCHAO_RECIPES",
+    "check_fp8_hardware",
+    "check_module_filter",
+    "convert_with_te",
+    "convert_with_torchao",
+    "demote_torchao_layer",
+    "float8_all_gather_possible",
+    "format_summary",
+    "fp8_capable",
+    "fp8_gpu_available",
+    "functional_linears",
+    "gemm_divisor",
+    "recipe_name_of",
+    "replace_modules",
+    "scaling_family_of",
+    "select_fp8_layers",
+    "te_recipe",
+    "te_recipe_name",
+    "te_scaling_family",
+    "to_mxfp8_linear",
+    "torchao_config",
+    "torchao_recipe_name",
+    "torchao_scaling_family",
+    "with_float8_all_gather",
+]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 # A recipe: its name ("tensorwise", "delayed", ...), a TE mapping {"name": "delayed", ...}, or the recipe object itself
@@ -146,7 +187,7 @@ def select_fp8_layers(
     if recipe_name is not None:
         deprecated("select_fp8_layers(recipe_name=...)", "select_fp8_layers(scaling_family=...)")
         scaling_family = recipe_name
-    policy = resolve_layer_policy("select_fp8_layers", layer_policy, module_filter=module_filter,
+    policy = _resolve_layer_policy("select_fp8_layers", layer_policy, module_filter=module_filter,
                                   skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
     module_filter, skip_small_layers, skip_first_last = (
         policy.module_filter, policy.skip_small_layers, policy.skip_first_last
@@ -224,7 +265,7 @@ class FP8LayerPolicy:
                 raise ValueError(f"`{owner}({name}={getattr(self, name)!r})`: pass True or False.")
 
 
-def resolve_layer_policy(owner: str, policy: Optional[FP8LayerPolicy], **flat: Any) -> FP8LayerPolicy:
+def _resolve_layer_policy(owner: str, policy: Optional[FP8LayerPolicy], **flat: Any) -> FP8LayerPolicy:
     """One validated policy from ``layer_policy=`` or the flat arguments (either, not both)."""
     resolved: FP8LayerPolicy = one_config(owner, "layer_policy", FP8LayerPolicy, policy, flat)
     resolved.validate(owner)
@@ -263,10 +304,11 @@ def format_summary(decisions: list[LayerDecision]) -> str:
     return "\n".join(lines)
 
 
-def warn_if_no_fp8(decisions: list[LayerDecision]) -> None:
+def _warn_if_no_fp8(decisions: list[LayerDecision], owner: str = "FP8Precision") -> None:
     if not any(d.fp8 for d in decisions):
+        low = "NVFP4" if owner == "NVFP4Precision" else "fp8"
         warn(
-            "FP8Precision: no linear layer runs in fp8, so it trains as plain mixed precision. "
+            f"{owner}: no linear layer runs in {low}, so it trains as plain mixed precision. "
             + (
                 "Reasons: " + "; ".join(sorted({d.reason for d in decisions}))
                 + ". Pass `module_filter=...` or `skip_small_layers=False`/`skip_first_last=False` to choose layers."
@@ -277,10 +319,10 @@ def warn_if_no_fp8(decisions: list[LayerDecision]) -> None:
         )
 
 
-NEVER_RAN = "converted, but its forward did not run in the first training step (its weight is used elsewhere): not fp8"
+_NEVER_RAN = "converted, but its forward did not run in the first training step (its weight is used elsewhere): not fp8"
 
 
-class ForwardWatch:
+class _ForwardWatch:
     """Counts forward calls of the layers chosen for fp8 until ``close()``, which removes the hooks and returns the
     paths of the layers that never ran."""
 
@@ -300,7 +342,7 @@ class ForwardWatch:
         return [fqn for fqn, n in self.calls.items() if n == 0]
 
 
-def warn_never_ran(paths: list[str]) -> None:
+def _warn_never_ran(paths: list[str]) -> None:
     warn(
         f"FP8Precision: {len(paths)} layer(s) chosen for fp8 did not run their forward in the first training step, so"
         f" they do not compute in fp8: {', '.join(paths)}. Their weights are used by another module directly (as"
@@ -354,7 +396,7 @@ def _restore_inference_mode(module: nn.Module, args: Any, output: Any) -> None:
 _INFERENCE_HOOKS = "_lightning_precision_inference_hooks"
 
 
-def run_outside_inference_mode(layer: nn.Module) -> None:
+def _run_outside_inference_mode(layer: nn.Module) -> None:
     """Make ``layer`` (a torchao ``Float8Linear``) work under ``torch.inference_mode``: see above."""
     setattr(layer, _INFERENCE_HOOKS, (layer.register_forward_pre_hook(_leave_inference_mode),
                                       layer.register_forward_hook(_restore_inference_mode, always_call=True)))
@@ -697,7 +739,7 @@ def scaling_family_of(backend: str, recipe: Any) -> str:
 
 
 # The names before issue 14: each returned a threshold family, not a recipe name.
-torchao_recipe_name = deprecated_alias(torchao_scaling_family, "torchao_recipe_name")
-te_recipe_name = deprecated_alias(te_scaling_family, "te_recipe_name")
-recipe_name_of = deprecated_alias(scaling_family_of, "recipe_name_of")
+torchao_recipe_name = _deprecated_alias(torchao_scaling_family, "torchao_recipe_name")
+te_recipe_name = _deprecated_alias(te_scaling_family, "te_recipe_name")
+recipe_name_of = _deprecated_alias(scaling_family_of, "recipe_name_of")
 

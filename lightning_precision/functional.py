@@ -1,4 +1,12 @@
-"""Pure functions behind the callbacks: usable from a Trainer, a Fabric loop or plain PyTorch.
+"""The pure functions of the package, in one namespace: what a Fabric loop or plain PyTorch calls without a Trainer,
+and what the callbacks are thin layers over.
+
+Defined here: the cast statistics (``underflow_stats`` and the counts beneath it, ``exponent_histogram``,
+``recommend_loss_scale``), Transformer Engine's amax-history arithmetic (``roll_amax_history``, ``delayed_scale``) and
+channels-last conversion (``apply_channels_last``, ``to_channels_last``). Re-exported from their modules: fp8 layer
+selection (``select_fp8_layers`` and its rules, from ``lightning_precision.fp8``), ``fp8_sensitivity`` (from
+``lightning_precision.sensitivity``) and model FLOPs utilisation (``mfu``, ``choose_peak``, ``model_flops_per_step``,
+from ``lightning_precision.mfu``).
 
 Every count is a tensor on the input's device, so callers can accumulate without synchronising and read only when they
 log.
@@ -9,13 +17,67 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
-from torch import Tensor
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 
+from lightning_precision._fsdp import is_sharded
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format
-from lightning_precision.sensitivity import fp8_sensitivity  # noqa: F401  (the Fabric and plain-PyTorch entry)
+from lightning_precision.fp8 import (
+    FP8LayerPolicy,
+    LayerDecision,
+    ModuleFilter,
+    format_summary,
+    functional_linears,
+    gemm_divisor,
+    select_fp8_layers,
+)
+from lightning_precision.mfu import choose_peak, mfu, model_flops_per_step
+from lightning_precision.sensitivity import fp8_sensitivity
+from lightning_precision.warnings import NoEffectWarning, warn
+
+__all__ = [
+    # cast statistics
+    "CHUNK",
+    "HIST_MAX",
+    "HIST_MIN",
+    "CastStats",
+    "FormatLike",
+    "LossScaleAdvice",
+    "TensorsLike",
+    "UnderflowReport",
+    "cast_stats",
+    "exponent_histogram",
+    "gradient_stats",
+    "measurable_values",
+    "multi_format_stats",
+    "multi_scale_stats",
+    "recommend_loss_scale",
+    "underflow_stats",
+    # Transformer Engine's delayed scaling
+    "delayed_scale",
+    "roll_amax_history",
+    # channels-last
+    "apply_channels_last",
+    "is_channels_last",
+    "to_channels_last",
+    # re-exported: fp8 layer selection (lightning_precision.fp8)
+    "FP8LayerPolicy",
+    "LayerDecision",
+    "ModuleFilter",
+    "format_summary",
+    "functional_linears",
+    "gemm_divisor",
+    "select_fp8_layers",
+    # re-exported: fp8 numerics per layer (lightning_precision.sensitivity)
+    "fp8_sensitivity",
+    # re-exported: model FLOPs utilisation (lightning_precision.mfu)
+    "choose_peak",
+    "mfu",
+    "model_flops_per_step",
+]
 
 TensorsLike = Union[Tensor, Iterable[Tensor], Mapping[str, Tensor]]
 FormatLike = Union[str, torch.dtype, NumberFormat, BlockFormat]
@@ -496,3 +558,77 @@ def delayed_scale(amax: Tensor, fp8_max: Union[float, Tensor], margin: int = 0, 
     scale = (fp8_max / 2.0**margin) / amax
     keep = previous if previous is not None else torch.ones_like(scale)
     return torch.where((amax > 0) & torch.isfinite(scale), scale, keep)
+
+
+# ---- channels-last ---------------------------------------------------------------------------------------------------
+
+_FORMAT_OF_DIM = {4: torch.channels_last, 5: torch.channels_last_3d}
+_CONVS = (nn.modules.conv._ConvNd,)
+
+
+def _convs(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, _CONVS) and m.weight.dim() in _FORMAT_OF_DIM]
+
+
+def apply_channels_last(module: nn.Module) -> int:
+    """Convert every 2-d convolution's weight to ``channels_last`` and every 3-d one's to ``channels_last_3d``.
+
+    Per module, because ``model.to(memory_format=torch.channels_last)`` raises on a Conv3d; a mixed 2-d/3-d model
+    works. Returns how many convolutions were converted; warns ``NoEffectWarning`` when there are none.
+
+    Not for a model FSDP2 shards: ``fully_shard`` refuses non-contiguous parameters, before or after. There, convert
+    the batches only (``to_channels_last``): convolutions given channels-last input compute and return channels-last.
+
+    Example:
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv3d(8, 8, 1))
+        >>> apply_channels_last(model)
+        2
+        >>> model[0].weight.is_contiguous(memory_format=torch.channels_last)
+        True
+    """
+    if is_sharded(module):
+        raise ValueError(f"apply_channels_last: `{type(module).__name__}` is sharded by FSDP2, which keeps parameters"
+                         " contiguous. Convert only the batches (`to_channels_last(batch)`): convolutions given"
+                         " channels-last input compute and return channels-last.")
+    return _apply_channels_last(module, "apply_channels_last", "Remove the `apply_channels_last` call.")
+
+
+def _apply_channels_last(module: nn.Module, caller: str, fix: str, weights: bool = True) -> int:
+    """``apply_channels_last``, with a no-effect warning that names the API the user called (function or callback).
+    ``weights=False`` only counts the convolutions."""
+    convs = _convs(module)
+    for _, conv in convs if weights else ():
+        conv.to(memory_format=_FORMAT_OF_DIM[conv.weight.dim()])
+    if not convs:
+        warn(
+            f"{caller}: `{type(module).__name__}` has no 2-d or 3-d convolution, so channels-last changes nothing."
+            f" {fix}",
+            NoEffectWarning,
+        )
+    return len(convs)
+
+
+def _to_channels_last(x: Tensor) -> Tensor:
+    return x.contiguous(memory_format=_FORMAT_OF_DIM[x.dim()]) if x.dim() in _FORMAT_OF_DIM else x
+
+
+def to_channels_last(batch: Any) -> Any:
+    """Every 4-d (``channels_last``) and 5-d (``channels_last_3d``) floating-point tensor in a nested batch.
+
+    Example:
+        >>> x, y = to_channels_last((torch.randn(2, 3, 8, 8), torch.tensor([0, 1])))
+        >>> is_channels_last(x), y.tolist()
+        (True, [0, 1])
+    """
+    return apply_to_collection(batch, Tensor, lambda t: _to_channels_last(t) if t.is_floating_point() else t)
+
+
+def is_channels_last(x: Tensor) -> bool:
+    """Whether a 4-d or 5-d tensor is laid out channels-last (``channels_last`` or ``channels_last_3d``).
+
+    Example:
+        >>> x = torch.randn(2, 3, 8, 8)
+        >>> is_channels_last(x), is_channels_last(x.contiguous(memory_format=torch.channels_last))
+        (False, True)
+    """
+    return x.dim() in _FORMAT_OF_DIM and x.is_contiguous(memory_format=_FORMAT_OF_DIM[x.dim()])

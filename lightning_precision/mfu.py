@@ -17,6 +17,21 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+__all__ = [
+    "DevicePeak",
+    "KINDS",
+    "PEAKS",
+    "PeakChoice",
+    "choose_peak",
+    "compute_kind",
+    "device_peak",
+    "mfu",
+    "model_flops_per_step",
+    "parse_peak_override",
+    "peak_device_name",
+    "plugin_compute_dtype",
+]
+
 # The compute kinds a peak is given for: matmul inputs in fp32 (no tensor cores), tf32, bf16, fp16, fp8.
 KINDS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 

@@ -23,6 +23,19 @@ from lightning_precision import fp8 as _fp8
 from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
 from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity
 
+__all__ = [
+    "FP8",
+    "HIGH",
+    "LayerPlan",
+    "PLAN_VERSION",
+    "PlanLike",
+    "PlanRule",
+    "PrecisionPlan",
+    "demotions",
+    "main",
+    "make_plan",
+]
+
 FP8, HIGH = "fp8", "bf16"
 PLAN_VERSION = 1
 
@@ -67,7 +80,7 @@ class PlanRule:
         return "; ".join(failed) or None
 
 
-def measured_numbers(s: LayerSensitivity) -> dict[str, float]:
+def _measured_numbers(s: LayerSensitivity) -> dict[str, float]:
     """The numbers a plan keeps for a measured layer: per tensor SQNR, underflow, overflow; output and input-gradient
     errors."""
     out = {}
@@ -121,7 +134,7 @@ class PrecisionPlan:
             else:
                 why = rule.why_not(s)
                 layers.append(LayerPlan(d.fqn, HIGH if why else FP8, why or "measured within the rule",
-                                        measured_numbers(s)))
+                                        _measured_numbers(s)))
         batches = max((s.batches for s in sensitivity.values()), default=0)
         return cls(tuple(layers), recipe, rule, batches)
 
@@ -247,7 +260,7 @@ def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: Optional[PlanRu
 PlanLike = Union[PrecisionPlan, str, Path]
 
 
-def as_plan(layers: PlanLike) -> PrecisionPlan:
+def _as_plan(layers: PlanLike) -> PrecisionPlan:
     return layers if isinstance(layers, PrecisionPlan) else PrecisionPlan.load(layers)
 
 

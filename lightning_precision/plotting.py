@@ -11,6 +11,8 @@ from lightning_precision._imports import _MATPLOTLIB_AVAILABLE, require
 from lightning_precision.formats import BlockFormat, get_format
 from lightning_precision.functional import HIST_MIN
 
+__all__ = ["plot_amax_history", "plot_compare", "plot_exponent_histogram"]
+
 _COLORS = {"fp16": "tab:red", "bf16": "tab:blue", "e4m3fn": "tab:green", "e5m2": "tab:purple", "tf32": "tab:orange"}
 
 
@@ -110,13 +112,13 @@ def plot_amax_history(
     return str(path)
 
 
-PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "16-mixed": "tab:red", "fp8": "tab:green",
+_PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "16-mixed": "tab:red", "fp8": "tab:green",
                     "fp8-auto": "tab:olive"}
 
 
-def precision_color(precision: str) -> str:
+def _precision_color(precision: str) -> str:
     """The same colour for a precision in every report."""
-    return PRECISION_COLORS.get(precision, "tab:purple")
+    return _PRECISION_COLORS.get(precision, "tab:purple")
 
 
 def _title(meta: Mapping, what: str) -> str:
@@ -143,18 +145,18 @@ def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]
     for r in rows:
         if r.get("losses"):
             ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label(r), lw=1.2,
-                    color=precision_color(r["precision"]), ls="--" if "error" in r else "-")
+                    color=_precision_color(r["precision"]), ls="--" if "error" in r else "-")
     ax.set_ylabel("training loss (cross-entropy)")
     ax.set_title(_title(meta, "training loss"))
     ax.legend(fontsize=8)
     if base:
         diff = axes[1, 0]
-        diff.axhline(0, color=precision_color("32-true"), lw=1)
+        diff.axhline(0, color=_precision_color("32-true"), lw=1)
         for r in rows:
             if r is not base and r.get("losses"):
                 n = min(len(r["losses"]), len(base["losses"]))
                 diff.plot(range(1, n + 1), [a - b for a, b in zip(r["losses"][:n], base["losses"][:n])],
-                          label=label(r), lw=1.2, color=precision_color(r["precision"]))
+                          label=label(r), lw=1.2, color=_precision_color(r["precision"]))
         diff.set_ylabel("loss minus 32-true's loss")
         diff.set_title("difference from 32-true at the same step (same seed, same batches)", fontsize=9)
     axes[-1, 0].set_xlabel("optimizer step")
@@ -178,7 +180,7 @@ def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]
                        for v, r in zip(values, rows)],
                       [max(0.0, meta["batch_size"] * 1e3 / r["step_ms_q1"] - v) if "step_ms_q1" in r else 0.0
                        for v, r in zip(values, rows)]]
-        bars = ax.bar(names, values, yerr=errors, capsize=4, color=[precision_color(n) for n in names])
+        bars = ax.bar(names, values, yerr=errors, capsize=4, color=[_precision_color(n) for n in names])
         ax.bar_label(bars, label_type="center", labels=["failed" if "error" in r and not r.get(key) else f"{v:.0f}"
                                    for r, v in zip(rows, values)])
         ax.set_ylabel(ylabel, fontsize=9)

@@ -26,6 +26,19 @@ from lightning_precision import fp8 as _fp8
 from lightning_precision.formats import get_format
 from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS
 
+__all__ = [
+    "CastSpec",
+    "LayerSensitivity",
+    "LossFn",
+    "Reduce",
+    "SensitivityProbe",
+    "TORCHAO_EPS",
+    "TensorNumerics",
+    "cast_numerics",
+    "cast_specs",
+    "fp8_sensitivity",
+]
+
 # torchao clamps amax to this before dividing (torchao.float8.float8_utils.EPS; tests/test_sensitivity.py pins it):
 # a tensor whose amax is below it gets a capped scale, and its values may flush to zero.
 TORCHAO_EPS = 1e-12
@@ -121,7 +134,7 @@ def _relative(err: float, ref: float) -> float:
     return math.sqrt(err / ref)
 
 
-def sum_across_processes(t: Tensor) -> Tensor:
+def _sum_across_processes(t: Tensor) -> Tensor:
     """All processes' sum (plain torch.distributed: Fabric and the Trainer alike), so every rank decides alike."""
     import torch.distributed as dist
 

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
+__all__ = ["NoEffectWarning"]
+
 
 class NoEffectWarning(UserWarning):
     """A transform or plugin found nothing to change (no convolution to make channels-last, no layer to run in fp8)."""
@@ -62,7 +64,7 @@ def deprecated(old: str, new: str) -> None:
     warn(f"`{old}` is deprecated and will be removed after 0.2: use `{new}`.", DeprecationWarning)
 
 
-def deprecated_alias(function: Callable[..., Any], old: str) -> Callable[..., Any]:
+def _deprecated_alias(function: Callable[..., Any], old: str) -> Callable[..., Any]:
     """``function`` under its old public name: the same call, with a ``DeprecationWarning``."""
 
     @functools.wraps(function)
@@ -76,10 +78,10 @@ def deprecated_alias(function: Callable[..., Any], old: str) -> Callable[..., An
 
 # Warnings of the libraries beneath us that a user of our command line can do nothing about, by message. Lightning
 # 2.6 calls torch's deprecated `isinstance(treespec, LeafSpec)` on torch >= 2.10, once per fit.
-KNOWN_HARMLESS = (r".*isinstance\(treespec, LeafSpec\).*is deprecated.*",)
+_KNOWN_HARMLESS = (r".*isinstance\(treespec, LeafSpec\).*is deprecated.*",)
 
 
-def ignore_known_harmless() -> None:
-    """For the command line's own process: hide ``KNOWN_HARMLESS`` (a library calling the code must decide itself)."""
-    for pattern in KNOWN_HARMLESS:
+def _ignore_known_harmless() -> None:
+    """For the command line's own process: hide ``_KNOWN_HARMLESS`` (a library calling the code must decide itself)."""
+    for pattern in _KNOWN_HARMLESS:
         warnings.filterwarnings("ignore", pattern)

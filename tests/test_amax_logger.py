@@ -7,7 +7,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_precision.callbacks import AmaxHistoryLogger
-from lightning_precision.callbacks.amax import te_amax_history
+from lightning_precision.callbacks.amax import _te_amax_history
 from lightning_precision.functional import roll_amax_history, underflow_stats
 from tests.helpers import LitNet, loader, make_data, trainer
 
@@ -161,7 +161,7 @@ def test_reads_transformer_engines_own_delayed_scaling_state(monkeypatch):
     layer.fp8_meta["scaling_bwd"].amax_history[0] = torch.tensor([0.25, 9.0])  # grad_output, grad_input
     layer.fp8_meta["scaling_fwd"].scale[:] = torch.tensor([10.0, 20.0, 30.0])
     layer.fp8_meta["scaling_bwd"].scale[:] = torch.tensor([40.0, 50.0])
-    history, scale = te_amax_history(layer)
+    history, scale = _te_amax_history(layer)
     assert history[0].tolist() == [3.0, 0.5, 0.25] and scale.tolist() == [10.0, 20.0, 40.0]
 
     logger = AmaxHistoryLogger(history_len=8)

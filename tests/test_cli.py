@@ -62,8 +62,8 @@ def test_version(capsys):
 def test_every_command_has_help_and_does_not_run(command, capsys, monkeypatch):
     from lightning_precision import compare, doctor
 
-    monkeypatch.setattr(doctor, "package_rows", lambda: pytest.fail("doctor --help ran the doctor"))
-    monkeypatch.setattr(compare, "run_all", lambda *a: pytest.fail("compare --help ran a comparison"))
+    monkeypatch.setattr(doctor, "_package_rows", lambda: pytest.fail("doctor --help ran the doctor"))
+    monkeypatch.setattr(compare, "_run_all", lambda *a: pytest.fail("compare --help ran a comparison"))
     assert cli.main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: lightning-precision {command} ")

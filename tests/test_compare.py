@@ -54,13 +54,13 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
 def test_precisions_take_turns_in_rotating_order(tmp_path, monkeypatch):
     """Blocks of steps alternate between the processes, so drift in the machine's speed hits every precision."""
     order = []
-    real = compare.advance
+    real = compare._advance
 
     def record(progress, task, steps):
         order.append(progress.tasks[task].description.split()[-1])
         real(progress, task, steps)
 
-    monkeypatch.setattr(compare, "advance", record)
+    monkeypatch.setattr(compare, "_advance", record)
     assert cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--val-batches", "0",
                      "--out", str(tmp_path / "r")]) == 0
     assert sorted(order) == ["32-true"] * 6 + ["bf16-mixed"] * 6  # one step per turn at 6 steps
@@ -86,7 +86,7 @@ def test_memory_does_not_follow_run_order(tmp_path):
 def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, monkeypatch, capsys):
     """A precision's process dies mid-run (as under the out-of-memory killer): the others finish, its row says why in
     full under the table, and the plots still show it."""
-    real = compare.advance
+    real = compare._advance
 
     def kill_bf16(progress, task, steps):
         real(progress, task, steps)
@@ -94,7 +94,7 @@ def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, m
             child = next(p for p in multiprocessing.active_children() if p.name == "compare-bf16-mixed")
             os.kill(child.pid, signal.SIGKILL)
 
-    monkeypatch.setattr(compare, "advance", kill_bf16)
+    monkeypatch.setattr(compare, "_advance", kill_bf16)
     out = tmp_path / "r"
     code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed,16-mixed", "--out", str(out)])
     assert code == 1
@@ -113,7 +113,7 @@ def test_an_exception_in_a_run_reaches_the_parent_whole(monkeypatch):
     """What a run raises goes to the parent as one line with nothing cut, and the traceback beside it."""
     parent, child = multiprocessing.Pipe()
     message = "attempting to run aten.to.dtype, this is not supported " * 4
-    monkeypatch.setattr(compare, "make_plugin", lambda *a: (_ for _ in ()).throw(NotImplementedError(message)))
+    monkeypatch.setattr(compare, "_make_plugin", lambda *a: (_ for _ in ()).throw(NotImplementedError(message)))
     monkeypatch.setattr(compare.signal, "signal", lambda *a: None)  # the test process keeps its Ctrl-C
     args = argparse.Namespace(seed=0, batch_size=8, data_dir=None, steps=2, emulate=False, accelerator="cpu",
                               val_batches=0)
@@ -128,8 +128,8 @@ def test_a_doomed_precision_fails_before_any_precision_starts(tmp_path, monkeypa
     from lightning_precision import _imports
 
     started = []
-    real = compare.start
-    monkeypatch.setattr(compare, "start", lambda recipe, p, args: started.append(p) or real(recipe, p, args))
+    real = compare._start
+    monkeypatch.setattr(compare, "_start", lambda recipe, p, args: started.append(p) or real(recipe, p, args))
     monkeypatch.setattr(_imports, "_TORCHAO_AVAILABLE", False)
     out = tmp_path / "r"
     code = cli.main(["compare", *TINY, "--precisions", "32-true,fp8", "--emulate", "--val-batches", "0",
@@ -153,8 +153,8 @@ def test_fp8_auto_runs_beside_fp8_and_says_which_layers_it_chose(tmp_path, capsy
     assert fp8["fp8_layers"] == auto["fp8_layers"] > 0 and fp8["linear_layers"] == auto["linear_layers"]
     assert "fp8_plan" not in fp8  # the embedded ViT measures well: auto keeps every layer fp8 would run
     plan = PrecisionPlan.from_dict(auto["fp8_plan"])
-    assert plan.batches == compare.calibration_steps(steps) == 3 and len(plan.fp8_layers) == auto["fp8_layers"]
-    assert auto["steps_done"] == steps and compare.untimed_steps("fp8-auto", steps) == compare.WARMUP + 3
+    assert plan.batches == compare._calibration_steps(steps) == 3 and len(plan.fp8_layers) == auto["fp8_layers"]
+    assert auto["steps_done"] == steps and compare._untimed_steps("fp8-auto", steps) == compare._WARMUP + 3
     printed = capsys.readouterr().out
     assert f"fp8-auto: {auto['fp8_layers']} of {auto['linear_layers']} linear layers in fp8, chosen from measured" \
         in " ".join(printed.split())
@@ -198,7 +198,7 @@ def test_text_throughput_counts_tokens():
 def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, monkeypatch):
     """A real SIGINT to the comparison: every process stops, the partial figures are written and marked, the exit code
     says "interrupted", no process is left behind, and Ctrl-C works again afterwards."""
-    real = compare.advance
+    real = compare._advance
 
     def interrupt(progress, task, steps):
         real(progress, task, steps)
@@ -208,7 +208,7 @@ def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, 
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(10)  # Python runs the handler in the main thread: KeyboardInterrupt cuts this short
 
-    monkeypatch.setattr(compare, "advance", interrupt)
+    monkeypatch.setattr(compare, "_advance", interrupt)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as Lightning leaves it after a fit it interrupted
     out = tmp_path / "r"
     code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--out", str(out)])
@@ -224,7 +224,7 @@ def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, 
 
 
 def _fail_if_trained(monkeypatch):
-    monkeypatch.setattr(compare, "start", lambda *a: pytest.fail("a usage error must be reported before any training"))
+    monkeypatch.setattr(compare, "_start", lambda *a: pytest.fail("a usage error must be reported before any training"))
 
 
 @pytest.mark.parametrize(
@@ -270,23 +270,23 @@ def _machine(bf16: bool, fp16: bool) -> dict:
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU defaults; a GPU machine keeps 16-mixed")
 def test_default_precisions_leave_out_emulated_fp16_with_a_reason():
     args = argparse.Namespace(accelerator="auto", emulate=False)
-    chosen, notes = compare.default_precisions(_machine(bf16=True, fp16=False), args)
+    chosen, notes = compare._default_precisions(_machine(bf16=True, fp16=False), args)
     assert chosen == ["32-true", "bf16-mixed"]
     assert len(notes) == 1 and notes[0].startswith("16-mixed left out: this CPU has no fp16 arithmetic")
     assert "--precisions 32-true,bf16-mixed,16-mixed" in notes[0]
-    chosen, notes = compare.default_precisions(_machine(bf16=True, fp16=True), args)
+    chosen, notes = compare._default_precisions(_machine(bf16=True, fp16=True), args)
     assert chosen == ["32-true", "bf16-mixed", "16-mixed"] and notes == []
-    chosen, _ = compare.default_precisions(_machine(bf16=True, fp16=True), argparse.Namespace(accelerator="auto",
+    chosen, _ = compare._default_precisions(_machine(bf16=True, fp16=True), argparse.Namespace(accelerator="auto",
                                                                                             emulate=True))
     assert chosen[-1] == "fp8"
 
 
 def test_quick_mode_and_defaults_are_resolved(tmp_path):
-    args = compare.parse(["--quick", "--out", str(tmp_path / "r")])
-    assert (args.steps, args.val_batches) == (compare.QUICK_STEPS, compare.QUICK_VAL_BATCHES)
-    args = compare.parse(["--quick", "--steps", "7", "--out", str(tmp_path / "r")])
-    assert (args.steps, args.val_batches) == (7, compare.QUICK_VAL_BATCHES)
-    args = compare.parse(["--out", str(tmp_path / "r")])
+    args = compare._parse(["--quick", "--out", str(tmp_path / "r")])
+    assert (args.steps, args.val_batches) == (compare._QUICK_STEPS, compare._QUICK_VAL_BATCHES)
+    args = compare._parse(["--quick", "--steps", "7", "--out", str(tmp_path / "r")])
+    assert (args.steps, args.val_batches) == (7, compare._QUICK_VAL_BATCHES)
+    args = compare._parse(["--out", str(tmp_path / "r")])
     assert (args.steps, args.val_batches, args.precisions) == (100, 8, None)
 
 
@@ -355,7 +355,7 @@ def test_default_precisions_on_a_gpu_without_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    chosen, notes = compare.default_precisions(_machine(bf16=False, fp16=False),
+    chosen, notes = compare._default_precisions(_machine(bf16=False, fp16=False),
                                                argparse.Namespace(accelerator="auto", emulate=False))
     assert chosen == ["32-true", "16-mixed"]
     assert notes == ["bf16-mixed left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"

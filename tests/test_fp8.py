@@ -345,7 +345,7 @@ def test_compiled_fp8_layers_do_not_break_the_graph_and_evaluate_under_inference
     torchao's casts there) and gives the eager result."""
     import torch._dynamo
 
-    from lightning_precision.fp8 import run_outside_inference_mode
+    from lightning_precision.fp8 import _run_outside_inference_mode
 
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     import dataclasses
@@ -354,7 +354,7 @@ def test_compiled_fp8_layers_do_not_break_the_graph_and_evaluate_under_inference
                                                                emulate=True))
     for layer in net:
         if isinstance(layer, Float8Linear):
-            run_outside_inference_mode(layer)
+            _run_outside_inference_mode(layer)
 
     def forward(x):
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -173,3 +173,11 @@ def test_nvfp4_has_its_own_plugin_with_block_rules_and_a_blackwell_check(te, mon
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     with pytest.raises(RuntimeError, match=r"NVFP4Precision \(nvfp4\) needs CUDA compute capability >= 10\.0.*H200"):
         check_fp8_hardware("cuda", "transformer_engine", "nvfp4", emulate=False, owner="NVFP4Precision")
+
+
+def test_nvfp4_says_its_own_name_when_no_layer_converts():
+    from lightning_precision.fp8 import _warn_if_no_fp8
+    from lightning_precision.warnings import NoEffectWarning
+
+    with pytest.warns(NoEffectWarning, match=r"^NVFP4Precision: no linear layer runs in NVFP4"):
+        _warn_if_no_fp8([], "NVFP4Precision")

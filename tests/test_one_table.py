@@ -112,7 +112,7 @@ def test_doctor_asks_imports_whether_ipex_fits(monkeypatch):
     monkeypatch.setattr(doctor, "_version", lambda d: "2.8.10+xpu" if d == _imports.IPEX else real(d))
     for fits, status in ((True, "ok"), (False, "INCOMPATIBLE")):
         monkeypatch.setattr(_imports, "ipex_status", lambda fits=fits: (fits, "stand-in"))
-        (row,) = [r for r in doctor.package_rows() if r[0] == _imports.IPEX]
+        (row,) = [r for r in doctor._package_rows() if r[0] == _imports.IPEX]
         assert row[1] == "2.8.10+xpu" and row[2].startswith(status)
 
 
@@ -125,7 +125,7 @@ def test_doctor_and_the_plugin_share_the_bf16_threshold(monkeypatch, threshold, 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=16 * 2**30))
-    (gpu,) = [r for r in doctor.device_rows() if r[0].startswith("cuda:0")]
+    (gpu,) = [r for r in doctor._device_rows() if r[0].startswith("cuda:0")]
     assert gpu[1] == ("yes" if supported else "no")
     assert gpu[5] == ("BF16MixedPrecision" if supported else "FP16MixedPrecision")
     if supported:

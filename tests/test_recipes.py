@@ -11,7 +11,7 @@ import torch
 
 from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
 from lightning_precision.recipes import RECIPES, DistilBertClassifier, ImageClassificationData, TextClassificationData
-from lightning_precision.recipes.data import build_tokenizer, synthetic_reviews
+from lightning_precision.recipes.data import _build_tokenizer, _synthetic_reviews
 
 SMALL = {"distilbert": {"num_samples": 256}, "vit": {"num_samples": 256}, "resnet50": {"num_samples": 256}}
 
@@ -48,7 +48,7 @@ def test_embedded_task_is_learned(name):
 
 
 def test_synthetic_reviews_labels_follow_the_words():
-    texts, labels = synthetic_reviews(200, seed=3)
+    texts, labels = _synthetic_reviews(200, seed=3)
     for text, label in zip(texts, labels):
         pos = sum(w in "good great excellent wonderful superb lovely brilliant enjoyable delightful moving charming fine".split() for w in text.split())
         neg = len([w for w in text.split() if w in "bad awful terrible boring dull poor weak horrible tedious messy bland clumsy".split()])
@@ -62,7 +62,7 @@ def test_aclimdb_folder_and_a_local_tokenizer_path(tmp_path):
             (tmp_path / "imdb" / split / folder).mkdir(parents=True)
             for i in range(3):
                 (tmp_path / "imdb" / split / folder / f"{i}_7.txt").write_text(f"{text} {i}")
-    build_tokenizer(["a wonderful dull boring film"]).save_pretrained(tmp_path / "tok")
+    _build_tokenizer(["a wonderful dull boring film"]).save_pretrained(tmp_path / "tok")
     data = TextClassificationData(data_dir=str(tmp_path / "imdb"), tokenizer=str(tmp_path / "tok"), max_length=8,
                                   batch_size=4)
     data.setup("fit")

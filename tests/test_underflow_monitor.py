@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import GradientUnderflowMonitor
-from lightning_precision.callbacks.underflow import loss_scale_of
+from lightning_precision.callbacks.underflow import _loss_scale_of
 from lightning_precision.functional import exponent_histogram, recommend_loss_scale, underflow_stats
 from tests.distributed import fit_spawned
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
@@ -26,7 +26,7 @@ class GradCapture(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
-        scale = loss_scale_of(trainer.precision_plugin)
+        scale = _loss_scale_of(trainer.precision_plugin)
         self.scales.append(None if scale is None else float(scale))
 
 

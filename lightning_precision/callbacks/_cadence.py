@@ -9,10 +9,20 @@ import lightning.pytorch as pl
 from lightning_precision._checks import is_positive_int
 from lightning_precision._lightning import batches_that_stepped, should_update_logs
 
+__all__ = ["on_cadence", "set_cadence"]
+
 
 def validate_every(owner: str, name: str, value: Optional[int]) -> None:
     if value is not None and not is_positive_int(value):
         raise ValueError(f"`{owner}({name}={value!r})`: use a positive int, or None to follow the Trainer.")
+
+
+def set_cadence(callback: object, owner: str, **every: Optional[int]) -> None:
+    """Check each cadence argument of ``owner``'s constructor (``log_every_n_steps=...``, ``measure_every_n_steps=...``)
+    and keep it on ``callback`` under its own name: the one place every callback's cadence arguments go through."""
+    for name, value in every.items():
+        validate_every(owner, name, value)
+        setattr(callback, name, value)
 
 
 def on_cadence(trainer: pl.Trainer, every: Optional[int]) -> bool:

@@ -16,11 +16,13 @@ from typing_extensions import override
 from lightning_precision._checks import is_positive_int
 from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
-from lightning_precision.callbacks._cadence import on_cadence, validate_every
+from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
 from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS, functional_linears
 from lightning_precision.functional import CastStats, delayed_scale, measurable_values, multi_format_stats, multi_scale_stats
 from lightning_precision.warnings import deprecated
+
+__all__ = ["AmaxHistoryLogger", "block_sample"]
 
 _BLOCK_ALIGN = 32  # a multiple of every block format's block size
 
@@ -64,12 +66,12 @@ def _values(weight: Tensor) -> Tensor:
     return to_values() if callable(to_values) else weight
 
 
-def is_linear_like(module: nn.Module) -> bool:
+def _is_linear_like(module: nn.Module) -> bool:
     """``nn.Linear`` and its subclasses (torchao's ``Float8Linear``), and Transformer Engine modules (``fp8_meta``)."""
     return isinstance(module, nn.Linear) or (hasattr(module, "fp8_meta") and hasattr(module, "weight"))
 
 
-def te_amax_history(module: nn.Module) -> Optional[tuple[Tensor, Tensor]]:
+def _te_amax_history(module: nn.Module) -> Optional[tuple[Tensor, Tensor]]:
     """``(history [len, 3], scale [3])`` (input, weight, grad_output) from a Transformer Engine module's delayed
     scaling state: ``fp8_meta["scaling_fwd"]`` holds (input, weight, output) per GEMM, ``["scaling_bwd"]`` (grad_output,
     grad_input). None when the module keeps no amax (current scaling, MXFP8, block recipes)."""
@@ -139,7 +141,7 @@ class AmaxHistoryLogger(Callback):
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ValueError(f"`{owner}(margin={margin!r})`: Transformer Engine's margin, a whole number of powers of two"
                              " >= 0, e.g. 0.")
-        validate_every(owner, "log_every_n_steps", log_every_n_steps)
+        set_cadence(self, owner, log_every_n_steps=log_every_n_steps)
         if not isinstance(what_if, bool):
             raise ValueError(f"`{owner}(what_if={what_if!r})`: pass True or False.")
         if what_if_sample is not None and not is_positive_int(what_if_sample):
@@ -154,7 +156,6 @@ class AmaxHistoryLogger(Callback):
         self.history_len = history_len
         self.amax_compute_algo = amax_compute_algo
         self.margin = margin
-        self.log_every_n_steps = log_every_n_steps
         self.what_if = what_if
         self.what_if_sample = what_if_sample
         self.block_formats = tuple(get_format(f).name for f in block_formats)
@@ -214,7 +215,7 @@ class AmaxHistoryLogger(Callback):
         """Hook every linear-like layer of ``model`` (after any fp8 conversion: converted layers are new modules)."""
         self.detach()
         functional = functional_linears(model)
-        found = [(name, m) for name, m in model.named_modules() if is_linear_like(m) and id(m) not in functional]
+        found = [(name, m) for name, m in model.named_modules() if _is_linear_like(m) and id(m) not in functional]
         names = [name for name, _ in found]
         device = next(model.parameters()).device
         if names != self.layers or self._ring is None or self._last_nonzero is None:
@@ -309,7 +310,7 @@ class AmaxHistoryLogger(Callback):
     def _read_te_state(self) -> None:
         """With TE's delayed scaling, TE's own history and scales replace what the hooks measured."""
         for i in self._te_layers:
-            te_state = te_amax_history(self._modules[i])
+            te_state = _te_amax_history(self._modules[i])
             if te_state is None:
                 continue
             history, scale = te_state

@@ -20,9 +20,11 @@ from typing_extensions import override
 from lightning_precision import fp8 as _fp8
 from lightning_precision._checks import is_positive_int
 from lightning_precision.callbacks._cadence import on_cadence
-from lightning_precision.plan import PlanRule, PrecisionPlan, _suffix, demotions, measured_numbers
-from lightning_precision.sensitivity import SensitivityProbe, sum_across_processes
+from lightning_precision.plan import PlanRule, PrecisionPlan, _measured_numbers, _suffix, demotions
+from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, warn
+
+__all__ = ["DEFAULT_PLAN_FILE", "FP8Guard", "GuardEvent"]
 
 DEFAULT_PLAN_FILE = "fp8_plan.yaml"
 
@@ -115,7 +117,7 @@ class FP8Guard(Callback):
             return []
         probe.close()
         probe.batches = 1
-        sensitivity = probe.result(sum_across_processes)
+        sensitivity = probe.result(_sum_across_processes)
         if not sensitivity and not self._blind:
             self._blind = True
             if rank_zero_only.rank == 0:
@@ -125,7 +127,7 @@ class FP8Guard(Callback):
                      " before compiling, or guard the model uncompiled.", NoEffectWarning)
         failed = demotions(sensitivity, self.rule or plugin.plan_rule)
         moved = plugin.demote({fqn: f"FP8Guard, step {step}: {why}" for fqn, why in failed.items()},
-                              {fqn: measured_numbers(sensitivity[fqn]) for fqn in failed})
+                              {fqn: _measured_numbers(sensitivity[fqn]) for fqn in failed})
         events = [GuardEvent(step, fqn, failed[fqn]) for fqn in moved]
         self.events.extend(events)
         if events:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision._lightning import batches_that_stepped
-from lightning_precision.callbacks._cadence import on_cadence, validate_every
+from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.mfu import (
     KINDS,
     PeakChoice,
@@ -31,6 +31,8 @@ from lightning_precision.mfu import (
     plugin_compute_dtype,
 )
 from lightning_precision.warnings import NoEffectWarning, warn
+
+__all__ = ["FlopsPerBatch", "LossFn", "MFUMonitor", "MFUWindow"]
 
 FlopsPerBatch = Union[int, float, Callable[[Any], Union[int, float]]]
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -183,13 +185,12 @@ class MFUMonitor(Callback):
                              " micro-batch, or a function `(batch) -> FLOPs`.")
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"`{_OWNER}(loss_fn={loss_fn!r})`: a function `(module, batch) -> loss tensor`.")
-        validate_every(_OWNER, "log_every_n_steps", log_every_n_steps)
+        set_cadence(self, _OWNER, log_every_n_steps=log_every_n_steps)
         if isinstance(keep_windows, bool) or not isinstance(keep_windows, int) or keep_windows < 1:
             raise ValueError(f"`{_OWNER}(keep_windows={keep_windows!r})`: a positive int.")
         self.flops_per_batch = flops_per_batch
         self.loss_fn = loss_fn
         self.peak_overrides = _peak_overrides(peak_tflops)
-        self.log_every_n_steps = log_every_n_steps
         self.measured_flops: Optional[int] = None  # loss_fn's count, per micro-batch
         self.windows: deque[MFUWindow] = deque(maxlen=keep_windows)
         self.last_metrics: dict[str, float] = {}

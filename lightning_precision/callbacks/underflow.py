@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_precision._fsdp import is_sharded, local_shard
 from lightning_precision._lightning import unwrapped_name
-from lightning_precision.callbacks._cadence import on_cadence, validate_every
+from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.fabric._scaler import ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format
 from lightning_precision.functional import (
@@ -32,12 +32,14 @@ from lightning_precision.functional import (
 )
 from lightning_precision.warnings import warn
 
+__all__ = ["GradientUnderflowMonitor", "Reduce"]
+
 Reduce = Callable[[Tensor], Tensor]
 
 
 def _fp16_backward(plugin: Any) -> bool:
     """Whether the plugin's backward runs in fp16 with a loss scaler: ours (compute_dtype) or Lightning's 16-mixed."""
-    return loss_scale_of(plugin) is not None and (
+    return _loss_scale_of(plugin) is not None and (
         getattr(plugin, "compute_dtype", None) == torch.float16 or getattr(plugin, "precision", None) == "16-mixed"
     )
 
@@ -49,7 +51,7 @@ def _hooks_see_scaled_loss(plugin: Any) -> bool:
     return isinstance(plugin, MixedPrecision)
 
 
-def loss_scale_of(plugin: Any) -> Optional[Tensor]:
+def _loss_scale_of(plugin: Any) -> Optional[Tensor]:
     """The loss scale of a precision plugin with an enabled ``GradScaler`` (ours or Lightning's), as a device tensor
     (no synchronisation), or None when gradients are not scaled."""
     scaler = getattr(plugin, "scaler", None)
@@ -188,8 +190,7 @@ class GradientUnderflowMonitor(Callback):
         if not isinstance(formats, Iterable) or not list(formats):
             raise ValueError(f"`{owner}(formats={formats!r})`: name at least one format, e.g. ('fp16',) or 'fp16'.")
         self.formats = tuple(get_format(f).name for f in formats)
-        validate_every(owner, "measure_every_n_steps", measure_every_n_steps)
-        validate_every(owner, "log_every_n_steps", log_every_n_steps)
+        set_cadence(self, owner, measure_every_n_steps=measure_every_n_steps, log_every_n_steps=log_every_n_steps)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"`{owner}(top_k={top_k!r})`: a whole number of modules, 0 (no per-layer keys) or more.")
         _check_fraction("warn_threshold", warn_threshold)
@@ -202,8 +203,6 @@ class GradientUnderflowMonitor(Callback):
                              " no probe.")
         self.activations = activations
         self.top_k = top_k
-        self.measure_every_n_steps = measure_every_n_steps
-        self.log_every_n_steps = log_every_n_steps
         self.warn_threshold = warn_threshold
         self.target_underflow = target_underflow
         self.plot_path = plot_path
@@ -475,7 +474,7 @@ class GradientUnderflowMonitor(Callback):
         measure = on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps)
         self._probe_due = measure and self.probe_factor is not None and _fp16_backward(trainer.precision_plugin)
         if self.activations:
-            self.capturing(measure, loss_scale_of(trainer.precision_plugin) if measure else None)
+            self.capturing(measure, _loss_scale_of(trainer.precision_plugin) if measure else None)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -483,7 +482,7 @@ class GradientUnderflowMonitor(Callback):
             return
         self._probe_due = False  # the first micro-batch of the step
         plugin = trainer.precision_plugin
-        scale = loss_scale_of(plugin)
+        scale = _loss_scale_of(plugin)
         real_loss = loss / scale if _hooks_see_scaled_loss(plugin) else loss
         try:
             self.probe_backward(real_loss, pl_module.named_parameters(), scale)
@@ -499,7 +498,7 @@ class GradientUnderflowMonitor(Callback):
             # FSDP2 gradients are DTensor shards: each rank counts its own, and the sum across ranks counts each once.
             # Replicated ones (DDP) enter the histogram from rank zero only, for the same reason.
             grads = {n: local_shard(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
-            self.measure_gradients(grads, loss_scale_of(trainer.precision_plugin),
+            self.measure_gradients(grads, _loss_scale_of(trainer.precision_plugin),
                                    histogram=trainer.is_global_zero or is_sharded(pl_module))
         if not on_cadence(trainer, self.log_every_n_steps):
             return
@@ -519,7 +518,7 @@ class GradientUnderflowMonitor(Callback):
             return
         self._warned = True
         scale, under, _ = self.recommend_loss_scale()
-        current = loss_scale_of(trainer.precision_plugin)
+        current = _loss_scale_of(trainer.precision_plugin)
         at = f"at loss scale {float(current):g}" if current is not None else "without loss scaling"
         if not ScalerConfig.min_scale <= scale <= ScalerConfig.max_scale:
             advice = (f"No loss scale within [{ScalerConfig.min_scale:g}, {ScalerConfig.max_scale:g}] keeps them without"

@@ -17,9 +17,11 @@ from typing_extensions import override
 from lightning_precision import _fsdp, _imports
 from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
-from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, as_plan
-from lightning_precision.sensitivity import SensitivityProbe, sum_across_processes
+from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
+from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, deprecated, warn
+
+__all__ = ["FP8Precision", "NVFP4Precision"]
 
 _PRECISION_OF = {
     # Lightning's standard strings: strategies and ThroughputMonitor read them. The torchao backend keeps the
@@ -142,7 +144,7 @@ class FP8Precision(_AutocastPrecision):
                 f"`{owner}(compute_dtype={compute_dtype})`: the high-precision parts run in torch.bfloat16 (default)"
                 " or torch.float16."
             )
-        self.layer_policy = _fp8.resolve_layer_policy(owner, layer_policy, module_filter=module_filter,
+        self.layer_policy = _fp8._resolve_layer_policy(owner, layer_policy, module_filter=module_filter,
                                                       skip_small_layers=skip_small_layers,
                                                       skip_first_last=skip_first_last)
         super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
@@ -177,7 +179,7 @@ class FP8Precision(_AutocastPrecision):
         self._float8_all_gather = False  # whether the converted layers all-gather in fp8
         self._scales: Optional[_fsdp.Float8ScalePrecompute] = None
         self.layer_decisions: list[_fp8.LayerDecision] = []
-        self._forward_watch: Optional[_fp8.ForwardWatch] = None
+        self._forward_watch: Optional[_fp8._ForwardWatch] = None
         self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
         self._root: Optional[weakref.ref] = None  # the module converted: `layer_decisions` name paths in it
 
@@ -212,7 +214,7 @@ class FP8Precision(_AutocastPrecision):
         if self.module_filter is not None:
             raise ValueError(f"`{owner}(layers=<plan>, module_filter=...)`: a plan names its fp8 layers itself; pass"
                              " one or the other.")
-        return as_plan(layers)
+        return _as_plan(layers)
 
     # The layer choice is `layer_policy`; these read it, for code written against the flat arguments.
     module_filter = property(lambda self: self.layer_policy.module_filter)
@@ -296,7 +298,7 @@ class FP8Precision(_AutocastPrecision):
         calibration, self._calibration = self._calibration, None
         assert calibration is not None
         calibration.probe.close()
-        sensitivity = calibration.probe.result(sum_across_processes)
+        sensitivity = calibration.probe.result(_sum_across_processes)
         self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.scaling_family)
         self._apply_plan(calibration.module)
 
@@ -311,7 +313,7 @@ class FP8Precision(_AutocastPrecision):
         self.layer_decisions = decisions
         _check_not_sharded(module, self.layer_decisions)
         rank_zero_info(_fp8.format_summary(self.layer_decisions))
-        _fp8.warn_if_no_fp8(self.layer_decisions)
+        _fp8._warn_if_no_fp8(self.layer_decisions, type(self).__name__)
         if self.backend == "torchao":
             recipe = self.recipe
             self._float8_all_gather = self._wants_float8_all_gather(module)
@@ -323,8 +325,8 @@ class FP8Precision(_AutocastPrecision):
         fp8_layers = {d.fqn: module.get_submodule(d.fqn) for d in self.layer_decisions if d.fp8}
         if self.backend == "torchao":
             for layer in fp8_layers.values():
-                _fp8.run_outside_inference_mode(layer)
-        self._forward_watch = _fp8.ForwardWatch(fp8_layers)
+                _fp8._run_outside_inference_mode(layer)
+        self._forward_watch = _fp8._ForwardWatch(fp8_layers)
         self._fp8_layers = None
         self._root = weakref.ref(module)
         setattr(module, _CONVERTED, True)
@@ -452,10 +454,10 @@ class FP8Precision(_AutocastPrecision):
         idle = watch.close()
         if idle:
             self.layer_decisions = [
-                dataclasses.replace(d, fp8=False, reason=_fp8.NEVER_RAN) if d.fqn in idle else d
+                dataclasses.replace(d, fp8=False, reason=_fp8._NEVER_RAN) if d.fqn in idle else d
                 for d in self.layer_decisions
             ]
-            _fp8.warn_never_ran(idle)
+            _fp8._warn_never_ran(idle)
         self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
 
     @override

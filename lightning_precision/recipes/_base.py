@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+__all__ = ["ClassificationRecipe"]
+
 
 class ClassificationRecipe(L.LightningModule):
     """Subclasses build ``self.net`` and implement ``logits(batch)``; batches end with the labels."""

@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_precision import _imports
 
+__all__ = ["ImageClassificationData", "TextClassificationData"]
+
 # ---- embedded text task ----------------------------------------------------------------------------------------------
 
 _POSITIVE = "good great excellent wonderful superb lovely brilliant enjoyable delightful moving charming fine".split()
@@ -23,7 +25,7 @@ _NEUTRAL = ("the a film movie story plot actor actress scene music camera it was
             "quite rather really ending script cast director").split()
 
 
-def synthetic_reviews(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
+def _synthetic_reviews(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
     """Movie-review-like sentences: filler words with sentiment words; label 1 when positive words outnumber negative
     ones (never tied). Learnable, and only from the words' meaning: chance is 50%."""
     rng = random.Random(seed)
@@ -39,7 +41,7 @@ def synthetic_reviews(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
     return texts, labels
 
 
-def build_tokenizer(texts: list[str], max_vocab: int = 30522) -> Any:
+def _build_tokenizer(texts: list[str], max_vocab: int = 30522) -> Any:
     """A word-level tokenizer trained here on ``texts`` (no hub download), as a transformers tokenizer."""
     _imports.require(_imports._TRANSFORMERS_AVAILABLE, "transformers", "The text recipe's tokenizer")
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -54,7 +56,7 @@ def build_tokenizer(texts: list[str], max_vocab: int = 30522) -> Any:
                                    cls_token="[CLS]", sep_token="[SEP]")
 
 
-def read_aclimdb(root: str, split: str) -> tuple[list[str], list[int]]:
+def _read_aclimdb(root: str, split: str) -> tuple[list[str], list[int]]:
     """The IMDB ``aclImdb`` folder layout: ``<root>/<split>/{pos,neg}/*.txt``."""
     texts, labels = [], []
     for label, folder in ((1, "pos"), (0, "neg")):
@@ -102,7 +104,7 @@ class TextClassificationData(_TensorData):
     def _texts(self) -> tuple[tuple[list[str], list[int]], tuple[list[str], list[int]]]:
         h = self.hparams
         if h.data_dir is not None:
-            return read_aclimdb(h.data_dir, "train"), read_aclimdb(h.data_dir, "test")
+            return _read_aclimdb(h.data_dir, "train"), _read_aclimdb(h.data_dir, "test")
         if h.hf_dataset is not None:
             _imports.require(_imports._DATASETS_AVAILABLE, "datasets", "`TextClassificationData(hf_dataset=...)`")
             import datasets
@@ -110,7 +112,7 @@ class TextClassificationData(_TensorData):
             ds = datasets.load_dataset(h.hf_dataset)
             return (list(ds["train"]["text"]), list(ds["train"]["label"])), (list(ds["test"]["text"]), list(ds["test"]["label"]))
         n_val = max(h.num_samples // 4, 64)
-        return synthetic_reviews(h.num_samples, h.seed), synthetic_reviews(n_val, h.seed + 1)
+        return _synthetic_reviews(h.num_samples, h.seed), _synthetic_reviews(n_val, h.seed + 1)
 
     def setup(self, stage: str) -> None:
         if self._train is not None:
@@ -121,7 +123,7 @@ class TextClassificationData(_TensorData):
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.hparams.tokenizer)
         else:
-            self.tokenizer = build_tokenizer(train_x)
+            self.tokenizer = _build_tokenizer(train_x)
         self._train, self._val = self._encode(train_x, train_y), self._encode(val_x, val_y)
 
     def _encode(self, texts: list[str], labels: list[int]) -> TensorDataset:
@@ -133,7 +135,7 @@ class TextClassificationData(_TensorData):
 # ---- images ----------------------------------------------------------------------------------------------------------
 
 
-def synthetic_images(n: int, size: int, channels: int, num_classes: int, seed: int = 0) -> TensorDataset:
+def _synthetic_images(n: int, size: int, channels: int, num_classes: int, seed: int = 0) -> TensorDataset:
     """Oriented gratings in noise: class k is a sinusoidal grating at angle k * pi / num_classes with a random phase,
     contrast and position of a bright blob. Learnable (orientation is visible) and not from a trivial pixel: chance is
     1 / num_classes."""
@@ -152,7 +154,7 @@ def synthetic_images(n: int, size: int, channels: int, num_classes: int, seed: i
     return TensorDataset(images, labels)
 
 
-def read_fashion_mnist(root: str, train: bool) -> TensorDataset:
+def _read_fashion_mnist(root: str, train: bool) -> TensorDataset:
     """FashionMNIST from its raw idx files (``train-images-idx3-ubyte[.gz]`` ...) under ``root`` or
     ``root/FashionMNIST/raw`` (where torchvision puts them): no torchvision needed."""
     prefix = "train" if train else "t10k"
@@ -175,7 +177,7 @@ def read_fashion_mnist(root: str, train: bool) -> TensorDataset:
     )
 
 
-def read_image_folder(root: str, size: int, channels: int) -> tuple[TensorDataset, list[str]]:
+def _read_image_folder(root: str, size: int, channels: int) -> tuple[TensorDataset, list[str]]:
     """Any ``ImageFolder`` layout (``<root>/<class>/<image>``), read with Pillow and resized to ``size``."""
     from PIL import Image
 
@@ -225,17 +227,17 @@ class ImageClassificationData(_TensorData):
                     "put the four idx files under data_dir")
                 for train in (True, False):
                     torchvision.datasets.FashionMNIST(h.data_dir, train=train, download=True)
-            self._train, self._val = read_fashion_mnist(h.data_dir, True), read_fashion_mnist(h.data_dir, False)
+            self._train, self._val = _read_fashion_mnist(h.data_dir, True), _read_fashion_mnist(h.data_dir, False)
         elif h.data_dir is not None:
             root = Path(h.data_dir)
             if (root / "train").is_dir():
-                self._train, classes = read_image_folder(str(root / "train"), h.image_size, h.channels)
-                self._val = read_image_folder(str(root / "val"), h.image_size, h.channels)[0] if (root / "val").is_dir() else self._train
+                self._train, classes = _read_image_folder(str(root / "train"), h.image_size, h.channels)
+                self._val = _read_image_folder(str(root / "val"), h.image_size, h.channels)[0] if (root / "val").is_dir() else self._train
             else:
-                self._train, classes = read_image_folder(h.data_dir, h.image_size, h.channels)
+                self._train, classes = _read_image_folder(h.data_dir, h.image_size, h.channels)
                 self._val = self._train
             self.num_classes = len(classes)
         else:
             n_val = max(h.num_samples // 4, 64)
-            self._train = synthetic_images(h.num_samples, h.image_size, h.channels, h.num_classes, h.seed)
-            self._val = synthetic_images(n_val, h.image_size, h.channels, h.num_classes, h.seed + 1)
+            self._train = _synthetic_images(h.num_samples, h.image_size, h.channels, h.num_classes, h.seed)
+            self._val = _synthetic_images(n_val, h.image_size, h.channels, h.num_classes, h.seed + 1)

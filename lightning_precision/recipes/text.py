@@ -10,6 +10,8 @@ from torch import Tensor
 from lightning_precision import _imports
 from lightning_precision.recipes._base import ClassificationRecipe
 
+__all__ = ["DistilBertClassifier", "SIZES"]
+
 # "tiny" trains on a 2-core CPU in seconds; "base" is distilbert-base's shape (66M parameters).
 SIZES = {
     "tiny": dict(dim=64, n_layers=2, n_heads=2, hidden_dim=256, max_position_embeddings=128),

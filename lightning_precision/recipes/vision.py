@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from lightning_precision import _imports
 from lightning_precision.recipes._base import ClassificationRecipe
 
+__all__ = ["Bottleneck", "ImageClassifier", "ResNet50Classifier", "VIT_SIZES", "ViT", "ViTClassifier", "resnet50"]
+
 VIT_SIZES = {
     # name: (image_size, patch, dim, depth, heads, mlp_dim)
     "tiny": (32, 4, 64, 2, 4, 128),
