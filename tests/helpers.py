@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -77,36 +77,6 @@ def trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
     if plugin is not None:
         defaults["plugins"] = [plugin]
     return L.Trainer(**defaults)
-
-
-def hand_loop(
-    dtype: torch.dtype,
-    ds: TensorDataset,
-    steps: int,
-    scaler_kwargs: Optional[dict] = None,
-    lr: float = 0.1,
-) -> tuple[list[float], nn.Module, Optional[torch.amp.GradScaler]]:
-    """The plain PyTorch AMP recipe the plugins must reproduce."""
-    net = make_net(0)
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", **(scaler_kwargs or {})) if dtype == torch.float16 else None
-    losses = []
-    for step, (x, y) in enumerate(loader(ds)):
-        if step == steps:
-            break
-        with torch.autocast("cpu", dtype=dtype):
-            loss = nn.functional.cross_entropy(net(x), y)
-        losses.append(float(loss))
-        opt.zero_grad()
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
-    return losses, net, scaler
 
 
 def fabric_loop(plugin: Any, ds: TensorDataset, steps: int, lr: float = 0.1) -> tuple[list[float], nn.Module, L.Fabric]:
