@@ -224,3 +224,21 @@ def test_matching_ipex_optimizes_model_and_optimizer_in_place(ipex_metadata, mon
     trainer(plugin, max_steps=1).fit(model, loader(make_data(1)))
     ((optimized, optimizer, dtype, inplace),) = calls
     assert optimized is model and isinstance(optimizer, torch.optim.SGD) and dtype == torch.bfloat16 and inplace
+
+
+class _LBFGSNet(LitNet):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_bf16_has_no_scaler_so_a_closure_optimizer_trains_as_with_lightning():
+    # LBFGS re-evaluates its closure inside `step`: only a loss scaler cannot drive it. In bf16 XPUPrecision has none,
+    # so the step must be Lightning's closure-driven one (calling the closure first and stepping without it fails).
+    model = _LBFGSNet()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer(XPUPrecision(device="cpu"), max_steps=2).fit(model, loader(make_data(2)))
+    assert len(model.losses) > 2  # LBFGS evaluated the closure several times per step
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert set(model.output_dtypes) == {torch.bfloat16}
+    with pytest.raises(ValueError, match="LBFGS"):
+        trainer(XPUPrecision(dtype="fp16", device="cpu"), max_steps=1).fit(_LBFGSNet(), loader(make_data(1)))

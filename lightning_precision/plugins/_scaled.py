@@ -71,10 +71,12 @@ class _TrainerScaledPrecision(_TrainerPrecision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
+        if self.scaler is None:  # plain autocast (XPU in bf16): Lightning's step, closure-driven optimizers included
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()
         # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
         skipped_backward = closure_result is None and model.automatic_optimization
-        if not skipped_backward and self.scaler is not None and not optimizer_handles_unscaling(optimizer):
+        if not skipped_backward and not optimizer_handles_unscaling(optimizer):
             self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
         if skipped_backward:
