@@ -79,6 +79,10 @@ def test_lightnings_wrong_strategy_choice_is_stopped_with_the_fix(fake_xpus):
     ddp = L.Trainer(accelerator="xpu", devices=2, logger=False)
     with pytest.raises(ValueError, match=r"'gloo', which cannot reduce XPU tensors.*xccl"):
         ddp.accelerator.setup(ddp)
+    # An explicit backend is the user's choice (oneCCL's "ccl" reduces XPU tensors): left alone.
+    ccl = L.Trainer(strategy=DDPStrategy(accelerator=TrainerXPUAccelerator(), process_group_backend="ccl"),
+                    devices=2, logger=False)
+    ccl.accelerator.setup(ccl)
 
 
 def test_importing_the_package_patches_nothing_of_lightnings():

@@ -156,10 +156,11 @@ class TrainerXPUAccelerator(TrainerAccelerator, XPUAccelerator):
     @override
     def setup(self, trainer: Any) -> None:
         # Fabric has no such hook; the Trainer's stops DDP over gloo here, before the first step.
+        # Only Lightning's own choice is stopped: gloo, or None (resolved to gloo for a device it does not know). An
+        # explicit backend is the user's (oneCCL's "ccl" from the IPEX workflow reduces XPU tensors too).
         strategy = trainer.strategy
-        if hasattr(strategy, "process_group_backend") and strategy.process_group_backend != XPU_BACKEND:
-            # None until the process group exists: then Lightning's default for a device it does not know, gloo.
-            backend = strategy.process_group_backend or "gloo"
+        if hasattr(strategy, "process_group_backend") and strategy.process_group_backend in (None, "gloo"):
+            backend = "gloo"
             raise ValueError(
                 f"`{type(strategy).__name__}` reduces over {backend!r}, which cannot reduce XPU tensors. Pass the XPU"
                 f" strategy: {_fix(type(self))} (DDP over {XPU_BACKEND!r})."
