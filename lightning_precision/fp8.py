@@ -48,16 +48,13 @@ __all__ = [
     "fp8_gpu_available",
     "functional_linears",
     "gemm_divisor",
-    "recipe_name_of",
     "replace_modules",
     "scaling_family_of",
     "select_fp8_layers",
     "te_recipe",
-    "te_recipe_name",
     "te_scaling_family",
     "to_mxfp8_linear",
     "torchao_config",
-    "torchao_recipe_name",
     "torchao_scaling_family",
     "with_float8_all_gather",
 ]
@@ -186,6 +183,9 @@ def select_fp8_layers(
     """
     if recipe_name is not None:
         deprecated("select_fp8_layers(recipe_name=...)", "select_fp8_layers(scaling_family=...)")
+        if scaling_family not in ("tensorwise", recipe_name):  # two different families: neither may win silently
+            raise ValueError(f"`select_fp8_layers(scaling_family={scaling_family!r}, recipe_name={recipe_name!r})`:"
+                             " `recipe_name` is the deprecated name of `scaling_family`; pass one.")
         scaling_family = recipe_name
     policy = _resolve_layer_policy("select_fp8_layers", layer_policy, module_filter=module_filter,
                                   skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
@@ -304,14 +304,14 @@ def format_summary(decisions: list[LayerDecision]) -> str:
     return "\n".join(lines)
 
 
-def _warn_if_no_fp8(decisions: list[LayerDecision], owner: str = "FP8Precision") -> None:
+def _warn_if_no_fp8(decisions: list[LayerDecision], owner: str = "FP8Precision", fmt: str = "fp8") -> None:
     if not any(d.fp8 for d in decisions):
-        low = "NVFP4" if owner == "NVFP4Precision" else "fp8"
         warn(
-            f"{owner}: no linear layer runs in {low}, so it trains as plain mixed precision. "
+            f"{owner}: no linear layer runs in {fmt}, so it trains as plain mixed precision. "
             + (
                 "Reasons: " + "; ".join(sorted({d.reason for d in decisions}))
-                + ". Pass `module_filter=...` or `skip_small_layers=False`/`skip_first_last=False` to choose layers."
+                + ". Choose layers with `layer_policy=FP8LayerPolicy(skip_small_layers=False, skip_first_last=False)`"
+                " or `FP8LayerPolicy(module_filter=...)`."
                 if decisions
                 else "The model has no nn.Linear."
             ),

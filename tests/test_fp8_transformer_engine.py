@@ -180,4 +180,4 @@ def test_nvfp4_says_its_own_name_when_no_layer_converts():
     from lightning_precision.warnings import NoEffectWarning
 
     with pytest.warns(NoEffectWarning, match=r"^NVFP4Precision: no linear layer runs in NVFP4"):
-        _warn_if_no_fp8([], "NVFP4Precision")
+        _warn_if_no_fp8([], "NVFP4Precision", "NVFP4")

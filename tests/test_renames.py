@@ -23,6 +23,8 @@ def test_recipe_name_is_now_scaling_family():
         old = fp8.select_fp8_layers(net, recipe_name="mxfp8", module_filter=lambda m, f: True)
     assert old == fp8.select_fp8_layers(net, "mxfp8", module_filter=lambda m, f: True)
     assert [d.fp8 for d in old] == [True, False]  # the old keyword still chooses the family's rules
+    with pytest.raises(ValueError, match="pass one"), pytest.warns(DeprecationWarning):
+        fp8.select_fp8_layers(net, "rowwise", recipe_name="mxfp8")  # two families: neither wins silently
 
 
 def test_amax_logger_step_is_now_end_step():

@@ -313,7 +313,7 @@ class FP8Precision(_AutocastPrecision):
         self.layer_decisions = decisions
         _check_not_sharded(module, self.layer_decisions)
         rank_zero_info(_fp8.format_summary(self.layer_decisions))
-        _fp8._warn_if_no_fp8(self.layer_decisions, type(self).__name__)
+        _fp8._warn_if_no_fp8(self.layer_decisions, type(self).__name__, "NVFP4" if self._nvfp4 else "fp8")
         if self.backend == "torchao":
             recipe = self.recipe
             self._float8_all_gather = self._wants_float8_all_gather(module)
