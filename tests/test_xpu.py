@@ -4,10 +4,12 @@ autocast and scaler logic through the shared core on CPU (``device="cpu"``). Whe
 XPU, ``torch.xpu``'s answers are stubbed, and the test says so. Nothing here has run on real Intel hardware."""
 
 import importlib.metadata
+import inspect
 import math
 import re
 import sys
 import types
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -70,10 +72,14 @@ def test_the_xpu_strategy_is_a_public_object_for_trainer_and_fabric(fake_xpus):
 def test_lightnings_wrong_strategy_choice_is_stopped_with_the_fix(fake_xpus):
     # accelerator="xpu" alone: Lightning picks a CPU single-device strategy, and DDP over gloo. Both are stopped when
     # the fit sets them up (before any step), saying what to pass instead.
-    trainer = L.Trainer(accelerator="xpu", devices=1, logger=False)
-    assert trainer.strategy.root_device.type == "cpu"  # Lightning's choice, left as it is
+    model = LitNet()
+    with pytest.raises(ValueError, match=r"CPU strategy.*TrainerXPUAccelerator.strategy"):
+        trainer(None, accelerator="xpu", devices=1).fit(model, loader(make_data(1)))
+    assert model.losses == []  # stopped before the first step
+    single = L.Trainer(accelerator="xpu", devices=1, logger=False)
+    assert single.strategy.root_device.type == "cpu"  # Lightning's choice, left as it is
     with pytest.raises(ValueError, match=r"CPU strategy.*strategy=TrainerXPUAccelerator.strategy\(devices=\.\.\.\)"):
-        trainer.accelerator.setup_device(trainer.strategy.root_device)
+        single.accelerator.setup_device(single.strategy.root_device)
     with pytest.raises(ValueError, match=r"strategy=XPUAccelerator.strategy"):
         XPUAccelerator().setup_device(torch.device("cpu"))
     ddp = L.Trainer(accelerator="xpu", devices=2, logger=False)
@@ -91,7 +97,10 @@ def test_importing_the_package_patches_nothing_of_lightnings():
 
     for connector in (_Connector, _AcceleratorConnector):
         for name in ("_choose_strategy", "_set_parallel_devices_and_init_accelerator"):
-            assert getattr(connector, name).__module__.startswith("lightning."), (connector, name)
+            method = getattr(connector, name)
+            # A wrapper made with functools.wraps copies __module__; it cannot hide its file or __wrapped__.
+            assert not hasattr(method, "__wrapped__"), (connector, name)
+            assert Path(inspect.getfile(method)).is_relative_to(Path(L.__file__).parent), (connector, name)
     assert L.Trainer(accelerator="cpu", devices=1, logger=False).strategy.root_device.type == "cpu"
 
 
