@@ -1,4 +1,5 @@
-"""Checks on where results will be written, made before the work that produces them."""
+"""Where results are written: checks made before the work that produces them, and writes that never leave a file
+half-written or replace a symbolic link with a copy."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["check_writable_dir"]
+__all__ = ["atomic_write_text", "check_writable_dir", "check_writable_file"]
 
 
 def check_writable_dir(path: "str | os.PathLike[str]", owner: str) -> Path:
     """Create ``path`` (and its parents) if needed and prove a file can be written in it; a ``ValueError`` naming
     ``owner`` and the reason otherwise. Called before a fit or a comparison, so a bad path costs seconds, not a run."""
+    if str(path) == "":
+        raise ValueError(f"{owner}: an empty path names no folder; name a folder to write into.")
     directory = Path(path).expanduser()
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"{owner}: {str(directory)!r} exists and is not a folder; name a folder to write into.")
@@ -23,3 +26,55 @@ def check_writable_dir(path: "str | os.PathLike[str]", owner: str) -> Path:
         raise ValueError(f"{owner}: cannot write into {str(directory)!r} ({err.strerror or err}); choose another"
                          " folder.") from None
     return directory
+
+
+def check_writable_file(path: "str | os.PathLike[str]", owner: str) -> Path:
+    """Prove that ``atomic_write_text(path, ...)`` can succeed later: the folder of the file (of a symbolic link's
+    target) can be written, and the path is not a folder. A ``ValueError`` naming ``owner``, the path and the fix
+    otherwise. Creates the folder if needed; writes nothing at ``path`` itself."""
+    if str(path) == "":
+        raise ValueError(f"{owner}: an empty path names no file; name a file to write.")
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    if target.is_dir():
+        raise ValueError(f"{owner}: {str(path)!r} is a folder; name a file to write.")
+    check_writable_dir(target.parent, owner)
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"{owner}: {str(path)!r} exists and is read-only; choose another file or make it writable.")
+    return target
+
+
+def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> Path:
+    """Write ``text`` to ``path`` whole or not at all: to a uniquely named temporary file beside it, flushed to disk,
+    then renamed over it. A symbolic link stays a link (its target is replaced); two processes writing the same path
+    each write their own temporary file, and one whole text wins. A new file gets the usual permissions (an existing
+    one keeps its own). Returns ``path``."""
+    path = Path(path)
+    target = Path(os.path.realpath(path.expanduser()))
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it (setting it, even back, races with other threads creating files)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
