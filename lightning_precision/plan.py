@@ -313,7 +313,6 @@ class PrecisionPlan:
             found = "nothing (it is empty)" if data is None else _KIND.get(type(data), type(data).__name__)
             raise ValueError(f"{where}: a plan is a mapping with `version` and `layers`, not {found}; write it with"
                              " `PrecisionPlan.save`, or see docs/plan.md.")
-        _check_keys(where, "the plan", data, ("version", "recipe", "batches", "rule", "layers"))
         version = data.get("version")
         if "version" not in data:
             raise ValueError(f"{where}: `version` is missing; add `version: {PLAN_VERSION}`.")
@@ -321,6 +320,8 @@ class PrecisionPlan:
             raise ValueError(f"{where}: version {_shown(version)} is not {PLAN_VERSION}, the one this package reads;"
                              f" write `version: {PLAN_VERSION}`, or read the file with the lightning-precision that"
                              " wrote it.")
+        # after the version: a later format may add fields, and its plans should be refused for their version
+        _check_keys(where, "the plan", data, ("version", "recipe", "batches", "rule", "layers"))
         recipe, batches = data.get("recipe", "tensorwise"), data.get("batches", 0)
         _check_recipe(f"{where}: `recipe`", recipe)
         _check_count(f"{where}: `batches`", batches)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def test_two_processes_saving_one_path_never_fail_and_it_always_loads_whole(tmp_
             for _ in range(1200):
                 if Path(f"{path}.ready{me}").exists() or writers[me].poll() is not None:
                     break
-                subprocess.run(["sleep", "0.1"])
+                time.sleep(0.1)
         go.touch()
         errors = [w.communicate(timeout=240)[1] for w in writers]
     finally:
@@ -206,7 +207,7 @@ BAD_FILES = {
     "version bool": (".yaml", "version: true\nlayers: []\n", ["version True (a boolean) is not 1", "`version: 1`"]),
     "version float": (".yaml", "version: 1.0\nlayers: []\n", ["version 1.0 (a number) is not 1"]),
     "version string": (".json", '{"version": "1", "layers": []}', ["version '1' (a string) is not 1"]),
-    "version 2": (".yaml", "version: 2\nlayers: []\n", ["version 2 (an integer) is not 1", "the lightning-precision"
+    "version 2": (".yaml", "version: 2\nlayers: []\nnew_field: 1\n", ["version 2 (an integer) is not 1", "the lightning-precision"
                                                                                          " that wrote it"]),
     "batches negative": (".yaml", "version: 1\nbatches: -1\nlayers: []\n", ["`batches`: -1 (an integer)", ">= 0"]),
     "batches bool": (".yaml", "version: 1\nbatches: yes\nlayers: []\n", ["`batches`: True (a boolean)"]),
