@@ -11,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
 from lightning_precision import fp8 as _fp8
+from lightning_precision._io import atomic_write_text, check_writable_file
 from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
 from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity
 
@@ -38,6 +40,77 @@ __all__ = [
 
 FP8, HIGH = "fp8", "bf16"
 PLAN_VERSION = 1
+
+
+# ---- what a plan holds, checked where it is made: a plan built in Python and a plan read from a file pass the same
+# checks, so `save` never writes what `load` refuses. `where` names the call or the file and field.
+
+_KIND = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping",
+         type(None): "empty"}
+
+# The `recipe` a plan may record: a plugin's `scaling_family` (torchao's families, Transformer Engine's recipe names,
+# and "custom" for a TE recipe object of another class).
+_SCALING_FAMILIES = tuple(dict.fromkeys(("tensorwise", "rowwise", *_fp8.BLOCK_SCALED, *_fp8.TE_RECIPES, "custom")))
+
+
+def _shown(value: Any) -> str:
+    """``2 (an integer)``: a YAML file's ``fqn: 2`` reads as a string to its author; say what the parser made of it."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"{shown} ({_KIND.get(type(value), type(value).__name__)})"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_bound(where: str, value: Any, default: float) -> None:
+    if not _is_number(value) or math.isnan(value) or value < 0:
+        raise ValueError(f"{where}: {_shown(value)} is not a number >= 0 (inf: no bound); the default is {default:g}.")
+
+
+def _check_count(where: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}: {_shown(value)} is not a whole number >= 0 of batches measured (0: a plan made"
+                         " by hand or by the shape rules).")
+
+
+def _check_recipe(where: str, value: Any) -> None:
+    if value not in _SCALING_FAMILIES or not isinstance(value, str):
+        raise ValueError(f"{where}: {_shown(value)} is not a scaling recipe; one of {', '.join(_SCALING_FAMILIES)}"
+                         " (the `scaling_family` of the plugin that measured it).")
+
+
+def _check_layer(field: Callable[[str], str], fqn: Any, precision: Any, reason: Any, numbers: Any) -> None:
+    """One layer's fields; ``field("fqn")`` names one of them where the error is said (a call, or a file's entry)."""
+    bare = "in YAML, quote it: a bare number, yes/no, true/false or null is not text"
+    if not isinstance(fqn, str) or not fqn:
+        raise ValueError(f"{field('fqn')}: {_shown(fqn)} is not a layer's path; write the path of an nn.Linear in the"
+                         f" model (as `model.named_modules()` names it){'' if isinstance(fqn, str) else f' ({bare})'}.")
+    if precision not in (FP8, HIGH) or not isinstance(precision, str):
+        raise ValueError(f"{field('precision')}: {precision!r} is not 'fp8' or 'bf16' (the plugin's high-precision"
+                         " dtype); write one of them.")
+    if not isinstance(reason, str):
+        raise ValueError(f"{field('reason')}: {_shown(reason)} is not text; write it as a string ({bare}).")
+    if not isinstance(numbers, Mapping):
+        raise ValueError(f"{field('numbers')}: {_shown(numbers)} is not a mapping of names to numbers; write it as"
+                         " `name: value` lines, or leave it out.")
+    for key, value in numbers.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{field('numbers')}: the name {_shown(key)} is not a string ({bare}).")
+        if not _is_number(value):
+            raise ValueError(f"{field('numbers.' + key)}: {_shown(value)} is not a number; write a number (inf, -inf"
+                             " and nan as the strings 'inf', '-inf', 'nan').")
+
+
+def _check_unique(where: str, fqns: Iterable[str]) -> None:
+    """A layer listed twice: the first entry would apply and ``fp8_layers`` report the other."""
+    first: dict[str, int] = {}
+    for i, fqn in enumerate(fqns):
+        if fqn in first:
+            raise ValueError(f"{where}: layer {fqn!r} is listed twice (layers[{first[fqn]}] and layers[{i}]); keep one"
+                             " entry per layer.")
+        first[fqn] = i
 
 
 @dataclass(frozen=True)
@@ -60,8 +133,7 @@ class PlanRule:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-                raise ValueError(f"`PlanRule({f.name}={value!r})`: a number >= 0.")
+            _check_bound(f"`PlanRule({f.name}={value!r})`", value, f.default)
 
     def why_not(self, s: LayerSensitivity) -> Optional[str]:
         """None when ``s`` passes, else every bound it fails, as the reason for keeping it in high precision."""
@@ -101,8 +173,8 @@ class LayerPlan:
     numbers: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.precision not in (FP8, HIGH):
-            raise ValueError(f"LayerPlan({self.fqn!r}): precision {self.precision!r} is not 'fp8' or 'bf16'.")
+        _check_layer(lambda name: f"LayerPlan({self.fqn!r}).{name}", self.fqn, self.precision, self.reason,
+                     self.numbers)
 
 
 def _to_json_number(x: float) -> Union[float, str]:
@@ -118,6 +190,20 @@ class PrecisionPlan:
     recipe: str = "tensorwise"
     rule: PlanRule = PlanRule()
     batches: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, (tuple, list)):
+            raise ValueError(f"PrecisionPlan(layers={_shown(self.layers)}): a tuple of `LayerPlan`s.")
+        object.__setattr__(self, "layers", tuple(self.layers))  # a list would make equal plans compare unequal
+        for i, p in enumerate(self.layers):
+            if not isinstance(p, LayerPlan):
+                raise ValueError(f"PrecisionPlan: layers[{i}] is {_shown(p)}; each layer is a"
+                                 " `LayerPlan(fqn, precision, reason)`.")
+        _check_recipe("PrecisionPlan(recipe=...)", self.recipe)
+        _check_count("PrecisionPlan(batches=...)", self.batches)
+        if not isinstance(self.rule, PlanRule):
+            raise ValueError(f"PrecisionPlan(rule={self.rule!r}): pass a `PlanRule` (`PlanRule()` for the defaults).")
+        _check_unique("PrecisionPlan", (p.fqn for p in self.layers))
 
     @classmethod
     def decide(cls, decisions: list[LayerDecision], sensitivity: dict[str, LayerSensitivity],
@@ -150,6 +236,30 @@ class PrecisionPlan:
     def get(self, fqn: str) -> Optional[LayerPlan]:
         return next((p for p in self.layers if p.fqn == fqn), None)
 
+    @property
+    def measured(self) -> bool:
+        """Whether any decision rests on numbers measured under ``recipe`` (not only on shape rules or by hand)."""
+        return self.batches > 0 or any(p.numbers for p in self.layers)
+
+    def recipe_mismatch(self, scaling_family: str) -> Optional[str]:
+        """Why this plan's numbers are not those of a plugin whose ``scaling_family`` is given, or None: they are, or
+        nothing was measured. Transformer Engine's per-tensor recipes (``delayed``, ``current``) are measured through
+        torchao's ``tensorwise`` cast (what ``FP8Precision(layers="auto")`` does for them), so those three agree."""
+        as_measured = {"delayed": "tensorwise", "current": "tensorwise"}
+        if not self.measured or as_measured.get(self.recipe, self.recipe) == as_measured.get(scaling_family,
+                                                                                              scaling_family):
+            return None
+        if scaling_family in ("tensorwise", "rowwise"):
+            how = (f"`make_plan(..., recipe={scaling_family!r})`, `lightning-precision plan --recipe-fp8"
+                   f" {scaling_family}`, or `layers='auto'`")
+        elif scaling_family in _fp8.BLOCK_SCALED or scaling_family == "block":
+            how = "not possible for block-scaled casts (docs/plan.md): choose the layers by hand or by shape rules"
+        else:
+            how = "`layers='auto'` with this plugin, on one process"
+        return (f"the plan was measured with the {self.recipe!r} cast and this plugin casts with {scaling_family!r}:"
+                " its numbers, and the rule's verdicts on them, are another cast's. It is applied as written; to"
+                f" judge the layers by this plugin's cast, measure again with its recipe ({how}).")
+
     def with_layer(self, fqn: str, precision: str, reason: str, numbers: Optional[dict[str, float]] = None) -> PrecisionPlan:
         """A copy with one layer's decision replaced."""
         if self.get(fqn) is None:
@@ -164,13 +274,12 @@ class PrecisionPlan:
         width = max((len(p.fqn) for p in self.layers), default=5)
         lines = [head, f"  {'layer':<{width}}  prec  min SQNR dB  max underflow  out err  gin err  reason"]
         for p in self.layers:
-            if p.numbers:
-                sqnr = min(p.numbers[f"{t}_sqnr_db"] for t in TENSORS)
-                under = max(p.numbers[f"{t}_underflow"] for t in TENSORS)
-                nums = (f"{sqnr:>11.1f}  {under:>13.2e}  {p.numbers['output_error']:>7.3f}"
-                        f"  {p.numbers['grad_input_error']:>7.3f}")
-            else:
-                nums = f"{'-':>11}  {'-':>13}  {'-':>7}  {'-':>7}"
+            # A hand-made or edited plan may hold some numbers, or none: a missing one prints as "-".
+            sqnr = [p.numbers[k] for k in (f"{t}_sqnr_db" for t in TENSORS) if k in p.numbers]
+            under = [p.numbers[k] for k in (f"{t}_underflow" for t in TENSORS) if k in p.numbers]
+            cells = [(min(sqnr) if sqnr else None, 11, ".1f"), (max(under) if under else None, 13, ".2e"),
+                     (p.numbers.get("output_error"), 7, ".3f"), (p.numbers.get("grad_input_error"), 7, ".3f")]
+            nums = "  ".join(f"{'-' if v is None else format(v, f):>{w}}" for v, w, f in cells)
             lines.append(f"  {p.fqn:<{width}}  {p.precision:<4}  {nums}  {p.reason}")
         return "\n".join(lines)
 
@@ -186,45 +295,114 @@ class PrecisionPlan:
     # ---- files ------------------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data (what ``save`` writes): infinities and NaN as the strings ``"inf"``, ``"-inf"``,
+        ``"nan"``, since strict JSON has none."""
         return {
             "version": PLAN_VERSION, "recipe": self.recipe, "batches": self.batches,
-            "rule": dataclasses.asdict(self.rule),
+            "rule": {k: _to_json_number(v) for k, v in dataclasses.asdict(self.rule).items()},
             "layers": [{"fqn": p.fqn, "precision": p.precision, "reason": p.reason,
                         "numbers": {k: _to_json_number(v) for k, v in p.numbers.items()}} for p in self.layers],
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PrecisionPlan:
-        if not isinstance(data, dict):
-            raise ValueError(f"PrecisionPlan: a plan is a mapping with `version` and `layers`, not a {type(data).__name__}.")
+    def from_dict(cls, data: Any, *, source: Optional[str] = None) -> PrecisionPlan:
+        """The plan ``to_dict`` gave (read from a file or a checkpoint). ``source`` says where it came from in errors
+        (``load`` names the file); each error names the field, the value and the fix."""
+        where = source or "PrecisionPlan.from_dict"
+        if not isinstance(data, Mapping):
+            found = "nothing (it is empty)" if data is None else _KIND.get(type(data), type(data).__name__)
+            raise ValueError(f"{where}: a plan is a mapping with `version` and `layers`, not {found}; write it with"
+                             " `PrecisionPlan.save`, or see docs/plan.md.")
         version = data.get("version")
-        if version != PLAN_VERSION:
-            raise ValueError(f"PrecisionPlan: version {version!r} is not {PLAN_VERSION}, the one this package reads.")
-        try:
-            layers = tuple(LayerPlan(d["fqn"], d["precision"], d.get("reason", ""),
-                                     {k: float(v) for k, v in (d.get("numbers") or {}).items()}) for d in data["layers"])
-            return cls(layers, data.get("recipe", "tensorwise"), PlanRule(**data.get("rule", {})),
-                       int(data.get("batches", 0)))
-        except (KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"PrecisionPlan: not a plan this package wrote ({type(err).__name__}: {err}); each layer"
-                             " needs `fqn` and `precision`.") from None
+        if "version" not in data:
+            raise ValueError(f"{where}: `version` is missing; add `version: {PLAN_VERSION}`.")
+        if not isinstance(version, int) or isinstance(version, bool) or version != PLAN_VERSION:
+            raise ValueError(f"{where}: version {_shown(version)} is not {PLAN_VERSION}, the one this package reads;"
+                             f" write `version: {PLAN_VERSION}`, or read the file with the lightning-precision that"
+                             " wrote it.")
+        # after the version: a later format may add fields, and its plans should be refused for their version
+        _check_keys(where, "the plan", data, ("version", "recipe", "batches", "rule", "layers"))
+        recipe, batches = data.get("recipe", "tensorwise"), data.get("batches", 0)
+        _check_recipe(f"{where}: `recipe`", recipe)
+        _check_count(f"{where}: `batches`", batches)
+        rule = data.get("rule", {})
+        if not isinstance(rule, Mapping):
+            raise ValueError(f"{where}: `rule` is {_shown(rule)}; a mapping of PlanRule's bounds (e.g."
+                             " `max_underflow: 0.001`), or leave it out for the defaults.")
+        _check_keys(where, "`rule`", rule, [f.name for f in dataclasses.fields(PlanRule)])
+        bounds = {k: _number(v) for k, v in rule.items()}
+        for f in dataclasses.fields(PlanRule):
+            if f.name in bounds:
+                _check_bound(f"{where}: `rule.{f.name}`", bounds[f.name], f.default)
+        if "layers" not in data:
+            raise ValueError(f"{where}: `layers` is missing; list each linear layer with its `fqn` and `precision`.")
+        entries = data["layers"]
+        if not isinstance(entries, list):
+            raise ValueError(f"{where}: `layers` is {_shown(entries)}; a list of layers, each with `fqn` and"
+                             " `precision` (`layers: []` for none).")
+        layers = []
+        for i, d in enumerate(entries):
+            at = f"{where}: `layers[{i}]`"
+            if not isinstance(d, Mapping):
+                raise ValueError(f"{at} is {_shown(d)}; each layer is a mapping with `fqn` and `precision`.")
+            _check_keys(where, f"`layers[{i}]`", d, ("fqn", "precision", "reason", "numbers"))
+            missing = [k for k in ("fqn", "precision") if k not in d]
+            if missing:
+                raise ValueError(f"{at} has no `{missing[0]}`; each layer needs `fqn` and `precision` (fp8 or bf16).")
+            # `reason:` or `numbers:` with nothing after it is YAML's null
+            reason = "" if d.get("reason") is None else d["reason"]
+            numbers = {} if d.get("numbers") is None else d["numbers"]
+            numbers = {k: _number(v) for k, v in numbers.items()} if isinstance(numbers, Mapping) else numbers
+            _check_layer(lambda name: f"{where}: `layers[{i}].{name}`", d["fqn"], d["precision"], reason, numbers)
+            layers.append(LayerPlan(d["fqn"], d["precision"], reason, numbers))
+        _check_unique(where, (p.fqn for p in layers))
+        return cls(tuple(layers), recipe, PlanRule(**bounds), batches)
 
     def save(self, path: Union[str, Path]) -> Path:
-        """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), to a temporary file first: a failed write leaves any
-        previous plan whole."""
+        """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), whole or not at all: to a uniquely named temporary
+        file beside it, then renamed over it (a failed write leaves any previous plan whole; two processes saving
+        the same path each write whole plans; a symbolic link stays a link and its target is updated). What is
+        written is read back first: ``load`` reads whatever ``save`` writes."""
         path = Path(path)
-        text = _dump(self.to_dict(), path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        return path
+        data = self.to_dict()
+        text = _dump(data, path)
+        if PrecisionPlan.from_dict(_parse(text, path), source=f"PrecisionPlan.save({str(path)!r})").to_dict() != data:
+            raise ValueError(f"PrecisionPlan.save({str(path)!r}): the text would not read back as this plan; nothing"
+                             " was written. Please report it, with the plan.")
+        return atomic_write_text(path, text)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> PrecisionPlan:
+        """The plan in a ``.yaml``/``.yml``/``.json`` file; a ``ValueError`` naming the file, the field, the value and
+        the fix for anything that is not a plan ``save`` could have written (YAML tags are refused)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"PrecisionPlan.load: no plan file at {str(path)!r}.")
-        return cls.from_dict(_parse(path.read_text(), path))
+        source = f"plan file {str(path)!r}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{source}: not UTF-8 text ({err.reason} at byte {err.start}); is it a plan?") from None
+        return cls.from_dict(_parse(text, path, source), source=source)
+
+
+def _check_keys(where: str, what: str, data: Mapping[Any, Any], known: Iterable[str]) -> None:
+    """A misspelt field would otherwise be ignored, and its default used in silence."""
+    known = tuple(known)
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        raise ValueError(f"{where}: {what} has an unknown field {unknown[0]!r}; the fields are {', '.join(known)}.")
+
+
+def _number(value: Any) -> Any:
+    """A number as a file holds it: ``save`` writes inf and NaN as strings, and YAML reads ``1e-3`` (no dot) as a
+    string. Anything else is returned as it is, for the check to name."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _suffix(path: Path) -> str:
@@ -236,18 +414,61 @@ def _suffix(path: Path) -> str:
 
 def _dump(data: dict[str, Any], path: Path) -> str:
     if _suffix(path) == ".json":
-        return json.dumps(data, indent=2) + "\n"
+        return json.dumps(data, indent=2, allow_nan=False) + "\n"
     import yaml
 
-    return yaml.safe_dump(data, sort_keys=False, width=120)
+    # libyaml's emitter where PyYAML has it (several times faster on a large model's plan), the same output otherwise
+    return yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False, width=120)
 
 
-def _parse(text: str, path: Path) -> dict[str, Any]:
+def _parse(text: str, path: Path, source: Optional[str] = None) -> Any:
+    """The data in ``text`` (JSON or YAML by ``path``'s suffix). A syntax error, a repeated key (which either parser
+    would resolve by keeping the last, silently) or a YAML tag is a ``ValueError`` naming ``source`` and the line."""
+    source = source or f"plan file {str(path)!r}"
     if _suffix(path) == ".json":
-        return json.loads(text)
+        def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+            _check_no_repeats(source, [k for k, _ in items], None)
+            return dict(items)
+
+        try:
+            return json.loads(text, object_pairs_hook=pairs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{source}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; fix it,"
+                             " or write the plan again with `PrecisionPlan.save`.") from None
     import yaml
 
-    return yaml.safe_load(text)
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # safe: a tag such as !!python/object is refused
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):  # merge keys (<<) may repeat a key on purpose: not checked
+                keys = [(self.construct_object(k, deep=True), k.start_mark.line + 1) for k, _ in node.value
+                        if k.tag != "tag:yaml.org,2002:merge"]
+                _check_no_repeats(source, [k for k, _ in keys], [line for _, line in keys])
+            return super().construct_mapping(node, deep=deep)
+
+    loader = Loader(text)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise ValueError(f"{source}: not a plan YAML can read: {problem}{at}; fix it (plain YAML, no tags), or write"
+                         " the plan again with `PrecisionPlan.save`.") from None
+    finally:
+        loader.dispose()
+
+
+def _check_no_repeats(source: str, keys: list[Any], lines: Optional[list[int]]) -> None:
+    seen: set[Any] = set()
+    for i, key in enumerate(keys):
+        try:
+            repeated = key in seen
+            seen.add(key)
+        except TypeError:  # an unhashable key: the mapping check names it
+            continue
+        if repeated:
+            at = f" (line {lines[i]})" if lines else ""
+            raise ValueError(f"{source}: the key {key!r} appears twice in one mapping{at}; keep one.")
 
 
 def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: Optional[PlanRule] = None) -> dict[str, str]:
@@ -309,16 +530,32 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="plan file, .yaml/.yml/.json (default: plan-<recipe>.yaml)")
     args = parser.parse_args(argv)
     if args.batches < 1:
-        parser.error(f"--batches {args.batches}: measure at least 1 batch")
-    out = Path(args.out or f"plan-{args.recipe}.yaml")
-    try:
-        _suffix(out)  # a bad name fails before measuring
+        return _usage_error(f"--batches {args.batches}: measure at least 1 batch")
+    out = Path(args.out) if args.out is not None else Path(f"plan-{args.recipe}.yaml")
+    try:  # a bad name or a place that cannot be written fails now, not after measuring
+        if args.out == "":
+            raise ValueError("--out '': an empty path names no file; name a .yaml, .yml or .json file.")
+        _suffix(out)
+        check_writable_file(out, "--out")
     except ValueError as err:
-        parser.error(str(err))
+        return _usage_error(str(err))
     model, batches = RECIPES[args.recipe].training_batches(args.batches)
     print(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...", flush=True)
     plan = make_plan(model, batches, loss_fn=lambda m, b: m.training_loss(b), recipe=args.recipe_fp8,
                      skip_small_layers=not args.emulate)
     print(plan.table())
-    print(f"wrote {plan.save(out)}")
+    try:
+        print(f"wrote {plan.save(out)}")
+    except (OSError, ValueError) as err:  # the disk filled up, or the folder changed, while measuring: keep it
+        why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())
+        print(f"lightning-precision plan: error: could not write the plan to {str(out)!r} ({why});"
+              " it follows on standard output: save it as a file and pass that file to `layers=`.", file=sys.stderr)
+        print(_dump(plan.to_dict(), out), end="", flush=True)
+        return 1
     return 0
+
+
+def _usage_error(message: str) -> int:
+    """Bad input, before anything is measured: one line, exit code 2 (as every command of ``lightning-precision``)."""
+    print(f"lightning-precision plan: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2

@@ -214,7 +214,14 @@ class FP8Precision(_AutocastPrecision):
         if self.module_filter is not None:
             raise ValueError(f"`{owner}(layers=<plan>, module_filter=...)`: a plan names its fp8 layers itself; pass"
                              " one or the other.")
-        return _as_plan(layers)
+        plan = _as_plan(layers)
+        # Warned, not refused: the plan is still a valid choice of layers, and some plugins can only be given a plan
+        # measured with another cast (Transformer Engine under FSDP2, block-scaled recipes that cannot be measured).
+        mismatch = plan.recipe_mismatch(self.scaling_family)
+        if mismatch:
+            shown = "<PrecisionPlan>" if isinstance(layers, PrecisionPlan) else repr(str(layers))
+            warn(f"`{owner}(layers={shown})`: {mismatch}")
+        return plan
 
     # The layer choice is `layer_policy`; these read it, for code written against the flat arguments.
     module_filter = property(lambda self: self.layer_policy.module_filter)
@@ -262,9 +269,10 @@ class FP8Precision(_AutocastPrecision):
         if unknown:
             raise ValueError(f"{type(self).__name__}: the plan puts layers in fp8 that this model does not have as"
                              f" nn.Linear: {', '.join(unknown)}. Is it the plan of another model?")
+        entries = {p.fqn: p for p in plan.layers}
         out = []
         for d in hard:
-            entry = plan.get(d.fqn)
+            entry = entries.get(d.fqn)
             if not d.fp8:
                 out.append(d)
             elif entry is None:
@@ -416,16 +424,45 @@ class FP8Precision(_AutocastPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "plan" not in state_dict:
             return
-        saved = PrecisionPlan.from_dict(state_dict["plan"])
+        owner = type(self).__name__
+        saved = PrecisionPlan.from_dict(state_dict["plan"], source=f"the checkpoint's plan ({owner} state)")
+        given = self.plan if self.layers is not None and self.layers != "auto" else None
+        mismatch = saved.recipe_mismatch(self.scaling_family)
+        if mismatch and (given is None or given.recipe != saved.recipe):  # a given plan's was said at construction
+            warn(f"{owner}: resuming: {mismatch}")
+        if given is not None:
+            # The checkpoint's plan is what the run trained with, FP8Guard's demotions included; the given one is what
+            # the user asks for now (perhaps edited after a divergence). Neither is dropped: a layer stays in fp8 only
+            # where both say fp8, and nothing is promoted to fp8 behind the optimizer's back.
+            differ = sorted(given.fp8_layers ^ saved.fp8_layers)
+            if differ:
+                def says(plan: PrecisionPlan, fqn: str) -> str:
+                    entry = plan.get(fqn)
+                    return "fp8" if fqn in plan.fp8_layers else f"bf16 ({entry.reason})" if entry else "not listed"
+
+                shown = "<PrecisionPlan>" if isinstance(self.layers, PrecisionPlan) else repr(str(self.layers))
+                warn(f"{owner}: the checkpoint's plan (what the run trained with, FP8Guard's demotions included)"
+                     f" differs from `layers={shown}` for {len(differ)} layer(s): "
+                     + "; ".join(f"{f}: {says(given, f)} given, {says(saved, f)} in the checkpoint" for f in differ)
+                     + f". They run in {self.compute_dtype}: on resume a layer stays in fp8 only where both plans"
+                     " say fp8. To train a layer in fp8 that the checkpoint keeps in high precision, start a new fit"
+                     " from the checkpoint's weights (not `ckpt_path=`).")
+            high = {p.fqn: p for p in saved.layers if p.precision == HIGH and p.fqn in given.fp8_layers}
+        else:
+            high = {p.fqn: p for p in saved.layers if p.precision == HIGH}
         if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
             self.plan = saved
             calibration, self._calibration = self._calibration, None
             calibration.probe.close()
             self._apply_plan(calibration.module)
-        elif not self.layer_decisions:  # not converted yet: convert as the saved run was
-            self.plan = saved
+        elif not self.layer_decisions:  # not converted yet: convert as the saved run was (and as asked, if asked)
+            if given is None:
+                self.plan = saved
+            else:
+                for fqn, p in high.items():
+                    given = given.with_layer(fqn, HIGH, p.reason, p.numbers)
+                self.plan = given
         else:  # converted already: what the run moved back to high precision stays there
-            high = {p.fqn: p for p in saved.layers if p.precision == HIGH}
             self.demote({f: p.reason for f, p in high.items()}, {f: p.numbers for f, p in high.items()})
 
     @override
