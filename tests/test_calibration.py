@@ -233,7 +233,7 @@ def test_auto_with_every_batch_non_finite_measures_nothing_and_says_so():
     assert plugin.plan.get("net.a").reason == "not measured: all 2 batches measured had non-finite values"
 
 
-def test_the_guard_does_not_demote_for_a_non_finite_batch():
+def test_the_guard_does_not_demote_for_a_non_finite_batch(tmp_path):
     """A measured step whose input holds an inf used to move every fp8 layer back to bf16 for good (tests/test_guard.py's
     model, healthy throughout)."""
     from tests import test_guard
@@ -251,7 +251,7 @@ def test_the_guard_does_not_demote_for_a_non_finite_batch():
     plugin, guard = FP8Precision(**test_guard.FP8_KW), FP8Guard(every_n_steps=2)
     module = GuardedSkipsNonFinite(inject_at=10**9)
     with pytest.warns(UserWarning, match=r"FP8Guard: step 3 is not judged: a non-finite input, loss or gradient"):
-        test_guard.fit(plugin, 6, [guard], module=module)
+        test_guard.fit(plugin, 6, [guard], module=module, default_root_dir=tmp_path)
     assert guard.events == [] and len(plugin.fp8_modules()) == 3  # steps 1 and 5 judged, step 3 not
     assert all(math.isfinite(v) for i, v in enumerate(module.losses) if i != 3)
 

@@ -65,11 +65,11 @@ def loader(steps: int = STEPS) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=64)
 
 
-def fit(plugin, callbacks=()) -> Lit:
+def fit(plugin, callbacks=(), **kwargs) -> Lit:
     module = Lit()
     L.Trainer(accelerator="cpu", plugins=[plugin], callbacks=list(callbacks), max_steps=STEPS, logger=False,
               log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-              enable_checkpointing=False).fit(module, loader())
+              enable_checkpointing=False, **kwargs).fit(module, loader())
     assert len(module.losses) == STEPS and all(math.isfinite(v) for v in module.losses)
     return module
 
@@ -96,9 +96,9 @@ def test_auto_measures_an_expert_on_the_steps_it_gets_tokens():
     assert "net.experts.1" in plugin.plan.fp8_layers
 
 
-def test_the_guard_watches_an_expert_that_gets_no_tokens_in_some_steps():
+def test_the_guard_watches_an_expert_that_gets_no_tokens_in_some_steps(tmp_path):
     guard = FP8Guard(every_n_steps=1)
-    fit(FP8Precision(**FP8_KW), [guard])
+    fit(FP8Precision(**FP8_KW), [guard], default_root_dir=tmp_path)
     assert guard.events == []
 
 
