@@ -160,9 +160,10 @@ class SensitivityProbe:
     A batch's numbers are staged, and ``commit()`` (the caller's batch boundary; ``result`` commits what is pending)
     adds them to the sums only if every tensor measured in that batch was finite: its inputs, weights and output
     gradients and the fp32 reference results. A non-finite input or loss is a fault of the data, not of fp8, and one
-    such batch would otherwise mark every layer as overflowing. The choice is made on the device, without a read; ``batches`` and ``dropped`` count the batches committed and dropped, summed across
-    processes by ``result(reduce)``. An fp8 result that is not finite where the fp32 one is stays counted: that is fp8
-    failing. Empty tensors (a layer that received no tokens, as an idle mixture-of-experts expert) are not measured."""
+    such batch would otherwise mark every layer as overflowing. The choice is made on the device, without a read;
+    ``batches`` and ``dropped`` count the batches committed and dropped, summed across processes by
+    ``result(reduce)``. An fp8 result that is not finite where the fp32 one is stays counted: that is fp8 failing.
+    Empty tensors (a layer that received no tokens, as an idle mixture-of-experts expert) are not measured."""
 
     def __init__(self, layers: Mapping[str, nn.Linear], config: Any, keep_outputs: bool = False) -> None:
         if not dataclasses.is_dataclass(config) or not hasattr(config, "cast_config_input"):

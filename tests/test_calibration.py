@@ -47,7 +47,7 @@ class Record(Callback):
         self.metrics.append({k: float(v) for k, v in trainer.precision_plugin.metrics().items()})
 
 
-# ---- item 6: nothing unmeasured is called fp8 -------------------------------------------------------------------------
+# ---- item 6: nothing unmeasured is called fp8 ------------------------------------------------------------------------
 
 
 def test_while_measuring_no_layer_is_reported_fp8():
@@ -73,7 +73,7 @@ def test_a_fit_that_ends_while_measuring_reports_no_fp8_and_the_guard_writes_no_
     assert guard.plan_file is None and list(tmp_path.glob("*.yaml")) == []  # no unmeasured plan saved
 
 
-# ---- item 7: a batch is a training step, whatever the optimizers and accumulation -------------------------------------
+# ---- item 7: a batch is a training step, whatever the optimizers and accumulation ------------------------------------
 
 
 class TwoOptimizers(Lit):
@@ -112,10 +112,11 @@ def test_two_optimizers_per_batch_measure_every_batch_asked_for():
     assert plugin.plan.batches == 4 and plugin.plan.fp8_layers == MEASURED
 
 
-@pytest.mark.parametrize(("asked", "measured"), [(8, 8), (6, 8)])
+@pytest.mark.parametrize(("asked", "measured"), [(8, 8), (6, 8), (2, 4)])
 def test_gradient_accumulation_measures_the_batches_asked_and_records_what_it_measured(asked, measured):
     """4 batches per optimizer step. Counting optimizer steps measured 32 batches for 8 asked (and recorded 8). The plan
-    is made at an optimizer step, never mid-accumulation: asking 6 measures 8, and the plan says 8."""
+    is made at an optimizer step, never mid-accumulation: asking 6 measures 8, asking 2 measures 4, and the plan says
+    so."""
     plugin, record = FP8Precision(layers="auto", calibration_batches=asked, **FP8_KW), Record()
     L.Trainer(accelerator="cpu", plugins=[plugin], callbacks=[record], max_steps=3, accumulate_grad_batches=4,
               logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -142,7 +143,7 @@ def test_fabric_counts_each_backward_as_a_batch():
     assert plugin.plan.batches == 4 and plugin.plan.fp8_layers == {"a", "d", "head"}
 
 
-# ---- item 8: a plugin used for a second model --------------------------------------------------------------------------
+# ---- item 8: a plugin used for a second model ------------------------------------------------------------------------
 
 
 class NoOutliers(Outliers):
@@ -190,7 +191,7 @@ def test_a_second_model_is_measured_not_given_the_first_models_plan(tmp_path):
     assert plugin.plan == first_plan and record.converted == [MEASURED]
 
 
-# ---- item 11: a batch with a non-finite value is a data fault ------------------------------------------------------------
+# ---- item 11: a batch with a non-finite value is a data fault --------------------------------------------------------
 
 
 class SkipsNonFinite(Lit):
@@ -234,8 +235,8 @@ def test_auto_with_every_batch_non_finite_measures_nothing_and_says_so():
 
 
 def test_the_guard_does_not_demote_for_a_non_finite_batch(tmp_path):
-    """A measured step whose input holds an inf used to move every fp8 layer back to bf16 for good (tests/test_guard.py's
-    model, healthy throughout)."""
+    """A measured step whose input holds an inf used to move every fp8 layer back to bf16 for good
+    (tests/test_guard.py's model, healthy throughout)."""
     from tests import test_guard
 
     class GuardedSkipsNonFinite(test_guard.Lit):
@@ -287,3 +288,7 @@ def test_an_fp8_result_that_overflows_where_fp32_does_not_still_fails():
     model = nn.Sequential(layer)
     result = fp8_sensitivity(model, [x], loss_fn=lambda m, b: m(b).clamp(max=1.0).sum(), autocast_dtype=None)
     assert result["0"].batches == 1 and result["0"].output_error == math.inf
+    # A nan error (an fp8 inf minus an fp8 inf) would pass every bound (nan > x is False): it counts as inf.
+    from lightning_precision.sensitivity import _relative
+
+    assert _relative(math.nan, 1.0) == math.inf and _relative(math.inf, 1.0) == math.inf

@@ -354,3 +354,15 @@ def test_the_default_plan_directory_is_checked_at_setup(tmp_path):
     with pytest.raises(ValueError, match=r"FP8Guard \(the plan file goes in the log directory"):
         fit(FP8Precision(**FP8_KW), 4, [FP8Guard()], module=module, default_root_dir=tmp_path / "a_file")
     assert module.losses == []
+
+
+def test_runs_starting_together_in_one_directory_get_a_file_each(tmp_path):
+    """The default file is created exclusively (O_EXCL): writers racing for the same name (8 threads here; processes
+    race the same way at the file system) never share one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_precision._io import create_new_file
+
+    with ThreadPoolExecutor(8) as pool:
+        names = list(pool.map(lambda _: create_new_file(tmp_path, "fp8_plan.yaml").name, range(8)))
+    assert sorted(names) == sorted(["fp8_plan.yaml"] + [f"fp8_plan-{i}.yaml" for i in range(1, 8)])

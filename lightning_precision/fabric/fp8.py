@@ -119,12 +119,15 @@ class FP8Precision(_AutocastPrecision):
         skip_small_layers: leave layers too small to gain in high precision (thresholds in ``lightning_precision.fp8``).
         skip_first_last: leave the first and last linear layers that run as modules in high precision.
         layers: which eligible layers run in fp8. ``None`` (default): all that the shape rules leave. ``"auto"``: the
-            first ``calibration_batches`` training steps run in ``compute_dtype`` while each eligible layer's fp8
-            numerics are measured (``lightning_precision.sensitivity``); then the layers ``plan_rule`` accepts are
-            converted (same Parameter objects: the optimizer is untouched) and the plan is logged and kept in
-            ``plan`` and in checkpoints. A ``PrecisionPlan`` or the path of a saved one (YAML/JSON): its fp8 layers,
-            as saved (``skip_small_layers``/``skip_first_last`` do not apply; a plan with ``module_filter`` is refused).
-        calibration_batches: with ``layers="auto"``, how many training steps to measure (default 8).
+            first ``calibration_batches`` training batches run in ``compute_dtype`` while each eligible layer's fp8
+            numerics are measured (``lightning_precision.sensitivity``; none is reported fp8 meanwhile); at the first
+            optimizer step after them the layers ``plan_rule`` accepts are converted (same Parameter objects: the
+            optimizer is untouched) and the plan is logged and kept in ``plan`` and in checkpoints. A plan made here
+            belongs to its model: set up with another model, the plugin measures again. A ``PrecisionPlan`` or the
+            path of a saved one (YAML/JSON): its fp8 layers, as saved (``skip_small_layers``/``skip_first_last`` do
+            not apply; a plan with ``module_filter`` is refused).
+        calibration_batches: with ``layers="auto"``, how many batches to measure (default 8): Trainer training steps
+            (whatever the optimizers or the gradient accumulation), Fabric backward passes.
         plan_rule: with ``layers="auto"``, the thresholds (``PlanRule()`` by default).
         fsdp_float8_all_gather: torchao, tensorwise: FSDP2 all-gathers the fp8 layers' weights in fp8 (a quarter of
             fp32's bytes), and their scales are precomputed after each optimizer step. ``None`` (default): on when the
@@ -272,9 +275,9 @@ class FP8Precision(_AutocastPrecision):
             # weights and batches, or changed by `demote`): it says nothing about this one, whose layers may even
             # share its paths. Start from what was asked, as a new plugin would. A plan given as `layers=` is applied.
             if self.plan is not None:
+                how = "it is measured again" if self.layers == "auto" else "the shape rules choose"
                 rank_zero_info(f"{type(self).__name__}: a new model; the plan made for the previous one is not applied"
-                               f" to it ({'it is measured again' if self.layers == 'auto' else 'the shape rules choose'}"
-                               "). To apply a plan to another model, pass it: `layers=plugin.plan`.")
+                               f" to it ({how}). To apply a plan to another model, pass it: `layers=plugin.plan`.")
             self.plan = None
         if self.plan is not None:
             decisions = self._decisions_of_plan(module, self.plan)
@@ -510,7 +513,9 @@ class FP8Precision(_AutocastPrecision):
     def teardown(self) -> None:
         calibration = self._calibration
         if calibration is not None and calibration.seen:  # a run that trained but stopped before deciding
-            ended = f"training ended after {calibration.seen} of the {calibration.batches} batches to measure"
+            ended = (f"training ended after {calibration.seen} of the {calibration.batches} batches to measure"
+                     if not calibration.done else f"training ended after the {calibration.seen} batches measured,"
+                     " before the optimizer step that makes the plan")
             calibration.ended = True
             self.layer_decisions = calibration.unmeasured(f"{ended}; not measured, not fp8")
             warn(f"{type(self).__name__}(layers='auto'): {ended}, so no layer was converted to fp8 and no plan was"
