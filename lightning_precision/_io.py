@@ -3,11 +3,12 @@ half-written or replace a symbolic link with a copy."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "check_writable_dir", "check_writable_file"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "check_writable_file", "create_new_file"]
 
 
 def check_writable_dir(path: "str | os.PathLike[str]", owner: str) -> Path:
@@ -48,12 +49,17 @@ def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> Path:
     then renamed over it. A symbolic link stays a link (its target is replaced); two processes writing the same path
     each write their own temporary file, and one whole text wins. A new file gets the usual permissions (an existing
     one keeps its own). Returns ``path``."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> Path:
+    """``atomic_write_text`` for bytes (a plot, an archive): the same guarantees."""
     path = Path(path)
     target = Path(os.path.realpath(path.expanduser()))
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
@@ -65,6 +71,23 @@ def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> Path:
             pass
         raise
     return path
+
+
+def create_new_file(directory: "str | os.PathLike[str]", name: str) -> Path:
+    """Create an empty file named ``name`` in ``directory``, or ``<stem>-1<suffix>``, ``<stem>-2<suffix>``, ... if
+    that name is taken, and return its path. Created exclusively (``O_EXCL``): an existing file is never opened, let
+    alone overwritten, and two processes never get the same name. For a run's default output file, which the run then
+    rewrites (``atomic_write_text``) as its own."""
+    stem, suffix = os.path.splitext(name)
+    for i in itertools.count():
+        path = Path(directory) / (name if i == 0 else f"{stem}-{i}{suffix}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return path
+    raise AssertionError("unreachable")  # itertools.count() never ends
 
 
 def _umask() -> int:

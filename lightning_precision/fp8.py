@@ -408,7 +408,7 @@ def demote_torchao_layer(layer: nn.Module) -> None:
     recompiles (it guards on the module's type). ``Float8Linear`` is an ``nn.Linear`` holding the same ``weight`` and
     ``bias``; only its forward differs."""
     Float8Linear = _imports.import_quietly("torchao.float8.float8_linear").Float8Linear
-    if type(layer) is not Float8Linear and not getattr(layer, _MXFP8, False):
+    if not isinstance(layer, Float8Linear) and not getattr(layer, _MXFP8, False):
         raise TypeError(f"demote_torchao_layer: {type(layer).__name__} is not torchao's Float8Linear nor an MXFP8 layer.")
     if type(layer.weight) is not nn.Parameter:  # float8 all-gather's weight subclass casts in every forward
         raise RuntimeError("demote_torchao_layer: the layer's weight is a torchao tensor subclass (float8 all-gather"
@@ -477,7 +477,43 @@ def convert_with_torchao(module: nn.Module, config: Any, decisions: list[LayerDe
     # torchao's public verb converts a bare nn.Linear into its Float8Linear, reusing weight and bias.
     replacements = {id(m): convert_to_float8_training(m, config=config) for fqn, m, _ in _linear_layers(module)
                     if fqn in chosen}
+    for layer in replacements.values():
+        layer.__class__ = _float8_linear_class()
     return replace_modules(module, replacements)
+
+
+_NO_TOKENS_CLASS = "_Float8LinearNoTokens"
+_CLASSES: dict[str, type] = {}
+
+
+def _float8_linear_class() -> type:
+    """torchao's ``Float8Linear``, able to run a call with no tokens. torchao's dynamic scale reduces the input's amax,
+    which has no value over zero elements (tensorwise and rowwise alike fail): a mixture-of-experts expert that no
+    token was routed to in a step would stop the fit. Such a call runs as the high-precision linear it is (zero tokens:
+    an empty output, and a zero weight gradient, as fp8 would give). The class keeps torchao's name, so the model
+    prints and is recognised as before, and is found again by ``lightning_precision.fp8.<its qualname>``: a converted
+    model pickles (``torch.save(model)``) as torchao's did."""
+    if _NO_TOKENS_CLASS not in _CLASSES:
+        Float8Linear = _imports.import_quietly("torchao.float8.float8_linear").Float8Linear
+
+        class Float8LinearNoTokens(Float8Linear):
+            def forward(self, input: torch.Tensor) -> torch.Tensor:
+                if input.numel() == 0:
+                    return nn.functional.linear(input, self.weight, self.bias)
+                return super().forward(input)
+
+        Float8LinearNoTokens.__name__ = Float8Linear.__name__
+        Float8LinearNoTokens.__qualname__ = _NO_TOKENS_CLASS
+        Float8LinearNoTokens.__module__ = __name__
+        _CLASSES[_NO_TOKENS_CLASS] = Float8LinearNoTokens
+    return _CLASSES[_NO_TOKENS_CLASS]
+
+
+def __getattr__(name: str) -> Any:
+    # Unpickling a converted model looks the class up here by name; it is made on first use (torchao is optional).
+    if name == _NO_TOKENS_CLASS:
+        return _float8_linear_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

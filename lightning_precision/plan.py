@@ -23,7 +23,7 @@ from torch import nn
 from lightning_precision import fp8 as _fp8
 from lightning_precision._io import atomic_write_text, check_writable_file
 from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
-from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity
+from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
 
 __all__ = [
     "FP8",
@@ -207,8 +207,11 @@ class PrecisionPlan:
 
     @classmethod
     def decide(cls, decisions: list[LayerDecision], sensitivity: dict[str, LayerSensitivity],
-               rule: Optional[PlanRule] = None, recipe: str = "tensorwise") -> PrecisionPlan:
-        """The plan for layers whose shape rules are ``decisions`` and whose numerics are ``sensitivity``."""
+               rule: Optional[PlanRule] = None, recipe: str = "tensorwise",
+               not_measured: Optional[str] = None) -> PrecisionPlan:
+        """The plan for layers whose shape rules are ``decisions`` and whose numerics are ``sensitivity``. A layer the
+        rules leave but ``sensitivity`` lacks stays in high precision, for ``not_measured`` if given (why nothing was
+        measured), else because it did not run."""
         rule = rule or PlanRule()
         layers = []
         for d in decisions:
@@ -216,7 +219,7 @@ class PrecisionPlan:
             if not d.fp8:
                 layers.append(LayerPlan(d.fqn, HIGH, d.reason))
             elif s is None:
-                layers.append(LayerPlan(d.fqn, HIGH, "did not run while measured: nothing to judge"))
+                layers.append(LayerPlan(d.fqn, HIGH, not_measured or "did not run while measured: nothing to judge"))
             else:
                 why = rule.why_not(s)
                 layers.append(LayerPlan(d.fqn, HIGH if why else FP8, why or "measured within the rule",
@@ -499,7 +502,7 @@ def make_plan(
     """Shape rules, then ``sensitivity.fp8_sensitivity`` on ``batches`` for the layers they leave, then ``rule``: the
     plan ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``).
     Arguments as ``fp8_sensitivity`` and ``FP8Precision``; the weights are not updated."""
-    config = _fp8.torchao_config(recipe, emulate=True)
+    config = probe_config(recipe, "make_plan")
     scaling_family = _fp8.torchao_scaling_family(config)
     _fp8.check_module_filter("make_plan", module_filter)
     decisions = _fp8.select_fp8_layers(model, scaling_family, module_filter, skip_small_layers, skip_first_last)

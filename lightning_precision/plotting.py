@@ -2,18 +2,51 @@
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
 from lightning_precision._imports import _MATPLOTLIB_AVAILABLE, require
+from lightning_precision._io import atomic_write_bytes, check_writable_file
 from lightning_precision.formats import BlockFormat, get_format
 from lightning_precision.functional import HIST_MIN
 
-__all__ = ["plot_amax_history", "plot_compare", "plot_exponent_histogram"]
+__all__ = ["check_plot_path", "plot_amax_history", "plot_compare", "plot_exponent_histogram"]
 
 _COLORS = {"fp16": "tab:red", "bf16": "tab:blue", "e4m3fn": "tab:green", "e5m2": "tab:purple", "tf32": "tab:orange"}
+
+
+def _image_format(path: "str | os.PathLike[str]") -> str:
+    """The format matplotlib writes for ``path``'s suffix (PNG without one)."""
+    return Path(path).suffix.lower().lstrip(".") or "png"
+
+
+def check_plot_path(path: "str | os.PathLike[str]", owner: str) -> Path:
+    """Prove, before the work whose plot it is, that a plot can be written at ``path``: matplotlib is installed, it
+    writes the suffix's format, and the file can be written (``_io.check_writable_file``). A ``ValueError`` (or the
+    ImportError naming the extra) otherwise."""
+    require(_MATPLOTLIB_AVAILABLE, "matplotlib", owner)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if _image_format(path) not in supported:
+        raise ValueError(f"{owner}: {str(path)!r}: matplotlib writes no {_image_format(path)!r} images; name a"
+                         f" {', '.join('.' + s for s in sorted(supported))} file (.png is usual).")
+    return check_writable_file(path, owner)
+
+
+def _save(fig: Any, path: "str | os.PathLike[str]", dpi: int) -> str:
+    """Write the figure to ``path`` whole or not at all (``atomic_write_bytes``): a full disk or a kill mid-write
+    leaves the previous plot, never a truncated one. Without a suffix, PNG."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=_image_format(path), dpi=dpi)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buffer.getvalue())
+    return str(path)
 
 
 def plot_exponent_histogram(
@@ -65,10 +98,10 @@ def plot_exponent_histogram(
     # The title would collide with the format ranges drawn above the axes: the legend says what is shown.
     ax.legend(loc="upper left", fontsize=8, title="gradients, unscaled (activation gradients too)", title_fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    try:
+        return _save(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def plot_amax_history(
@@ -106,10 +139,10 @@ def plot_amax_history(
     text = "\n".join(f"{k.removeprefix('precision/fp8_whatif/')}: {float(v):.3%}" for k, v in rows) or "no what-if yet"
     table.text(0, 1, "fp8 cast, delayed vs current scale\n\n" + text, va="top", family="monospace", fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
+    try:
+        return _save(fig, path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 _PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "16-mixed": "tab:red", "fp8": "tab:green",

@@ -25,6 +25,7 @@ from lightning_precision import _imports
 from lightning_precision import fp8 as _fp8
 from lightning_precision.formats import get_format
 from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS
+from lightning_precision.warnings import warn
 
 __all__ = [
     "CastSpec",
@@ -37,6 +38,7 @@ __all__ = [
     "cast_numerics",
     "cast_specs",
     "fp8_sensitivity",
+    "probe_config",
 ]
 
 # torchao clamps amax to this before dividing (torchao.float8.float8_utils.EPS; tests/test_sensitivity.py pins it):
@@ -46,6 +48,8 @@ TORCHAO_EPS = 1e-12
 Reduce = Callable[[Tensor], Tensor]
 # Per tensor, accumulated over batches: signal power, noise power, non-zero values, underflows, non-finite, elements.
 _NUMERIC_FIELDS = 6
+# Per layer: three tensors' fields, then the output's and the input gradient's (error power, reference power).
+_WIDTH = 3 * _NUMERIC_FIELDS + 4
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ def _numerics(row: Tensor) -> TensorNumerics:
 
 
 def _relative(err: float, ref: float) -> float:
+    if not math.isfinite(err):  # fp8's result not finite where fp32's is (batches with a non-finite one are dropped)
+        return math.inf
     if ref == 0:
         return 0.0 if err == 0 else math.inf
     return math.sqrt(err / ref)
@@ -149,16 +155,34 @@ class SensitivityProbe:
     docstring) and accumulate on the device; ``result(reduce)`` reads them once (``reduce`` sums across processes, so
     every rank decides on the same numbers). Holds, per layer, the fp8 copy's input and output until the backward.
     ``keep_outputs``: collect each forward's layer outputs in ``outputs`` (for a gradient-only backward; the caller
-    empties it every step, since each output holds its step's graph)."""
+    empties it every step, since each output holds its step's graph).
+
+    A batch's numbers are staged, and ``commit()`` (the caller's batch boundary; ``result`` commits what is pending)
+    adds them to the sums only if every tensor measured in that batch was finite: its inputs, weights and output
+    gradients and the fp32 reference results. A non-finite input or loss is a fault of the data, not of fp8, and one
+    such batch would otherwise mark every layer as overflowing. The choice is made on the device, without a read;
+    ``batches`` and ``dropped`` count the batches committed and dropped, summed across processes by
+    ``result(reduce)``. An fp8 result that is not finite where the fp32 one is stays counted: that is fp8 failing.
+    Empty tensors (a layer that received no tokens, as an idle mixture-of-experts expert) are not measured."""
 
     def __init__(self, layers: Mapping[str, nn.Linear], config: Any, keep_outputs: bool = False) -> None:
+        if not dataclasses.is_dataclass(config) or not hasattr(config, "cast_config_input"):
+            raise ValueError(f"SensitivityProbe: {config!r} is not a torchao `Float8LinearConfig`: the probe measures"
+                             " torchao's per-tensor and per-row casts. Block-scaled casts (MXFP8, NVFP4) are measured"
+                             " by `lightning_precision.functional.underflow_stats(x, 'mxfp8')`.")
         config = dataclasses.replace(config, emulate=True, enable_fsdp_float8_all_gather=False)
         self.specs = cast_specs(config)
         self.config = config
         self.layers = dict(layers)
-        self.batches = 0
-        # Per layer: 3 tensors x _NUMERIC_FIELDS, then output error/ref powers and grad-input error/ref powers.
-        self._sums: dict[str, Tensor] = {}
+        self.batches = 0  # batches committed, summed across processes: known after `result()`
+        self.dropped = 0  # batches left out for a non-finite value, likewise
+        self._row = {fqn: i for i, fqn in enumerate(self.layers)}
+        # One row per layer: 3 tensors x _NUMERIC_FIELDS, then output error/ref powers and grad-input error/ref powers;
+        # one more row for the batch counts (committed, dropped). Allocated at the first measurement, on its device.
+        self._sums: Optional[Tensor] = None
+        self._staged: Optional[Tensor] = None
+        self._finite: Optional[Tensor] = None  # 1.0 while every tensor of the staged batch is finite, else 0.0
+        self._pending = False  # something is staged (host-side: no device read)
         self.keep_outputs = keep_outputs
         self.outputs: list[Tensor] = []  # this step's layer outputs: where a gradient-only backward must reach
         self._handles = [m.register_forward_hook(self._forward(fqn)) for fqn, m in self.layers.items()]
@@ -168,11 +192,31 @@ class SensitivityProbe:
             handle.remove()
         self._handles.clear()
 
-    def _add(self, fqn: str, index: slice, values: Tensor) -> None:
-        sums = self._sums.get(fqn)
-        if sums is None:
-            sums = self._sums[fqn] = torch.zeros(3 * _NUMERIC_FIELDS + 4, dtype=torch.float64, device=values.device)
-        sums[index] += values.to(sums.device)
+    def _allocate(self, device: torch.device) -> None:
+        self._sums = torch.zeros(len(self.layers) + 1, _WIDTH, dtype=torch.float64, device=device)
+        self._staged = torch.zeros_like(self._sums[:-1])
+        self._finite = torch.ones((), dtype=torch.float64, device=device)
+
+    def _add(self, fqn: str, index: slice, values: Tensor, finite: Tensor) -> None:
+        """Stage ``values``; ``finite``: whether the tensors they were measured on were all finite."""
+        if self._staged is None:
+            self._allocate(values.device)
+        self._staged[self._row[fqn], index] += values.to(self._staged.device)
+        self._finite.mul_(finite.to(self._finite))
+        self._pending = True
+
+    def commit(self) -> None:
+        """End of a batch: its staged numbers join the sums if every tensor measured in it was finite; counted either
+        way. Device ops only; nothing when nothing was staged."""
+        if not self._pending:
+            return
+        # `where`, not `staged * finite`: a dropped batch's staged numbers may be inf or nan, and inf * 0 is nan.
+        self._sums[:-1].add_(torch.where(self._finite > 0, self._staged, 0.0))
+        self._sums[-1, 0].add_(self._finite)
+        self._sums[-1, 1].add_(1 - self._finite)
+        self._staged.zero_()
+        self._finite.fill_(1.0)
+        self._pending = False
 
     def _fp8_copy(self, layer: nn.Linear) -> nn.Module:
         """torchao's ``Float8Linear`` over the layer's current weight and bias (views, no gradient of their own): the
@@ -189,17 +233,21 @@ class SensitivityProbe:
             x = args[0] if args else None
             if not torch.is_grad_enabled() or not isinstance(x, Tensor) or not isinstance(output, Tensor):
                 return
+            if x.numel() == 0:  # no tokens reached this layer (an idle expert): nothing to measure, nothing to cast
+                return
             n = _NUMERIC_FIELDS
-            self._add(fqn, slice(0, n), cast_numerics(x, self.specs["input"]))
-            self._add(fqn, slice(n, 2 * n), cast_numerics(module.weight, self.specs["weight"]))
+            cast_x, cast_w = cast_numerics(x, self.specs["input"]), cast_numerics(module.weight, self.specs["weight"])
             x8 = x.detach().requires_grad_()
             y8 = self._fp8_copy(module)(x8)
             w = module.weight.detach().float()
             b = module.bias.detach().float() if module.bias is not None else None
             with torch.autocast(x.device.type, enabled=False):  # the hook runs inside the forward's autocast
                 ref = nn.functional.linear(x.detach().float(), w, b)
+            finite = (cast_x[4] == 0) & (cast_w[4] == 0) & torch.isfinite(ref).all()
+            self._add(fqn, slice(0, n), cast_x, finite)
+            self._add(fqn, slice(n, 2 * n), cast_w, finite)
             self._add(fqn, slice(3 * n, 3 * n + 2), torch.stack([(y8.float() - ref).double().pow(2).sum(),
-                                                                ref.double().pow(2).sum()]))
+                                                                ref.double().pow(2).sum()]), finite)
             if output.requires_grad:
                 output.register_hook(self._backward(fqn, x8, y8, w))
                 if self.keep_outputs:
@@ -210,32 +258,37 @@ class SensitivityProbe:
     def _backward(self, fqn: str, x8: Tensor, y8: Tensor, w: Tensor) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             n = _NUMERIC_FIELDS
-            self._add(fqn, slice(2 * n, 3 * n), cast_numerics(grad, self.specs["grad_output"]))
+            cast_g = cast_numerics(grad, self.specs["grad_output"])
             (g8,) = torch.autograd.grad(y8, x8, grad.to(y8.dtype))
             with torch.autocast(grad.device.type, enabled=False):
                 ref = grad.detach().float() @ w
+            finite = (cast_g[4] == 0) & torch.isfinite(ref).all()
+            self._add(fqn, slice(2 * n, 3 * n), cast_g, finite)
             self._add(fqn, slice(3 * n + 2, 3 * n + 4), torch.stack([(g8.float() - ref).double().pow(2).sum(),
-                                                                    ref.double().pow(2).sum()]))
+                                                                    ref.double().pow(2).sum()]), finite)
 
         return hook
 
     def result(self, reduce: Optional[Reduce] = None) -> dict[str, LayerSensitivity]:
-        """Per layer that ran (on any process): its ``LayerSensitivity`` over the batches so far (one device read).
-        ``reduce`` gets one row for every probed layer, ran or not, so the all-reduce has the same shape on every
-        rank even when a layer runs on some ranks only (data-dependent routing)."""
+        """Per layer that ran (on any process): its ``LayerSensitivity`` over the committed batches (what is staged is
+        committed first; one device read). ``reduce`` gets one row for every probed layer, ran or not, and one of batch
+        counts, so the all-reduce has the same shape on every rank even when a layer runs on some ranks only
+        (data-dependent routing). Sets ``batches`` and ``dropped``."""
         if not self.layers:
             return {}
-        device = next(iter(self._sums.values())).device if self._sums else \
-            next(iter(self.layers.values())).weight.device
-        width = 3 * _NUMERIC_FIELDS + 4
-        stacked = torch.stack([self._sums.get(fqn, torch.zeros(width, dtype=torch.float64, device=device))
-                               for fqn in self.layers])
+        self.commit()
+        stacked = self._sums
+        if stacked is None:  # nothing measured here; other ranks may have: take part in the reduce all the same
+            stacked = torch.zeros(len(self.layers) + 1, _WIDTH, dtype=torch.float64,
+                                  device=next(iter(self.layers.values())).weight.device)
         if reduce is not None:
             stacked = reduce(stacked)
+        stacked = stacked.cpu()
+        self.batches, self.dropped = (int(v) for v in stacked[-1, :2].tolist())
         n = _NUMERIC_FIELDS
         out = {}
-        for (fqn, layer), row in zip(self.layers.items(), stacked.cpu()):
-            if row[n - 1] == 0:  # the input's element count: the layer never ran while measured
+        for (fqn, layer), row in zip(self.layers.items(), stacked[:-1]):
+            if row[n - 1] == 0:  # the input's element count: the layer never ran (with tokens) in a committed batch
                 continue
             numerics = [_numerics(row[i * n : (i + 1) * n]) for i in range(3)]
             out_err, out_ref, gin_err, gin_ref = row[3 * n :].tolist()
@@ -246,6 +299,18 @@ class SensitivityProbe:
 
 
 LossFn = Callable[[nn.Module, Any], Tensor]
+
+
+def probe_config(recipe: Union[str, Any], owner: str = "fp8_sensitivity") -> Any:
+    """The emulated torchao ``Float8LinearConfig`` that measures ``recipe`` (a torchao recipe name or config), or a
+    ``ValueError`` naming ``owner``'s call: the probe casts per tensor or per row, as those recipes do, and MXFP8's
+    blocks are another measurement."""
+    if (isinstance(recipe, str) and recipe in _fp8.BLOCK_SCALED) or isinstance(recipe, _fp8.MXFP8Recipe):
+        raise ValueError(f"`{owner}(recipe={recipe!r})`: it measures torchao's per-tensor and per-row casts"
+                         " ('tensorwise', 'rowwise', 'rowwise_with_gw_hp' or a Float8LinearConfig), not the blocks of a"
+                         " block-scaled format. Measure what a block-scaled cast loses with"
+                         " `lightning_precision.functional.underflow_stats(x, 'mxfp8')`.")
+    return _fp8.torchao_config(recipe, emulate=True)
 
 
 def _default_loss(model: nn.Module, batch: Any) -> Tensor:
@@ -274,27 +339,40 @@ def fp8_sensitivity(
     ``.loss``) under ``autocast_dtype`` autocast, as training would; gradients are taken with respect to the layers'
     outputs only, so no parameter's ``.grad`` changes and the weights are not updated. ``layers``: the paths to measure
     (default: every ``nn.Linear`` whose forward runs). ``recipe``: a torchao recipe name or ``Float8LinearConfig``.
-    torchao must be installed; it runs emulated, so any device works.
+    torchao must be installed; it runs emulated, so any device works. Gradients are enabled inside (the measurement
+    needs a backward), also when called under ``torch.no_grad()``. A batch with a non-finite input, loss or gradient
+    is left out with a warning (``SensitivityProbe``), and ``batches`` counts the others.
     """
-    config = _fp8.torchao_config(recipe, emulate=True)
+    owner = "fp8_sensitivity"
+    config = probe_config(recipe, owner)
     linears = {fqn: m for fqn, m, _ in _fp8._linear_layers(model)}
+    if not linears:
+        raise ValueError(f"{owner}: {type(model).__name__} has no nn.Linear layer, so there is nothing to measure;"
+                         " pass the model whose linear layers would run in fp8.")
     functional = _fp8.functional_linears(model)
     wanted = list(layers) if layers is not None else [f for f, m in linears.items() if id(m) not in functional]
     unknown = [f for f in wanted if f not in linears]
     if unknown:
-        raise ValueError(f"fp8_sensitivity(layers=...): not nn.Linear layers of the model: {', '.join(unknown)}.")
+        raise ValueError(f"{owner}(layers=...): not nn.Linear layers of the model: {', '.join(unknown)}.")
+    if not wanted:  # none asked for (or every one used functionally): no batch needs to run
+        return {}
     probe = SensitivityProbe({f: linears[f] for f in wanted}, config, keep_outputs=True)
     loss_fn = loss_fn or _default_loss
-    device = next(model.parameters()).device
+    device = linears[wanted[0]].weight.device
     try:
-        for batch in batches:
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                loss = loss_fn(model, batch)
-            outputs, probe.outputs = probe.outputs, []
-            if outputs:  # the layers' output gradients only: no parameter's .grad is written
-                torch.autograd.grad(loss, outputs, allow_unused=True)
-            probe.batches += 1
+        with torch.enable_grad():  # under a caller's no_grad the hooks would see nothing and every layer "not run"
+            for batch in batches:
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    loss = loss_fn(model, batch)
+                outputs, probe.outputs = probe.outputs, []
+                if outputs:  # the layers' output gradients only: no parameter's .grad is written
+                    torch.autograd.grad(loss, outputs, allow_unused=True)
+                probe.commit()
     finally:
         probe.close()
-    return probe.result()
-
+    result = probe.result()
+    if probe.dropped:
+        warn(f"{owner}: {probe.dropped} of {probe.dropped + probe.batches} batches had a non-finite input, loss or"
+             " gradient in a measured layer: a fault of the data, not of fp8. They were left out; the numbers are"
+             f" those of the other {probe.batches}.")
+    return result

@@ -133,8 +133,8 @@ def test_auto_measures_through_torchao_and_converts_the_accepted_layers_to_te(te
     for x, y in batches(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(model(x).float(), y)
-        loss.backward()
-        plugin.optimizer_step(optimizer)  # the plugin counts the measured steps here
+        plugin.backward(loss, model)  # the plugin counts each backward pass as a measured batch (as fabric.backward)
+        plugin.optimizer_step(optimizer)  # and decides at the optimizer step after them
     assert plugin.plan.fp8_layers == {"a", "d", "head"} and plugin.plan.batches == 2
     assert (type(model.a), type(model.b), type(model.c)) == (te.Linear, nn.Linear, nn.Linear)
     # TE modules cannot go back to high precision in place: the guard and `demote` say so instead of trying.

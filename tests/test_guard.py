@@ -302,3 +302,67 @@ def test_layers_that_could_not_move_back_are_refused_before_training():
     assert plugin._float8_all_gather
     with pytest.raises(ValueError, match="all-gather their weights in fp8"):
         FP8Guard().watch(plugin, 0)
+
+
+# ---- where the plan is written (issue 23, items 1 and 14) ---------------------------------------------------------
+
+
+def test_the_default_plan_file_never_replaces_a_file_this_run_did_not_write(tmp_path, monkeypatch, caplog):
+    """``Trainer(logger=False)`` logs into ``default_root_dir``, the working directory by default, where a user keeps
+    their own ``fp8_plan.yaml``: the guard creates its own file beside it (``fp8_plan-1.yaml``), says where, and
+    rewrites only that one. A second run there gets the next name; a link named like the default is not written
+    through."""
+    import logging
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fp8_plan.yaml").write_text("# my hand-made plan\n")
+    (tmp_path / "fp8_plan-2.yaml").symlink_to(tmp_path / "elsewhere.yaml")  # a dangling link: not ours either
+    runs = []
+    for _ in range(2):
+        plugin, guard = FP8Precision(**FP8_KW), FP8Guard(every_n_steps=EVERY)
+        with caplog.at_level(logging.INFO):
+            fit(plugin, 12, [guard])  # logger=False, no default_root_dir: the working directory
+        runs.append((plugin, guard))
+    assert (tmp_path / "fp8_plan.yaml").read_text() == "# my hand-made plan\n"
+    assert not (tmp_path / "elsewhere.yaml").exists()
+    assert [g.plan_file for _, g in runs] == [tmp_path / "fp8_plan-1.yaml", tmp_path / "fp8_plan-3.yaml"]
+    for plugin, guard in runs:
+        assert PrecisionPlan.load(guard.plan_file) == plugin.plan_in_force()
+        assert f"plan in force is written to {guard.plan_file}" in caplog.text
+
+
+def test_an_unwritable_plan_path_fails_at_setup_before_any_step(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    module = Lit()
+    with pytest.raises(ValueError, match=r"FP8Guard\(plan_path=.*a_file/plan.yaml'\).*not a folder"):
+        fit(FP8Precision(**FP8_KW), 4, [FP8Guard(plan_path=tmp_path / "a_file" / "plan.yaml")], module=module)
+    assert module.losses == []  # refused before the first step, not after training
+    (tmp_path / "plan.yaml").mkdir()
+    with pytest.raises(ValueError, match="is a folder; name a file"):
+        fit(FP8Precision(**FP8_KW), 4, [FP8Guard(plan_path=tmp_path / "plan.yaml")], module=module)
+    assert module.losses == []
+    # With Fabric, at the first `watch`: before the first forward.
+    plugin, guard = lp_fabric.FP8Precision(**FP8_KW), FP8Guard(plan_path=tmp_path / "a_file" / "plan.json")
+    L.Fabric(accelerator="cpu", devices=1, plugins=[plugin]).setup_module(Net())
+    with pytest.raises(ValueError, match="not a folder"):
+        guard.watch(plugin, 0)
+
+
+def test_the_default_plan_directory_is_checked_at_setup(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    module = Lit()
+    with pytest.raises(ValueError, match=r"FP8Guard \(the plan file goes in the log directory"):
+        fit(FP8Precision(**FP8_KW), 4, [FP8Guard()], module=module, default_root_dir=tmp_path / "a_file")
+    assert module.losses == []
+
+
+def test_runs_starting_together_in_one_directory_get_a_file_each(tmp_path):
+    """The default file is created exclusively (O_EXCL): writers racing for the same name (8 threads here; processes
+    race the same way at the file system) never share one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_precision._io import create_new_file
+
+    with ThreadPoolExecutor(8) as pool:
+        names = list(pool.map(lambda _: create_new_file(tmp_path, "fp8_plan.yaml").name, range(8)))
+    assert sorted(names) == sorted(["fp8_plan.yaml"] + [f"fp8_plan-{i}.yaml" for i in range(1, 8)])

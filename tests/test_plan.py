@@ -318,7 +318,7 @@ def test_the_sums_every_rank_reduces_have_one_row_per_layer_whichever_ran():
     probe.close()
     seen = []
     result = probe.result(lambda t: seen.append(tuple(t.shape)) or t)
-    assert seen == [(2, 22)] and list(result) == ["a"]
+    assert seen == [(3, 22)] and list(result) == ["a"]  # a row per layer, and one of batch counts
     assert probe.result() == result
 
 
@@ -326,7 +326,7 @@ def test_a_fit_that_ends_before_the_plan_is_made_says_nothing_was_converted():
     from lightning_precision import NoEffectWarning
 
     plugin = FP8Precision(layers="auto", calibration_batches=4, **FP8_KW)
-    with pytest.warns(NoEffectWarning, match=r"ended after 2 of the 4 steps to measure, so no layer was converted"):
+    with pytest.warns(NoEffectWarning, match=r"ended after 2 of the 4 batches to measure, so no layer was converted"):
         _, module = fit(plugin, 2)
     assert plugin.plan is None and type(module.net.a).__name__ == "Linear"
     # The measured steps' layer outputs are not kept: each would hold its step's whole graph until the plan is made.
@@ -378,3 +378,44 @@ def test_the_errors_are_against_an_fp32_reference_inside_autocast():
     assert result.output_error == pytest.approx(expected, rel=1e-4)
     # Against the bf16 output it would read 0.03274 here, not 0.03268: small, but not the number the docs define.
     assert result.output_error != pytest.approx(((y8 - bf16_ref).norm() / bf16_ref.norm()).item(), rel=1e-3)
+
+
+# ---- clear answers to odd calls (issue 23, item 19) ---------------------------------------------------------------
+
+
+def _loss(m, b):
+    return nn.functional.cross_entropy(m(b[0]).float(), b[1])
+
+
+def test_measuring_under_no_grad_measures_all_the_same():
+    """The measurement needs a backward; under a caller's ``torch.no_grad()`` it used to see nothing and call every
+    layer "did not run"."""
+    data = batches(2)
+    expected = fp8_sensitivity(Outliers(), data, loss_fn=_loss)
+    with torch.no_grad():
+        assert fp8_sensitivity(Outliers(), data, loss_fn=_loss) == expected
+        plan = make_plan(Outliers(), data, loss_fn=_loss, skip_small_layers=False, skip_first_last=False)
+        assert not torch.is_grad_enabled()  # the caller's mode, restored
+    assert plan.fp8_layers == {"a", "d", "head"} and plan.batches == 2
+
+
+def test_block_scaled_recipes_and_models_without_linear_layers_are_refused_clearly():
+    with pytest.raises(ValueError, match=r"`fp8_sensitivity\(recipe='mxfp8'\)`: .*underflow_stats\(x, 'mxfp8'\)"):
+        fp8_sensitivity(Outliers(), batches(1), recipe="mxfp8", loss_fn=_loss)
+    with pytest.raises(ValueError, match=r"`make_plan\(recipe='mxfp8'\)`"):
+        make_plan(Outliers(), batches(1), recipe="mxfp8", loss_fn=_loss)
+    for measure in (fp8_sensitivity, make_plan):
+        with pytest.raises(ValueError, match="ReLU has no nn.Linear layer, so there is nothing to measure"):
+            measure(nn.ReLU(), [torch.randn(4, 64)], loss_fn=lambda m, b: m(b).sum())
+
+
+def test_demote_takes_any_name_of_a_tied_layer():
+    """One module under two names is one layer, decided under its first name; the second name moved nothing."""
+    plugin = lp_fabric.FP8Precision(**FP8_KW)
+    model = Outliers()
+    model.tied = model.d  # `d` also registered as `tied`
+    L.Fabric(accelerator="cpu", devices=1, plugins=[plugin]).setup_module(model)
+    assert next(d for d in plugin.layer_decisions if d.fqn == "d").aliases == ("tied",)
+    assert plugin.demote({"tied": "by its second name"}, {"tied": {"output_error": 1.0}}) == ["d"]
+    assert type(model.d) is nn.Linear and model.tied is model.d
+    assert plugin.plan.get("d").reason == "by its second name" and plugin.plan.get("d").numbers == {"output_error": 1.0}

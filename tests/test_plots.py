@@ -1,6 +1,8 @@
 """The figures say what they show: titles, labelled axes with units, fixed colours per precision, no axis stretched by
 values that are not data. Each figure is caught as it is saved and its axes are read."""
 
+import os
+
 import matplotlib
 import pytest
 import torch
@@ -14,14 +16,22 @@ matplotlib.use("Agg")
 
 @pytest.fixture
 def figures(monkeypatch):
-    saved = {}
-    real = matplotlib.figure.Figure.savefig
+    saved, drawn = {}, []
+    real, real_write = matplotlib.figure.Figure.savefig, plotting.atomic_write_bytes
 
-    def capture(fig, path, *args, **kwargs):
-        saved[str(path).rsplit("/", 1)[-1]] = fig
-        return real(fig, path, *args, **kwargs)
+    def capture(fig, target, *args, **kwargs):
+        if isinstance(target, (str, os.PathLike)):
+            saved[os.path.basename(target)] = fig
+        else:  # drawn in memory first, then written whole by `atomic_write_bytes`, which names the file
+            drawn.append(fig)
+        return real(fig, target, *args, **kwargs)
+
+    def write(path, data):
+        saved[os.path.basename(path)] = drawn.pop()
+        return real_write(path, data)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    monkeypatch.setattr(plotting, "atomic_write_bytes", write)
     return saved
 
 

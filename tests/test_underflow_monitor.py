@@ -392,3 +392,56 @@ def test_activation_gradients_are_counted_once_and_the_probe_feeds_their_histogr
     assert int(fp16.activation_histogram.sum()) == pytest.approx(int(fp32.activation_histogram.sum()), rel=0.02)
     truth, advice = fp32.recommend_loss_scale().scale, fp16.recommend_loss_scale().scale
     assert truth / 2 <= advice <= truth * 2, (advice, truth)
+
+
+class CountSteps(LitNet):
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_plot_path_that_cannot_be_written_fails_at_setup_before_any_step(tmp_path):
+    """Issue 23, item 14: a bad ``plot_path`` used to surface when the plot was drawn, after the whole fit."""
+    (tmp_path / "a_file").write_text("")
+    for path, why in [(tmp_path / "a_file" / "hist.png", "not a folder"), (tmp_path, "is a folder"),
+                      (tmp_path / "hist.xyz", "matplotlib writes no 'xyz' images")]:
+        module = CountSteps()
+        with pytest.raises(ValueError, match=rf"GradientUnderflowMonitor\(plot_path=.*{why}"):
+            trainer(None, max_steps=2, callbacks=[GradientUnderflowMonitor(plot_path=str(path))]).fit(
+                module, loader(make_data(2)))
+        assert module.steps == 0
+
+
+def test_the_plot_replaces_the_previous_one_whole(tmp_path):
+    """Written to a temporary file beside it and renamed: a link to the plot stays a link, and no temporary is left.
+    A write that fails midway (here the file-size limit, as a full disk would, in a child process) leaves the previous
+    plot whole instead of a truncated one."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "real.png").write_bytes(b"old")
+    (tmp_path / "hist.png").symlink_to(tmp_path / "real.png")
+    monitor = GradientUnderflowMonitor(plot_path=str(tmp_path / "hist.png"), warn_threshold=1.0)
+    trainer(None, max_steps=2, log_every_n_steps=1, callbacks=[monitor]).fit(LitNet(), loader(make_data(2)))
+    assert (tmp_path / "hist.png").is_symlink() and (tmp_path / "real.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hist.png", "real.png"]
+
+    before = (tmp_path / "real.png").read_bytes()
+    child = textwrap.dedent(f"""
+        import resource, signal, torch
+        from lightning_precision.callbacks import GradientUnderflowMonitor
+        monitor = GradientUnderflowMonitor()
+        monitor.measure_gradients({{"w": torch.randn(1000) * 1e-3}})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        monitor.save_plot({str(tmp_path / "hist.png")!r})
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "File too large" in done.stderr, done.stderr[-2000:]
+    assert (tmp_path / "real.png").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hist.png", "real.png"]

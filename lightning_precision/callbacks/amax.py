@@ -217,7 +217,7 @@ class AmaxHistoryLogger(Callback):
         functional = functional_linears(model)
         found = [(name, m) for name, m in model.named_modules() if _is_linear_like(m) and id(m) not in functional]
         names = [name for name, _ in found]
-        device = next(model.parameters()).device
+        device = next((m.weight.device for _, m in found), torch.device("cpu"))
         if names != self.layers or self._ring is None or self._last_nonzero is None:
             self.layers = names
             self._ring = torch.zeros(self.history_len, len(names), 3, device=device)
@@ -356,6 +356,8 @@ class AmaxHistoryLogger(Callback):
                 return
             self._ran[i] = True
             x = args[0] if args and isinstance(args[0], Tensor) else None
+            if x is not None and x.numel() == 0:
+                x = None  # no tokens reached it this call (an idle expert): its weight is still recorded
             if x is not None:
                 self._record(i, 0, x)
             if i not in self._weights_seen:  # the weight changes only at the optimizer step
@@ -378,6 +380,8 @@ class AmaxHistoryLogger(Callback):
         return hook
 
     def _grad(self, i: int, g: Tensor) -> None:
+        if g.numel() == 0:  # the gradient of an output with no tokens: nothing to record
+            return
         self._record(i, 2, g)
         if self._capture is not None:
             self._capture[i]["grad_output"] = g.detach()

@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_precision import fp8 as _fp8
+from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._checks import is_positive_int
 from lightning_precision.callbacks._cadence import on_cadence
-from lightning_precision.plan import PlanRule, PrecisionPlan, _measured_numbers, _suffix, demotions
+from lightning_precision.plan import PlanRule, _measured_numbers, _suffix, demotions
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, warn
 
@@ -61,13 +62,19 @@ class FP8Guard(Callback):
     SQNR, underflow and overflow, and the layer's output and input-gradient error against fp32; docs/plan.md). Each
     layer that fails is demoted in place, on every process alike (the measurements are summed across processes), and
     the event is warned, logged (``precision/fp8_demoted/<layer>``: the step) with ``precision/fp8_layers``, and kept in
-    ``events``. The plan in force is written to ``plan_path`` after each demotion and at the end of fit, and is in the
-    plugin's checkpoint state: a resumed run keeps the demoted layers in high precision.
+    ``events``. The plan in force is written to ``plan_file`` after each demotion and at the end of fit (whole or not
+    at all), and is in the plugin's checkpoint state: a resumed run keeps the demoted layers in high precision. No plan
+    is written while ``layers="auto"`` has not decided: nothing unmeasured is a plan. A measured step in which a
+    non-finite value (input, loss, gradient) reached the fp8 layers is a fault of the data, not of fp8: it is not
+    judged (a warning says so) and nothing is demoted for it.
 
     Args:
         every_n_steps: measure one optimizer step in this many (default 100; the cost is in docs/plan.md).
         rule: the ``PlanRule`` an fp8 layer must keep passing (default: the plugin's ``plan_rule``, else ``PlanRule()``).
-        plan_path: a ``.yaml``/``.yml``/``.json`` file (default: ``fp8_plan.yaml`` in the Trainer's log directory).
+        plan_path: a ``.yaml``/``.yml``/``.json`` file, written as asked (checked at setup, before any step). Default:
+            a new file in the Trainer's log directory (``default_root_dir`` without a logger), ``fp8_plan.yaml`` or, if
+            that name is taken, ``fp8_plan-1.yaml``, ``fp8_plan-2.yaml``, ...: created at the first write, announced,
+            and kept in ``plan_file``. A file this run did not create is never overwritten.
 
     With Fabric, call ``guard.watch(plugin, step)`` before the step's forward, ``guard.check(plugin, step)`` after its
     backward and before ``optimizer.step()`` (on every process), and ``guard.save(plugin)`` at the end.
@@ -87,7 +94,26 @@ class FP8Guard(Callback):
         self.events: list[GuardEvent] = []
         self._probe: Optional[SensitivityProbe] = None
         self._blind = False  # warned that a measured step saw no layer
-        self._fit_path: Optional[Path] = None  # plan_path, or the default in this fit's log directory
+        self._checked = False  # plan_path proven writable (Trainer: at setup; Fabric: at the first `watch`)
+        self._default_dir: Optional[Path] = None  # this fit's log directory, where the default file goes
+        self._own_file: Optional[Path] = None  # the default file this guard created, and so may rewrite
+
+    @property
+    def plan_file(self) -> Optional[Path]:
+        """Where this run's plan is written: ``plan_path``, or the default file once the first write has created it;
+        None before."""
+        return self.plan_path or self._own_file
+
+    def _check_plan_path(self) -> None:
+        """Prove, on rank zero and before any step, that the plan can be written where it will be."""
+        if self._checked or rank_zero_only.rank != 0:
+            return
+        if self.plan_path is not None:
+            check_writable_file(self.plan_path, f"FP8Guard(plan_path={str(self.plan_path)!r})")
+        elif self._default_dir is not None:
+            check_writable_dir(self._default_dir, f"FP8Guard (the plan file goes in the log directory"
+                               f" {str(self._default_dir)!r}; pass `plan_path=` to write elsewhere)")
+        self._checked = True
 
     # ---- the loop, Trainer and Fabric alike -------------------------------------------------------------------------
 
@@ -98,6 +124,7 @@ class FP8Guard(Callback):
     def watch(self, plugin: Any, step: int) -> bool:
         """Before step ``step``'s forward: start measuring the fp8 layers if the step is due. True if it started."""
         _check_movable(plugin)
+        self._check_plan_path()
         return self.due(step) and self._start(plugin)
 
     def _start(self, plugin: Any) -> bool:
@@ -116,9 +143,14 @@ class FP8Guard(Callback):
         if probe is None:
             return []
         probe.close()
-        probe.batches = 1
-        sensitivity = probe.result(_sum_across_processes)
-        if not sensitivity and not self._blind:
+        sensitivity = probe.result(_sum_across_processes)  # the step's micro-batches, committed as one batch
+        if probe.dropped and rank_zero_only.rank == 0:
+            judged = "not judged" if not probe.batches else \
+                f"judged on the {probe.batches} process(es) whose values were finite"
+            warn(f"FP8Guard: step {step} is {judged}: a non-finite input, loss or gradient reached the fp8 layers on"
+                 f" {probe.dropped} process(es). That is a fault of the data or the loss, not an fp8 overflow: no layer"
+                 " is demoted for it.")
+        if not sensitivity and not probe.dropped and not self._blind:
             self._blind = True
             if rank_zero_only.rank == 0:
                 warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward hooks"
@@ -138,13 +170,30 @@ class FP8Guard(Callback):
         return events
 
     def save(self, plugin: Any, path: Optional[Union[str, Path]] = None) -> Optional[Path]:
-        """Write the plan in force to ``path`` (default ``plan_path``), on rank zero; returns where, or None."""
-        path = Path(path) if path is not None else (self.plan_path or self._fit_path)
-        if path is None or rank_zero_only.rank != 0 or not plugin.layer_decisions:
+        """Write the plan in force to ``path`` (default ``plan_file``; with the Trainer and no ``plan_path``, the
+        default file is created at this first write), on rank zero; returns where, or None: on other ranks, before
+        conversion, while ``layers="auto"`` has not decided, or with Fabric and neither ``path`` nor ``plan_path``."""
+        plan = plugin.plan_in_force()
+        if plan is None or rank_zero_only.rank != 0:
             return None
-        plan = plugin.plan or PrecisionPlan.from_decisions(plugin.layer_decisions, plugin.scaling_family)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return plan.save(path)
+        target = Path(path) if path is not None else self.plan_file
+        created = False
+        if target is None:
+            if self._default_dir is None:
+                return None
+            self._default_dir.mkdir(parents=True, exist_ok=True)
+            target = self._own_file = create_new_file(self._default_dir, DEFAULT_PLAN_FILE)
+            created = True
+            rank_zero_info(f"FP8Guard: the fp8 plan in force is written to {target}")
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return plan.save(target)
+        except BaseException:
+            if created:  # the empty file just reserved: nothing of the run is lost with it
+                target.unlink(missing_ok=True)
+                self._own_file = None
+            raise
 
     # ---- Trainer glue -----------------------------------------------------------------------------------------------
 
@@ -164,7 +213,11 @@ class FP8Guard(Callback):
         if isinstance(trainer.strategy, ModelParallelStrategy):
             raise ValueError("FP8Guard cannot move layers sharded by FSDP2 (`ModelParallelStrategy`): FSDP2 holds"
                              " them. Measure on one process (`lightning-precision plan`) and pass the plan.")
-        self._fit_path = Path(trainer.log_dir or trainer.default_root_dir) / DEFAULT_PLAN_FILE
+        directory = Path(trainer.log_dir or trainer.default_root_dir)  # every rank: `log_dir` broadcasts
+        if self._own_file is not None and self._own_file.parent != directory:
+            self._own_file = None  # a fit logging elsewhere gets its own file
+        self._default_dir, self._checked = directory, False
+        self._check_plan_path()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -194,7 +247,8 @@ class FP8Guard(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop()
-        self.save(trainer.precision_plugin)  # the demotions so far are not lost with the run
+        if hasattr(trainer.precision_plugin, "plan_in_force"):  # not when setup refused the plugin
+            self.save(trainer.precision_plugin)  # the demotions so far are not lost with the run
 
     def _stop(self) -> None:
         probe, self._probe = self._probe, None

@@ -30,6 +30,7 @@ from lightning_precision.functional import (
     LossScaleAdvice,
     recommend_loss_scale,
 )
+from lightning_precision.plotting import check_plot_path
 from lightning_precision.warnings import warn
 
 __all__ = ["GradientUnderflowMonitor", "Reduce"]
@@ -165,7 +166,8 @@ class GradientUnderflowMonitor(Callback):
         log_every_n_steps: ``None`` follows ``Trainer(log_every_n_steps=...)``.
         warn_threshold: warn once when the fp16 underflow fraction at the current scale exceeds this.
         target_underflow: the fp16 underflow fraction the loss-scale recommendation aims for.
-        plot_path: if set, the histogram plot is written there at the end of training.
+        plot_path: if set, the histogram plot is written there at the end of training (whole or not at all; the
+            path, its format and matplotlib are checked at setup, before any step).
         probe_factor: the probe backward's scale relative to the loss scale (a power of two > 1; its log2 halved,
             2**16 -> 2**8, after a probe overflowed); ``None`` turns the probe off and saves one backward pass per
             measuring step of fp16 runs.
@@ -461,6 +463,8 @@ class GradientUnderflowMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.plot_path is not None and trainer.is_global_zero:
+            check_plot_path(self.plot_path, f"GradientUnderflowMonitor(plot_path={str(self.plot_path)!r})")
         if self.activations and stage == "fit":
             self.attach(pl_module)
 

@@ -68,18 +68,37 @@ def _check_not_sharded(module: Module, decisions: list[_fp8.LayerDecision]) -> N
 
 
 class _Calibration:
-    """``layers="auto"``: the first ``steps`` optimizer steps run in the high-precision dtype while a
-    ``SensitivityProbe`` measures the layers the shape rules left; then the plan is made and applied."""
+    """``layers="auto"``: the first ``batches`` training batches run in the high-precision dtype while a
+    ``SensitivityProbe`` measures the layers the shape rules left; at the first optimizer step after them (so never
+    inside a gradient accumulation), the plan is made from what was measured and applied.
 
-    def __init__(self, module: Module, decisions: list[_fp8.LayerDecision], config: Any, steps: int) -> None:
-        self.module, self.decisions, self.steps_left = module, decisions, steps
+    A batch is a Trainer ``training_step`` (whatever the number of optimizers it steps, or of batches accumulated per
+    step) and a Fabric backward pass: the unit the probe measures, counted on the host (no device read)."""
+
+    def __init__(self, module: Module, decisions: list[_fp8.LayerDecision], config: Any, batches: int) -> None:
+        self.module, self.decisions, self.batches = module, decisions, batches
+        self.seen = 0  # batches that ran while measured
+        self.ended = False  # a fit stopped before the plan was made (teardown); a later fit measures on
         self.probe = SensitivityProbe({d.fqn: module.get_submodule(d.fqn) for d in decisions if d.fp8}, config)
 
-    def step(self) -> bool:
-        """Count one optimizer step; True when the last one has been measured."""
-        self.probe.batches += 1
-        self.steps_left -= 1
-        return self.steps_left <= 0
+    def next_batch(self) -> None:
+        """A batch boundary: what the probe staged since the last one is committed (dropped if not finite), and one
+        more batch is counted."""
+        self.probe.commit()
+        self.seen += 1
+
+    @property
+    def done(self) -> bool:
+        return self.seen >= self.batches
+
+    def unmeasured(self, why: str) -> list[_fp8.LayerDecision]:
+        """The shape rules' decisions, with every layer they left reported as not fp8 (nothing unmeasured is)."""
+        return [dataclasses.replace(d, fp8=False, reason=f"layers='auto': {why}") if d.fp8 else d
+                for d in self.decisions]
+
+    def measuring(self) -> list[_fp8.LayerDecision]:
+        return self.unmeasured(f"not measured yet (the first {self.batches} training batches are measured in high"
+                               " precision, then the plan decides)")
 
 
 class FP8Precision(_AutocastPrecision):
@@ -100,12 +119,15 @@ class FP8Precision(_AutocastPrecision):
         skip_small_layers: leave layers too small to gain in high precision (thresholds in ``lightning_precision.fp8``).
         skip_first_last: leave the first and last linear layers that run as modules in high precision.
         layers: which eligible layers run in fp8. ``None`` (default): all that the shape rules leave. ``"auto"``: the
-            first ``calibration_batches`` training steps run in ``compute_dtype`` while each eligible layer's fp8
-            numerics are measured (``lightning_precision.sensitivity``); then the layers ``plan_rule`` accepts are
-            converted (same Parameter objects: the optimizer is untouched) and the plan is logged and kept in
-            ``plan`` and in checkpoints. A ``PrecisionPlan`` or the path of a saved one (YAML/JSON): its fp8 layers,
-            as saved (``skip_small_layers``/``skip_first_last`` do not apply; a plan with ``module_filter`` is refused).
-        calibration_batches: with ``layers="auto"``, how many training steps to measure (default 8).
+            first ``calibration_batches`` training batches run in ``compute_dtype`` while each eligible layer's fp8
+            numerics are measured (``lightning_precision.sensitivity``; none is reported fp8 meanwhile); at the first
+            optimizer step after them the layers ``plan_rule`` accepts are converted (same Parameter objects: the
+            optimizer is untouched) and the plan is logged and kept in ``plan`` and in checkpoints. A plan made here
+            belongs to its model: set up with another model, the plugin measures again. A ``PrecisionPlan`` or the
+            path of a saved one (YAML/JSON): its fp8 layers, as saved (``skip_small_layers``/``skip_first_last`` do
+            not apply; a plan with ``module_filter`` is refused).
+        calibration_batches: with ``layers="auto"``, how many batches to measure (default 8): Trainer training steps
+            (whatever the optimizers or the gradient accumulation), Fabric backward passes.
         plan_rule: with ``layers="auto"``, the thresholds (``PlanRule()`` by default).
         fsdp_float8_all_gather: torchao, tensorwise: FSDP2 all-gathers the fp8 layers' weights in fp8 (a quarter of
             fp32's bytes), and their scales are precomputed after each optimizer step. ``None`` (default): on when the
@@ -254,6 +276,16 @@ class FP8Precision(_AutocastPrecision):
         return super().convert_module(module)
 
     def _convert(self, module: Module) -> Module:
+        converted = self._root() if self._root is not None else None
+        if self._root is not None and converted is not module and self.layers in (None, "auto"):
+            # This plugin converted another model before. The plan it holds was made on that model (measured on its
+            # weights and batches, or changed by `demote`): it says nothing about this one, whose layers may even
+            # share its paths. Start from what was asked, as a new plugin would. A plan given as `layers=` is applied.
+            if self.plan is not None:
+                how = "it is measured again" if self.layers == "auto" else "the shape rules choose"
+                rank_zero_info(f"{type(self).__name__}: a new model; the plan made for the previous one is not applied"
+                               f" to it ({how}). To apply a plan to another model, pass it: `layers=plugin.plan`.")
+            self.plan = None
         if self.plan is not None:
             decisions = self._decisions_of_plan(module, self.plan)
         else:
@@ -288,11 +320,15 @@ class FP8Precision(_AutocastPrecision):
                 " `fully_shard`. Measure on one process first (`lightning-precision plan`, or"
                 " `fp8_sensitivity` + `PrecisionPlan.decide`) and pass the saved plan: `layers='plan.yaml'`."
             )
-        steps = self.calibration_batches or 8
-        self.layer_decisions = decisions
-        self._calibration = _Calibration(module, decisions, self._probe_config(), steps)
-        rank_zero_info(f"fp8: {sum(d.fp8 for d in decisions)} eligible linear layers; the first {steps} training steps"
-                       f" run in {self.compute_dtype} while their fp8 numerics are measured (layers='auto').")
+        batches = self.calibration_batches or 8
+        if self._calibration is not None:  # a model whose measuring never finished: its hooks go
+            self._calibration.probe.close()
+        self._calibration = _Calibration(module, decisions, self._probe_config(), batches)
+        self.layer_decisions = self._calibration.measuring()
+        self._fp8_layers = 0  # none runs in fp8 while measuring: `metrics()` says so, as `layer_decisions` does
+        rank_zero_info(f"fp8: {sum(d.fp8 for d in decisions)} eligible linear layers; the first {batches} training"
+                       f" batches run in {self.compute_dtype} while their fp8 numerics are measured (layers='auto'),"
+                       " and the plan is made at the optimizer step that ends them.")
         setattr(module, _CONVERTED, True)
         return module
 
@@ -305,9 +341,19 @@ class FP8Precision(_AutocastPrecision):
     def _finish_calibration(self) -> None:
         calibration, self._calibration = self._calibration, None
         assert calibration is not None
-        calibration.probe.close()
-        sensitivity = calibration.probe.result(_sum_across_processes)
-        self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.scaling_family)
+        probe = calibration.probe
+        probe.close()
+        sensitivity = probe.result(_sum_across_processes)  # every rank at the same step: the sums are all-reduced
+        owner = f"{type(self).__name__}(layers='auto')"
+        if probe.dropped:
+            warn(f"{owner}: {probe.dropped} of the {probe.dropped + probe.batches} batches measured (over all"
+                 " processes) had a non-finite input, gradient or fp32 result in a measured layer: a fault of the data"
+                 " or the loss, not of fp8. They were left out; the plan is made from the other"
+                 f" {probe.batches}.")
+        not_measured = (f"not measured: all {probe.dropped} batches measured had non-finite values"
+                        if probe.dropped and not probe.batches else None)
+        self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.scaling_family,
+                                         not_measured=not_measured)
         self._apply_plan(calibration.module)
 
     def _apply_plan(self, module: Module) -> None:
@@ -383,6 +429,16 @@ class FP8Precision(_AutocastPrecision):
             return {}
         return {d.fqn: module.get_submodule(d.fqn) for d in self.layer_decisions if d.fp8}
 
+    def plan_in_force(self) -> Optional[PrecisionPlan]:
+        """The plan the converted model runs: made by ``layers="auto"``, given, restored, or the shape rules' choice,
+        with ``demote``'s changes. None before conversion and while ``layers="auto"`` has not decided (it measures, or
+        the fit ended first): nothing unmeasured is a plan."""
+        if self.plan is not None:
+            return self.plan
+        if self._calibration is not None or not self.layer_decisions:
+            return None
+        return PrecisionPlan.from_decisions(self.layer_decisions, self.scaling_family)
+
     def demote(self, layers: Mapping[str, str], numbers: Optional[Mapping[str, dict[str, float]]] = None) -> list[str]:
         """Move fp8 layers back to ``compute_dtype``, in place: ``layers`` maps a path to the reason. Each stays the
         same module with the same Parameters, so the optimizer and its state are untouched. Recorded in ``plan`` and
@@ -390,6 +446,10 @@ class FP8Precision(_AutocastPrecision):
         measurements behind each. Returns the paths moved (those not in fp8 now are left). Call it on every process at
         the same step (``FP8Guard`` does)."""
         current = self.fp8_modules()
+        # A layer registered under several names (tied) is one layer, decided under its first name: any name moves it.
+        first = {alias: d.fqn for d in self.layer_decisions for alias in d.aliases}
+        layers = {first.get(fqn, fqn): why for fqn, why in layers.items()}
+        numbers = {first.get(fqn, fqn): n for fqn, n in numbers.items()} if numbers else None
         chosen = [fqn for fqn in layers if fqn in current]
         if not chosen:
             return []
@@ -398,7 +458,8 @@ class FP8Precision(_AutocastPrecision):
                                " in place; only torchao's can (backend='torchao').")
         for fqn in chosen:
             _fp8.demote_torchao_layer(current[fqn])
-        plan = self.plan or PrecisionPlan.from_decisions(self.layer_decisions, self.scaling_family)
+        plan = self.plan_in_force()
+        assert plan is not None  # layers run in fp8: the model is converted and decided
         for fqn in chosen:
             plan = plan.with_layer(fqn, HIGH, layers[fqn], (numbers or {}).get(fqn))
         self.plan = plan
@@ -411,8 +472,22 @@ class FP8Precision(_AutocastPrecision):
     def _after_optimizer_step(self) -> None:
         if self._scales is not None:
             self._scales.after_optimizer_step()
-        if self._calibration is not None and self._calibration.step():
-            self._finish_calibration()  # every rank at the same step: the sums are all-reduced
+        if self._calibration is not None and self._calibration.done:
+            self._finish_calibration()  # every rank at the same step: each counted the same batches
+
+    # Where a batch ends for `layers="auto"`: Fabric has no training-step hook, so each backward pass is a batch; the
+    # Trainer counts its training steps instead (`train_step_context`), so several backward passes in one step
+    # (manual optimization) are one batch.
+    _batch_per_backward = True
+
+    def _measured_batch(self) -> None:
+        calibration = self._calibration
+        if calibration is None:
+            return
+        if calibration.ended:  # a new fit of the same model measures on
+            calibration.ended = False
+            self.layer_decisions = calibration.measuring()
+        calibration.next_batch()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -474,15 +549,21 @@ class FP8Precision(_AutocastPrecision):
     @override
     def teardown(self) -> None:
         calibration = self._calibration
-        if calibration is not None and calibration.probe.batches:  # a run that stepped but stopped before deciding
-            warn(f"{type(self).__name__}(layers='auto'): training ended after {calibration.probe.batches} of the"
-                 f" {calibration.probe.batches + calibration.steps_left} steps to measure, so no layer was converted"
-                 f" to fp8: it all trained in {self.compute_dtype}. Train longer, or lower `calibration_batches`.",
+        if calibration is not None and calibration.seen:  # a run that trained but stopped before deciding
+            ended = (f"training ended after {calibration.seen} of the {calibration.batches} batches to measure"
+                     if not calibration.done else f"training ended after the {calibration.seen} batches measured,"
+                     " before the optimizer step that makes the plan")
+            calibration.ended = True
+            self.layer_decisions = calibration.unmeasured(f"{ended}; not measured, not fp8")
+            warn(f"{type(self).__name__}(layers='auto'): {ended}, so no layer was converted to fp8 and no plan was"
+                 f" made: it all trained in {self.compute_dtype}. Train longer, or lower `calibration_batches`.",
                  NoEffectWarning)
         super().teardown()
 
     @override
     def _after_backward(self) -> None:
+        if self._batch_per_backward:
+            self._measured_batch()
         # After the first backward every layer that runs has run its forward: the others are not fp8, whatever was
         # decided (a weight used functionally elsewhere). Say so, and make the decisions tell the truth.
         watch, self._forward_watch = self._forward_watch, None
@@ -507,7 +588,10 @@ class FP8Precision(_AutocastPrecision):
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
-        if any(d.fp8 for d in self.layer_decisions):
+        # While `layers="auto"` measures, its eligible layers are the ones that will run in fp8: checked now, not
+        # after the measured batches.
+        eligible = self._calibration.decisions if self._calibration is not None else self.layer_decisions
+        if any(d.fp8 for d in eligible):
             _fp8.check_fp8_hardware(device_type, self.backend, self.scaling_family, self.emulate, type(self).__name__)
 
     def __getstate__(self) -> dict[str, Any]:

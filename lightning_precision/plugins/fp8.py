@@ -1,5 +1,7 @@
 """fp8 training for the Trainer."""
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -21,6 +23,16 @@ class FP8Precision(_TrainerPrecision, _FabricFP8Precision):
     same plugin. With ``ModelParallelStrategy`` (FSDP2), convert before sharding: call
     ``self.trainer.precision_plugin.convert_module(self)`` at the top of ``configure_model``.
     """
+
+    # A batch of `layers="auto"` is a training step here, however many backward passes and optimizers it runs.
+    _batch_per_backward = False
+
+    @override
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        self._measured_batch()
+        with super().train_step_context():
+            yield
 
     @override
     def optimizer_step(  # type: ignore[override]

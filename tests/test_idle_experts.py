@@ -1,0 +1,123 @@
+"""A linear layer that receives no tokens in a step, as a mixture-of-experts expert no token was routed to (issue 23,
+item 13). torchao's dynamic scale reduces the input's amax, which has no value over zero elements: plain fp8 crashed,
+and so did ``layers="auto"``, ``FP8Guard``, ``fp8_sensitivity`` and ``AmaxHistoryLogger`` (bf16 too). Real Trainer
+fits, real torchao (``emulate=True``)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_precision import BF16MixedPrecision, FP8Precision
+from lightning_precision.callbacks import AmaxHistoryLogger, FP8Guard
+
+pytest.importorskip("torchao")
+
+FP8_KW = {"emulate": True, "skip_small_layers": False, "skip_first_last": False}
+STEPS = 6
+
+
+class MoE(nn.Module):
+    """Two experts behind a router: on odd steps every token goes to expert 0 and expert 1 gets none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(64, 64)
+        self.experts = nn.ModuleList([nn.Linear(64, 64) for _ in range(2)])
+        self.head = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor, idle: bool) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        route = torch.zeros(len(h), dtype=torch.long) if idle else torch.arange(len(h)) % 2
+        out = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            chosen = route == i
+            out[chosen] = expert(h[chosen]).to(out.dtype)  # expert 1 gets a [0, 64] input on odd steps
+        return self.head(out)
+
+
+class Lit(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MoE()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x, idle=batch_idx % 2 == 1).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def loader(steps: int = STEPS) -> torch.utils.data.DataLoader:
+    # 64 tokens a step: 32 per expert on even steps, 64 and 0 on odd ones (MXFP8 casts tokens in blocks of 32)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(steps * 64, 64, generator=g),
+                                          torch.randint(0, 32, (steps * 64,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=64)
+
+
+def fit(plugin, callbacks=(), **kwargs) -> Lit:
+    module = Lit()
+    L.Trainer(accelerator="cpu", plugins=[plugin], callbacks=list(callbacks), max_steps=STEPS, logger=False,
+              log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, **kwargs).fit(module, loader())
+    assert len(module.losses) == STEPS and all(math.isfinite(v) for v in module.losses)
+    return module
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
+def test_plain_fp8_runs_a_step_in_which_an_expert_gets_no_tokens(recipe):
+    """torchao's Float8Linear cannot (its amax has no value over zero elements): such a call runs in high precision, an
+    empty output and a zero weight gradient, as fp8 would give. torchao's MXFP8 layer runs it as is."""
+    module = fit(FP8Precision(recipe=recipe, **FP8_KW))
+    idle = module.net.experts[1]
+    assert type(idle).__name__ in ("Float8Linear", "AutocastMXFP8Linear")  # still fp8 for the steps with tokens
+    x = torch.randn(0, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = idle(x)
+    y.float().sum().backward()
+    assert y.shape == (0, 64) and y.dtype == torch.bfloat16 and not idle.weight.grad.any()
+
+
+def test_auto_measures_an_expert_on_the_steps_it_gets_tokens():
+    plugin = FP8Precision(layers="auto", calibration_batches=4, **FP8_KW)
+    fit(plugin)
+    assert plugin.plan.batches == 4
+    assert plugin.plan.get("net.experts.1").numbers  # measured on steps 0 and 2, passed over on 1 and 3
+    assert "net.experts.1" in plugin.plan.fp8_layers
+
+
+def test_the_guard_watches_an_expert_that_gets_no_tokens_in_some_steps(tmp_path):
+    guard = FP8Guard(every_n_steps=1)
+    fit(FP8Precision(**FP8_KW), [guard], default_root_dir=tmp_path)
+    assert guard.events == []
+
+
+@pytest.mark.parametrize("plugin", [BF16MixedPrecision(), FP8Precision(**FP8_KW)], ids=["bf16", "fp8"])
+def test_the_amax_logger_records_the_tokens_there_are(plugin):
+    logger = AmaxHistoryLogger(log_every_n_steps=1)
+    fit(plugin, [logger])
+    history = logger.chronological_history()
+    expert = logger.layers.index("net.experts.1")
+    inputs = history[:, expert, 0]
+    # amax of its input on the steps it got tokens (0, 2, 4); nothing on the others (1, 3, 5); its weight every step
+    assert (inputs[0::2] > 0).all() and (inputs[1::2] == 0).all() and (history[:, expert, 1] > 0).all()
+
+
+def test_fp8_sensitivity_passes_over_a_batch_without_tokens():
+    from lightning_precision.sensitivity import fp8_sensitivity
+
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(64, 64, generator=g), torch.randint(0, 32, (64,), generator=g), idle) for idle in (0, 1, 0)]
+    result = fp8_sensitivity(MoE(), data, loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0], b[2]).float(), b[1]))
+    assert set(result) == {"inp", "experts.0", "experts.1", "head"} and {s.batches for s in result.values()} == {3}
+    assert 0 < result["experts.1"].output_error < 0.1
