@@ -170,3 +170,43 @@ def test_plan_refuses_a_bad_output_name_before_measuring(tmp_path, capsys, monke
     monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))
     assert cli.main(["plan", "--recipe", "vit", "--out", str(tmp_path / "plan.txt")]) == 2
     assert "name a .yaml, .yml or .json file" in capsys.readouterr().err
+
+
+def _doctor_text_and_json(capsys):
+    assert cli.main(["doctor"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # rich folds long lines at the console width
+    assert cli.main(["doctor", "--json"]) == 0
+    return text, json.loads(capsys.readouterr().out)["devices"][0]
+
+
+def test_doctor_says_what_its_cpu_advice_rests_on_and_where_speed_is_measured(capsys):
+    """bf16-mixed measured 0.81x of fp32 on an AVX512-BF16 CPU where doctor said "BF16MixedPrecision" (issue 28, item
+    4): the advice names its ground (the instruction sets) and the command that measures speed, in both outputs."""
+    from lightning_precision._machine import cpu_info
+
+    text, cpu = _doctor_text_and_json(capsys)
+    ground = "native bf16 instructions" if cpu_info()["native_bf16"] else "no native bf16 or fp16 instructions"
+    for said in (text, cpu["basis"]):
+        assert ground in said and "not a measured speed" in said and "`lightning-precision compare` measures" in said
+    assert cpu["basis"] in text  # the table and --json say the same (a table cell folds: the line under it is whole)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_doctor_advice_on_either_kind_of_cpu(native_bf16, capsys, monkeypatch):
+    """Both kinds of CPU, whichever this one is: only the CPU's flags are stood in for (a CPU of the other kind cannot
+    be had here); the command runs for real."""
+    from lightning_precision import _machine, doctor
+
+    def flags(real=_machine.cpu_info):
+        isa = [name for name in real()["isa"] if "BF16" not in name] + (["AVX512-BF16"] if native_bf16 else [])
+        return {**real(), "isa": isa, "native_bf16": native_bf16}
+
+    monkeypatch.setattr(doctor, "cpu_info", flags)
+    text, cpu = _doctor_text_and_json(capsys)
+    if native_bf16:
+        assert cpu["recommended"] == "BF16MixedPrecision if `compare` finds it faster, else 32-true"
+        assert cpu["basis"].startswith("native bf16 instructions (AVX512-BF16), not a measured speed")
+    else:
+        assert cpu["recommended"].startswith("32-true for speed")
+        assert cpu["basis"].startswith("no native bf16 or fp16 instructions")
+    assert f"cpu: the recommendation rests on {cpu['basis']}." in text
