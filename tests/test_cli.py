@@ -1,6 +1,8 @@
 """The lightning-precision command line: fit over every YAML config, compare on a tiny setting, doctor."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -210,3 +212,76 @@ def test_doctor_advice_on_either_kind_of_cpu(native_bf16, capsys, monkeypatch):
         assert cpu["recommended"].startswith("32-true for speed")
         assert cpu["basis"].startswith("no native bf16 or fp16 instructions")
     assert f"cpu: the recommendation rests on {cpu['basis']}." in text
+
+
+def _command(*args, cwd):
+    """The real command in a fresh process: (exit code, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "lightning_precision.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_fit_finds_the_shipped_configs_by_name(tmp_path, monkeypatch):
+    """`--config vit --config precision-16-mixed` from a folder without recipes/ (issue 28, item 9): the names find
+    the configs shipped with the package, combined in order; a file keeps working beside a name."""
+    import lightning as L
+
+    seen = []
+    fit = L.Trainer.fit
+
+    def record(trainer, *args, **kwargs):
+        seen.append((type(trainer.precision_plugin).__name__, type(args[0]).__name__))
+        return fit(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(L.Trainer, "fit", record)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["fit", "--config", "vit", "--config=precision-16-mixed.yaml", *FEW_STEPS]) == 0
+    assert cli.main(["fit", "-c", "distilbert", "--config", str(ROOT / "recipes" / "precision-32-true.yaml"),
+                     *FEW_STEPS]) == 0
+    assert seen[0] == ("FP16MixedPrecision", "ViTClassifier")
+    assert seen[1][1] == "DistilBertClassifier" and seen[1][0] != "BF16MixedPrecision"  # precision-32-true: no plugin
+
+
+def test_the_shipped_configs_are_the_checkouts_recipes():
+    assert cli.recipe_configs() == {p.stem: p for p in sorted((ROOT / "recipes").glob("*.yaml"))}
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--config", "precision-bf16-mixed"],
+     ["required: model", "combine it with a recipe config, e.g. `--config distilbert --config precision-bf16-mixed`"]),
+    (["--config", "nope"], ["--config nope: no such file", "distilbert, resnet50, vit", "precision-bf16-mixed"]),
+    (["--config", "recipes/vit.yaml"], ["--config recipes/vit.yaml: no such file", "is `--config vit`"]),
+    (["--config", "vit", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["--config", "vit", "--trainer.max_steps", "abc"], ['"trainer.max_steps"', "Got value: abc"]),
+    (["--config", "distilbert", "--model.init_args.size", "huge"], ["Problem with given class_path", "huge"]),
+])
+def test_fit_errors_are_one_line_with_no_usage_above(args, says, tmp_path):
+    """An error of `fit`'s command line was the last of ~50 lines of usage (issue 28, item 9): now it is the only line,
+    says the fix where there is one (a precision config alone names no model), points to --help, exits 2."""
+    code, out, err = _command("fit", *args, cwd=tmp_path)
+    assert code == 2 and not out, (code, out, err)
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("lightning-precision fit: error: ") and "usage:" not in err
+    assert err.strip().endswith("`lightning-precision fit --help` lists the options")
+    for text in says:
+        assert text in err, err
+
+
+def test_every_config_the_docs_name_exists():
+    """`--config X` in the commands of the README, the docs, the configs' comments and the CLI's help (code spans,
+    code blocks, the rest of a line after `lightning-precision fit`) names a shipped config or a file of the checkout."""
+    import re
+
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "recipes").glob("*.yaml")),
+             ROOT / "lightning_precision" / "cli.py"]
+    named = set()
+    for path in texts:
+        text = path.read_text()
+        code = re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", text)
+        code += re.findall(r"lightning-precision fit.*", text)
+        named |= {(path.name, m) for part in code for m in re.findall(r"--config[ =]([\w./<>-]+)", part)}
+    assert len(named) > 10
+    for where, config in named:
+        if "<" in config or config.removesuffix(".yaml").isupper() or config == "my.yaml":
+            continue  # a placeholder
+        assert config.removesuffix(".yaml") in cli.recipe_configs() or (ROOT / config).is_file(), (where, config)

@@ -1,6 +1,7 @@
 """Recipes: LightningModules and DataModules for DistilBERT, ViT and ResNet50, each with an embedded default task.
 
-``RECIPES[name].build(**overrides)`` gives a ``(model, datamodule)`` pair; the YAML configs under ``recipes/`` select
+``RECIPES[name].build(**overrides)`` gives a ``(model, datamodule)`` pair; the YAML configs (``recipes/`` of a
+checkout, installed as ``lightning_precision/recipe_configs/``: ``lightning_precision.cli.recipe_configs()``) select
 the same classes for ``lightning-precision fit``.
 """
 
