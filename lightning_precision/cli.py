@@ -22,12 +22,12 @@ Each command has --help.
 
 
 def _version_line() -> str:
-    import lightning
-    import torch
-
+    """From package metadata: importing torch and Lightning would take seconds (tests/test_cli.py checks neither is)."""
     from lightning_precision import __version__
+    from lightning_precision._imports import installed_version
 
-    return f"lightning-precision {__version__} (torch {torch.__version__}, lightning {lightning.__version__})"
+    torch, lightning = (installed_version(name) or "not installed" for name in ("torch", "lightning"))
+    return f"lightning-precision {__version__} (torch {torch}, lightning {lightning})"
 
 
 class _ConfigError(Exception):

@@ -60,6 +60,39 @@ def test_version(capsys):
                                                f" {torch.__version__}, lightning {lightning.__version__})")
 
 
+def test_version_and_help_import_neither_torch_nor_lightning():
+    """`--version` took 5 s importing torch and Lightning (issue 28, item 10): in a fresh interpreter, the console
+    script's own import and `main(["--version"])` (and the usage) leave both unimported."""
+    script = ("import sys\n"
+              "from lightning_precision.cli import main\n"
+              "for argv in (['--version'], ['--help'], []):\n"
+              "    main(argv)\n"
+              "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning'))\n"
+              "assert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("lightning-precision 0.1.0 (torch ")
+
+
+@pytest.mark.parametrize("first_use", [
+    "lightning_precision.XPUPrecision",
+    "lightning_precision.FP16MixedPrecision",
+    "__import__('lightning_precision.fabric').fabric.BF16MixedPrecision",
+    "__import__('lightning_precision.callbacks').callbacks.ChannelsLast",
+    "__import__('lightning_precision.recipes').recipes.RECIPES",
+])
+def test_the_first_use_of_the_package_registers_xpu(first_use):
+    """`import lightning_precision` loads its names on first use (so `--version` imports no torch): the first name
+    used, or an import of a subpackage, still registers accelerator="xpu" with both of Lightning's registries."""
+    script = ("import lightning_precision\n"
+              f"{first_use}\n"
+              "from lightning.fabric.accelerators import ACCELERATOR_REGISTRY\n"
+              "from lightning.pytorch.accelerators import AcceleratorRegistry\n"
+              "assert 'xpu' in ACCELERATOR_REGISTRY and 'xpu' in AcceleratorRegistry\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("command", ["doctor", "compare", "fit", "plan"])
 def test_every_command_has_help_and_does_not_run(command, capsys, monkeypatch):
     from lightning_precision import compare, doctor
