@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a build reads: a copy of it is built, so the checkout gets no build/ or .egg-info/ of the test's.
-SOURCES = ("pyproject.toml", "README.md", "lightning_precision", "recipes")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "lightning_precision", "recipes")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -89,3 +89,16 @@ def test_fit_runs_a_shipped_config_from_the_installed_wheel(wheel, tmp_path):
         cwd=run, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(site)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_wheel_ships_the_license(wheel):
+    """pyproject said Apache-2.0 but there was no LICENSE file (issue 28, item 10): the full text ships, and the
+    metadata names the license as an SPDX expression."""
+    license = (ROOT / "LICENSE").read_text()
+    assert license.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "END OF TERMS AND CONDITIONS" in license
+    with zipfile.ZipFile(wheel) as whl:
+        (shipped,) = [n for n in whl.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        assert whl.read(shipped).decode() == license
+        (metadata,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
+        headers = whl.read(metadata).decode().split("\n\n")[0].splitlines()
+    assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
