@@ -193,13 +193,6 @@ def _fit(argv: list[str]) -> int:
                                      " configuration sets (null: keep the configuration's)")
             parser.add_argument("--ckpt_path", default=None, help="checkpoint to resume from")
 
-        def init_parser(self, **kwargs):  # type: ignore[no-untyped-def]
-            parser = super().init_parser(**kwargs)
-            parser._option_string_actions["--config"].help = (
-                "a YAML file, or the name of a config shipped with lightning-precision (`--print_config` shows what"
-                " it sets); repeat to combine, later ones override")
-            return parser
-
         def before_instantiate_classes(self) -> None:
             _choose_precision(self.config, self.config.get("precision"))
 
@@ -219,8 +212,9 @@ def _fit(argv: list[str]) -> int:
         cli = CLI(subclass_mode_model=True, subclass_mode_data=True, args=_resolve_configs(argv), run=False,
                   parser_kwargs={"prog": "lightning-precision fit", "exit_on_error": False,
                                  "description": "LightningCLI over the recipes. --config takes a file or the name of"
-                                                f" a config shipped with lightning-precision ({_config_names()}),"
-                                                " several combine: lightning-precision fit --config vit"
+                                                f" a config shipped with lightning-precision ({_config_names()});"
+                                                " several combine, later ones override, and --print_config shows the"
+                                                " result: lightning-precision fit --config vit"
                                                 " [--config precision-16-mixed | --precision bf16-mixed]"},
                   save_config_kwargs={"overwrite": True})
     except (_ConfigError, ArgumentError) as err:
