@@ -2,34 +2,62 @@
 
 Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric plugins of the same names live in
 ``lightning_precision.fabric``.
+
+Names load on first use (PEP 562): ``import lightning_precision`` alone imports neither torch nor Lightning, so the
+command line's ``--version`` and ``--help`` answer at once. The first name used (or an import of the ``fabric``,
+``plugins``, ``callbacks``, ``recipes`` or ``accelerators`` subpackage) registers ``accelerator="xpu"`` with Lightning.
 """
 
-import lightning_precision.accelerators  # noqa: F401  (registers accelerator='xpu' where the name is free)
-from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
-from lightning_precision.fp8 import FP8LayerPolicy
-from lightning_precision.plan import PlanRule, PrecisionPlan
-from lightning_precision.plugins import (
-    BF16MixedPrecision,
-    FP8Precision,
-    FP16MixedPrecision,
-    NVFP4Precision,
-    XPUPrecision,
-)
-from lightning_precision.warnings import NoEffectWarning
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BF16MixedPrecision",
-    "FP16MixedPrecision",
-    "FP8LayerPolicy",
-    "FP8Precision",
-    "NVFP4Precision",
-    "NoEffectWarning",
-    "PlanRule",
-    "PrecisionPlan",
-    "ScalerConfig",
-    "SkippedStepsError",
-    "XPUPrecision",
-    "__version__",
-]
+# Each public name and the module that defines it.
+_SOURCE = {
+    "BF16MixedPrecision": "lightning_precision.plugins",
+    "FP16MixedPrecision": "lightning_precision.plugins",
+    "FP8LayerPolicy": "lightning_precision.fp8",
+    "FP8Precision": "lightning_precision.plugins",
+    "NVFP4Precision": "lightning_precision.plugins",
+    "NoEffectWarning": "lightning_precision.warnings",
+    "PlanRule": "lightning_precision.plan",
+    "PrecisionPlan": "lightning_precision.plan",
+    "ScalerConfig": "lightning_precision.fabric._scaler",
+    "SkippedStepsError": "lightning_precision.fabric._scaler",
+    "XPUPrecision": "lightning_precision.plugins",
+}
+
+__all__ = [*_SOURCE, "__version__"]
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
+    from lightning_precision.fp8 import FP8LayerPolicy
+    from lightning_precision.plan import PlanRule, PrecisionPlan
+    from lightning_precision.plugins import (
+        BF16MixedPrecision,
+        FP8Precision,
+        FP16MixedPrecision,
+        NVFP4Precision,
+        XPUPrecision,
+    )
+    from lightning_precision.warnings import NoEffectWarning
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SOURCE:
+        import lightning_precision.accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
+
+        value = getattr(importlib.import_module(_SOURCE[name]), name)
+        globals()[name] = value  # loaded once
+        return value
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule, as `import` made it an attribute
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 from typing import Optional
 
-__all__ = ["main"]
+__all__ = ["main", "recipe_configs"]
 
 _USAGE = """usage: lightning-precision [--version] {fit,compare,doctor,plan} ...
 
-  fit      LightningCLI over the recipes: lightning-precision fit --config recipes/distilbert.yaml
+  fit      LightningCLI over the recipes: lightning-precision fit --config distilbert [--config precision-16-mixed]
   compare  one recipe under several precisions, side by side (runs an embedded default with no arguments)
   doctor   what this machine can do: devices, packages, support per precision, recommendation
   plan     fp8 numerics per linear layer on a recipe, and the plan FP8Precision(layers=...) applies
@@ -20,12 +22,12 @@ Each command has --help.
 
 
 def _version_line() -> str:
-    import lightning
-    import torch
-
+    """From package metadata: importing torch and Lightning would take seconds (tests/test_cli.py checks neither is)."""
     from lightning_precision import __version__
+    from lightning_precision._imports import installed_version
 
-    return f"lightning-precision {__version__} (torch {torch.__version__}, lightning {lightning.__version__})"
+    torch, lightning = (installed_version(name) or "not installed" for name in ("torch", "lightning"))
+    return f"lightning-precision {__version__} (torch {torch}, lightning {lightning})"
 
 
 class _ConfigError(Exception):
@@ -46,7 +48,73 @@ def _our_message(text: str) -> Optional[str]:
     return None
 
 
-# `fit --precision NAME`: the plugin it puts in `trainer.plugins` (class path, init args), the names of recipes/*.yaml.
+def recipe_configs() -> dict[str, Path]:
+    """The recipe YAML configs by name (``"vit"``, ``"precision-bf16-mixed"``, ...), from beside the code that runs: a
+    wheel ships them as ``lightning_precision/recipe_configs/``; a checkout (an editable install, or the source on
+    ``PYTHONPATH``) holds the one copy in its top-level ``recipes/``, which pyproject.toml maps into the wheel."""
+    from importlib.resources import files
+
+    shipped = files("lightning_precision") / "recipe_configs"
+    folder = Path(str(shipped)) if shipped.is_dir() else Path(__file__).resolve().parents[1] / "recipes"
+    return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+
+
+def _config_names() -> str:
+    names = recipe_configs()
+    recipes = [n for n in names if not n.startswith("precision-")]
+    return f"recipes {', '.join(recipes)}; precisions {', '.join(n for n in names if n not in recipes)}"
+
+
+def _resolve_configs(argv: list[str]) -> list[str]:
+    """``--config NAME`` (or ``-c NAME``, ``--config=NAME``) of a shipped recipe config becomes its path; an existing
+    file keeps precedence, and a value that is neither is refused here, naming the configs there are."""
+    configs = recipe_configs()
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            prefix, value = "--config=", arg.partition("=")[2]
+        elif i and argv[i - 1] in ("-c", "--config"):
+            prefix, value = "", arg
+        else:
+            out.append(arg)
+            continue
+        # jsonargparse also takes the configuration itself ("{trainer: {max_steps: 5}}"): passed on as it is.
+        if not Path(value).is_file() and not any(c in value for c in ":{\n"):
+            name = value.removesuffix(".yaml")
+            if name not in configs:
+                stem = Path(name).name
+                fix = (f"the config of that name shipped with lightning-precision is `--config {stem}`"
+                       if stem in configs else
+                       f"name a YAML file or a config shipped with lightning-precision ({_config_names()})")
+                raise _ConfigError(f"--config {value}: no such file; {fix}.")
+            value = str(configs[name])
+        out.append(prefix + value)
+    return out
+
+
+# What jsonargparse says when no configuration names a model or data, and the fix: a precision config sets neither.
+_NEEDS_A_RECIPE = ("(a precision config sets only the precision: combine it with a recipe config, e.g. `--config"
+                   " distilbert --config precision-bf16-mixed`, or name --model and --data)")
+
+
+# Lines of jsonargparse's union errors that say nothing to a user (the subtypes tried, the None alternative).
+_NOISE = ("Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>")
+
+
+def _parser_error(message: str) -> str:
+    """jsonargparse's error (several lines for a bad value of a class) as one line, with the fix where we know it."""
+    text = ""
+    for line in (line.strip() for line in message.splitlines()):
+        if line and not line.startswith(_NOISE):
+            text += (" " if text.endswith(":") else "; " if text else "") + line
+    missing = re.search(r"the following arguments are required: (.*)", text)
+    if missing and {"model", "data"} & {name.strip() for name in missing.group(1).split(",")}:
+        text = f"{text} {_NEEDS_A_RECIPE}"
+    return text
+
+
+# `fit --precision NAME`: the plugin it puts in `trainer.plugins` (class path, init args), the names of the
+# precision-*.yaml configs.
 _FIT_PRECISIONS = {
     "32-true": None,
     "bf16-mixed": ("lightning_precision.BF16MixedPrecision", {}),
@@ -110,6 +178,8 @@ def _choose_precision(config: object, precision: "str | None") -> None:
 
 
 def _fit(argv: list[str]) -> int:
+    from argparse import ArgumentError
+
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_precision.warnings import _ignore_known_harmless
@@ -138,13 +208,19 @@ def _fit(argv: list[str]) -> int:
     argv0, sys.argv = sys.argv, sys.argv[:1]  # arguments come from `args`; LightningCLI warns if sys.argv has them too
     try:
         # run=False: the parser is `fit`'s alone, so `--help` lists exactly what this command accepts.
-        cli = CLI(subclass_mode_model=True, subclass_mode_data=True, args=argv, run=False,
-                  parser_kwargs={"prog": "lightning-precision fit",
-                                 "description": "LightningCLI over the recipes: lightning-precision fit --config"
-                                                " recipes/vit.yaml [--precision bf16-mixed]"},
+        # exit_on_error=False: an error is one line of ours, not under jsonargparse's ~50 lines of usage.
+        cli = CLI(subclass_mode_model=True, subclass_mode_data=True, args=_resolve_configs(argv), run=False,
+                  parser_kwargs={"prog": "lightning-precision fit", "exit_on_error": False,
+                                 "description": "LightningCLI over the recipes. --config takes a file or the name of"
+                                                f" a config shipped with lightning-precision ({_config_names()});"
+                                                " several combine, later ones override, and --print_config shows the"
+                                                " result: lightning-precision fit --config vit"
+                                                " [--config precision-16-mixed | --precision bf16-mixed]"},
                   save_config_kwargs={"overwrite": True})
-    except _ConfigError as err:
-        print(f"lightning-precision fit: error: {err}", file=sys.stderr)
+    except (_ConfigError, ArgumentError) as err:
+        message = str(err) if isinstance(err, _ConfigError) else _parser_error(str(err))
+        print(f"lightning-precision fit: error: {message.rstrip('.')}; `lightning-precision fit --help` lists the"
+              " options", file=sys.stderr)
         return 2
     finally:
         sys.argv = argv0

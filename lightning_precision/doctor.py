@@ -54,17 +54,36 @@ def _package_rows() -> list[tuple[str, str, str]]:
     return rows
 
 
-def _device_rows() -> list[tuple[str, str, str, str, str, str]]:
-    """(device, bf16, fp16, fp8, notes, recommended)."""
-    cpu = cpu_info()
-    rows = [(
+# Every recommendation rests on what the hardware has (instruction sets, compute capability), never on a measured
+# speed: on a CPU with native bf16, bf16-mixed has measured slower than fp32 on some models. Each row says so and
+# names the command that measures it.
+_MEASURE = "not a measured speed: `lightning-precision compare` measures each precision's speed on this machine"
+
+
+def _cpu_row(cpu: dict) -> tuple[str, str, str, str, str, str, str]:
+    if cpu["native_bf16"]:
+        found = " ".join(name for name in cpu["isa"] if "BF16" in name)
+        recommended = "BF16MixedPrecision if `compare` finds it faster, else 32-true"
+        basis = (f"native bf16 instructions ({found}), {_MEASURE} (bf16-mixed can still be slower than fp32 on a"
+                 " CPU: casts, operations without bf16 kernels)")
+    else:
+        recommended = "32-true for speed; mixed precisions to test numerics"
+        basis = (f"no native bf16 or fp16 instructions (such as AVX512-BF16, AMX-BF16: both run emulated, slowly),"
+                 f" {_MEASURE}")
+    return (
         f"cpu: {describe_cpu(cpu).split(' (')[0]}",
         "native" if cpu["native_bf16"] else "emulated (slow)",
         "native" if cpu["native_fp16"] else "emulated (slow)",
         "emulated only (FP8Precision(emulate=True))",
         f"torch uses {cpu['torch_threads']} threads",
-        "BF16MixedPrecision" if cpu["native_bf16"] else "32-true for speed; mixed precisions to test numerics",
-    )]
+        recommended,
+        basis,
+    )
+
+
+def _device_rows() -> list[tuple[str, str, str, str, str, str, str]]:
+    """(device, bf16, fp16, fp8, notes, recommended, basis): ``basis`` is what the recommendation rests on."""
+    rows = [_cpu_row(cpu_info())]
     for i in range(torch.cuda.device_count()):
         cc = torch.cuda.get_device_capability(i)
         fp8 = ("yes" + (", MXFP8" if cc >= MXFP8_MIN_CAPABILITY else "") if fp8_capable(cc)
@@ -72,21 +91,24 @@ def _device_rows() -> list[tuple[str, str, str, str, str, str]]:
         recommended = "FP8Precision for large layers, else BF16MixedPrecision" if fp8_capable(cc) else (
             "BF16MixedPrecision" if bf16_capable(cc) else "FP16MixedPrecision")
         bf16 = "yes" if bf16_capable(cc) else "no"
+        basis = f"compute capability {cc[0]}.{cc[1]} (the formats its tensor cores compute), {_MEASURE}"
         rows.append((f"cuda:{i} {torch.cuda.get_device_name(i)} (sm_{cc[0]}{cc[1]})", bf16, "yes", fp8,
-                     f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB", recommended))
+                     f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB", recommended, basis))
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         for i in range(torch.xpu.device_count()):
             props = torch.xpu.get_device_properties(i)
             fp16 = "yes" if getattr(props, "has_fp64", True) else "autocast only (no fp64: no GradScaler)"
             rows.append((f"xpu:{i} {torch.xpu.get_device_name(i)}", "yes", fp16, "no", "Intel GPU",
-                         "XPUPrecision() (bf16)"))
+                         "XPUPrecision() (bf16)", f"Intel GPUs' native bf16, {_MEASURE}"))
     if torch.backends.mps.is_available():
-        rows.append(("mps", "yes", "yes", "no", "Apple GPU", "BF16MixedPrecision"))
+        rows.append(("mps", "yes", "yes", "no", "Apple GPU", "BF16MixedPrecision",
+                     f"Apple GPUs' native bf16 and fp16, {_MEASURE}"))
     return rows
 
 
 _PACKAGE_COLUMNS = ("package", "version", "status")
-_DEVICE_COLUMNS = ("device", "bf16", "fp16", "fp8", "notes", "recommended")
+_DEVICE_COLUMNS = ("device", "bf16", "fp16", "fp8", "notes", "recommended", "basis")
+_TABLE_COLUMNS = {"packages": _PACKAGE_COLUMNS, "devices": _DEVICE_COLUMNS[:-1]}  # the basis, too long for a cell, follows
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -110,11 +132,14 @@ def main(argv: list[str]) -> int:
     from lightning_precision._console import console as make_console
 
     console = make_console()
-    for title, columns, rows in (("packages", _PACKAGE_COLUMNS, packages), ("devices", _DEVICE_COLUMNS, devices)):
+    for title, rows in (("packages", packages), ("devices", devices)):
         table = Table(title=title)
+        columns = _TABLE_COLUMNS[title]
         for column in columns:
             table.add_column(column)
         for row in rows:
             table.add_row(*(Text(row[c]) for c in columns))  # plain text: "[te]" in a pip extra is not markup
         console.print(table)
+    for device in devices:
+        console.print(Text(f"{device['device'].split(' ')[0].rstrip(':')}: the recommendation rests on {device['basis']}."))
     return 0

@@ -104,11 +104,44 @@ def plot_exponent_histogram(
         plt.close(fig)
 
 
+# Line styles after the 10 colours run out: 40 layers (DistilBERT's 37 linear layers) get 40 distinct lines.
+_LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _what_if_lines(what_if: Mapping[str, Tensor | float], tensors: Sequence[str]) -> list[str]:
+    """The what-if statistics as a table: a row per tensor (in the panels' order) and scaling (delayed, current, then
+    the block formats), underflow and overflow side by side."""
+    first = {name: n for n, name in enumerate([*tensors, "delayed", "current"])}
+    cells: dict[tuple[str, str], dict[str, float]] = {}
+    other = []
+    order = lambda key: [(first.get(part, len(first)), part) for part in key.split("/")]  # noqa: E731
+    for key, value in sorted(what_if.items(), key=lambda item: order(item[0])):
+        parts = key.removeprefix("precision/fp8_whatif/").split("/")
+        if len(parts) == 3 and parts[2] in ("underflow", "overflow"):
+            cells.setdefault((parts[0], parts[1]), {})[parts[2]] = float(value)
+        else:
+            other.append(f"{key}: {float(value):.3%}")
+    if not cells and not other:
+        return ["no what-if yet (none was logged)"]
+    lines = ["fp8 cast at the last logging step: the share", "of values that flush to zero or overflow", "",
+             f"{'tensor':<12}{'scale':<9}{'underflow':>10}{'overflow':>10}"]
+    tensor_before = None
+    for (tensor, scale), stats in cells.items():
+        shown = tensor if tensor != tensor_before else ""
+        tensor_before = tensor
+        lines.append(f"{shown:<12}{scale:<9}" + "".join(
+            f"{stats[stat]:>10.3%}" if stat in stats else f"{'-':>10}" for stat in ("underflow", "overflow")))
+    lines += ["", "delayed: scale from the amax history", "current: scale from the step's own amax",
+              "mxfp8, nvfp4: a scale per block", *other]
+    return lines
+
+
 def plot_amax_history(
     history: Tensor, layers: Sequence[str], tensors: Sequence[str], what_if: Mapping[str, Tensor | float], path: str
 ) -> str:
-    """amax over the recorded steps, one panel per tensor (input, weight, output gradient), one line per layer, and
-    the what-if table of the last logging step: fp8 underflow/overflow with the delayed scale versus the current one."""
+    """amax over the recorded steps, one panel per tensor (input, weight, output gradient), one line per layer (named
+    in the legend under the panels), and the what-if table of the last logging step: fp8 underflow/overflow with the
+    delayed scale versus the current one. The figure grows with the legend and the table, so no text is cut off."""
     require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
@@ -119,26 +152,32 @@ def plot_amax_history(
     # A layer that never ran (or a step it skipped) holds amax 0: no point on a log axis, rather than 1e-30 that would
     # stretch the axis over 30 decades.
     ran = [i for i in range(len(layers)) if bool((h[:, i] > 0).any())]
-    fig, axes = plt.subplots(1, len(tensors) + 1, figsize=(5 * (len(tensors) + 1), 4.2))
+    table = _what_if_lines(what_if, tensors)
+    width = 5.0 * len(tensors) + 4.2
+    # Legend columns as wide as the longest layer name (about 17 characters an inch at 7 points), rows as needed.
+    columns = max(1, min(len(ran), int(width / ((max(map(len, layers), default=1) + 5) / 17))))
+    legend_rows = -(-len(ran) // columns)
+    height = max(4.2, 3.6 + 0.2 * legend_rows, 0.16 * len(table) + 1.0)
+    fig, axes = plt.subplots(1, len(tensors) + 1, figsize=(width, height), layout="constrained",
+                             width_ratios=[5.0] * len(tensors) + [4.2])
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, (ax, tensor) in enumerate(zip(axes, tensors)):
-        for i in ran:
+        for n, i in enumerate(ran):
             values = h[:, i, k]
-            ax.plot(range(h.shape[0]), values.where(values > 0, float("nan")).tolist(), label=layers[i], lw=1.2)
+            ax.plot(range(h.shape[0]), values.where(values > 0, float("nan")).tolist(), label=layers[i], lw=1.2,
+                    color=colors[n % len(colors)], ls=_LINE_STYLES[n // len(colors) % len(_LINE_STYLES)])
         ax.set_yscale("log")
-        ax.set_title(f"amax of {tensor}")
-        ax.set_xlabel("step in the history window (oldest first)")
-        ax.set_ylabel("amax: max |value| in the step (log scale)")
-    if ran and len(ran) <= 12:
-        axes[0].legend(fontsize=7)
+        ax.set_title(f"amax of {tensor}", fontsize=10)
+        ax.set_xlabel("step in the history window (oldest first)", fontsize=9)
+        ax.set_ylabel("amax: max |value| in the step (log scale)", fontsize=9)
+    if ran:
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=columns, fontsize=7,
+                   title="layer", title_fontsize=8, frameon=False)
     skipped = len(layers) - len(ran)
     fig.suptitle(f"fp8 amax history, {len(ran)} layers" + (f" ({skipped} that never ran left out)" if skipped else ""),
                  fontsize=10)
-    table = axes[-1]
-    table.axis("off")
-    rows = sorted(what_if.items())
-    text = "\n".join(f"{k.removeprefix('precision/fp8_whatif/')}: {float(v):.3%}" for k, v in rows) or "no what-if yet"
-    table.text(0, 1, "fp8 cast, delayed vs current scale\n\n" + text, va="top", family="monospace", fontsize=8)
-    fig.tight_layout()
+    axes[-1].axis("off")
+    axes[-1].text(0, 1, "\n".join(table), va="top", family="monospace", fontsize=8, transform=axes[-1].transAxes)
     try:
         return _save(fig, path, dpi=100)
     finally:

@@ -1,3 +1,7 @@
+# Imported before any test captures output: Lightning's log handler binds to the stderr of the moment it is imported
+# (`import lightning_precision` no longer imports it), and one test's closed capture must not be where later
+# tests' "Seed set to 0" goes.
+import lightning  # noqa: F401
 import pytest
 import torch
 

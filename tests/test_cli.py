@@ -1,6 +1,8 @@
 """The lightning-precision command line: fit over every YAML config, compare on a tiny setting, doctor."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,39 @@ def test_version(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == (f"lightning-precision {lightning_precision.__version__} (torch"
                                                f" {torch.__version__}, lightning {lightning.__version__})")
+
+
+def test_version_and_help_import_neither_torch_nor_lightning():
+    """`--version` took 5 s importing torch and Lightning (issue 28, item 10): in a fresh interpreter, the console
+    script's own import and `main(["--version"])` (and the usage) leave both unimported."""
+    script = ("import sys\n"
+              "from lightning_precision.cli import main\n"
+              "for argv in (['--version'], ['--help'], []):\n"
+              "    main(argv)\n"
+              "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning'))\n"
+              "assert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("lightning-precision 0.1.0 (torch ")
+
+
+@pytest.mark.parametrize("first_use", [
+    "lightning_precision.XPUPrecision",
+    "lightning_precision.FP16MixedPrecision",
+    "__import__('lightning_precision.fabric').fabric.BF16MixedPrecision",
+    "__import__('lightning_precision.callbacks').callbacks.ChannelsLast",
+    "__import__('lightning_precision.recipes').recipes.RECIPES",
+])
+def test_the_first_use_of_the_package_registers_xpu(first_use):
+    """`import lightning_precision` loads its names on first use (so `--version` imports no torch): the first name
+    used, or an import of a subpackage, still registers accelerator="xpu" with both of Lightning's registries."""
+    script = ("import lightning_precision\n"
+              f"{first_use}\n"
+              "from lightning.fabric.accelerators import ACCELERATOR_REGISTRY\n"
+              "from lightning.pytorch.accelerators import AcceleratorRegistry\n"
+              "assert 'xpu' in ACCELERATOR_REGISTRY and 'xpu' in AcceleratorRegistry\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("command", ["doctor", "compare", "fit", "plan"])
@@ -170,3 +205,116 @@ def test_plan_refuses_a_bad_output_name_before_measuring(tmp_path, capsys, monke
     monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))
     assert cli.main(["plan", "--recipe", "vit", "--out", str(tmp_path / "plan.txt")]) == 2
     assert "name a .yaml, .yml or .json file" in capsys.readouterr().err
+
+
+def _doctor_text_and_json(capsys):
+    assert cli.main(["doctor"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # rich folds long lines at the console width
+    assert cli.main(["doctor", "--json"]) == 0
+    return text, json.loads(capsys.readouterr().out)["devices"][0]
+
+
+def test_doctor_says_what_its_cpu_advice_rests_on_and_where_speed_is_measured(capsys):
+    """bf16-mixed measured 0.81x of fp32 on an AVX512-BF16 CPU where doctor said "BF16MixedPrecision" (issue 28, item
+    4): the advice names its ground (the instruction sets) and the command that measures speed, in both outputs."""
+    from lightning_precision._machine import cpu_info
+
+    text, cpu = _doctor_text_and_json(capsys)
+    ground = "native bf16 instructions" if cpu_info()["native_bf16"] else "no native bf16 or fp16 instructions"
+    for said in (text, cpu["basis"]):
+        assert ground in said and "not a measured speed" in said and "`lightning-precision compare` measures" in said
+    assert cpu["basis"] in text  # the table and --json say the same (a table cell folds: the line under it is whole)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_doctor_advice_on_either_kind_of_cpu(native_bf16, capsys, monkeypatch):
+    """Both kinds of CPU, whichever this one is: only the CPU's flags are stood in for (a CPU of the other kind cannot
+    be had here); the command runs for real."""
+    from lightning_precision import _machine, doctor
+
+    def flags(real=_machine.cpu_info):
+        isa = [name for name in real()["isa"] if "BF16" not in name] + (["AVX512-BF16"] if native_bf16 else [])
+        return {**real(), "isa": isa, "native_bf16": native_bf16}
+
+    monkeypatch.setattr(doctor, "cpu_info", flags)
+    text, cpu = _doctor_text_and_json(capsys)
+    if native_bf16:
+        assert cpu["recommended"] == "BF16MixedPrecision if `compare` finds it faster, else 32-true"
+        assert cpu["basis"].startswith("native bf16 instructions (AVX512-BF16), not a measured speed")
+    else:
+        assert cpu["recommended"].startswith("32-true for speed")
+        assert cpu["basis"].startswith("no native bf16 or fp16 instructions")
+    assert f"cpu: the recommendation rests on {cpu['basis']}." in text
+
+
+def _command(*args, cwd):
+    """The real command in a fresh process: (exit code, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "lightning_precision.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_fit_finds_the_shipped_configs_by_name(tmp_path, monkeypatch):
+    """`--config vit --config precision-16-mixed` from a folder without recipes/ (issue 28, item 9): the names find
+    the configs shipped with the package, combined in order; a file keeps working beside a name."""
+    import lightning as L
+
+    seen = []
+    fit = L.Trainer.fit
+
+    def record(trainer, *args, **kwargs):
+        seen.append((type(trainer.precision_plugin).__name__, type(args[0]).__name__))
+        return fit(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(L.Trainer, "fit", record)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["fit", "--config", "vit", "--config=precision-16-mixed.yaml", *FEW_STEPS]) == 0
+    assert cli.main(["fit", "-c", "distilbert", "--config", str(ROOT / "recipes" / "precision-32-true.yaml"),
+                     *FEW_STEPS]) == 0
+    assert seen[0] == ("FP16MixedPrecision", "ViTClassifier")
+    assert seen[1][1] == "DistilBertClassifier" and seen[1][0] != "BF16MixedPrecision"  # precision-32-true: no plugin
+
+
+def test_the_shipped_configs_are_the_checkouts_recipes():
+    assert cli.recipe_configs() == {p.stem: p for p in sorted((ROOT / "recipes").glob("*.yaml"))}
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--config", "precision-bf16-mixed"],
+     ["required: model", "combine it with a recipe config, e.g. `--config distilbert --config precision-bf16-mixed`"]),
+    (["--config", "nope"], ["--config nope: no such file", "distilbert, resnet50, vit", "precision-bf16-mixed"]),
+    (["--config", "recipes/vit.yaml"], ["--config recipes/vit.yaml: no such file", "is `--config vit`"]),
+    (["--config", "vit", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["--config", "vit", "--trainer.max_steps", "abc"], ['"trainer.max_steps"', "Got value: abc"]),
+    (["--config", "distilbert", "--model.init_args.size", "huge"], ["Problem with given class_path", "huge"]),
+])
+def test_fit_errors_are_one_line_with_no_usage_above(args, says, tmp_path):
+    """An error of `fit`'s command line was the last of ~50 lines of usage (issue 28, item 9): now it is the only line,
+    says the fix where there is one (a precision config alone names no model), points to --help, exits 2."""
+    code, out, err = _command("fit", *args, cwd=tmp_path)
+    assert code == 2 and not out, (code, out, err)
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("lightning-precision fit: error: ") and "usage:" not in err
+    assert err.strip().endswith("`lightning-precision fit --help` lists the options")
+    for text in says:
+        assert text in err, err
+
+
+def test_every_config_the_docs_name_exists():
+    """`--config X` in the commands of the README, the docs, the configs' comments and the CLI's help (code spans,
+    code blocks, the rest of a line after `lightning-precision fit`) names a shipped config or a file of the checkout."""
+    import re
+
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "recipes").glob("*.yaml")),
+             ROOT / "lightning_precision" / "cli.py"]
+    named = set()
+    for path in texts:
+        text = path.read_text()
+        code = re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", text)
+        code += re.findall(r"lightning-precision fit.*", text)
+        named |= {(path.name, m) for part in code for m in re.findall(r"--config[ =]([\w./<>-]+)", part)}
+    assert len(named) > 10
+    for where, config in named:
+        if "<" in config or config.removesuffix(".yaml").isupper() or config == "my.yaml":
+            continue  # a placeholder
+        assert config.removesuffix(".yaml") in cli.recipe_configs() or (ROOT / config).is_file(), (where, config)

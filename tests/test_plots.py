@@ -4,6 +4,7 @@ values that are not data. Each figure is caught as it is saved and its axes are 
 import os
 
 import matplotlib
+import matplotlib.figure
 import pytest
 import torch
 from matplotlib.colors import to_hex
@@ -89,3 +90,36 @@ def test_histogram_says_values_are_unscaled_and_states_the_rounding_rule(figures
     ax = figures["h.png"].axes[0]
     assert "unscaled" in ax.get_xlabel() and "below half of it" in ax.get_xlabel()
     assert "unscaled" in ax.get_legend().get_title().get_text()
+
+
+def _fits(fig) -> bool:
+    """Whether everything drawn lies inside the figure: what the saved PNG would otherwise cut off. The tight box is
+    what ``savefig(bbox_inches="tight")`` would crop to (drawn artists only), in inches."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()  # the figure was closed after saving
+    fig.draw(renderer)
+    drawn, figure = fig.get_tightbbox(renderer), fig.bbox_inches
+    return bool(drawn.x0 >= figure.x0 - 0.01 and drawn.y0 >= figure.y0 - 0.01 and drawn.x1 <= figure.x1 + 0.01
+                and drawn.y1 <= figure.y1 + 0.01)
+
+
+def test_amax_plot_names_every_layer_and_cuts_no_text(figures, tmp_path):
+    """The amax figure had no legend (none past 12 layers) and its what-if table ran off the bottom (issue 28, item
+    10): DistilBERT's 37 linear layers each get a distinct line named in a legend, and every text fits the figure."""
+    layers = [f"distilbert.transformer.layer.{n}.{m}" for n in range(6)
+              for m in ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "ffn.lin1", "ffn.lin2")]
+    layers.append("pre_classifier")
+    tensors = ["input", "weight", "grad_output"]
+    history = torch.rand(8, len(layers), 3) + 1e-3
+    what_if = {f"precision/fp8_whatif/{t}/{k}/{s}": torch.tensor(0.01) for t in tensors
+               for k in ("delayed", "current", "mxfp8", "nvfp4") for s in ("underflow", "overflow")}
+    plotting.plot_amax_history(history, layers, tensors, what_if, str(tmp_path / "a.png"))
+    fig = figures["a.png"]
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == layers
+    styles = {(to_hex(line.get_color()), line.get_linestyle()) for line in fig.axes[0].get_lines()}
+    assert len(styles) == len(layers)  # no two layers drawn alike
+    assert _fits(fig)
+    table = fig.axes[-1].texts[0].get_text()
+    assert "input       delayed      1.000%    1.000%" in table and "grad_output" in table

@@ -1,5 +1,6 @@
 """Precision plugins for the Trainer: ``Trainer(plugins=[FP16MixedPrecision()])``."""
 
+import lightning_precision.accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
 from lightning_precision.plugins.bf16_mixed import BF16MixedPrecision
 from lightning_precision.plugins.fp16_mixed import FP16MixedPrecision
 from lightning_precision.plugins.fp8 import FP8Precision, NVFP4Precision

@@ -1,6 +1,7 @@
 """Recipes: LightningModules and DataModules for DistilBERT, ViT and ResNet50, each with an embedded default task.
 
-``RECIPES[name].build(**overrides)`` gives a ``(model, datamodule)`` pair; the YAML configs under ``recipes/`` select
+``RECIPES[name].build(**overrides)`` gives a ``(model, datamodule)`` pair; the YAML configs (``recipes/`` of a
+checkout, installed as ``lightning_precision/recipe_configs/``: ``lightning_precision.cli.recipe_configs()``) select
 the same classes for ``lightning-precision fit``.
 """
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import lightning as L
 
+import lightning_precision.accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
 from lightning_precision.recipes.data import ImageClassificationData, TextClassificationData
 from lightning_precision.recipes.text import DistilBertClassifier
 from lightning_precision.recipes.vision import ResNet50Classifier, ViTClassifier
