@@ -169,7 +169,13 @@ def claim_folder(path: "str | os.PathLike[str]", owner: str, names: Collection[s
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file, or a folder's entries, to disk (a folder cannot be opened on Windows: nothing to do there)."""
+    """Flush a file to disk: an error (a full disk found only now) is raised, so the set is not swapped in."""
+    with open(path, "r+b") as f:  # writable: Windows flushes only a handle that may write
+        os.fsync(f.fileno())
+
+
+def _fsync_folder(path: Path) -> None:
+    """Flush a folder's entries to disk where the system can (not on Windows, nor on every filesystem)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -217,7 +223,7 @@ def replace_folder(folder: Path, names: Collection[str],
             raise RuntimeError(f"replace_folder: {unknown} are not files of the set {sorted(names)}")
         for name in written:
             _fsync(tmp / name)
-        _fsync(tmp)
+        _fsync_folder(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -241,8 +247,9 @@ def _swap(tmp: Path, folder: Path, names: Collection[str]) -> Optional[str]:
     something came into the old folder in between: it is kept, named in the note."""
     if not folder.exists():
         os.rename(tmp, folder)
-        _fsync(folder.parent)
+        _fsync_folder(folder.parent)
         return None
+    os.chmod(tmp, folder.stat().st_mode & 0o7777)  # a folder the user made private stays private
     if _exchange(tmp, folder):
         old = tmp
     else:  # two steps: in between, the old set waits in ".old-" (``_recover`` puts it back after a kill)
@@ -253,7 +260,7 @@ def _swap(tmp: Path, folder: Path, names: Collection[str]) -> Optional[str]:
         except BaseException:
             os.rename(old, folder)
             raise
-    _fsync(folder.parent)
+    _fsync_folder(folder.parent)
     if _remove_set(old, names):
         return None
     kept = folder.parent / f"{folder.name}.previous-{old.name.rsplit('-', 1)[-1]}"

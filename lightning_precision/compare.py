@@ -360,11 +360,13 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
 class _Stop:
     """SIGINT and SIGTERM while the comparison runs. The first asks every run to stop at its next turn, and what
     finished is written; a second one kills what still runs at once. The handler only records: the loops look between
-    messages (every 0.2 s at most), so no exception lands in the middle of a message or of the cleanup."""
+    messages (every 0.2 s at most), so no exception lands in the middle of a message or of the cleanup. Before any
+    process starts (``raising``), a signal raises ``_Interrupted`` at once instead: nothing is under way there."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
         self._previous: dict[int, Any] = {}
+        self._raising = False
 
     def __enter__(self) -> _Stop:
         if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
@@ -382,6 +384,18 @@ class _Stop:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
+        if self._raising:
+            self._raising = False  # once: what unwinds must not be cut again
+            raise _Interrupted
+
+    @contextlib.contextmanager
+    def raising(self) -> Any:
+        """A signal raises ``_Interrupted`` in this block (work that can be abandoned at any point)."""
+        self._raising = True
+        try:
+            yield
+        finally:
+            self._raising = False
 
     @property
     def signum(self) -> Optional[int]:
@@ -394,8 +408,9 @@ class _Stop:
         return len(self.received) > 1
 
 
-class _Interrupted(Exception):
-    """A signal arrived: the turns end here."""
+class _Interrupted(BaseException):
+    """A signal arrived: the turns end here. Not an ``Exception``: no ``except Exception`` on the way may take it for a
+    failure of what it interrupted."""
 
 
 class _Run:
@@ -813,10 +828,9 @@ def main(argv: list[str]) -> int:
     return 128 + stop.signum if stop.signum is not None else code
 
 
-def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Stop) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from lightning_precision import _report
+def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], Any]:
+    """Before any process starts: the machine, the report's meta (with the batch measured once), the precisions that
+    cannot run here and why, and the console (its first lines printed)."""
     from lightning_precision._console import console
     from lightning_precision._machine import describe, machine_info
 
@@ -840,6 +854,21 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Sto
     doomed = {p: why for p in args.precisions if (why := _precheck(p, args))}
     for p, why in doomed.items():
         out.print(f"{p} cannot run here: {why}", style="red", highlight=False, markup=False)
+    return machine, meta, doomed, out
+
+
+def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Stop) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lightning_precision import _report
+
+    try:
+        with stop.raising():  # nothing runs yet (measuring the batch takes seconds): a signal ends it at once
+            machine, meta, doomed, out = _prepare(args, argv)
+    except _Interrupted:
+        print(f"lightning-precision compare: interrupted before any precision started: nothing written, {args.out!r}"
+              " keeps what it held.", file=sys.stderr)
+        return 1
     runnable = [p for p in args.precisions if p not in doomed]
     _quiet_lightning()
     runs: dict[str, _Run] = {}

@@ -175,6 +175,17 @@ def test_a_symbolic_link_to_the_folder_stays_a_link(tmp_path):
     assert link.is_symlink() and sorted(os.listdir(link)) == sorted(_report.FILES)
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX permissions")
+def test_a_private_folder_stays_private(tmp_path):
+    out = tmp_path / "r"
+    _write(out, loss=1.0)
+    out.chmod(0o700)
+    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+        _write(folder, loss=2.0)
+    assert out.stat().st_mode & 0o777 == 0o700
+    assert json.loads((out / "report.json").read_text())["results"][0]["final_loss"] == 2.0
+
+
 @pytest.mark.parametrize("out", [".", "{tmp}"])
 def test_the_current_folder_is_not_replaced(out, tmp_path, monkeypatch, capsys):
     """Replacing the folder one works in (or one holding it) would leave the shell in a deleted folder."""
@@ -370,26 +381,27 @@ def test_signals_end_the_run_with_what_finished_written_and_no_process_left(sign
     assert sorted(os.listdir(tmp_path)) == ["log.txt", "r", "ready"]  # no lock, no temporary folder
 
 
-def test_a_signal_before_any_step_keeps_the_previous_report(tmp_path, capsys, monkeypatch):
-    """A SIGTERM that comes before any step is reported (here while the parent measures the recipe's batch: our
-    function is wrapped to send it then) starts no process, and a report of nothing does not replace the previous
-    one."""
+@pytest.mark.parametrize("when", ["_measure_batch", "_start"])
+def test_a_signal_before_any_step_keeps_the_previous_report(when, tmp_path, capsys, monkeypatch):
+    """A SIGTERM that comes before any step is reported, while the parent measures the recipe's batch (nothing runs:
+    it stops there at once) or as the first precision's process starts (a real one, stopped before its first step);
+    our function is wrapped to send it then. A report of nothing does not replace the previous one."""
     out = tmp_path / "r"
     _write(out, loss=1.0)
     before = _contents(out)
-    real = compare._measure_batch
+    real = getattr(compare, when)
 
-    def measure_then_sigterm(args):
-        measured = real(args)
-        os.kill(os.getpid(), signal.SIGTERM)  # compare's handler records it; the comparison then starts nothing
-        return measured
+    def then_sigterm(*args):
+        done = real(*args)
+        os.kill(os.getpid(), signal.SIGTERM)  # compare's handler takes it
+        return done
 
-    monkeypatch.setattr(compare, "_measure_batch", measure_then_sigterm)
-    _fail_if_trained(monkeypatch)
+    monkeypatch.setattr(compare, when, then_sigterm)
     previous = signal.getsignal(signal.SIGTERM)
     assert cli.main(["compare", *TINY, "--precisions", "32-true", "--out", str(out)]) == 143
-    assert "interrupted before any step finished: nothing written" in capsys.readouterr().err
+    assert f"nothing written, {str(out)!r} keeps what it held" in capsys.readouterr().err
     assert _contents(out) == before and signal.getsignal(signal.SIGTERM) is previous
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("compare-")]
 
 
 def _stubborn() -> None:
