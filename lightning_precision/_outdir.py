@@ -19,6 +19,8 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Callable, Optional
 
+from lightning_precision._io import check_writable_dir
+
 __all__ = ["claim_folder", "replace_folder"]
 
 _NEW, _OLD = ".new-", ".old-"  # the sibling temporary folders: ".<name>.new-XXXX", ".<name>.old-XXXX"
@@ -91,6 +93,7 @@ def _lock(folder: Path, owner: str) -> Iterator[None]:
             folder.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
+            check_writable_dir(folder, owner)  # the words every writer uses when it is the folder that cannot be made
             raise ValueError(f"{owner}: cannot create the lock file {str(path)!r} beside the folder"
                              f" ({err.strerror or err}); choose a folder in a writable place.") from None
         try:
@@ -155,10 +158,13 @@ def claim_folder(path: "str | os.PathLike[str]", owner: str, names: Collection[s
     """Hold the folder ``path`` for this run, released on every way out (and by the system if the process is killed);
     yields its real path. A ``ValueError`` naming ``owner``, the folder and the fix if another run holds it, or if it
     holds a file not named in ``names``: the folder is replaced whole later (``replace_folder``), and the user's files
-    are never moved or deleted. The folder need not exist."""
+    are never moved or deleted. The folder need not exist: it is made, and a file written in it to prove it can be."""
+    if str(path) == "":
+        check_writable_dir(path, owner)  # refused, in the words every writer uses
     folder = _resolve(path, owner)
     with _lock(folder, owner):
         _recover(folder, names)
+        check_writable_dir(folder, owner)  # under the lock: no check writes into a folder another run holds
         # Names only: a folder in the place of one of the set's files fails the swap later, as a write into it would.
         foreign = _foreign(folder, names, strict=False)
         if foreign:

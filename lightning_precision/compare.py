@@ -35,7 +35,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_precision._io import check_writable_dir
 from lightning_precision._outdir import claim_folder
 from lightning_precision._report import FILES, NOISY
 from lightning_precision.mfu import (
@@ -792,10 +791,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         _check_accelerator(args.accelerator)
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise _UsageError(f"data folder {args.data_dir!r} does not exist")
-    try:  # before any training: an output folder that cannot be written must not cost the whole comparison
-        check_writable_dir(args.out, "--out")
-    except ValueError as err:
-        raise _UsageError(str(err)) from None
+    # --out is checked (it can be written, it holds nothing but a report) when it is claimed, in ``main``: under its lock,
+    # so that no check writes into a folder another run holds
     return args
 
 
@@ -818,7 +815,9 @@ def _check_accelerator(name: str) -> None:
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     with contextlib.ExitStack() as held:
-        try:  # held for the whole run, released on every way out: a second run on this folder is refused meanwhile
+        # Before any training (an output folder that cannot be written must not cost the whole comparison), and held
+        # for the whole run, released on every way out: a second run on this folder is refused meanwhile.
+        try:
             folder = held.enter_context(claim_folder(args.out, "--out", FILES))
         except ValueError as err:
             raise _UsageError(str(err)) from None
