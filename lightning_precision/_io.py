@@ -4,11 +4,19 @@ half-written or replace a symbolic link with a copy."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "check_writable_file", "create_new_file"]
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_writable_dir",
+    "check_writable_file",
+    "create_new_file",
+    "json_safe",
+]
 
 
 def check_writable_dir(path: "str | os.PathLike[str]", owner: str) -> Path:
@@ -101,3 +109,17 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def json_safe(value: object) -> object:
+    """``value`` (dicts, lists, tuples, scalars) with every float that is not finite replaced by the string Python
+    writes for it, ``"nan"``, ``"inf"`` or ``"-inf"`` (as the csv module and plan files write them), so that
+    ``json.dumps(..., allow_nan=False)`` accepts it: strict JSON has no NaN or infinities, and most parsers other than
+    Python's refuse the bare ``NaN`` that ``json.dumps`` writes by default."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

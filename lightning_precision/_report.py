@@ -9,9 +9,14 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_precision._io import json_safe
+from lightning_precision._outdir import replace_folder
 from lightning_precision.warnings import warn
 
-__all__ = ["NOISY", "print_table", "verdict", "write_reports"]
+__all__ = ["FILES", "NOISY", "print_table", "verdict", "write_reports"]
+
+# Every file a report writes: the report folder holds these and nothing else (``lightning_precision._outdir``).
+FILES = ("report.md", "report.json", "report.csv", "loss.png", "throughput.png", "memory.png")
 
 COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "final loss", "val acc",
            "fp16 underflow", "skipped")
@@ -205,10 +210,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]
     return "\n".join(lines) + "\n"
 
 
-def write_reports(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> list[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    with open(out / "report.csv", "w", newline="") as f:
+def _write_files(rows: list[dict[str, Any]], folder: Path, meta: dict[str, Any]) -> list[str]:
+    """Write the report's files into ``folder``; their names, report.md first."""
+    # Strict JSON (no bare NaN or Infinity, which most parsers refuse): a loss that diverged is "nan", as in the CSV.
+    (folder / "report.json").write_text(json.dumps(json_safe({"meta": meta, "results": rows}), indent=2,
+                                                   allow_nan=False))
+    with open(folder / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
@@ -216,8 +223,25 @@ def write_reports(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
     try:
         from lightning_precision.plotting import plot_compare
 
-        images = plot_compare(rows, out, meta)
+        images = [Path(p).name for p in plot_compare(rows, folder, meta)]
     except ModuleNotFoundError as err:  # matplotlib missing: the table, JSON and CSV still stand
         warn(str(err))
-    (out / "report.md").write_text(markdown(rows, meta, images))
-    return [str(out / name) for name in ("report.md", "report.json", "report.csv")] + images
+    (folder / "report.md").write_text(markdown(rows, meta, images))
+    return ["report.md", "report.json", "report.csv", *images]
+
+
+def write_reports(rows: list[dict[str, Any]], out: Path,
+                  meta: dict[str, Any]) -> tuple[Path, list[str], Optional[str]]:
+    """Replace the report in ``out`` (a folder held with ``claim_folder``) whole: written beside it, then swapped in, so
+    that ``out`` holds one whole report, the previous one or this one, whatever happens during the writes (an
+    ``OSError`` leaves it as it was). Returns the folder that holds the new report (``out``, unless ``out`` holds
+    something a report does not write), the names of the files written, and a note when something is not where it was
+    (``replace_folder``)."""
+    names: list[str] = []
+
+    def fill(folder: Path) -> list[str]:
+        names[:] = _write_files(rows, folder, meta)
+        return names
+
+    where, note = replace_folder(out, FILES, fill)
+    return where, names, note

@@ -15,13 +15,16 @@ the output folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shlex
 import signal
 import statistics
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -32,8 +35,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_precision._io import check_writable_dir
-from lightning_precision._report import NOISY
+from lightning_precision._outdir import claim_folder
+from lightning_precision._report import FILES, NOISY
 from lightning_precision.mfu import (
     choose_peak,
     compute_kind,
@@ -51,6 +54,11 @@ _FP8_PRECISIONS = ("fp8", "fp8-auto")  # fp8-auto: FP8Precision(layers="auto"), 
 _WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
 _QUICK_STEPS, _QUICK_VAL_BATCHES = 30, 2
 _MIN_PAIRS = 3  # paired blocks needed before a speedup can count as resolved
+_GRACE_S = 5.0  # after a signal, how long a process may take to reach its next turn before it is killed
+_MAX_SEED = 2**32 - 1  # Lightning's seed_everything (numpy's bound) refuses a seed outside [0, 2**32 - 1]
+# What stops a comparison (the terminal's Ctrl-C; timeout, SLURM and Kubernetes send SIGTERM), as the rows name them
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 class _UsageError(Exception):
@@ -319,7 +327,11 @@ def _fp8_layers(plugin: Any) -> dict[str, Any]:
 
 def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> None:
     """A spawned process: one precision's run, taking turns when the parent says "go"."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops every run at once
+    # Ctrl-C and SIGTERM are the parent's to handle: it stops every run at once and writes what they reached. Ignored,
+    # and blocked (from the process's start, ``_start``, and again here): Lightning's SIGTERM handler, installed at
+    # every fit, never runs either (it would end this run as an error, or swallow the signal and keep running).
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     _quiet_lightning()
 
     def gate() -> None:
@@ -331,7 +343,8 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
         conn.send(("block", times, losses, peak_mb))
 
     try:
-        result = _run_one(recipe, precision, args, gate, on_block)
+        with _stop_signals_blocked():
+            result = _run_one(recipe, precision, args, gate, on_block)
     except BaseException as err:  # noqa: BLE001  (the parent reports it; nothing must be lost silently)
         if isinstance(err, SystemExit) and err.code == 0:
             return
@@ -341,6 +354,62 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
 
 
 # ------------------------------------------------------------------------------------------------ the parent process
+
+
+class _Stop:
+    """SIGINT and SIGTERM while the comparison runs. The first asks every run to stop at its next turn, and what
+    finished is written; a second one kills what still runs at once. The handler only records: the loops look between
+    messages (every 0.2 s at most), so no exception lands in the middle of a message or of the cleanup. Before any
+    process starts (``raising``), a signal raises ``_Interrupted`` at once instead: nothing is under way there."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+        self._raising = False
+
+    def __enter__(self) -> _Stop:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
+            for signum in _STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            # Ctrl-C works afterwards: Lightning leaves SIGINT ignored after a fit it interrupted (a notebook, a script
+            # that trained first), and a CI run once found it ignored.
+            if signum == signal.SIGINT and handler in (signal.SIG_IGN, None):
+                handler = signal.default_int_handler
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        if self._raising:
+            self._raising = False  # once: what unwinds must not be cut again
+            raise _Interrupted
+
+    @contextlib.contextmanager
+    def raising(self) -> Any:
+        """A signal raises ``_Interrupted`` in this block (work that can be abandoned at any point)."""
+        self._raising = True
+        try:
+            yield
+        finally:
+            self._raising = False
+
+    @property
+    def signum(self) -> Optional[int]:
+        """The first signal received, None if none."""
+        return self.received[0] if self.received else None
+
+    @property
+    def hurry(self) -> bool:
+        """A signal came after the first: nothing is waited for any more."""
+        return len(self.received) > 1
+
+
+class _Interrupted(BaseException):
+    """A signal arrived: the turns end here. Not an ``Exception``: no ``except Exception`` on the way may take it for a
+    failure of what it interrupted."""
 
 
 class _Run:
@@ -360,43 +429,58 @@ class _Run:
     def finished(self) -> bool:
         return self.result is not None or self.error is not None
 
-    def take_turn(self, on_step: Callable[[int], None]) -> None:
+    def take_turn(self, on_step: Callable[[int], None], stop: _Stop) -> None:
         """Let the process run until it yields (a block done) or ends (its result, or an error)."""
         try:
             self.conn.send("go")
         except OSError:  # the process died between turns (BrokenPipeError): say how it ended
             self.fail_from_exit()
             return
-        self.wait(on_step)
+        self.wait(on_step, stop)
 
-    def wait(self, on_step: Callable[[int], None]) -> None:
+    def wait(self, on_step: Callable[[int], None], stop: _Stop) -> None:
+        """Read the process's messages until it yields or ends; ``_Interrupted`` as soon as a signal has arrived."""
         while True:
-            while not self.conn.poll(0.2):
-                if not self.process.is_alive():
-                    self.fail_from_exit()
-                    return
-            try:
-                message = self.conn.recv()
-            except EOFError:
+            if stop.signum is not None:
+                raise _Interrupted
+            if not self.conn.poll(0.2):
+                if self.process.is_alive() or self.conn.poll(0):  # its last message may have come as it exited
+                    continue
                 self.fail_from_exit()
                 return
-            kind = message[0]
-            if kind == "block":
-                times, losses, self.peak_mb = message[1], message[2], message[3]
-                self.times += times
-                self.losses += losses
-                self.blocks.append(times)
-                on_step(len(times))
-            elif kind == "yield":
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self.fail_from_exit()
                 return
-            elif kind == "done":
-                self.result = message[1]
-                self.stop()  # its result is in: a process that does not exit by itself must not hang the comparison
+            if self.take(message, on_step):
+                if self.finished:  # its result is in: a process that does not exit by itself must not hang the run
+                    self.end(stop)
                 return
-            elif kind == "error":
-                self.error, self.detail = message[1], message[2]
-                self.stop()
-                return
+
+    def take(self, message: tuple, on_step: Callable[[int], None] = lambda n: None) -> bool:
+        """Record one message; True if the process's turn is over (it yielded, or ended)."""
+        kind = message[0]
+        if kind == "block":
+            times, losses, self.peak_mb = message[1], message[2], message[3]
+            self.times += times
+            self.losses += losses
+            self.blocks.append(times)
+            on_step(len(times))
+            return False
+        if kind == "done":
+            self.result = message[1]
+        elif kind == "error":
+            self.error, self.detail = message[1], message[2]
+        return True
+
+    def drain(self) -> None:
+        """Record what the process has sent and not been read, without waiting: blocks finished as it was stopped."""
+        try:
+            while self.conn.poll(0):
+                self.take(self.conn.recv())
+        except (EOFError, OSError):
+            pass
 
     def fail_from_exit(self) -> None:
         self.process.join(timeout=5)
@@ -405,17 +489,61 @@ class _Run:
         hint = " (signal 9 is often the out-of-memory killer)" if code == -signal.SIGKILL else ""
         self.error = f"its process ended before finishing: {why}{hint}"
 
-    def stop(self) -> None:
-        """End the process: asked at its next turn boundary (Lightning traps SIGTERM), killed if it does not."""
+    def ask_to_stop(self) -> None:
+        """Tell the process to end at its next turn boundary (Lightning would swallow a SIGTERM)."""
         if self.process.is_alive():
             try:
                 self.conn.send("stop")
             except OSError:
                 pass
-            self.process.join(timeout=10)
-        if self.process.is_alive():
+
+    def end(self, stop: _Stop) -> None:
+        """The process has reported its end: give it 10 s to exit, then kill it. A signal cuts the wait short
+        (``_stop_all`` ends it then)."""
+        self.ask_to_stop()
+        deadline = time.monotonic() + 10
+        while self.process.is_alive() and time.monotonic() < deadline and stop.signum is None:
+            self.process.join(timeout=0.2)
+        if self.process.is_alive() and stop.signum is None:
             self.process.kill()
             self.process.join()
+
+
+def _stop_all(runs: list[_Run], stop: _Stop, grace: float = _GRACE_S) -> None:
+    """End every process, whatever happened: each is asked to stop at its next turn boundary, and killed if it has
+    not ended ``grace`` seconds later, or at once once a second signal has come. Blocks that arrive meanwhile are
+    kept. Returns when every process is gone (a process in an uninterruptible wait, e.g. a driver call, after 5 s
+    more)."""
+    for run in runs:
+        run.ask_to_stop()
+    deadline = time.monotonic() + grace
+    while not stop.hurry and time.monotonic() < deadline:
+        alive = [run for run in runs if run.process.is_alive()]
+        if not alive:
+            break
+        for run in alive:
+            run.drain()  # a process blocked on a full pipe would never reach its turn boundary
+        multiprocessing.connection.wait([run.process.sentinel for run in alive], timeout=0.1)
+    for run in runs:
+        if run.process.is_alive():
+            run.process.kill()
+    for run in runs:
+        run.process.join(timeout=5)
+        run.drain()
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Any:
+    """SIGINT and SIGTERM held back in this thread (and in what it starts: the mask is inherited through fork and exec);
+    those that arrive meanwhile are delivered on leaving."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group receives them
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _start(recipe: str, precision: str, args: argparse.Namespace) -> _Run:
@@ -423,7 +551,16 @@ def _start(recipe: str, precision: str, args: argparse.Namespace) -> _Run:
     parent, child = context.Pipe()
     process = context.Process(target=_child, args=(child, recipe, precision, args), daemon=True,
                               name=f"compare-{precision}")
-    process.start()
+    # Born with SIGINT and SIGTERM blocked: a signal sent to the whole process group (Ctrl-C in a terminal, timeout,
+    # SLURM) must not end it while it imports, before ``_child`` ignores them. multiprocessing starts its resource
+    # tracker at the first start() and then unblocks both signals instead of restoring the mask it found: started
+    # first, it leaves the mask alone.
+    if hasattr(signal, "pthread_sigmask"):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+    with _stop_signals_blocked():
+        process.start()
     child.close()
     return _Run(precision, process, parent)
 
@@ -433,32 +570,30 @@ def _advance(progress: Any, task: Any, steps: int) -> None:
     progress.advance(task, steps)
 
 
-def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any) -> tuple[dict[str, _Run], bool]:
-    """Start every precision's process, then take turns until all are done; True as second value if interrupted."""
+def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop: _Stop) -> dict[str, _Run]:
+    """Start every precision's process, then take turns until all are done or a signal arrives; every process has
+    ended on return, whatever happened."""
     runs: dict[str, _Run] = {}
     tasks = {p: progress.add_task(f"{args.recipe} {p:>10}", total=args.steps) for p in precisions}
-    interrupted = False
-    # Ctrl-C must stop the comparison, whatever the process did before: Lightning leaves SIGINT ignored after a fit it
-    # interrupted (a notebook, a script that trained first), and a test run here once found it ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for p in precisions:
+            if stop.signum is not None:
+                raise _Interrupted
             runs[p] = _start(args.recipe, p, args)
         for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
-            run.wait(lambda n: None)
+            run.wait(lambda n: None, stop)
         turn = 0
         while not all(r.finished for r in runs.values()):
             order = precisions[turn % len(precisions):] + precisions[: turn % len(precisions)]
             for p in order:  # the order rotates: no precision always runs first after a pause
                 if not runs[p].finished:
-                    runs[p].take_turn(lambda n, p=p: _advance(progress, tasks[p], n))
+                    runs[p].take_turn(lambda n, p=p: _advance(progress, tasks[p], n), stop)
             turn += 1
-    except KeyboardInterrupt:
-        interrupted = True
+    except _Interrupted:
+        pass
     finally:
-        for run in runs.values():
-            run.stop()
-    return runs, interrupted
+        _stop_all(list(runs.values()), stop)
+    return runs
 
 
 # --------------------------------------------------------------------------------------------------------- the rows
@@ -481,7 +616,10 @@ def _timed(run: _Run, steps: int) -> list[list[float]]:
     return blocks
 
 
-def _make_row(run: _Run, args: argparse.Namespace, machine: dict[str, Any], interrupted: bool) -> dict[str, Any]:
+def _make_row(run: _Run, args: argparse.Namespace, machine: dict[str, Any],
+              interrupted: Optional[str] = None) -> dict[str, Any]:
+    """One precision's figures; ``interrupted``: the signal that stopped the comparison ("Ctrl-C", "SIGTERM"), if one
+    did."""
     row: dict[str, Any] = {"precision": run.precision, "steps_done": len(run.times),
                            "emulated": _emulated(run.precision, machine, _on_gpu(args)), "losses": run.losses,
                            "step_ms": [t * 1e3 for t in run.times]}
@@ -490,7 +628,7 @@ def _make_row(run: _Run, args: argparse.Namespace, machine: dict[str, Any], inte
         if run.detail:
             row["traceback"] = run.detail
     elif run.result is None:
-        row["error"] = (f"interrupted (Ctrl-C) after {len(run.times)} of {args.steps} steps" if interrupted
+        row["error"] = (f"interrupted ({interrupted}) after {len(run.times)} of {args.steps} steps" if interrupted
                         else "did not finish")
     times = [t for block in _timed(run, args.steps) for t in block] or run.times
     if times:
@@ -513,13 +651,36 @@ def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
     out: dict[str, Any] = {"model_flops_per_step": None, "unit": recipe.unit, "units_per_batch": None}
+    given = f"--recipe {args.recipe} --batch-size {args.batch_size}" + (f" --data-dir {args.data_dir}" if args.data_dir
+                                                                         else "")
     try:
         model, (batch,) = recipe.training_batches(1, data_args)
         out["units_per_batch"] = recipe.units(batch)
+    except Exception as err:  # every precision's run builds the same data: none of them could start
+        raise _UsageError(f"{given}: the recipe's first batch cannot be made ({type(err).__name__}: {_one_line(err)}),"
+                          " so every precision would fail; check --data-dir or choose other arguments.") from None
+    try:
         out["model_flops_per_step"] = model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
-    except Exception as err:  # a model flop_counter cannot trace: MFU is then n/a, the comparison still runs
+    except Exception as err:
+        _check_one_step(model, batch, given)
+        # a model flop_counter cannot trace: MFU is then n/a, the comparison still runs
         warnings.warn(f"compare: the model's FLOPs could not be counted ({type(err).__name__}: {err}); MFU is n/a.")
     return out
+
+
+def _check_one_step(model: Any, batch: Any, given: str) -> None:
+    """A ``_UsageError`` if one fp32 training step fails here for a reason that is not memory (every precision's run
+    would fail the same way: a ResNet's batch norm refuses a batch of 1)."""
+    try:
+        model.training_loss(batch).backward()
+    except Exception as err:
+        text = str(err).lower()  # the CPU's allocator ran out: a GPU run might not
+        memory = isinstance(err, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))) or \
+            "out of memory" in text or "allocate" in text
+        if not memory:
+            raise _UsageError(f"{given}: one training step fails in fp32 before any precision runs"
+                              f" ({type(err).__name__}: {_one_line(err)}), so every precision would fail; choose other"
+                              " arguments (e.g. a larger --batch-size).") from None
 
 
 def _add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
@@ -572,7 +733,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="lightning-precision compare", description=__doc__.splitlines()[0],
         epilog="Run `lightning-precision doctor` to see what this machine supports natively. Exit codes: 0 all ran, 1"
-               " a precision failed or the report could not be written, 2 bad arguments, 130 interrupted.")
+               " a precision failed or the report could not be written, 2 bad arguments or --out held by another"
+               " run, 130 interrupted by Ctrl-C, 143 by SIGTERM (what finished is written).")
     parser.add_argument("--recipe", default="distilbert", help=f"the recipe: {', '.join(RECIPES)} (default: distilbert)")
     parser.add_argument("--precisions", default=None,
                         help="comma-separated, from 32-true, bf16-mixed, 16-mixed, fp8, fp8-auto (default: chosen"
@@ -623,26 +785,54 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         raise _UsageError(str(err)) from None
     if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
         raise _UsageError("--steps and --batch-size must be positive, --val-batches not negative")
+    if not 0 <= args.seed <= _MAX_SEED:
+        raise _UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {_MAX_SEED} (2**32 - 1).")
+    if args.accelerator != "auto":
+        _check_accelerator(args.accelerator)
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise _UsageError(f"data folder {args.data_dir!r} does not exist")
-    try:  # before any training: an output folder that cannot be written must not cost the whole comparison
-        check_writable_dir(args.out, "--out")
-    except ValueError as err:
-        raise _UsageError(str(err)) from None
+    # --out is checked (it can be written, it holds nothing but a report) when it is claimed, in ``main``: under its lock,
+    # so that no check writes into a folder another run holds
     return args
+
+
+def _check_accelerator(name: str) -> None:
+    """A ``_UsageError`` if a Trainer refuses ``--accelerator`` here (unknown, or absent from this machine), which every
+    precision's run would do."""
+    import lightning as L
+
+    _quiet_lightning()  # the Trainer's banner ("GPU available: ...") is for runs, not for a check
+    try:
+        L.Trainer(accelerator=name, devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    except Exception as err:  # noqa: BLE001  (Lightning raises ValueError, MisconfigurationException, ImportError)
+        raise _UsageError(f"--accelerator {name!r}: {_one_line(err)}") from None
 
 
 # ------------------------------------------------------------------------------------------------------------- main
 
 
 def main(argv: list[str]) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    args = _parse(argv)
+    with contextlib.ExitStack() as held:
+        # Before any training (an output folder that cannot be written must not cost the whole comparison), and held
+        # for the whole run, released on every way out: a second run on this folder is refused meanwhile.
+        try:
+            folder = held.enter_context(claim_folder(args.out, "--out", FILES))
+        except ValueError as err:
+            raise _UsageError(str(err)) from None
+        stop = held.enter_context(_Stop())
+        code = _compare(args, argv, folder, stop)
+    # 128 + the signal, as a shell reports a command the signal stopped: 130 for Ctrl-C, 143 for SIGTERM
+    return 128 + stop.signum if stop.signum is not None else code
 
-    from lightning_precision import _report
+
+def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], Any]:
+    """Before any process starts: the machine, the report's meta (with the batch measured once), the precisions that
+    cannot run here and why, and the console (its first lines printed)."""
     from lightning_precision._console import console
     from lightning_precision._machine import describe, machine_info
 
-    args = _parse(argv)
     machine = machine_info()
     notes: list[str] = []
     if args.precisions is None:
@@ -663,30 +853,57 @@ def main(argv: list[str]) -> int:
     doomed = {p: why for p in args.precisions if (why := _precheck(p, args))}
     for p, why in doomed.items():
         out.print(f"{p} cannot run here: {why}", style="red", highlight=False, markup=False)
+    return machine, meta, doomed, out
+
+
+def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Stop) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lightning_precision import _report
+
+    try:
+        with stop.raising():  # nothing runs yet (measuring the batch takes seconds): a signal ends it at once
+            machine, meta, doomed, out = _prepare(args, argv)
+    except _Interrupted:
+        print(f"lightning-precision compare: interrupted before any precision started: nothing written, {args.out!r}"
+              " keeps what it held.", file=sys.stderr)
+        return 1
     runnable = [p for p in args.precisions if p not in doomed]
     _quiet_lightning()
     runs: dict[str, _Run] = {}
     if runnable:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=out) as progress:
-            runs, meta["interrupted"] = _run_all(args, runnable, progress)
+            runs = _run_all(args, runnable, progress, stop)
+    stopped_by = None
+    if stop.signum is not None and (len(runs) < len(runnable) or not all(r.finished for r in runs.values())):
+        stopped_by = _SIGNAL_NAMES.get(stop.signum, signal.Signals(stop.signum).name)
+        meta.update(interrupted=True, signal=signal.Signals(stop.signum).name)
     rows = []
     for p in args.precisions:
         if p in doomed or p not in runs:
             why = doomed.get(p, "not started: the comparison was interrupted before it")
             rows.append({"precision": p, "error": why, "steps_done": 0, "losses": []})
         else:
-            rows.append(_make_row(runs[p], args, machine, meta["interrupted"]))
+            rows.append(_make_row(runs[p], args, machine, stopped_by))
     _add_speedups(rows, runs, args.steps)
     _add_mfu(rows, meta, args)
     meta["verdict"] = _report.verdict(rows, meta)
     _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
-    try:
-        files = _report.write_reports(rows, Path(args.out), meta)
-    except OSError as err:
-        print(f"lightning-precision compare: could not write the report to {args.out!r}: {err}", file=sys.stderr)
+    if meta["interrupted"] and not any(r.get("steps_done") for r in rows):  # a report of nothing replaces no report
+        print(f"lightning-precision compare: interrupted before any step finished: nothing written, {args.out!r} keeps"
+              " what it held.", file=sys.stderr)
         return 1
-    print("wrote " + ", ".join(files))
-    if meta["interrupted"]:
-        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
-    return 1 if any("error" in r for r in rows) else 0
+    try:  # whole or not at all, also when interrupted: written beside the folder, then swapped in
+        where, names, note = _report.write_reports(rows, folder, meta)
+    except OSError as err:
+        print(f"lightning-precision compare: could not write the report to {args.out!r} ({err}); the folder keeps what"
+              " it held.", file=sys.stderr)
+        return 1
+    if where != folder:
+        print(f"lightning-precision compare: could not write the report to {args.out!r}: {note}.", file=sys.stderr)
+    elif note:
+        print(f"lightning-precision compare: note: {note}.", file=sys.stderr)
+    shown = Path(args.out) if where == folder else where  # the folder as the user named it
+    print("wrote " + ", ".join(str(shown / name) for name in names))
+    return 1 if where != folder or any("error" in r for r in rows) else 0

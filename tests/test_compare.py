@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import re
 import signal
-import time
 
 import pytest
 
@@ -203,10 +202,11 @@ def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, 
     def interrupt(progress, task, steps):
         real(progress, task, steps)
         if progress.tasks[task].description.endswith("bf16-mixed") and progress.tasks[task].completed == 3:
-            # compare installs Ctrl-C's handler for the comparison (a CI run found SIGINT ignored before it did)
-            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+            # compare installs its Ctrl-C handler for the comparison (a CI run found SIGINT ignored before it did); the
+            # handler records the signal, and the turns end at the next look (issue 23, item 3: no exception raised
+            # into the cleanup, where a second Ctrl-C used to leave processes behind and hang the exit)
+            assert signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL, signal.default_int_handler)
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(10)  # Python runs the handler in the main thread: KeyboardInterrupt cuts this short
 
     monkeypatch.setattr(compare, "_advance", interrupt)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as Lightning leaves it after a fit it interrupted

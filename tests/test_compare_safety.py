@@ -1,0 +1,421 @@
+"""`lightning-precision compare` loses nothing and claims nothing false (issue 23, items 2, 3, 4, 15 and 20): the report
+folder is replaced whole (a full disk mid-write keeps the previous report, files that are not the report's are never
+touched), one run holds a folder at a time, SIGTERM and a second Ctrl-C end the run within seconds with what finished
+written and no process left behind, arguments that every run would refuse are refused first, and report.json is
+strict JSON."""
+
+import errno
+import json
+import math
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_precision import _outdir, _report, cli, compare
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc, sends POSIX signals to process groups")
+
+
+def _report_of(loss: float, steps: int = 12) -> tuple[list, dict]:
+    """The rows and meta of a two-precision report, as ``compare`` makes them, without training."""
+    meta = {"recipe": "vit", "task": "gratings", "chance": 0.1, "steps": steps, "batch_size": 8, "seed": 0,
+            "val_batches": 1, "quick": False, "device": "cpu", "machine_line": "a CPU",
+            "machine": {"packages": {"torch": "2"}}, "notes": [], "schedule": "interleaved", "interrupted": False,
+            "verdict": "No precision was measurably faster.", "unit": "images"}
+    rows = [{"precision": p, "median_step_ms": 10.0, "step_ms_q1": 9.0, "step_ms_q3": 11.0, "spread": 0.2,
+             "samples_per_s": 800.0, "final_loss": loss, "val_acc": 0.5, "peak_memory_mb": 5.0,
+             "grad_underflow_fp16": 0.0, "skipped_steps": 0, "steps_done": steps, "losses": [loss] * steps}
+            for p in ("32-true", "bf16-mixed")]
+    return rows, meta
+
+
+def _write(folder: Path, loss: float) -> tuple:
+    rows, meta = _report_of(loss)
+    return _report.write_reports(rows, folder, meta)
+
+
+def _contents(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _fail_if_trained(monkeypatch):
+    monkeypatch.setattr(compare, "_start", lambda *a: pytest.fail("refused arguments must cost no training"))
+
+
+# ------------------------------------------------------------------------------------ item 2: the folder, whole
+
+
+def test_a_full_disk_mid_report_keeps_the_previous_report_whole(tmp_path, monkeypatch):
+    """The disk fills while loss.png is written (our plot writer stands in for the disk: it writes a cut-short PNG
+    and raises ENOSPC, as savefig does): the folder keeps the previous report byte for byte (not the new JSON and CSV
+    beside a truncated plot and the old report.md), and no temporary folder is left."""
+    from lightning_precision import plotting
+
+    out = tmp_path / "report"
+    _write(out, loss=1.0)
+    before = _contents(out)
+    assert set(before) == set(_report.FILES)
+
+    def full_disk(rows, folder, meta):
+        (Path(folder) / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(folder) / "loss.png"))
+
+    monkeypatch.setattr(plotting, "plot_compare", full_disk)
+    rows, meta = _report_of(loss=2.0)
+    with pytest.raises(OSError, match="No space left on device"):
+        _report.write_reports(rows, out, meta)
+    assert _contents(out) == before
+    assert os.listdir(tmp_path) == ["report"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_real_write_failure_mid_report_keeps_the_previous_report_whole(tmp_path):
+    """A real condition, nothing patched: a file-size limit (RLIMIT_FSIZE) that the plots exceed but the JSON and CSV
+    do not, so the kernel refuses the write (EFBIG) in the middle of the report, as a full disk would."""
+    out = tmp_path / "report"
+    script = textwrap.dedent(f"""
+        import errno, resource, signal, sys
+        from pathlib import Path
+        from lightning_precision import _report
+        from tests.test_compare_safety import _report_of
+        out = Path({str(out)!r})
+        rows, meta = _report_of(loss=1.0)
+        _report.write_reports(rows, out, meta)
+        print(max(p.stat().st_size for p in out.glob("*.json")), min(p.stat().st_size for p in out.glob("*.png")))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (12_000, 12_000))
+        rows, meta = _report_of(loss=2.0)
+        try:
+            _report.write_reports(rows, out, meta)
+        except OSError as err:
+            sys.exit(0 if err.errno == errno.EFBIG else 3)
+        sys.exit(4)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    json_size, png_size = map(int, done.stdout.split())
+    assert json_size < 12_000 < png_size  # the limit falls between them: the failure comes mid-report
+    report = json.loads((out / "report.json").read_text())
+    assert report["results"][0]["final_loss"] == 1.0 and "final loss 1.000" not in (out / "report.md").read_text()
+    assert all(r["losses"] == [1.0] * 12 for r in report["results"])  # the previous report, whole
+    assert sorted(os.listdir(out)) == sorted(_report.FILES) and os.listdir(tmp_path) == ["report"]
+
+
+def test_a_folder_holding_files_not_of_the_report_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """The folder is replaced whole, so a folder holding a file of the user's is refused up front, with the file named:
+    it is never moved or deleted."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "report.md").write_text("a previous report")
+    _fail_if_trained(monkeypatch)
+    assert cli.main(["compare", *TINY, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "notes.txt" in err and "choose a new or empty folder" in err
+    assert _contents(out) == {"notes.txt": b"mine", "report.md": b"a previous report"}
+
+
+def test_a_file_that_appears_during_the_run_is_left_and_the_report_written_beside(tmp_path):
+    out = tmp_path / "r"
+    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+        _write(folder, loss=1.0)
+        (out / "notes.txt").write_text("written during the run")
+        where, names, note = _write(folder, loss=2.0)
+    assert where != out and where.parent == tmp_path and where.name.startswith("r.new-")
+    assert "notes.txt" in note and str(where) in note
+    assert sorted(os.listdir(where)) == sorted(_report.FILES) == sorted(names)
+    assert json.loads((where / "report.json").read_text())["results"][0]["final_loss"] == 2.0
+    assert (out / "notes.txt").read_text() == "written during the run"  # the folder as it was, the old report too
+    assert json.loads((out / "report.json").read_text())["results"][0]["final_loss"] == 1.0
+
+
+def test_the_swap_in_two_steps_and_what_a_killed_run_left_behind(tmp_path, monkeypatch):
+    """Where the system cannot exchange two folders in one step (not Linux, or a filesystem without
+    RENAME_EXCHANGE; our exchange function stands in for such a system), the old folder moves aside, then the new one
+    in. A run killed between the two finds the old report moved back at the next start, and the temporary folders of
+    a run killed while writing are cleared."""
+    monkeypatch.setattr(_outdir, "_exchange", lambda a, b: False)
+    out = tmp_path / "r"
+    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+        _write(folder, loss=1.0)
+        _write(folder, loss=2.0)
+    assert os.listdir(tmp_path) == ["r"]
+    assert json.loads((out / "report.json").read_text())["results"][0]["final_loss"] == 2.0
+    report = _contents(out)
+    # killed between the two steps: the report waits in ".r.old-..." and "r" is missing (or empty, as --out's check
+    # makes it); killed while writing: an unfinished ".r.new-..."
+    os.rename(out, tmp_path / ".r.old-0badf00d")
+    out.mkdir()
+    (tmp_path / ".r.new-1badf00d").mkdir()
+    (tmp_path / ".r.new-1badf00d" / "report.json").write_text("{")
+    with _outdir.claim_folder(out, "--out", _report.FILES):
+        assert _contents(out) == report
+    assert os.listdir(tmp_path) == ["r"]
+
+
+def test_a_symbolic_link_to_the_folder_stays_a_link(tmp_path):
+    real = tmp_path / "reports" / "today"
+    real.mkdir(parents=True)
+    link = tmp_path / "latest"
+    link.symlink_to(real, target_is_directory=True)
+    with _outdir.claim_folder(link, "--out", _report.FILES) as folder:
+        assert folder == real
+        _write(folder, loss=1.0)
+    assert link.is_symlink() and sorted(os.listdir(link)) == sorted(_report.FILES)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX permissions")
+def test_a_private_folder_stays_private(tmp_path):
+    out = tmp_path / "r"
+    _write(out, loss=1.0)
+    out.chmod(0o700)
+    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+        _write(folder, loss=2.0)
+    assert out.stat().st_mode & 0o777 == 0o700
+    assert json.loads((out / "report.json").read_text())["results"][0]["final_loss"] == 2.0
+
+
+@pytest.mark.parametrize("out", [".", "{tmp}"])
+def test_the_current_folder_is_not_replaced(out, tmp_path, monkeypatch, capsys):
+    """Replacing the folder one works in (or one holding it) would leave the shell in a deleted folder."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    _fail_if_trained(monkeypatch)
+    assert cli.main(["compare", *TINY, "--out", out.format(tmp=tmp_path)]) == 2
+    assert "holds the current folder" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- item 4: one run per folder
+
+
+def test_a_folder_another_run_holds_is_refused(tmp_path, capsys, monkeypatch):
+    """The lock is the one a running comparison holds (claim_folder, as main takes it); the second run is refused in
+    one line that names the folder, the holder and the fix, and the first run's folder is untouched."""
+    out = tmp_path / "r"
+    _fail_if_trained(monkeypatch)
+    with _outdir.claim_folder(out, "--out", _report.FILES):
+        assert cli.main(["compare", *TINY, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"{str(out)!r} is in use by another run (pid {os.getpid()})" in err and "choose another folder" in err
+    assert not (tmp_path / ".r.lock").exists()  # released on the way out
+
+
+def test_a_killed_runs_lock_does_not_block(tmp_path):
+    """flock ends with its process: a run killed with SIGKILL (no cleanup at all) leaves its lock file, which does not
+    block the next run."""
+    out = tmp_path / "r"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom lightning_precision import _outdir\n"
+         f"with _outdir.claim_folder({str(out)!r}, '--out', ['report.md']):\n"
+         "    print('held', flush=True)\n    time.sleep(600)"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"in use by another run \(pid {holder.pid}\)"):
+            with _outdir.claim_folder(out, "--out", _report.FILES):
+                pass
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert (tmp_path / ".r.lock").exists()  # left behind by the killed run
+    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+        assert folder == out
+
+
+# ---------------------------------------------------------------------- item 15: what every run would refuse
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--seed", "-1"], r"--seed -1 is out of range: seeds go from 0 to 4294967295"),
+    (["--seed", str(2**32)], r"--seed 4294967296 is out of range"),
+    (["--accelerator", "nonsense"], r"--accelerator 'nonsense': .*invalid accelerator name"),
+    (["--out", ""], r"--out: an empty path names no folder"),
+    (["--recipe", "resnet50", "--batch-size", "1"],
+     r"--recipe resnet50 --batch-size 1: one training step fails in fp32 .*Expected more than 1 value per channel"),
+    (["--data-dir", "{tmp}/empty"], r"--data-dir .*first batch cannot be made \(FileNotFoundError: No class folders"),
+])
+def test_arguments_every_run_would_refuse_are_refused_first(args, message, tmp_path, capsys, monkeypatch):
+    _fail_if_trained(monkeypatch)
+    (tmp_path / "empty").mkdir()  # a folder, but no data set in it
+    argv = ["compare", *TINY, "--out", str(tmp_path / "r"), *[a.format(tmp=tmp_path) for a in args]]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+
+
+# ------------------------------------------------------------------------------------- item 20: strict JSON
+
+
+def test_report_json_is_strict_json_and_says_nan_as_the_csv_does(tmp_path):
+    """A diverged run's NaN and infinite figures: report.json parses as strict JSON (no bare NaN or Infinity), where
+    they are the strings "nan", "inf" and "-inf", as in report.csv; the plots are still drawn."""
+    rows, meta = _report_of(loss=1.0)
+    rows[1].update(final_loss=math.nan, grad_underflow_fp16=math.inf, losses=[1.0, math.inf, math.nan, -math.inf],
+                   speedup=math.nan)
+    meta["model_flops_per_step"] = math.inf
+    _report.write_reports(rows, tmp_path / "r", meta)
+    text = (tmp_path / "r" / "report.json").read_text()
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    report = json.loads(text, parse_constant=refuse)
+    bf16 = report["results"][1]
+    assert (bf16["final_loss"], bf16["grad_underflow_fp16"], bf16["speedup"]) == ("nan", "inf", "nan")
+    assert bf16["losses"] == [1.0, "inf", "nan", "-inf"] and report["meta"]["model_flops_per_step"] == "inf"
+    csv_row = (tmp_path / "r" / "report.csv").read_text().splitlines()[2].split(",")
+    header = (tmp_path / "r" / "report.csv").read_text().splitlines()[0].split(",")
+    assert csv_row[header.index("final_loss")] == "nan" and csv_row[header.index("grad_underflow_fp16")] == "inf"
+    assert (tmp_path / "r" / "loss.png").stat().st_size > 5_000
+
+
+# ------------------------------------------------------------------------------------- item 3: signals
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except OSError:
+        return True
+
+
+# Run by the tests below in a process of its own: compare as the console script runs it, and a file made once both
+# precisions have reported steps (our progress function is wrapped for that; nothing else is changed).
+DRIVER = """
+import sys
+from pathlib import Path
+from lightning_precision import cli, compare
+
+ready, real = Path(sys.argv[1]), compare._advance
+
+def advance(progress, task, steps):
+    real(progress, task, steps)
+    # After bf16-mixed's second block (turns go A B, B A, ...), so that the signals come as 32-true's turn begins:
+    # one precision running, the other waiting for its turn
+    if progress.tasks[1].completed >= 20 and not ready.exists():
+        ready.write_text("")
+
+compare._advance = advance
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@linux_only
+@pytest.mark.parametrize(("signals", "to_group", "code", "name"), [
+    pytest.param([signal.SIGTERM], False, 143, "SIGTERM", id="SIGTERM-to-compare-alone-as-Kubernetes"),
+    pytest.param([signal.SIGTERM], True, 143, "SIGTERM", id="SIGTERM-to-the-group-as-timeout-and-SLURM"),
+    pytest.param([signal.SIGINT, signal.SIGINT], True, 130, "Ctrl-C", id="Ctrl-C-twice-in-a-terminal"),
+])
+def test_signals_end_the_run_with_what_finished_written_and_no_process_left(signals, to_group, code, name, tmp_path,
+                                                                           capsys, monkeypatch):
+    """A real comparison in its own process group, stopped by real signals once every precision has reported a block:
+    it exits with 128 + the signal, the report holds every step reported, marked interrupted, and no process of it
+    is left. A second Ctrl-C comes while the running precision is mid-block: it is killed at once instead of being
+    waited for (before, the parent hung forever: Lightning's handler swallowed the SIGTERM multiprocessing's exit
+    sends to a worker). While it runs, a second comparison on its folder is refused."""
+    out, ready = tmp_path / "r", tmp_path / "ready"
+    argv = ["compare", "--recipe", "vit", "--steps", "100", "--batch-size", "8", "--val-batches", "1",
+            "--precisions", "32-true,bf16-mixed", "--out", str(out)]
+    log = open(tmp_path / "log.txt", "w")
+    run = subprocess.Popen([sys.executable, "-c", DRIVER, str(ready), *argv], cwd=tmp_path, stdout=log,
+                           stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists():
+            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
+            time.sleep(0.1)
+        workers = _children(run.pid)
+        assert len(workers) >= 2  # a process per precision (and multiprocessing's resource tracker)
+
+        _fail_if_trained(monkeypatch)  # item 4: the folder is held by the run under way
+        assert cli.main(argv) == 2
+        assert f"is in use by another run (pid {run.pid})" in capsys.readouterr().err
+
+        for i, signum in enumerate(signals):
+            if i:
+                time.sleep(0.2)
+            os.killpg(run.pid, signum) if to_group else os.kill(run.pid, signum)
+        assert run.wait(timeout=120) == code, (tmp_path / "log.txt").read_text()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        log.close()
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in workers if not _gone(pid)] == []
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["meta"]["interrupted"] is True and report["meta"]["signal"] == signal.Signals(signals[0]).name
+    for row in report["results"]:
+        assert row["error"] == f"interrupted ({name}) after {row['steps_done']} of 100 steps"
+        assert 10 <= row["steps_done"] < 100 and len(row["losses"]) == row["steps_done"]
+    assert "INTERRUPTED" in (tmp_path / "log.txt").read_text() and "wrote " in (tmp_path / "log.txt").read_text()
+    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    assert sorted(os.listdir(tmp_path)) == ["log.txt", "r", "ready"]  # no lock, no temporary folder
+
+
+@pytest.mark.parametrize("when", ["_measure_batch", "_start"])
+def test_a_signal_before_any_step_keeps_the_previous_report(when, tmp_path, capsys, monkeypatch):
+    """A SIGTERM that comes before any step is reported, while the parent measures the recipe's batch (nothing runs:
+    it stops there at once) or as the first precision's process starts (a real one, stopped before its first step);
+    our function is wrapped to send it then. A report of nothing does not replace the previous one."""
+    out = tmp_path / "r"
+    _write(out, loss=1.0)
+    before = _contents(out)
+    real = getattr(compare, when)
+
+    def then_sigterm(*args):
+        done = real(*args)
+        os.kill(os.getpid(), signal.SIGTERM)  # compare's handler takes it
+        return done
+
+    monkeypatch.setattr(compare, when, then_sigterm)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["compare", *TINY, "--precisions", "32-true", "--out", str(out)]) == 143
+    assert f"nothing written, {str(out)!r} keeps what it held" in capsys.readouterr().err
+    assert _contents(out) == before and signal.getsignal(signal.SIGTERM) is previous
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("compare-")]
+
+
+def _stubborn() -> None:
+    """A process that answers no message and ignores SIGINT and SIGTERM (as a worker inside Lightning's fit does)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+
+
+def test_a_process_that_does_not_answer_is_killed_after_the_grace_period():
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_stubborn, daemon=True)
+    process.start()
+    run = compare._Run("32-true", process, parent)
+    compare._stop_all([run], compare._Stop(), grace=1.0)
+    assert not process.is_alive() and process.exitcode == -signal.SIGKILL
