@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_precision import fp8 as _fp8
-from lightning_precision._io import atomic_write_text, check_writable_file
+from lightning_precision._io import atomic_write_text, check_writable_file, json_safe
 from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
 from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
 
@@ -177,10 +177,6 @@ class LayerPlan:
                      self.numbers)
 
 
-def _to_json_number(x: float) -> Union[float, str]:
-    return x if math.isfinite(x) else str(x)  # "inf", "-inf", "nan": strict JSON has no infinities
-
-
 @dataclass(frozen=True)
 class PrecisionPlan:
     """Per linear layer, fp8 or high precision and why. ``recipe`` and ``rule`` record how it was made, ``batches``
@@ -302,9 +298,9 @@ class PrecisionPlan:
         ``"nan"``, since strict JSON has none."""
         return {
             "version": PLAN_VERSION, "recipe": self.recipe, "batches": self.batches,
-            "rule": {k: _to_json_number(v) for k, v in dataclasses.asdict(self.rule).items()},
+            "rule": json_safe(dataclasses.asdict(self.rule)),
             "layers": [{"fqn": p.fqn, "precision": p.precision, "reason": p.reason,
-                        "numbers": {k: _to_json_number(v) for k, v in p.numbers.items()}} for p in self.layers],
+                        "numbers": json_safe(p.numbers)} for p in self.layers],
         }
 
     @classmethod
