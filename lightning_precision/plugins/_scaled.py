@@ -53,8 +53,13 @@ class _TrainerScaledPrecision(_TrainerPrecision):
                 check_optimizer(type(self).__name__, optimizer)
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
         if self.scaler is not None and self.skip_schedulers_on_overflow:
-            lr_schedulers = hold_step_schedulers(lr_schedulers, lambda opt: id(opt) in self._held_optimizers)
+            # A bound method, not a local function: the stand-ins pickle with the schedulers they hold.
+            lr_schedulers = hold_step_schedulers(lr_schedulers, self._holds_schedulers_of)
         return model, optimizers, lr_schedulers
+
+    def _holds_schedulers_of(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s last step was skipped, so that its step-interval schedulers stay where they are."""
+        return id(optimizer) in getattr(self, "_held_optimizers", ())
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
@@ -138,4 +143,5 @@ class _TrainerScaledPrecision(_TrainerPrecision):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_manual_model"] = None
+        state["_held_optimizers"] = set()  # ids of this process's optimizers: the copies have others
         return state
