@@ -19,7 +19,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 import lightning_precision
-from lightning_precision import NoEffectWarning, ScalerConfig, XPUPrecision
+from lightning_precision import ScalerConfig, XPUPrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.accelerators import TrainerXPUAccelerator, XPUAccelerator
 from lightning_precision.accelerators.xpu import parse_xpu_devices
@@ -137,9 +137,12 @@ def test_xpu_precision_is_not_an_fp16_plugin_and_bf16_owns_no_scaler():
     assert XPUPrecision(dtype="fp16", device="cpu").scaler.is_enabled()
 
 
-def test_xpu_bf16_says_scaler_arguments_have_no_effect():
-    with pytest.warns(NoEffectWarning, match="no effect"):
+def test_xpu_bf16_refuses_scaler_arguments_it_would_ignore():
+    # They did nothing in bf16 (a warning said so, easily missed): a user who sets a scale believes the loss is scaled.
+    with pytest.raises(ValueError, match=r"XPUPrecision\(dtype='bf16', scaler=ScalerConfig\(.*would do nothing.*dtype='fp16'"):
         XPUPrecision(device="cpu", scaler=ScalerConfig())
+    with pytest.raises(ValueError, match=r"XPUPrecision\(dtype='bf16', init_scale=1024\.0\).*would do nothing"):
+        XPUPrecision(device="cpu", init_scale=1024.0)
     plugin = XPUPrecision(dtype="fp16", device="cpu", scaler=ScalerConfig(init_scale=1024.0))
     assert plugin.loss_scale == 1024.0
 

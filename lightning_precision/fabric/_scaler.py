@@ -33,7 +33,7 @@ from lightning_precision._checks import is_positive_int, one_config
 from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.warnings import warn
 
-__all__ = ["ScalerConfig", "SkippedStepsError", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
+__all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
 
 
 class SkippedStepsError(RuntimeError):
@@ -41,7 +41,9 @@ class SkippedStepsError(RuntimeError):
 
 
 # 1/scale must be a normal fp32 number in both directions, or unscaling is no longer exact (and at 2**-128, inf).
-_SCALE_RANGE = (2.0**-126, 2.0**126)
+MAX_LOG2_SCALE = 126
+_SCALE_RANGE = (2.0**-MAX_LOG2_SCALE, 2.0**MAX_LOG2_SCALE)
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,15 @@ class ScalerConfig:
         if not low <= real("init_scale") <= high:
             fail("init_scale", f"the initial loss scale must lie in [min_scale, max_scale] = [{low:g}, {high:g}],"
                                " e.g. 2.0**16 (the default).")
-        if not real("growth_factor") > 1:
+        growth = real("growth_factor")
+        if not growth > 1:
             fail("growth_factor", "the scale must grow, so use a factor > 1, e.g. 2.0.")
+        # torch grows the scale only when `scale * growth_factor` is a finite fp32 number: past that bound a scale that
+        # backed off below max_scale would never grow again.
+        if growth > _FP32_MAX / high:
+            fail("growth_factor", f"max_scale * growth_factor must stay a finite fp32 number (<= {_FP32_MAX:.6g}), or"
+                                  " torch never grows the scale again after a backoff: use a factor <="
+                                  f" {_FP32_MAX / high:.8g} (max_scale = {high:g}), e.g. 2.0.")
         backoff = real("backoff_factor")
         if not 0 < backoff < 1:
             fail("backoff_factor", "the scale must shrink on overflow: use a value in (0, 1), e.g. 0.5.")

@@ -14,7 +14,7 @@ from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import _ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision.warnings import NoEffectWarning, deprecated, warn
+from lightning_precision.warnings import deprecated
 
 __all__ = ["XPUPrecision", "check_fp64"]
 
@@ -43,8 +43,8 @@ class XPUPrecision(_ScaledPrecision):
         ipex: ``False`` (default): upstream torch only. ``True``: ``intel_extension_for_pytorch.optimize`` the model (and
             optimizer, with the Trainer), or an error if IPEX is missing or built for another torch. ``"auto"``: IPEX
             when it matches, else upstream torch, quietly. IPEX is checked from package metadata before any import.
-        scaler: fp16 only: the loss scaler's arguments as one ``ScalerConfig`` (``None``: its defaults). In bf16 a
-            ``NoEffectWarning`` says it does nothing. The flat ``init_scale=``, ``growth_factor=``, ... of 0.1 still
+        scaler: fp16 only: the loss scaler's arguments as one ``ScalerConfig`` (``None``: its defaults). In bf16 it is
+            a ``ValueError``, as are the flat ones (bf16 scales no loss). The flat ``init_scale=``, ``growth_factor=``, ... of 0.1 still
             work, deprecated: one config is the one place for them.
         skip_schedulers_on_overflow: fp16 only, as in ``FP16MixedPrecision``.
         matmul_precision: as for every plugin.
@@ -72,14 +72,17 @@ class XPUPrecision(_ScaledPrecision):
         unknown = sorted(set(flat_scaler) - {f.name for f in dataclasses.fields(ScalerConfig)})
         if unknown:
             raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        if dtype == "bf16" and (scaler is not None or flat_scaler):
+            # Refused, not ignored: a user who sets a scale believes the loss is scaled (as BF16MixedPrecision does).
+            given = [f"scaler={scaler!r}"] if scaler is not None else []
+            given += [f"{name}={value!r}" for name, value in flat_scaler.items()]
+            raise ValueError(
+                f"`{owner}(dtype='bf16', {', '.join(given)})`: bf16 has fp32's exponent range and runs without a loss"
+                " scaler, so these arguments would do nothing. Drop them, or pass `dtype='fp16'` to scale the loss."
+            )
         if flat_scaler:
             deprecated(f"{owner}({', '.join(flat_scaler)}=...)", f"{owner}(scaler=ScalerConfig(...))")
         config = resolve_scaler_config(owner, scaler, **flat_scaler)
-        if dtype == "bf16" and (scaler is not None or config != ScalerConfig()):
-            # Accepted (a run that passed them before keeps working), but said: they do nothing in bf16.
-            warn(f"`{owner}(dtype='bf16', ...)` was given loss-scaler arguments, which have no effect: bf16 has fp32's"
-                 " exponent range and runs without a scaler. Drop them, or pass `dtype='fp16'` to scale the loss.",
-                 NoEffectWarning)
         compute_dtype, self.precision = _DTYPES[dtype]
         super().__init__(compute_dtype, config if dtype == "fp16" else None, skip_schedulers_on_overflow, device,
                          matmul_precision, reduce_dtype)
