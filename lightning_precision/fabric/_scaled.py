@@ -56,7 +56,7 @@ class _ScaledPrecision(_AutocastPrecision):
         self.skip_schedulers_on_overflow = skip_schedulers_on_overflow
         # Built for cpu until the model's device is known, then rebuilt there with its state.
         self.scaler: Optional[_TrackingGradScaler] = (
-            _TrackingGradScaler(device or "cpu", scaler) if scaler is not None else None
+            _TrackingGradScaler(device or "cpu", scaler, owner=owner) if scaler is not None else None
         )
         self.step_was_skipped = False
         self._update_pending = False
@@ -65,7 +65,7 @@ class _ScaledPrecision(_AutocastPrecision):
     def _on_device_resolved(self, device_type: str) -> None:
         if self.scaler is not None and self.scaler.device_type != device_type:
             state = self.scaler.state_dict()
-            self.scaler = _TrackingGradScaler(device_type, self.scaler.config)
+            self.scaler = _TrackingGradScaler(device_type, self.scaler.config, owner=type(self).__name__)
             self.scaler.load_state_dict(state)
 
     @property

@@ -125,7 +125,7 @@ def resolve_scaler_config(owner: str, scaler: Optional[ScalerConfig], **flat: An
 
 
 class _TrackingGradScaler(torch.amp.GradScaler):
-    def __init__(self, device: str, config: ScalerConfig, enabled: bool = True) -> None:
+    def __init__(self, device: str, config: ScalerConfig, enabled: bool = True, owner: str = "GradScaler") -> None:
         super().__init__(
             device,
             init_scale=float(config.init_scale),
@@ -135,6 +135,7 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
         self.config = config
+        self.owner = owner  # the plugin, named in errors
         self.device_type = device  # what it was built for (torch keeps it as the private `_device`)
         # Tensors on the scale's device, created with it; ints until then (or after a load).
         self._skipped: torch.Tensor | int = 0
@@ -296,10 +297,14 @@ class _TrackingGradScaler(torch.amp.GradScaler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The checkpoint gives the state (scale, growth tracker, counters); the arguments of this scaler stay in force
         (a warning names any that differ from the checkpoint's). A scale that is not a finite positive number restarts
-        from ``init_scale``; one outside ``[min_scale, max_scale]`` is clamped into it; both with a warning."""
+        from ``init_scale``; one outside ``[min_scale, max_scale]`` is clamped into it; both with a warning. A state
+        that is not a scaler's (a missing key, a scale that is no number, a negative count) is a ``ValueError``."""
         if not self._enabled or not state_dict:
             return
-        super().load_state_dict(state_dict)
+        checked = _CheckedState(self.owner, state_dict)
+        scale = checked.number("scale")
+        tracker = checked.count("_growth_tracker", required=True)
+        skipped, steps, streak = checked.counters(self.config.max_consecutive_skips)
         config = self.config
         changed = [f"{name}: checkpoint {state_dict[name]!r}, now {getattr(config, name)!r}"
                    for name in ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale")
@@ -309,14 +314,10 @@ class _TrackingGradScaler(torch.amp.GradScaler):
                 "Resuming the loss scaler with other arguments than the checkpoint's: " + "; ".join(changed) + ". The"
                 " arguments you pass are in force; the scale, growth tracker and counters come from the checkpoint.",
             )
-        self.set_growth_factor(float(config.growth_factor))
-        self.set_backoff_factor(float(config.backoff_factor))
-        self.set_growth_interval(config.growth_interval)
-        scale = float(state_dict["scale"])
         bounded = min(max(scale, config.min_scale), config.max_scale)
         if not (math.isfinite(scale) and scale > 0):
             bounded = float(config.init_scale)
-            self._init_growth_tracker = 0
+            tracker = 0
             warn(
                 f"The checkpoint's loss scale is {scale!r}, which would turn the next clean step into NaN weights"
                 f" (it was saved by a scaler without bounds). Restarting the scale from init_scale={bounded:g}.",
@@ -328,15 +329,69 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             )
         # torch grows the scale when the tracker reaches growth_interval exactly: a tracker saved under a larger interval
         # would pass the new one and never grow again (until an overflow). Such a tracker is due: it grows next.
-        self._init_growth_tracker = min(int(self._init_growth_tracker), config.growth_interval - 1)
+        self._init_growth_tracker = min(tracker, config.growth_interval - 1)
         self._init_scale = bounded
         if self._scale is not None:
             self._scale.fill_(bounded)
             self._growth_tracker.fill_(self._init_growth_tracker)  # type: ignore[union-attr]
-        self._skipped = int(state_dict.get("skipped_steps", 0))
-        self._steps = int(state_dict.get("optimizer_steps", 0))
-        self._streak = int(state_dict.get("consecutive_skips", 0))
-        self._host_streak = self._streak
+        self._set_counters(skipped, steps, streak)
+
+    def _set_counters(self, skipped: int, steps: int, streak: int) -> None:
+        self._skipped, self._steps, self._streak = skipped, steps, streak
+        self._host_streak = streak
+        self._unread_updates = 0
+
+
+class _CheckedState:
+    """Reads a saved scaler state, refusing what no scaler saved with a ``ValueError`` that names the key, the value and
+    the fix (a checkpoint edited by hand, cut short, or of another object)."""
+
+    def __init__(self, owner: str, state: dict[str, Any]) -> None:
+        self.owner, self.state = owner, state
+
+    def _fail(self, problem: str) -> ValueError:
+        return ValueError(
+            f"`{self.owner}.load_state_dict`: the checkpoint's scaler state {problem}. Resume from a checkpoint that this"
+            f" plugin or Lightning's MixedPrecision saved, or delete the plugin's entry (`checkpoint[{self.owner!r}]`,"
+            " and `checkpoint['MixedPrecision']` if there is one) to start the scaler afresh."
+        )
+
+    def _get(self, key: str) -> Any:
+        if key not in self.state:
+            raise self._fail(f"lacks {key!r} (it holds {sorted(self.state)})")
+        value = self.state[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        return value
+
+    def number(self, key: str) -> float:
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise self._fail(f"has {key}={value!r}, which is not a number")
+        return float(value)
+
+    def count(self, key: str, required: bool = False) -> int:
+        if not required and key not in self.state:
+            return 0
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise self._fail(f"has {key}={value!r}, which is not a count of steps (an int >= 0)")
+        return int(value)
+
+    def counters(self, max_consecutive_skips: Optional[int]) -> tuple[int, int, int]:
+        """``skipped_steps``, ``optimizer_steps`` and ``consecutive_skips`` (0 where absent, as in Lightning's state);
+        a streak at or above ``max_consecutive_skips`` restarts from 0, with a warning."""
+        skipped, steps, streak = (self.count(key) for key in ("skipped_steps", "optimizer_steps", "consecutive_skips"))
+        if max_consecutive_skips is not None and streak >= max_consecutive_skips:
+            warn(
+                f"`{self.owner}.load_state_dict`: the checkpoint's consecutive_skips={streak} is at or above"
+                f" max_consecutive_skips={max_consecutive_skips} (saved under a larger limit, or none): resumed as is,"
+                " the run would stop at its first skipped step. The streak restarts from 0, so the run stops only"
+                f" after {max_consecutive_skips} skipped steps in a row from here. Pass a larger `max_consecutive_skips`"
+                " to keep counting the checkpoint's streak."
+            )
+            streak = 0
+        return skipped, steps, streak
 
 
 def scale_of(scaler: torch.amp.GradScaler) -> torch.Tensor:
