@@ -6,7 +6,8 @@ With a ``ScalerConfig`` the plugin scales the loss with a bounded, counting ``Gr
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.types import Optimizable
@@ -19,7 +20,7 @@ from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, _TrackingGradScaler
 
-__all__ = ["_ScaledPrecision", "check_optimizer"]
+__all__ = ["_ScaledPrecision", "check_optimizer", "with_scaler_state"]
 
 
 def check_optimizer(owner: str, optimizer: Any) -> None:
@@ -147,20 +148,39 @@ class _ScaledPrecision(_AutocastPrecision):
             )
         self.scaler.unscale_(optimizer)
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
+    # Keys of the state that a subclass keeps beside the scaler's (FP8Precision's plan): never given to the scaler.
+    _own_state_keys: tuple[str, ...] = ()
+
+    def scaler_state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state alone (what Lightning's ``MixedPrecision`` can resume); ``{}`` without one."""
         if self.scaler is None:
             return {}
         self.apply_pending_update()
         return self.scaler.state_dict()
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler_state_dict()
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict)
+            self.scaler.load_state_dict({k: v for k, v in state_dict.items() if k not in self._own_state_keys})
 
     def __getstate__(self) -> dict[str, Any]:
         # torch refuses to pickle (or deepcopy) a GradScaler between a step and its update, which is where this plugin
         # rests at the end of every iteration: apply the update first, as any other read of the state does.
         self.apply_pending_update()
         return super().__getstate__()
+
+
+def with_scaler_state(load_own_state: Callable[[Any, dict[str, Any]], None]) -> Callable[[Any, dict[str, Any]], None]:
+    """Decorates the ``load_state_dict`` of a subclass that keeps state of its own beside the scaler's (declared in
+    ``_own_state_keys``): the scaler's part is loaded first, then the subclass reads what it keeps."""
+
+    @functools.wraps(load_own_state)
+    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+        _ScaledPrecision.load_state_dict(self, state_dict)
+        load_own_state(self, state_dict)
+
+    return load_state_dict

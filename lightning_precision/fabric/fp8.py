@@ -16,7 +16,9 @@ from typing_extensions import override
 
 from lightning_precision import _fsdp, _imports
 from lightning_precision import fp8 as _fp8
-from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
+from lightning_precision.fabric._autocast import MatmulPrecision
+from lightning_precision.fabric._scaled import _ScaledPrecision, with_scaler_state
+from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, deprecated, warn
@@ -82,7 +84,7 @@ class _Calibration:
         return self.steps_left <= 0
 
 
-class FP8Precision(_AutocastPrecision):
+class FP8Precision(_ScaledPrecision):
     """fp8 linear layers inside high-precision autocast: ``Fabric(plugins=[FP8Precision()])``.
 
     Args:
@@ -93,7 +95,11 @@ class FP8Precision(_AutocastPrecision):
             ``emulate=True``; dims divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``, ``"block"``, a mapping
             ``{"name": "delayed", "amax_history_len": 16, ...}`` or a TE recipe object.
         emulate: run torchao's fp8 numerics without fp8 hardware (CPU included), slowly. torchao only.
-        compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16).
+        compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16). With fp16 the
+            loss is scaled by ``FP16MixedPrecision``'s bounded scaler (its skipped steps, logging, held schedulers and
+            checkpoints): without it, gradients below fp16's range flush to zero in the high-precision layers.
+        scaler: fp16 compute only: the loss scaler's arguments as one :class:`~lightning_precision.ScalerConfig`
+            (``None``: its defaults). With bf16 compute a ``ValueError``: bf16 needs no loss scaling.
         layer_policy: which linear layers run in fp8, as one :class:`~lightning_precision.fp8.FP8LayerPolicy`; or
             the same three choices flat (not both):
         module_filter: ``(module, fqn) -> bool`` choosing the linear layers that run in fp8; replaces the defaults.
@@ -135,6 +141,7 @@ class FP8Precision(_AutocastPrecision):
         layers: Optional[PlanLike] = None,
         calibration_batches: Optional[int] = None,
         plan_rule: Optional[PlanRule] = None,
+        scaler: Optional[ScalerConfig] = None,
     ) -> None:
         owner = type(self).__name__
         if backend not in _fp8.BACKENDS:
@@ -147,7 +154,14 @@ class FP8Precision(_AutocastPrecision):
         self.layer_policy = _fp8._resolve_layer_policy(owner, layer_policy, module_filter=module_filter,
                                                       skip_small_layers=skip_small_layers,
                                                       skip_first_last=skip_first_last)
-        super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
+        if scaler is not None and compute_dtype != torch.float16:
+            raise ValueError(
+                f"`{owner}(scaler={scaler!r})`: bf16 has fp32's exponent range, so gradients do not underflow and need"
+                " no loss scaling. Remove `scaler`, or pass `compute_dtype=torch.float16` to scale the loss."
+            )
+        # fp16 compute always scales the loss: fp16 flushes gradients below 2**-24 where bf16 keeps them.
+        config = resolve_scaler_config(owner, scaler) if compute_dtype == torch.float16 else None
+        super().__init__(compute_dtype, config, True, device, matmul_precision, reduce_dtype)
         self.precision = _PRECISION_OF[(backend, compute_dtype)]
         self.backend = backend
         self.emulate = emulate
@@ -406,13 +420,20 @@ class FP8Precision(_AutocastPrecision):
         if self._calibration is not None and self._calibration.step():
             self._finish_calibration()  # every rank at the same step: the sums are all-reduced
 
+    _own_state_keys = ("plan",)  # beside the loss scaler's (fp16 compute)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         """The plan in force (made by ``layers="auto"``, given, or changed by ``demote``): a resumed fit applies it
-        instead of measuring again, and keeps demoted layers in high precision."""
-        return {"plan": self.plan.to_dict()} if self.plan is not None else {}
+        instead of measuring again, and keeps demoted layers in high precision. With fp16 compute, the loss scaler's
+        state beside it."""
+        state = super().state_dict()
+        if self.plan is not None:
+            state["plan"] = self.plan.to_dict()
+        return state
 
     @override
+    @with_scaler_state
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "plan" not in state_dict:
             return
@@ -463,13 +484,16 @@ class FP8Precision(_AutocastPrecision):
     @override
     def metrics(self) -> dict[str, Tensor]:
         """``precision/fp8_layers``: how many linear layers compute in fp8 (emulated or not), from the first backward
-        on; nothing before it, when layers chosen for fp8 may still turn out never to run. fp8 keeps no loss scale."""
-        if self._fp8_layers is None:
-            return {}
-        return {"precision/fp8_layers": torch.tensor(float(self._fp8_layers))}
+        on; nothing before it, when layers chosen for fp8 may still turn out never to run. With fp16 compute, the loss
+        scaler's ``precision/loss_scale`` and ``precision/skipped_steps`` too."""
+        metrics = super().metrics()  # the loss scale and skipped steps, where there are
+        if self._fp8_layers is not None:
+            metrics["precision/fp8_layers"] = torch.tensor(float(self._fp8_layers))
+        return metrics
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
+        super()._on_device_resolved(device_type)  # the loss scaler, built for cpu, moves to the model's device
         if any(d.fp8 for d in self.layer_decisions):
             _fp8.check_fp8_hardware(device_type, self.backend, self.scaling_family, self.emulate, type(self).__name__)
 

@@ -129,8 +129,9 @@ class _TrainerScaledPrecision(_TrainerPrecision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Also under Lightning's key, so that a run resumed with `precision="16-mixed"` keeps its scale.
-        state = self.state_dict()
+        # Also under Lightning's key, so that a run resumed with `precision="16-mixed"` keeps its scale: the loss
+        # scaler's state alone (not the plan FP8Precision keeps beside it).
+        state = self.scaler_state_dict()
         if state:
             checkpoint[LIGHTNING_AMP_KEY] = state
 
