@@ -25,10 +25,11 @@ PLUGINS = [
 
 
 def expected_metrics(name: str) -> set[str]:
+    # Every plugin skips steps with inf/nan gradients and counts them; a loss scale only where there is loss scaling.
     return {
-        "BF16MixedPrecision": set(),  # nothing to report: no loss scale is invented
+        "BF16MixedPrecision": {"precision/skipped_steps"},
         "FP16MixedPrecision": {"precision/loss_scale", "precision/skipped_steps"},
-        "FP8Precision": {"precision/fp8_layers"},
+        "FP8Precision": {"precision/fp8_layers", "precision/skipped_steps"},
     }[name]
 
 
@@ -75,7 +76,7 @@ def test_readme_fabric_loop_logs_plugin_metrics(name, kwargs):
     if name == "FP16MixedPrecision":
         assert last == {"precision/loss_scale": plugin.loss_scale, "precision/skipped_steps": 0.0}
     elif name == "FP8Precision":
-        assert last == {"precision/fp8_layers": 1.0}
+        assert last == {"precision/fp8_layers": 1.0, "precision/skipped_steps": 0.0}
         assert sum(d.fp8 for d in plugin.layer_decisions) == 1  # the figure logged is the plugin's own count
     assert plugin.skipped_steps == 0
     assert (plugin.loss_scale is None) == (name != "FP16MixedPrecision")
@@ -101,12 +102,14 @@ def test_fp8_reports_no_layer_count_before_the_first_backward():
     pytest.importorskip("torchao", reason="FP8Precision needs torchao (the [fp8] extra)")
     plugin = lp_fabric.FP8Precision(emulate=True, skip_small_layers=False)
     plugin.convert_module(make_net())
-    assert plugin.metrics() == {}
+    assert "precision/fp8_layers" not in plugin.metrics()
 
 
 def test_xpu_plugin_in_bf16_has_no_loss_scale():
     plugin = lp_fabric.XPUPrecision(dtype="bf16", device="cpu")
-    assert (plugin.metrics(), plugin.loss_scale, plugin.skipped_steps) == ({}, None, 0)
+    assert (set(plugin.metrics()), plugin.loss_scale, plugin.skipped_steps) == ({"precision/skipped_steps"}, None, 0)
+    plain = lp_fabric.XPUPrecision(dtype="bf16", device="cpu", skip_nonfinite=False)
+    assert (plain.metrics(), plain.loss_scale, plain.skipped_steps) == ({}, None, 0)
 
 
 # ---- FSDP2 policy (the sharded runs themselves are in test_fsdp.py) ----------------------------------------------------

@@ -119,12 +119,16 @@ def test_an_existing_xpu_registration_is_never_replaced():
     assert empty["xpu"]["accelerator"] is XPUAccelerator
 
 
-def test_precision_bf16_autocasts_with_the_dtype_passed_and_no_scaler():
+def test_precision_bf16_autocasts_with_the_dtype_passed_and_no_loss_scaling():
     plugin = lp_fabric.XPUPrecision(device="cpu")
-    assert (plugin.precision, plugin.compute_dtype, plugin.scaler) == ("bf16-mixed", torch.bfloat16, None)
+    assert (plugin.precision, plugin.compute_dtype, plugin.loss_scale) == ("bf16-mixed", torch.bfloat16, None)
     with plugin.forward_context():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
-    assert plugin.state_dict() == {} and plugin.metrics() == {}
+    # the non-finite guard's counters, no scale
+    assert plugin.state_dict() == {"skipped_steps": 0, "optimizer_steps": 0, "consecutive_skips": 0}
+    assert set(plugin.metrics()) == {"precision/skipped_steps"}
+    plain = lp_fabric.XPUPrecision(device="cpu", skip_nonfinite=False)
+    assert (plain.scaler, plain.state_dict(), plain.metrics()) == (None, {}, {})
     assert XPUPrecision().autocast_context_manager().device == "xpu"  # the real target, dtype explicit
     assert XPUPrecision().autocast_context_manager().fast_dtype == torch.bfloat16
 

@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
 from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.warnings import warn
 
-__all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
+__all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "_NonFiniteGuard", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
 
 
 class SkippedStepsError(RuntimeError):
@@ -137,12 +139,11 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         self.config = config
         self.owner = owner  # the plugin, named in errors
         self.device_type = device  # what it was built for (torch keeps it as the private `_device`)
-        # Tensors on the scale's device, created with it; ints until then (or after a load).
+        # Counted on the host while every step's answer is known there for free (ordinary optimizers: torch reads it to
+        # decide), on the device (tensors) from the first update whose answer only the device knows (fused optimizers).
         self._skipped: torch.Tensor | int = 0
         self._steps: torch.Tensor | int = 0
-        self._streak: torch.Tensor | int = 0  # skipped updates in a row
-        # The same streak where the host knows every step's answer for free (ordinary optimizers); None where it does not.
-        self._host_streak: Optional[int] = 0
+        self._streak: torch.Tensor | int = 0  # skipped updates in a row; back to an int at the first clean host answer
         self._unread_updates = 0
         self._host_skipped: dict[int, bool] = {}
         # Set by `update_before_every_step`: the scale this backward's gradients carry, and whether that update saw an
@@ -172,6 +173,8 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         finally:
             self._scale = live
         if self._early_found is not None:
+            # Whether this step's inf counts depends on the update before it, which only the device knows.
+            self._host_skipped.pop(id(optimizer), None)
             state = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
             for device, flag in state.items():
                 state[device] = flag * (~self._early_found).to(flag.device, flag.dtype)
@@ -226,18 +229,25 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             self._host_skipped.clear()
             super().update(new_scale)
             return
-        found = self._found_inf()
-        if found is not None:
+        host = self._host_answer()
+        if host is not None:  # no device op
+            self._skipped = self._skipped + host
+            self._steps = self._steps + 1
+            self._streak = self._streak + 1 if host else 0
+        elif (found := self._found_inf()) is not None:
             skipped = (found > 0).to(torch.int64)
             self._skipped = self._skipped + skipped
             self._steps = self._steps + 1
             self._streak = (self._streak + 1) * skipped
-        host = self._host_answer()
         self._host_skipped.clear()
+        self._update_scale()
+        self._check_streak()
+
+    def _update_scale(self) -> None:
+        """torch's update (back off or grow, and forget this iteration's flags), then the bounds."""
         super().update()
         if self._scale is not None:
             self._scale.clamp_(self.config.min_scale, self.config.max_scale)
-        self._check_streak(host)
 
     def _host_answer(self) -> Optional[bool]:
         """Whether this iteration skipped, if every optimizer stepped since the last update answered on the host."""
@@ -246,33 +256,30 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             return None
         return any(self._host_skipped[i] for i in ids)
 
-    def _check_streak(self, host: Optional[bool]) -> None:
+    def _check_streak(self) -> None:
         limit = self.config.max_consecutive_skips
-        if host is None:
-            self._host_streak = None
-        elif host is False:
-            self._host_streak = 0
-        elif self._host_streak is not None:
-            self._host_streak += 1
         if limit is None:
             return
-        streak = self._host_streak
-        if streak is None:
+        streak = self._streak
+        if not isinstance(streak, int):
             # Fused optimizers answer only on the device: look once every `limit` updates (one read, not one a step).
             self._unread_updates += 1
             if self._unread_updates < limit:
                 return
             self._unread_updates = 0
-            streak = int(self._streak)
+            streak = int(streak)
         if streak >= limit:
-            raise SkippedStepsError(
-                f"The loss scaler skipped {streak} optimizer steps in a row (max_consecutive_skips={limit}): every"
-                f" gradient had inf or nan, now at loss scale {float(self._scale):g} (min_scale ="  # type: ignore[arg-type]
-                f" {self.config.min_scale:g}), so the weights have not changed for {streak} steps. Usual causes: a"
-                " nan/inf in the loss itself (check the data, and the forward in fp32), a learning rate that made the"
-                " model diverge, or activations beyond fp16's range (65504): train in bf16 (BF16MixedPrecision). Pass"
-                " `max_consecutive_skips=None` to train on regardless."
-            )
+            raise SkippedStepsError(self._streak_message(streak, limit))
+
+    def _streak_message(self, streak: int, limit: int) -> str:
+        return (
+            f"The loss scaler skipped {streak} optimizer steps in a row (max_consecutive_skips={limit}): every"
+            f" gradient had inf or nan, now at loss scale {float(self._scale):g} (min_scale ="  # type: ignore[arg-type]
+            f" {self.config.min_scale:g}), so the weights have not changed for {streak} steps. Usual causes: a"
+            " nan/inf in the loss itself (check the data, and the forward in fp32), a learning rate that made the"
+            " model diverge, or activations beyond fp16's range (65504): train in bf16 (BF16MixedPrecision). Pass"
+            " `max_consecutive_skips=None` to train on regardless."
+        )
 
     def skipped_tensor(self) -> torch.Tensor:
         """Skipped optimizer steps, on the scale's device when it exists (no synchronisation)."""
@@ -338,8 +345,123 @@ class _TrackingGradScaler(torch.amp.GradScaler):
 
     def _set_counters(self, skipped: int, steps: int, streak: int) -> None:
         self._skipped, self._steps, self._streak = skipped, steps, streak
-        self._host_streak = streak
         self._unread_updates = 0
+
+
+class _NonFiniteGuard(_TrackingGradScaler):
+    """The scaler of a plugin that scales no loss (bf16, fp8 in bf16, XPU in bf16), kept for its guarantee: a step whose
+    gradients hold inf or nan is skipped instead of written into every weight, counted, and a run that skips
+    ``max_consecutive_skips`` in a row stops. The scale is fixed at 1 (no growth, no backoff): the loss goes to backward
+    as it is, and unscaling multiplies by 1 (exact) in the same fused kernel that checks for inf/nan, all-reduced across
+    ranks for sharded (DTensor) gradients. Its state is its counters only: there is no scale to save.
+    """
+
+    def __init__(self, device: str, max_consecutive_skips: Optional[int], owner: str = "GradScaler") -> None:
+        super().__init__(device, ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips), owner=owner)
+        self._complex: dict[int, tuple[weakref.ref, bool]] = {}  # per optimizer: whether it has complex parameters
+
+    def scale(self, outputs: Any) -> Any:
+        self._create_scale(outputs.device)
+        self._carried = self._early_found = None
+        return outputs  # times 1: the very loss, and no op for it
+
+    def _create_scale(self, device: torch.device) -> None:
+        if self._scale is None:  # the scale (1) lives on the loss's device, created once by torch's own scale()
+            super().scale(torch.ones((), device=device))
+
+    def has_stepped(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` stepped since the last update."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        return state is not None and state["stage"] is OptState.STEPPED
+
+    def _create_scale_for(self, optimizer: Optimizer) -> None:
+        """A backward that did not go through ``scale`` (``loss.backward()`` by hand) needs no scaling at a scale of 1:
+        the scale is created where the parameters live, so that the check still runs."""
+        if self._scale is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._create_scale(params[0].device if params else torch.device("cpu"))
+
+    def _update_scale(self) -> None:
+        self._per_optimizer_states.clear()  # what torch's update does last; the scale stays 1
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """torch's check (times 1), except for an optimizer with complex parameters, whose gradients torch's fused
+        kernel cannot take: their real views are checked here instead (a rare path, chosen once per optimizer)."""
+        self._create_scale_for(optimizer)
+        if not self._has_complex(optimizer):
+            return super().unscale_(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        grads = [torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
+                 for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
+            state["found_inf_per_device"] = {found.device: found}
+        state["stage"] = OptState.UNSCALED
+
+    def _has_complex(self, optimizer: Optimizer) -> bool:
+        ref, known = self._complex.get(id(optimizer), (None, False))
+        if ref is None or ref() is not optimizer:  # not asked yet (or another optimizer now has that id)
+            known = any(p.is_complex() for group in optimizer.param_groups for p in group["params"])
+            self._complex[id(optimizer)] = (weakref.ref(optimizer), known)
+        return known
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_complex"] = {}  # weak references stay in this process; asked again in the next
+        return state
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        self._create_scale_for(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY and not optimizer_handles_unscaling(optimizer):
+            self.unscale_(optimizer)
+        if state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]:
+            # Not one gradient (a part frozen, or unused this step): nothing to check, and torch's step would refuse.
+            # The optimizer's own step, as under Lightning's plugin.
+            state["stage"] = OptState.STEPPED
+            self._host_skipped[id(optimizer)] = False
+            return optimizer.step(*args, **kwargs)
+        return super().step(optimizer, *args, **kwargs)
+
+    def step_undoing_nonfinite(self, optimizer: Optimizer, closure_step: Callable[[], Any]) -> Any:
+        """For an optimizer that evaluates its closure inside ``step`` (LBFGS): its gradients do not exist before the
+        step, so the step cannot be skipped up front. It runs, and if it left a weight non-finite the weights are put
+        back as they were and the step counts as skipped. Costs one copy of the parameters a step (LBFGS itself keeps
+        ``2 * history_size`` flat copies) and a host read per parameter (LBFGS reads the host many times a step); the
+        optimizer's own state is not rolled back (LBFGS drops a non-finite curvature pair by itself)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        saved = [p.detach().clone() for p in params]
+        output = closure_step()
+        bad = not all(bool(torch.isfinite(p).all()) for p in params)
+        if bad:
+            with torch.no_grad():
+                for p, before in zip(params, saved):
+                    p.copy_(before)
+        device = self._scale.device if self._scale is not None else torch.device("cpu")
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {device: torch.tensor(float(bad),
+                                                                                                   device=device)}
+        self._host_skipped[id(optimizer)] = bad
+        return output
+
+    def _streak_message(self, streak: int, limit: int) -> str:
+        return (
+            f"{self.owner} skipped {streak} optimizer steps in a row (max_consecutive_skips={limit}): every step's"
+            f" gradients held inf or nan, so the weights have not changed for {streak} steps (each such step was"
+            " skipped rather than written into the weights as NaN). Usual causes: a nan/inf in the loss or the data"
+            " (check a batch, and the forward in fp32), or a learning rate that made the model diverge. Pass"
+            " `max_consecutive_skips=None` to train on regardless."
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": int(self._skipped), "optimizer_steps": int(self._steps),
+                "consecutive_skips": int(self._streak)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The counters, where the state has them: ``{}`` (a checkpoint from before the guard) leaves them at 0, and a
+        loss scaler's state (a run that switched from fp16) gives its counters, its scale being nothing to this one."""
+        self._set_counters(*_CheckedState(self.owner, state_dict).counters(self.config.max_consecutive_skips))
 
 
 class _CheckedState:

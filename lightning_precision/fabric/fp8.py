@@ -100,6 +100,11 @@ class FP8Precision(_ScaledPrecision):
             checkpoints): without it, gradients below fp16's range flush to zero in the high-precision layers.
         scaler: fp16 compute only: the loss scaler's arguments as one :class:`~lightning_precision.ScalerConfig`
             (``None``: its defaults). With bf16 compute a ``ValueError``: bf16 needs no loss scaling.
+        skip_nonfinite: bf16 compute: skip an optimizer step whose gradients hold inf or nan instead of writing NaN
+            into every weight, counted in ``skipped_steps`` (as ``BF16MixedPrecision``). With fp16 the loss scaler
+            always skips them (``False`` is a ``ValueError``).
+        max_consecutive_skips: skipped steps in a row before ``SkippedStepsError`` (default 50; None: never). With fp16
+            compute it is the scaler's (or give it in ``scaler``).
         layer_policy: which linear layers run in fp8, as one :class:`~lightning_precision.fp8.FP8LayerPolicy`; or
             the same three choices flat (not both):
         module_filter: ``(module, fqn) -> bool`` choosing the linear layers that run in fp8; replaces the defaults.
@@ -142,6 +147,8 @@ class FP8Precision(_ScaledPrecision):
         calibration_batches: Optional[int] = None,
         plan_rule: Optional[PlanRule] = None,
         scaler: Optional[ScalerConfig] = None,
+        skip_nonfinite: bool = True,
+        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         owner = type(self).__name__
         if backend not in _fp8.BACKENDS:
@@ -160,8 +167,10 @@ class FP8Precision(_ScaledPrecision):
                 " no loss scaling. Remove `scaler`, or pass `compute_dtype=torch.float16` to scale the loss."
             )
         # fp16 compute always scales the loss: fp16 flushes gradients below 2**-24 where bf16 keeps them.
-        config = resolve_scaler_config(owner, scaler) if compute_dtype == torch.float16 else None
-        super().__init__(compute_dtype, config, True, device, matmul_precision, reduce_dtype)
+        config = (resolve_scaler_config(owner, scaler, max_consecutive_skips=max_consecutive_skips)
+                  if compute_dtype == torch.float16 else None)
+        super().__init__(compute_dtype, config, True, device, matmul_precision, reduce_dtype,
+                         skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips)
         self.precision = _PRECISION_OF[(backend, compute_dtype)]
         self.backend = backend
         self.emulate = emulate
@@ -519,7 +528,8 @@ class NVFP4Precision(FP8Precision):
     Args:
         recipe: ``"nvfp4"`` (default), a mapping ``{"name": "nvfp4", **NVFP4BlockScaling_kwargs}`` or TE's
             ``NVFP4BlockScaling`` object.
-        compute_dtype, layer_policy, layers, device, matmul_precision, reduce_dtype: as for ``FP8Precision``. The
+        compute_dtype, layer_policy, layers, device, matmul_precision, reduce_dtype, scaler, skip_nonfinite,
+            max_consecutive_skips: as for ``FP8Precision``. The
             layer choice is a ``layer_policy`` only (no flat ``module_filter``/``skip_*`` arguments). Every argument
             is keyword-only.
     """
@@ -536,9 +546,13 @@ class NVFP4Precision(FP8Precision):
         device: Optional[str] = None,
         matmul_precision: Optional[MatmulPrecision] = None,
         reduce_dtype: torch.dtype = torch.float32,
+        scaler: Optional[ScalerConfig] = None,
+        skip_nonfinite: bool = True,
+        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         super().__init__(
             backend="transformer_engine", recipe=recipe if recipe is not None else _fp8.TE_NVFP4,
             compute_dtype=compute_dtype, layer_policy=layer_policy, layers=layers, device=device,
-            matmul_precision=matmul_precision, reduce_dtype=reduce_dtype,
+            matmul_precision=matmul_precision, reduce_dtype=reduce_dtype, scaler=scaler, skip_nonfinite=skip_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
         )
