@@ -14,7 +14,13 @@ difference of the two ratios.
 ``--clock cpu`` times the CPU time of the process instead of wall time: on a machine shared with other work, the wall
 time of a step includes the time the process waited for a core, which the CPU time does not.
 
+``--within-fit`` measures the non-finite guard's own cost where fit-to-fit noise cannot hide it: in one fit of
+``BF16MixedPrecision(skip_nonfinite=True)``, the guard is switched off on every other step (the plugin then steps as Lightning's does) and
+the two kinds of step are timed in both clocks; which parity runs the guard alternates from round to round. The ratio
+of the medians (guard on / off) per round is one paired sample.
+
     python benchmarks/plugin_overhead.py [--rounds 10] [--steps 40] [--width 512] [--only bf16] [--clock wall|cpu]
+                                         [--threads N] [--within-fit]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, Callable
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -84,6 +91,53 @@ def run_group(variants: list[tuple[str, Callable[[], Any]]], rounds: int, steps:
               f"{spread:>20}")
 
 
+class GuardToggle(Callback):
+    """Switches the plugin's non-finite guard off on every other step (benchmark only: it swaps the plugin's private
+    ``_scaler``, which the guard is, for None, the plugin's state with ``skip_nonfinite=False``) and times each step in
+    both clocks, by whether the guard ran."""
+
+    def __init__(self, guard_on_odd: bool) -> None:
+        self.guard_on_odd = guard_on_odd
+        self.times: dict[tuple[bool, str], list[float]] = {(on, c): [] for on in (True, False) for c in CLOCKS}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        plugin = trainer.precision_plugin
+        if not hasattr(self, "guard"):
+            self.guard = plugin._scaler
+            assert self.guard is not None, "the plugin must run the guard: BF16MixedPrecision(skip_nonfinite=True)"
+        self.on = (batch_idx % 2 == 1) == self.guard_on_odd
+        plugin._scaler = self.guard if self.on else None
+        self._t0 = {c: clock() for c, clock in CLOCKS.items()}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        for c, clock in CLOCKS.items():
+            self.times[(self.on, c)].append(clock() - self._t0[c])
+
+
+def within_fit(rounds: int, steps: int, width: int, data: TensorDataset) -> None:
+    ratios: dict[str, list[float]] = {c: [] for c in CLOCKS}
+    pooled: dict[tuple[bool, str], list[float]] = {(on, c): [] for on in (True, False) for c in CLOCKS}
+    for r in range(rounds):
+        toggle = GuardToggle(guard_on_odd=r % 2 == 0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, plugins=[BF16MixedPrecision(skip_nonfinite=True)], max_steps=steps,
+            callbacks=[toggle], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, log_every_n_steps=10,
+        )
+        trainer.fit(MLP(width), DataLoader(data, batch_size=64))
+        for key, times in toggle.times.items():
+            kept = times[WARMUP // 2:]
+            pooled[key] += kept
+            toggle.times[key] = kept
+        for c in CLOCKS:
+            ratios[c].append(statistics.median(toggle.times[(True, c)]) / statistics.median(toggle.times[(False, c)]))
+    print(f"{'clock':<8}{'guard off (ms)':>16}{'guard on (ms)':>15}{'ratio (paired median)':>23}{'spread (min..max)':>20}")
+    for c in CLOCKS:
+        off, on = statistics.median(pooled[(False, c)]) * 1e3, statistics.median(pooled[(True, c)]) * 1e3
+        print(f"{c:<8}{off:>16.2f}{on:>15.2f}{statistics.median(ratios[c]):>23.3f}"
+              f"{min(ratios[c]):>13.3f}..{max(ratios[c]):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -91,7 +145,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--only", choices=sorted(GROUPS), default=None)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--within-fit", action="store_true", help="the guard's cost inside one fit (see above)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64 * args.steps, args.width, generator=g),
@@ -99,6 +157,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, lightning {L.__version__}, {torch.get_num_threads()} threads, "
           f"MLP width {args.width}, batch 64, {args.rounds} rounds x {args.steps} steps (first {WARMUP} dropped), "
           f"{args.clock} clock")
+    if args.within_fit:
+        print("\nbf16, the non-finite guard on and off on alternate steps of one fit:")
+        within_fit(args.rounds, args.steps, args.width, data)
+        return
     for name, variants in GROUPS.items():
         if args.only in (None, name):
             print(f"\n{name}:")

@@ -88,6 +88,7 @@ def _fp8_converted(net: nn.Module) -> bool:
 _SCALER = {"init_scale": 1024.0, "growth_interval": 2}
 _OVERFLOW_BATCHES = (2,)
 _NAN_BATCHES = (2,)
+_GUARD = {"skip_nonfinite": True}  # the non-finite guard, opt-in
 @dataclasses.dataclass(frozen=True)
 class PluginSpec:
     """How the tester runs one plugin class (its Fabric and its Trainer class alike)."""
@@ -134,8 +135,8 @@ class PluginSpec:
 # Per class name: variant id -> spec. Every variant runs every check.
 SPECS: dict[str, dict[str, PluginSpec]] = {
     "BF16MixedPrecision": {
-        "default": PluginSpec(guard=True, nan_batches=_NAN_BATCHES),
-        "unguarded": PluginSpec(kwargs={"skip_nonfinite": False}),  # Lightning's behaviour: the plain loop
+        "default": PluginSpec(),  # Lightning's behaviour: the plain loop
+        "guarded": PluginSpec(kwargs=dict(_GUARD), guard=True, nan_batches=_NAN_BATCHES),
     },
     "FP16MixedPrecision": {
         "default": PluginSpec(kwargs=dict(_SCALER), dtype=torch.float16, scaler=dict(_SCALER),
@@ -143,7 +144,8 @@ SPECS: dict[str, dict[str, PluginSpec]] = {
     },
     # XPUPrecision targets "xpu", which does not exist here; `device="cpu"` runs the same logic for the CPU.
     "XPUPrecision": {
-        "bf16": PluginSpec(kwargs={"device": "cpu"}, guard=True, nan_batches=_NAN_BATCHES),
+        "bf16": PluginSpec(kwargs={"device": "cpu"}),
+        "bf16-guarded": PluginSpec(kwargs={"device": "cpu", **_GUARD}, guard=True, nan_batches=_NAN_BATCHES),
         "fp16": PluginSpec(kwargs={"device": "cpu", "dtype": "fp16", "scaler": ScalerConfig(**_SCALER)}, dtype=torch.float16,
                            scaler=dict(_SCALER), overflow_batches=_OVERFLOW_BATCHES),
     },
@@ -151,8 +153,10 @@ SPECS: dict[str, dict[str, PluginSpec]] = {
     # is converted (it is far too small to gain on a GPU).
     "FP8Precision": {
         "torchao-tensorwise": PluginSpec(kwargs={"emulate": True, "skip_small_layers": False}, convert=_fp8_layer_2,
-                                         converted=_fp8_converted, requires=("torchao",), guard=True,
-                                         nan_batches=_NAN_BATCHES),
+                                         converted=_fp8_converted, requires=("torchao",)),
+        "torchao-tensorwise-guarded": PluginSpec(kwargs={"emulate": True, "skip_small_layers": False, **_GUARD},
+                                                 convert=_fp8_layer_2, converted=_fp8_converted, requires=("torchao",),
+                                                 guard=True, nan_batches=_NAN_BATCHES),
     },
     # FP8Precision with Transformer Engine's NVFP4 recipe: TE needs CUDA, NVFP4 a Blackwell GPU, and nothing emulates
     # it. Its own logic runs against the TE stand-in (tests/test_fp8_transformer_engine.py).

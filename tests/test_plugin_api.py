@@ -21,16 +21,19 @@ PLUGINS = [
     pytest.param("BF16MixedPrecision", {}, id="bf16"),
     pytest.param("FP16MixedPrecision", {}, id="fp16"),
     pytest.param("FP8Precision", dict(emulate=True, skip_small_layers=False), id="fp8", marks=_FP8),
+    pytest.param("BF16MixedPrecision", {"skip_nonfinite": True}, id="bf16-guarded"),
+    pytest.param("FP8Precision", dict(emulate=True, skip_small_layers=False, skip_nonfinite=True), id="fp8-guarded",
+                 marks=_FP8),
 ]
 
 
-def expected_metrics(name: str) -> set[str]:
-    # Every plugin skips steps with inf/nan gradients and counts them; a loss scale only where there is loss scaling.
+def expected_metrics(name: str, kwargs: dict) -> set[str]:
+    # Skipped steps where steps are skipped (fp16's scaler, or the non-finite guard); a loss scale only with loss scaling.
     return {
-        "BF16MixedPrecision": {"precision/skipped_steps"},
+        "BF16MixedPrecision": set(),  # nothing to report: no loss scale is invented
         "FP16MixedPrecision": {"precision/loss_scale", "precision/skipped_steps"},
-        "FP8Precision": {"precision/fp8_layers", "precision/skipped_steps"},
-    }[name]
+        "FP8Precision": {"precision/fp8_layers"},
+    }[name] | ({"precision/skipped_steps"} if kwargs.get("skip_nonfinite") else set())
 
 
 class RecordingLogger(Logger):
@@ -71,12 +74,12 @@ def test_readme_fabric_loop_logs_plugin_metrics(name, kwargs):
         fabric.log_dict(plugin.metrics(), step)  # the README's line, every step here
 
     assert [step for step, _ in logger.logged] == list(range(STEPS))
-    assert all(set(metrics) == expected_metrics(name) for _, metrics in logger.logged)
+    assert all(set(metrics) == expected_metrics(name, kwargs) for _, metrics in logger.logged)
     last = logger.logged[-1][1]
     if name == "FP16MixedPrecision":
         assert last == {"precision/loss_scale": plugin.loss_scale, "precision/skipped_steps": 0.0}
     elif name == "FP8Precision":
-        assert last == {"precision/fp8_layers": 1.0, "precision/skipped_steps": 0.0}
+        assert last == {"precision/fp8_layers": 1.0, **({"precision/skipped_steps": 0.0} if kwargs.get("skip_nonfinite") else {})}
         assert sum(d.fp8 for d in plugin.layer_decisions) == 1  # the figure logged is the plugin's own count
     assert plugin.skipped_steps == 0
     assert (plugin.loss_scale is None) == (name != "FP16MixedPrecision")
@@ -94,7 +97,7 @@ def test_readme_trainer_snippet_reads_loss_scale_and_skipped_steps(name, kwargs)
         assert loss_scale == plugin.scaler_config.init_scale  # 4 clean steps: no growth, no backoff
     else:
         assert loss_scale is None  # no loss scaling
-    assert set(fit.precision_plugin.metrics()) == expected_metrics(name)
+    assert set(fit.precision_plugin.metrics()) == expected_metrics(name, kwargs)
 
 
 def test_fp8_reports_no_layer_count_before_the_first_backward():
@@ -107,9 +110,9 @@ def test_fp8_reports_no_layer_count_before_the_first_backward():
 
 def test_xpu_plugin_in_bf16_has_no_loss_scale():
     plugin = lp_fabric.XPUPrecision(dtype="bf16", device="cpu")
-    assert (set(plugin.metrics()), plugin.loss_scale, plugin.skipped_steps) == ({"precision/skipped_steps"}, None, 0)
-    plain = lp_fabric.XPUPrecision(dtype="bf16", device="cpu", skip_nonfinite=False)
-    assert (plain.metrics(), plain.loss_scale, plain.skipped_steps) == ({}, None, 0)
+    assert (plugin.metrics(), plugin.loss_scale, plugin.skipped_steps) == ({}, None, 0)
+    guarded = lp_fabric.XPUPrecision(dtype="bf16", device="cpu", skip_nonfinite=True)
+    assert (set(guarded.metrics()), guarded.loss_scale, guarded.skipped_steps) == ({"precision/skipped_steps"}, None, 0)
 
 
 # ---- FSDP2 policy (the sharded runs themselves are in test_fsdp.py) ----------------------------------------------------

@@ -119,16 +119,16 @@ def test_an_existing_xpu_registration_is_never_replaced():
     assert empty["xpu"]["accelerator"] is XPUAccelerator
 
 
-def test_precision_bf16_autocasts_with_the_dtype_passed_and_no_loss_scaling():
+def test_precision_bf16_autocasts_with_the_dtype_passed_and_no_scaler():
     plugin = lp_fabric.XPUPrecision(device="cpu")
-    assert (plugin.precision, plugin.compute_dtype, plugin.loss_scale) == ("bf16-mixed", torch.bfloat16, None)
+    assert (plugin.precision, plugin.compute_dtype, plugin.scaler) == ("bf16-mixed", torch.bfloat16, None)
     with plugin.forward_context():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
-    # the non-finite guard's counters, no scale
-    assert plugin.state_dict() == {"skipped_steps": 0, "optimizer_steps": 0, "consecutive_skips": 0}
-    assert set(plugin.metrics()) == {"precision/skipped_steps"}
-    plain = lp_fabric.XPUPrecision(device="cpu", skip_nonfinite=False)
-    assert (plain.scaler, plain.state_dict(), plain.metrics()) == (None, {}, {})
+    assert plugin.state_dict() == {} and plugin.metrics() == {}
+    guarded = lp_fabric.XPUPrecision(device="cpu", skip_nonfinite=True)  # the non-finite guard's counters, no scale
+    assert (guarded.scaler, guarded.loss_scale) == (None, None)
+    assert guarded.state_dict() == {"skipped_steps": 0, "optimizer_steps": 0, "consecutive_skips": 0}
+    assert set(guarded.metrics()) == {"precision/skipped_steps"}
     assert XPUPrecision().autocast_context_manager().device == "xpu"  # the real target, dtype explicit
     assert XPUPrecision().autocast_context_manager().fast_dtype == torch.bfloat16
 
@@ -262,3 +262,16 @@ def test_bf16_has_no_scaler_so_a_closure_optimizer_trains_as_with_lightning():
     assert set(model.output_dtypes) == {torch.bfloat16}
     with pytest.raises(ValueError, match="LBFGS"):
         trainer(XPUPrecision(dtype="fp16", device="cpu"), max_steps=1).fit(_LBFGSNet(), loader(make_data(1)))
+
+
+def test_the_guard_on_an_xpu_without_fp64_stands_aside_and_says_so(monkeypatch):
+    """No XPU exists here: torch.xpu's answers are stubbed to those of an Arc A770 (no fp64). torch's GradScaler, which
+    the guard's check runs through, computes in fp64 there; the fp16 scaler refuses such a device
+    (test_fp16_without_fp64_says_use_bf16), the bf16 guard steps aside with a warning instead of failing the run."""
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(name="Intel Arc A770", has_fp64=False))
+    plugin = lp_fabric.XPUPrecision(skip_nonfinite=True)
+    with pytest.warns(lightning_precision.NoEffectWarning, match=r"'Intel Arc A770' has no fp64.*not skipped"):
+        assert plugin.device_type == "xpu"
+    assert (plugin.skip_nonfinite, plugin.metrics()) == (False, {})

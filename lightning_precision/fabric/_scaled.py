@@ -23,7 +23,11 @@ from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, _NonFiniteGuard, _TrackingGradScaler
 
-__all__ = ["_ScaledPrecision", "check_optimizer", "closure_driven", "with_scaler_state"]
+__all__ = ["SKIP_NONFINITE_DEFAULT", "_ScaledPrecision", "check_optimizer", "closure_driven", "with_scaler_state"]
+
+# Whether plugins without loss scaling skip steps with inf/nan gradients unless told: off, because the check costs more
+# than the 2% of a step issue 23 allowed a default (3-7% on benchmarks/plugin_overhead.py's MLP, docs/benchmarks.md).
+SKIP_NONFINITE_DEFAULT = False
 
 
 def closure_driven(optimizer: Any) -> bool:
@@ -68,26 +72,20 @@ class _ScaledPrecision(_AutocastPrecision):
         device: Optional[str],
         matmul_precision: Optional[MatmulPrecision],
         reduce_dtype: torch.dtype,
-        skip_nonfinite: Optional[bool] = None,
+        skip_nonfinite: bool = False,
         max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
         owner = type(self).__name__
         for name, value in (("skip_schedulers_on_overflow", skip_schedulers_on_overflow),
                             ("skip_nonfinite", skip_nonfinite)):
-            if not isinstance(value, bool) and not (name == "skip_nonfinite" and value is None):
+            if not isinstance(value, bool):
                 raise ValueError(f"`{owner}({name}={value!r})`: pass True or False.")
-        if scaler is not None and skip_nonfinite is False:
-            raise ValueError(
-                f"`{owner}(skip_nonfinite=False)` with fp16: its loss scaler skips every step whose gradients hold inf"
-                " or nan (it must, to back the scale off), so they cannot be let through. Drop `skip_nonfinite=False`,"
-                " or compute in bf16."
-            )
         self.scaler_config = scaler
         self.skip_schedulers_on_overflow = skip_schedulers_on_overflow
         # A loss scaler always skips non-finite steps (it must, to back off); without one, the guard does if asked.
-        self.skip_nonfinite = scaler is not None or bool(skip_nonfinite)
-        if scaler is None and skip_nonfinite:  # `skip_nonfinite=None`: a plugin whose loss scaler is its only mode
+        self.skip_nonfinite = scaler is not None or skip_nonfinite
+        if scaler is None:
             ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips).validate(owner)
         # What scales and skips: the loss scaler, or the guard (a scaler at a fixed scale of 1). Built for cpu until the
         # model's device is known, then rebuilt there with its state.

@@ -15,15 +15,16 @@ Three holes of torch's scaler are closed here:
   skipped?" is free there.
 
 It reads torch's ``_per_optimizer_states``, ``_scale`` and ``_init_scale`` (stable since torch 1.6) and overrides no
-private method; whether a step ran is seen through the optimizer's public step post-hook. The tests of this module fail
-if torch changes them.
+private method; whether a step ran is seen through the optimizer's public step post-hook. The non-finite guard (the
+scaler of plugins without loss scaling) records its check where ``unscale_`` does, with torch's own kernel
+(``torch._amp_foreach_non_finite_check_and_unscale_``, the op ``unscale_`` calls). The tests of this module fail if torch
+changes them.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -358,7 +359,7 @@ class _NonFiniteGuard(_TrackingGradScaler):
 
     def __init__(self, device: str, max_consecutive_skips: Optional[int], owner: str = "GradScaler") -> None:
         super().__init__(device, ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips), owner=owner)
-        self._complex: dict[int, tuple[weakref.ref, bool]] = {}  # per optimizer: whether it has complex parameters
+        self._ones: dict[torch.device, torch.Tensor] = {}  # the inverse scale, 1, per device
 
     def scale(self, outputs: Any) -> Any:
         self._create_scale(outputs.device)
@@ -385,31 +386,45 @@ class _NonFiniteGuard(_TrackingGradScaler):
         self._per_optimizer_states.clear()  # what torch's update does last; the scale stays 1
 
     def unscale_(self, optimizer: Optimizer) -> None:
-        """torch's check (times 1), except for an optimizer with complex parameters, whose gradients torch's fused
-        kernel cannot take: their real views are checked here instead (a rare path, chosen once per optimizer)."""
+        """The check alone (at a scale of 1 there is nothing to unscale), recorded where torch's ``unscale_`` records it
+        for ``step`` and ``update``: torch's fused check-and-unscale kernel, once per (device, dtype) group of
+        gradients, multiplying by 1 (exact), without torch's per-parameter bookkeeping, which cost more than the check
+        on small models. Its flag is all-reduced across ranks for sharded (DTensor) gradients, as in torch's
+        ``unscale_``. Sparse gradients are checked through their values, complex ones (which the kernel cannot take)
+        through their real views, fp16 ones as they are (times 1 loses nothing)."""
         self._create_scale_for(optimizer)
-        if not self._has_complex(optimizer):
-            return super().unscale_(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is not OptState.READY:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        grads = [torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
-                 for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
-            state["found_inf_per_device"] = {found.device: found}
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update(), or"
+                               " step() has.")
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    grad = grad._values()
+                elif grad.is_complex():
+                    grad = torch.view_as_real(grad)
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        found_per_device: dict[torch.device, torch.Tensor] = {}
+        for (device, _), grads in groups.items():
+            if device not in found_per_device:
+                found_per_device[device] = torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
+        state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED
 
-    def _has_complex(self, optimizer: Optimizer) -> bool:
-        ref, known = self._complex.get(id(optimizer), (None, False))
-        if ref is None or ref() is not optimizer:  # not asked yet (or another optimizer now has that id)
-            known = any(p.is_complex() for group in optimizer.param_groups for p in group["params"])
-            self._complex[id(optimizer)] = (weakref.ref(optimizer), known)
-        return known
+    def _one(self, device: torch.device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), device=device)
+        return one
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_complex"] = {}  # weak references stay in this process; asked again in the next
+        state["_ones"] = {}  # made again where the copy runs
         return state
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,5 @@
-"""bf16 mixed precision for Fabric: bf16 autocast, no loss scaling (bf16 has fp32's exponent range), and a step whose
-gradients hold inf/nan skipped instead of written into the weights (``skip_nonfinite``)."""
+"""bf16 mixed precision for Fabric: bf16 autocast, no loss scaling (bf16 has fp32's exponent range), and on request
+(``skip_nonfinite=True``) a step whose gradients hold inf/nan skipped instead of written into the weights."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from typing_extensions import override
 
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import _ScaledPrecision
+from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig
 
 __all__ = ["BF16_MIN_CAPABILITY", "BF16MixedPrecision", "bf16_capable"]
@@ -48,10 +48,11 @@ class BF16MixedPrecision(_ScaledPrecision):
         matmul_precision: ``torch.set_float32_matmul_precision`` for the run, restored at teardown.
         scaler: must stay ``None``. Accepted only to say clearly that bf16 needs no loss scaling.
         reduce_dtype: the dtype FSDP2 reduces gradients in under ``mp_policy`` (fp32 by default; bf16 halves the bytes).
-        skip_nonfinite: skip an optimizer step whose gradients hold inf or nan instead of writing NaN into every
-            weight, as ``FP16MixedPrecision``'s scaler does (a loss that turns NaN, a diverging step): counted in
-            ``skipped_steps`` and ``precision/skipped_steps``, LR schedulers held on it. ``False``: Lightning's
-            behaviour, no check.
+        skip_nonfinite: ``True``: skip an optimizer step whose gradients hold inf or nan instead of writing NaN into
+            every weight, as ``FP16MixedPrecision``'s scaler does (a loss that turns NaN, a diverging step): counted in
+            ``skipped_steps`` and ``precision/skipped_steps``, LR schedulers held on it. ``False`` (default):
+            Lightning's behaviour, no check; off by default because the check costs more than 2% of a step on small
+            models (docs/benchmarks.md).
         max_consecutive_skips: skipped steps in a row before the run stops with ``SkippedStepsError`` (default 50;
             None: never), instead of training nothing.
     """
@@ -65,7 +66,7 @@ class BF16MixedPrecision(_ScaledPrecision):
         matmul_precision: Optional[MatmulPrecision] = None,
         scaler: Any = None,
         reduce_dtype: torch.dtype = torch.float32,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         if scaler is not None:

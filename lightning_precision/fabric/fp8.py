@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_precision import _fsdp, _imports
 from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import _ScaledPrecision, with_scaler_state
+from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision, with_scaler_state
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
@@ -100,9 +100,9 @@ class FP8Precision(_ScaledPrecision):
             checkpoints): without it, gradients below fp16's range flush to zero in the high-precision layers.
         scaler: fp16 compute only: the loss scaler's arguments as one :class:`~lightning_precision.ScalerConfig`
             (``None``: its defaults). With bf16 compute a ``ValueError``: bf16 needs no loss scaling.
-        skip_nonfinite: bf16 compute: skip an optimizer step whose gradients hold inf or nan instead of writing NaN
-            into every weight, counted in ``skipped_steps`` (as ``BF16MixedPrecision``). With fp16 the loss scaler
-            always skips them (``False`` is a ``ValueError``).
+        skip_nonfinite: bf16 compute: ``True`` skips an optimizer step whose gradients hold inf or nan instead of
+            writing NaN into every weight, counted in ``skipped_steps`` (as ``BF16MixedPrecision``; default ``False``).
+            With fp16 compute the loss scaler always skips them.
         max_consecutive_skips: skipped steps in a row before ``SkippedStepsError`` (default 50; None: never). With fp16
             compute it is the scaler's (or give it in ``scaler``).
         layer_policy: which linear layers run in fp8, as one :class:`~lightning_precision.fp8.FP8LayerPolicy`; or
@@ -147,7 +147,7 @@ class FP8Precision(_ScaledPrecision):
         calibration_batches: Optional[int] = None,
         plan_rule: Optional[PlanRule] = None,
         scaler: Optional[ScalerConfig] = None,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         owner = type(self).__name__
@@ -547,7 +547,7 @@ class NVFP4Precision(FP8Precision):
         matmul_precision: Optional[MatmulPrecision] = None,
         reduce_dtype: torch.dtype = torch.float32,
         scaler: Optional[ScalerConfig] = None,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         super().__init__(

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import _ScaledPrecision
+from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.warnings import NoEffectWarning, deprecated, warn
 
@@ -48,8 +48,9 @@ class XPUPrecision(_ScaledPrecision):
             a ``ValueError``, as are the flat ones (bf16 scales no loss). The flat ``init_scale=``, ``growth_factor=``, ... of 0.1 still
             work, deprecated: one config is the one place for them.
         skip_schedulers_on_overflow: fp16 only, as in ``FP16MixedPrecision``.
-        skip_nonfinite: bf16: skip an optimizer step whose gradients hold inf or nan instead of writing NaN into every
-            weight, as ``BF16MixedPrecision`` does (default). fp16's scaler always skips them (``False`` is refused).
+        skip_nonfinite: bf16: ``True`` skips an optimizer step whose gradients hold inf or nan instead of writing NaN
+            into every weight, as ``BF16MixedPrecision(skip_nonfinite=True)`` does (default ``False``). fp16's scaler
+            always skips them.
         max_consecutive_skips: skipped steps in a row before ``SkippedStepsError`` (default 50; None: never), in
             either dtype (in fp16 it may be given in ``scaler`` instead).
         matmul_precision: as for every plugin.
@@ -67,7 +68,7 @@ class XPUPrecision(_ScaledPrecision):
         matmul_precision: Optional[MatmulPrecision] = None,
         device: str = "xpu",
         reduce_dtype: torch.dtype = torch.float32,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
         **flat_scaler: Any,
     ) -> None:

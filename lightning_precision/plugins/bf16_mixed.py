@@ -10,6 +10,6 @@ class BF16MixedPrecision(_TrainerScaledPrecision, _FabricBF16MixedPrecision):
     """bf16 autocast for the Trainer: ``Trainer(plugins=[BF16MixedPrecision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.BF16MixedPrecision`; no loss scaling. With
-    ``skip_nonfinite`` (the default) a step whose gradients hold inf/nan is skipped, ``precision/skipped_steps`` is
+    ``skip_nonfinite=True`` a step whose gradients hold inf/nan is skipped, ``precision/skipped_steps`` is
     logged at the logger's cadence, and the step-interval LR schedulers you configured are held on skipped steps.
     """
