@@ -24,6 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_precision._fsdp import is_sharded
+from lightning_precision.fabric._scaler import MAX_LOG2_SCALE
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format
 from lightning_precision.fp8 import (
     FP8LayerPolicy,
@@ -490,7 +491,8 @@ def recommend_loss_scale(
     ``2**-max_log2_scale`` up to the largest safe one. Returns a ``LossScaleAdvice(scale, underflow, overflow)``; the
     overflow is always 0. If no scale in the window reaches the target, the largest safe one (least underflow); if even
     ``2**-max_log2_scale`` could overflow, the largest safe scale below it: a scale is never recommended that overflows
-    what was seen.
+    what was seen. ``target_underflow`` is a fraction in [0, 1]; ``max_log2_scale`` an int in [0, 126] (the loss
+    scaler's bounds; above 24, pass the scaler a larger ``max_scale`` to use the advice).
 
     Example:
         2**15 lifts 2**-40 into fp16's range; with 2**14 also seen, no scale above 1 is safe.
@@ -501,6 +503,15 @@ def recommend_loss_scale(
         LossScaleAdvice(scale=1.0, underflow=0.5, overflow=0.0)
     """
     f = _elementwise(fmt, "recommend_loss_scale")
+    if isinstance(target_underflow, bool) or not isinstance(target_underflow, (int, float)) \
+            or not 0 <= target_underflow <= 1:
+        raise ValueError(f"`recommend_loss_scale(target_underflow={target_underflow!r})`: the fraction of values allowed"
+                         " to flush, a number in [0, 1], e.g. 1e-3 (the default).")
+    if isinstance(max_log2_scale, bool) or not isinstance(max_log2_scale, int) \
+            or not 0 <= max_log2_scale <= MAX_LOG2_SCALE:
+        raise ValueError(f"`recommend_loss_scale(max_log2_scale={max_log2_scale!r})`: scales from 2**-k to 2**k are"
+                         f" tried, and the loss scaler accepts scales within 2**-{MAX_LOG2_SCALE} .. 2**{MAX_LOG2_SCALE}:"
+                         f" pass an int k in [0, {MAX_LOG2_SCALE}], e.g. 24 (the default, the scaler's default bounds).")
     hist = histogram.detach().double().cpu()
     total = hist.sum().item()
     if total == 0:
@@ -524,7 +535,8 @@ def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tenso
 
     ``history[0]`` holds the step just finished. The amax is the max over the window (``"max"``) or that row alone
     (``"most_recent"``); then the history rolls up by one and row 0 is cleared for the next step, so the window always
-    holds the last ``len(history)`` steps. Works on any trailing shape; stays on the device.
+    holds the last ``len(history)`` steps. Works on any trailing shape; stays on the device. The history needs at least
+    one row.
 
     Example:
         >>> history = torch.tensor([[3.0], [5.0], [2.0]])
@@ -534,6 +546,9 @@ def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tenso
         >>> roll_amax_history(history, "most_recent")[1].tolist()
         [3.0]
     """
+    if history.dim() == 0 or history.shape[0] == 0:
+        raise ValueError(f"`roll_amax_history(history of shape {tuple(history.shape)})`: the history needs at least one"
+                         " row (dim 0 is the window of steps, amax_history_len >= 1), e.g. torch.zeros(16, n).")
     if algo == "max":
         amax = history.amax(dim=0)
     elif algo == "most_recent":
@@ -548,6 +563,7 @@ def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tenso
 def delayed_scale(amax: Tensor, fp8_max: Union[float, Tensor], margin: int = 0, previous: Optional[Tensor] = None) -> Tensor:
     """``(fp8_max / amax) / 2**margin``, as Transformer Engine computes it; where amax is 0 (nothing seen, or all
     zeros) or the scale would not be finite, the previous scale is kept (1.0 if none). Five small ops, no host read.
+    ``margin`` is a finite number >= 0 (a negative one would scale past ``fp8_max`` and saturate the amax itself).
 
     Example:
         >>> delayed_scale(torch.tensor([448.0, 14.0, 0.0]), 448.0).tolist()
@@ -555,6 +571,9 @@ def delayed_scale(amax: Tensor, fp8_max: Union[float, Tensor], margin: int = 0, 
         >>> delayed_scale(torch.tensor([14.0, 0.0]), 448.0, margin=1, previous=torch.tensor([4.0, 4.0])).tolist()
         [16.0, 4.0]
     """
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < math.inf:
+        raise ValueError(f"`delayed_scale(margin={margin!r})`: the headroom below fp8_max in powers of two, a finite"
+                         " number >= 0 (Transformer Engine's `margin`), e.g. 0 (the default).")
     scale = (fp8_max / 2.0**margin) / amax
     keep = previous if previous is not None else torch.ones_like(scale)
     return torch.where((amax > 0) & torch.isfinite(scale), scale, keep)

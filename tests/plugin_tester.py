@@ -9,12 +9,15 @@ spec in ``SPECS`` below (how to build it runnably on a CPU, and its reference lo
 Why parity is exact (``rtol=0, atol=0``): the plugin and the reference run the same torch ops in the same order on a
 CPU, whose kernels are deterministic. What differs cannot change a bit: the plugins autocast with
 ``cache_enabled=False`` (the cache only reuses a cast, the same values), cast the model output to fp32 (exact) before a
-loss that autocast runs in fp32 anyway, and scale, unscale and step through the same ``GradScaler`` arithmetic.
+loss that autocast runs in fp32 anyway, and scale, unscale and step through the same ``GradScaler`` arithmetic. Plugins
+without loss scaling skip a step whose gradients hold inf/nan (``skip_nonfinite``, their guard at a scale of 1, which
+multiplies by 1: exact); their reference skips such a step by hand, and their specs feed a NaN batch so that it does.
 
 Each check was seen to fail on a copy of the package broken on purpose: autocast disabled (parity, every plugin); the
 scaler growing one step late (fp16 parity); ``load_state_dict`` ignoring the scaler state (round-trip); ``__getstate__``
 losing the compute dtype (pickling); the autocast weight cache switched on, on torch 2.7 (no_grad forward); the fp8
-conversion making new Parameters (optimizer parameters, and fp8 parity); a spec removed (its plugin's tests fail).
+conversion making new Parameters (optimizer parameters, and fp8 parity); a spec removed (its plugin's tests fail);
+the guard left out (bf16, fp8 and XPU bf16 parity: the NaN batch reaches the weights).
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def _fp8_converted(net: nn.Module) -> bool:
 # a few steps, so that the scaler's arithmetic is compared too, and its state has moved by the round-trip.
 _SCALER = {"init_scale": 1024.0, "growth_interval": 2}
 _OVERFLOW_BATCHES = (2,)
+_NAN_BATCHES = (2,)
+_GUARD = {"skip_nonfinite": True}  # the non-finite guard, opt-in
 @dataclasses.dataclass(frozen=True)
 class PluginSpec:
     """How the tester runs one plugin class (its Fabric and its Trainer class alike)."""
@@ -99,6 +104,10 @@ class PluginSpec:
     converted: Optional[Callable[[nn.Module], bool]] = None
     # Batches of the training data whose inputs overflow fp16 (the step is skipped, the scale backs off).
     overflow_batches: tuple[int, ...] = ()
+    # Without a loss scaler: whether the plugin skips steps with inf/nan gradients (`skip_nonfinite`), as its reference
+    # then does by hand; and batches whose input is NaN (the loss and every gradient turn NaN: that step is skipped).
+    guard: bool = False
+    nan_batches: tuple[int, ...] = ()
     # Optional packages it needs (a missing one skips, naming the pip extra).
     requires: tuple[str, ...] = ()
     # The only admitted reason not to run: hardware that cannot exist here and cannot be emulated.
@@ -110,10 +119,25 @@ class PluginSpec:
     def make(self, cls: type, **overrides: Any) -> Any:
         return cls(**{**self.kwargs, **overrides})
 
+    def data(self, steps: int) -> Any:
+        ds = make_data(steps, overflow_batches=self.overflow_batches)
+        for b in self.nan_batches:
+            if b < steps:
+                ds.tensors[0][b * 8] = float("nan")  # one row is enough: the batch's mean loss is NaN
+        return ds
+
+    @property
+    def skips(self) -> int:
+        """Steps the plugin must skip in a fit of ``STEPS``."""
+        return len(self.overflow_batches) + len(self.nan_batches)
+
 
 # Per class name: variant id -> spec. Every variant runs every check.
 SPECS: dict[str, dict[str, PluginSpec]] = {
-    "BF16MixedPrecision": {"default": PluginSpec()},
+    "BF16MixedPrecision": {
+        "default": PluginSpec(),  # Lightning's behaviour: the plain loop
+        "guarded": PluginSpec(kwargs=dict(_GUARD), guard=True, nan_batches=_NAN_BATCHES),
+    },
     "FP16MixedPrecision": {
         "default": PluginSpec(kwargs=dict(_SCALER), dtype=torch.float16, scaler=dict(_SCALER),
                               overflow_batches=_OVERFLOW_BATCHES),
@@ -121,6 +145,7 @@ SPECS: dict[str, dict[str, PluginSpec]] = {
     # XPUPrecision targets "xpu", which does not exist here; `device="cpu"` runs the same logic for the CPU.
     "XPUPrecision": {
         "bf16": PluginSpec(kwargs={"device": "cpu"}),
+        "bf16-guarded": PluginSpec(kwargs={"device": "cpu", **_GUARD}, guard=True, nan_batches=_NAN_BATCHES),
         "fp16": PluginSpec(kwargs={"device": "cpu", "dtype": "fp16", "scaler": ScalerConfig(**_SCALER)}, dtype=torch.float16,
                            scaler=dict(_SCALER), overflow_batches=_OVERFLOW_BATCHES),
     },
@@ -129,6 +154,9 @@ SPECS: dict[str, dict[str, PluginSpec]] = {
     "FP8Precision": {
         "torchao-tensorwise": PluginSpec(kwargs={"emulate": True, "skip_small_layers": False}, convert=_fp8_layer_2,
                                          converted=_fp8_converted, requires=("torchao",)),
+        "torchao-tensorwise-guarded": PluginSpec(kwargs={"emulate": True, "skip_small_layers": False, **_GUARD},
+                                                 convert=_fp8_layer_2, converted=_fp8_converted, requires=("torchao",),
+                                                 guard=True, nan_batches=_NAN_BATCHES),
     },
     # FP8Precision with Transformer Engine's NVFP4 recipe: TE needs CUDA, NVFP4 a Blackwell GPU, and nothing emulates
     # it. Its own logic runs against the TE stand-in (tests/test_fp8_transformer_engine.py).
@@ -211,14 +239,16 @@ def reference_loop(spec: PluginSpec, steps: int = STEPS) -> Run:
     optimizer = _sgd(net)
     scaler = torch.amp.GradScaler("cpu", **spec.scaler) if spec.scaler is not None else None
     losses = []
-    for x, y in loader(make_data(steps, overflow_batches=spec.overflow_batches)):
+    for x, y in loader(spec.data(steps)):
         with torch.autocast(device_type="cpu", dtype=spec.dtype):
             loss = nn.functional.cross_entropy(net(x), y)
         losses.append(float(loss))
         optimizer.zero_grad()
         if scaler is None:
             loss.backward()
-            optimizer.step()
+            # The guard by hand: a step whose gradients are not all finite is not taken.
+            if not spec.guard or all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None):
+                optimizer.step()
         else:
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
@@ -243,7 +273,7 @@ def fabric_fit(plugin: Any, spec: PluginSpec, steps: int = STEPS, teacher_first:
     if on_setup is not None:
         on_setup(plugin, net)
     run = Run([], net, plugin=plugin, optimizer=optimizer)
-    for x, y in fabric.setup_dataloaders(loader(make_data(steps, overflow_batches=spec.overflow_batches))):
+    for x, y in fabric.setup_dataloaders(loader(spec.data(steps))):
         with fabric.autocast() if one_region else contextlib.nullcontext():
             if teacher_first:
                 with torch.no_grad():
@@ -283,7 +313,7 @@ def trainer_fit(plugin: Any, spec: PluginSpec, steps: int = STEPS, teacher_first
     assert one_region, "the Trainer runs training_step in one autocast region"
     model = _Recorder(teacher_first)
     t = trainer(plugin, max_steps=steps, callbacks=list(callbacks))
-    t.fit(model, loader(make_data(steps, overflow_batches=spec.overflow_batches)))
+    t.fit(model, loader(spec.data(steps)))
     return Run(model.losses, model.net, plugin=plugin, optimizer=t.optimizers[0], grads=model.grads,
                output_dtypes=set(model.output_dtypes)), t
 
@@ -353,7 +383,8 @@ class PluginTester:
             assert plugin.loss_scale is None
         else:
             assert plugin.loss_scale == expected.scaler.get_scale() != self.spec.scaler["init_scale"]
-            assert plugin.skipped_steps == len(self.spec.overflow_batches) > 0
+        assert plugin.skipped_steps == self.spec.skips
+        assert self.spec.skips > 0 or not (self.spec.guard or self.spec.scaler), "give the spec a step to skip"
 
     # (2)
     def run_state_round_trip(self) -> None:
@@ -364,8 +395,8 @@ class PluginTester:
         state = plugin.state_dict()
         fresh = self.make()
         untouched = fresh.state_dict()
-        if self.spec.scaler is not None:
-            assert state != untouched, "the scaler state did not move during the fit"
+        if self.spec.scaler is not None or self.spec.guard:
+            assert state != untouched, "the scaler state (or the guard's counters) did not move during the fit"
         else:  # no state to round-trip: say so, rather than compare {} with {} as if it were one
             assert state == untouched == {}, "a plugin without a scaler grew state: give its spec what it keeps"
         fresh.load_state_dict(state)

@@ -1,6 +1,7 @@
 """Lightning's DDP strategy on CPU: gloo backend, 2 processes (spawned), real all-reduce."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -11,16 +12,18 @@ from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
 
 class RankReport(LitNet):
-    """Rank 0 alone gets an overflowing batch at step 2; every rank writes what it ended with."""
+    """Rank 0 alone gets an overflowing batch at step 2 (times 1e6, or times NaN); every rank writes what it ended
+    with."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, poison: float = 1e6):
         super().__init__()
         self.out_dir = out_dir
+        self.poison = poison
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         if batch_idx == 2 and self.global_rank == 0:
-            x = x * 1e6
+            x = x * self.poison
         return super().training_step((x, y), batch_idx)
 
     def on_train_end(self):
@@ -49,6 +52,16 @@ def test_ddp_gloo_two_processes_agree(tmp_path, plugin_cls):
         # rank 1's gradients were finite, but the all-reduce carried rank 0's inf to it: both skipped, both backed off
         assert [r["skipped_steps"] for r in reports] == [1, 1]
         assert [r["loss_scale"] for r in reports] == [512.0, 512.0]
+
+
+def test_ddp_bf16_a_nan_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    """Rank 0's loss turns NaN at step 2; the all-reduce carries the NaN into rank 1's gradients: the non-finite guard
+    skips that step on both ranks, their replicas stay identical and finite, and both count it (issue 23, item 12)."""
+    t = trainer(BF16MixedPrecision(skip_nonfinite=True), strategy="ddp_spawn", devices=2, max_steps=5)
+    reports = fit_spawned(t, RankReport(str(tmp_path), poison=float("nan")), loader(make_data(10)), tmp_path)
+    assert reports[0]["weights"] == reports[1]["weights"]
+    assert all(math.isfinite(w) for w in reports[0]["weights"])
+    assert [r["skipped_steps"] for r in reports] == [1, 1] and [r["loss_scale"] for r in reports] == [None, None]
 
 
 class MonitorReport(LitNet):

@@ -161,3 +161,35 @@ def test_fp64_values_beyond_fp32_land_in_their_own_exponent_bin():
     expected[-1 - HIST_MIN] += 1  # 0.75 in [0.5, 1)
     assert torch.equal(hist, expected)
     assert torch.equal(exponent_histogram(tiny), hist)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda h: recommend_loss_scale(h, target_underflow=-1), r"target_underflow=-1\).*\[0, 1\]"),
+        (lambda h: recommend_loss_scale(h, target_underflow=1.5), r"target_underflow=1\.5\).*\[0, 1\]"),
+        (lambda h: recommend_loss_scale(h, target_underflow=float("nan")), r"target_underflow=nan\)"),
+        (lambda h: recommend_loss_scale(h, max_log2_scale=200), r"max_log2_scale=200\).*2\*\*126.*\[0, 126\]"),
+        (lambda h: recommend_loss_scale(h, max_log2_scale=-3), r"max_log2_scale=-3\).*\[0, 126\]"),
+        (lambda h: recommend_loss_scale(h, max_log2_scale=2.5), r"max_log2_scale=2\.5\).*an int"),
+    ],
+)
+def test_recommend_loss_scale_refuses_arguments_it_cannot_honour(call, match):
+    # Before: -1 recommended the largest safe scale as if nothing fit; 200 recommended 2**200-sized scales the loss
+    # scaler refuses (its bounds are 2**+-126); -3 failed with an IndexError.
+    with pytest.raises(ValueError, match=match):
+        call(exponent_histogram(torch.tensor([2.0**-40, 2.0**-10])))
+
+
+def test_delayed_scale_and_roll_amax_history_refuse_what_has_no_meaning():
+    from lightning_precision.functional import delayed_scale, roll_amax_history
+
+    for margin in (-1, float("nan"), None):  # -1 doubled the scale past fp8_max: every amax value saturated
+        with pytest.raises(ValueError, match=rf"delayed_scale\(margin={margin!r}\).*>= 0"):
+            delayed_scale(torch.tensor([14.0]), 448.0, margin=margin)
+    assert delayed_scale(torch.tensor([14.0]), 448.0, margin=1).tolist() == [16.0]
+    for empty in (torch.zeros(0, 3), torch.tensor(1.0)):  # amax over no step: a raw reduction error before
+        with pytest.raises(ValueError, match=r"roll_amax_history\(history of shape .*at least one row"):
+            roll_amax_history(empty)
+    rolled, amax = roll_amax_history(torch.zeros(4, 0))  # no GEMMs yet: nothing to reduce, nothing refused
+    assert rolled.shape == (4, 0) and amax.shape == (0,)

@@ -271,3 +271,21 @@ def test_a_held_scheduler_copies_and_pickles_like_the_scheduler():
     for twin in (copy.copy(held), copy.deepcopy(held)):
         assert twin.scheduler.step_size == 1 and twin.get_last_lr() == [0.1]
     assert isinstance(pickle.loads(pickle.dumps(HeldScheduler(held.scheduler, bool))), torch.optim.lr_scheduler.StepLR)
+
+
+def test_a_trainer_connected_plugins_held_schedulers_pickle_and_still_hold(tmp_path):
+    """The stand-ins `connect` hands Lightning must pickle (a checkpoint callback, an LR finder or a user pickling the
+    Trainer's scheduler list), not fail on a local lambda; the copy keeps the scheduler's state and still steps."""
+    import pickle
+
+    plugin = FP16MixedPrecision(init_scale=1024.0)
+    t = trainer(plugin, max_steps=3)
+    t.fit(LitNet(scheduler=True), loader(make_data(3, overflow_batches=(1,))))
+    configs = t.lr_scheduler_configs
+    copies = pickle.loads(pickle.dumps(configs))
+    (held,) = [c.scheduler for c in copies]
+    assert type(held).__name__ == "HeldScheduler" and isinstance(held, torch.optim.lr_scheduler.StepLR)
+    assert held.state_dict() == configs[0].scheduler.state_dict() and held.last_epoch == 2
+    held.step()  # the copy's own plugin is not holding (its last step was not skipped)
+    assert held.last_epoch == 3
+    assert pickle.loads(pickle.dumps(plugin)).skipped_steps == 1

@@ -250,3 +250,70 @@ def test_the_scaler_overrides_no_private_method_of_torchs():
     overridden = {name for name in vars(_TrackingGradScaler) if name.startswith("_") and not name.startswith("__")
                   and hasattr(torch.amp.GradScaler, name)}
     assert overridden == set()
+
+
+# ---- checkpoints that no scaler saved (issue 23, item 17) -------------------------------------------------------------
+
+
+def _saved_state():
+    plugin = lp_fabric.FP16MixedPrecision(init_scale=256.0)
+    fabric_run(plugin, batches(1, 2))
+    return plugin.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"scale": "big"}, r"has scale='big', which is not a number"),
+        ({"scale": None}, r"has scale=None, which is not a number"),
+        ({"scale": [256.0]}, r"has scale=\[256\.0\], which is not a number"),
+        ({"scale": ...}, r"lacks 'scale' \(it holds \["),
+        ({"_growth_tracker": ...}, r"lacks '_growth_tracker'"),
+        ({"_growth_tracker": -1}, r"has _growth_tracker=-1, which is not a count of steps \(an int >= 0\)"),
+        ({"skipped_steps": -1}, r"has skipped_steps=-1, which is not a count"),
+        ({"optimizer_steps": 2.5}, r"has optimizer_steps=2\.5, which is not a count"),
+        ({"consecutive_skips": -3}, r"has consecutive_skips=-3, which is not a count"),
+        ({"skipped_steps": "1"}, r"has skipped_steps='1', which is not a count"),
+    ],
+)
+def test_a_scaler_state_no_scaler_saved_is_refused_naming_key_value_and_fix(edit, match):
+    """Before, each of these loaded silently (negative counters, made-up trackers), or failed inside torch with a raw
+    KeyError / TypeError naming nothing."""
+    state = _saved_state()
+    for key, value in edit.items():
+        if value is ...:
+            del state[key]
+        else:
+            state[key] = value
+    plugin = lp_fabric.FP16MixedPrecision(init_scale=256.0)
+    fix = r".*delete the plugin's entry \(`checkpoint\['FP16MixedPrecision'\]`"
+    with pytest.raises(ValueError, match=r"^`FP16MixedPrecision.load_state_dict`: the checkpoint's scaler state " + match + fix):
+        plugin.load_state_dict(state)
+
+
+def test_a_trainer_checkpoint_with_a_non_numeric_scale_stops_the_resume_with_the_fix(tmp_path):
+    ds = make_data(2)
+    first = trainer(FP16MixedPrecision(init_scale=256.0), max_epochs=1)
+    first.fit(LitNet(), loader(ds))
+    first.save_checkpoint(tmp_path / "c.ckpt")
+    checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    checkpoint["FP16MixedPrecision"]["scale"] = "65536"
+    torch.save(checkpoint, tmp_path / "c.ckpt")
+    with pytest.raises(ValueError, match=r"scale='65536', which is not a number.*checkpoint\['FP16MixedPrecision'\]"):
+        trainer(FP16MixedPrecision(init_scale=256.0), max_epochs=2).fit(LitNet(), loader(ds), ckpt_path=tmp_path / "c.ckpt")
+
+
+def test_a_streak_saved_above_the_new_limit_restarts_with_a_warning_instead_of_stopping_at_the_first_skip():
+    """6 skipped steps in a row saved under no limit, resumed with max_consecutive_skips=3: taken as is, the first
+    skipped step after the resume (a streak of 7) stopped the run."""
+    saved = lp_fabric.FP16MixedPrecision(init_scale=2.0**10, max_consecutive_skips=None)
+    fabric_run(saved, batches(0, 1) + batches(6, 0))
+    state = saved.state_dict()
+    assert state["consecutive_skips"] == 6
+    resumed = lp_fabric.FP16MixedPrecision(init_scale=2.0**10, max_consecutive_skips=3)
+    with pytest.warns(UserWarning, match=r"consecutive_skips=6 is at or above max_consecutive_skips=3.*restarts from 0"):
+        resumed.load_state_dict(state)
+    net = fabric_run(resumed, batches(2, 1))  # two more skips: under the new limit of 3 in a row
+    assert all_finite(net) and resumed.skipped_steps == 8
+    with pytest.raises(SkippedStepsError, match="skipped 3 optimizer steps in a row"):
+        fabric_run(resumed, batches(4, 0))  # the limit still holds from the restart on

@@ -101,13 +101,21 @@ def test_a_model_sharded_without_the_policy_warns_and_says_what_to_pass(tmp_path
     assert ranks[1]["warnings"] == []  # rank zero only
 
 
-def test_an_inf_in_one_ranks_gradient_shard_skips_the_step_on_every_rank(tmp_path):
+@pytest.mark.parametrize(("api", "plugin"), [("trainer", "fp16"), ("trainer", "bf16"), ("fabric", "bf16"),
+                                           ("trainer", "fp8")])
+def test_an_inf_in_one_ranks_gradient_shard_skips_the_step_on_every_rank(tmp_path, api, plugin):
     """Rank 1 alone writes an inf into its shard of the first layer's gradient at step 2. The scaler's inf check runs
-    on DTensor gradients, which all-reduce it: both ranks skip that step and halve the scale, and their counters agree."""
-    ranks = run_ranks({"api": "trainer", "plugin": "fp16", "policy": True, "steps": STEPS, "inf_step": 2}, tmp_path)
+    on DTensor gradients, which all-reduce it: both ranks skip that step (fp16 halves the scale), and their counters
+    agree. bf16 and fp8 (bf16 compute) skip through the non-finite guard, the same check at a scale of 1 (issue 23,
+    item 12; `skip_nonfinite=True`): no rank steps an inf into its shard while the other does not."""
+    kwargs = {} if plugin == "fp16" else {"skip_nonfinite": True}
+    ranks = run_ranks({"api": api, "plugin": plugin, "policy": True, "steps": STEPS, "inf_step": 2,
+                       "plugin_kwargs": kwargs}, tmp_path)
     for r in ranks:
         assert r["skipped"] == [False, False, True, False]
-        assert (r["skipped_steps"], r["loss_scale"]) == (1, 512.0)
+        assert (r["skipped_steps"], r["loss_scale"]) == (1, 512.0 if plugin == "fp16" else None)
+    params = torch.load(tmp_path / "params.pt")
+    assert all(torch.isfinite(p).all() for p in params.values())
 
 
 def test_trainer_fp8_on_a_model_sharded_before_conversion_fails_with_the_fix(tmp_path):

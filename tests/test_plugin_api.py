@@ -21,15 +21,19 @@ PLUGINS = [
     pytest.param("BF16MixedPrecision", {}, id="bf16"),
     pytest.param("FP16MixedPrecision", {}, id="fp16"),
     pytest.param("FP8Precision", dict(emulate=True, skip_small_layers=False), id="fp8", marks=_FP8),
+    pytest.param("BF16MixedPrecision", {"skip_nonfinite": True}, id="bf16-guarded"),
+    pytest.param("FP8Precision", dict(emulate=True, skip_small_layers=False, skip_nonfinite=True), id="fp8-guarded",
+                 marks=_FP8),
 ]
 
 
-def expected_metrics(name: str) -> set[str]:
+def expected_metrics(name: str, kwargs: dict) -> set[str]:
+    # Skipped steps where steps are skipped (fp16's scaler, or the non-finite guard); a loss scale only with loss scaling.
     return {
         "BF16MixedPrecision": set(),  # nothing to report: no loss scale is invented
         "FP16MixedPrecision": {"precision/loss_scale", "precision/skipped_steps"},
         "FP8Precision": {"precision/fp8_layers"},
-    }[name]
+    }[name] | ({"precision/skipped_steps"} if kwargs.get("skip_nonfinite") else set())
 
 
 class RecordingLogger(Logger):
@@ -70,12 +74,12 @@ def test_readme_fabric_loop_logs_plugin_metrics(name, kwargs):
         fabric.log_dict(plugin.metrics(), step)  # the README's line, every step here
 
     assert [step for step, _ in logger.logged] == list(range(STEPS))
-    assert all(set(metrics) == expected_metrics(name) for _, metrics in logger.logged)
+    assert all(set(metrics) == expected_metrics(name, kwargs) for _, metrics in logger.logged)
     last = logger.logged[-1][1]
     if name == "FP16MixedPrecision":
         assert last == {"precision/loss_scale": plugin.loss_scale, "precision/skipped_steps": 0.0}
     elif name == "FP8Precision":
-        assert last == {"precision/fp8_layers": 1.0}
+        assert last == {"precision/fp8_layers": 1.0, **({"precision/skipped_steps": 0.0} if kwargs.get("skip_nonfinite") else {})}
         assert sum(d.fp8 for d in plugin.layer_decisions) == 1  # the figure logged is the plugin's own count
     assert plugin.skipped_steps == 0
     assert (plugin.loss_scale is None) == (name != "FP16MixedPrecision")
@@ -93,7 +97,7 @@ def test_readme_trainer_snippet_reads_loss_scale_and_skipped_steps(name, kwargs)
         assert loss_scale == plugin.scaler_config.init_scale  # 4 clean steps: no growth, no backoff
     else:
         assert loss_scale is None  # no loss scaling
-    assert set(fit.precision_plugin.metrics()) == expected_metrics(name)
+    assert set(fit.precision_plugin.metrics()) == expected_metrics(name, kwargs)
 
 
 def test_fp8_reports_no_layer_count_before_the_first_backward():
@@ -101,12 +105,14 @@ def test_fp8_reports_no_layer_count_before_the_first_backward():
     pytest.importorskip("torchao", reason="FP8Precision needs torchao (the [fp8] extra)")
     plugin = lp_fabric.FP8Precision(emulate=True, skip_small_layers=False)
     plugin.convert_module(make_net())
-    assert plugin.metrics() == {}
+    assert "precision/fp8_layers" not in plugin.metrics()
 
 
 def test_xpu_plugin_in_bf16_has_no_loss_scale():
     plugin = lp_fabric.XPUPrecision(dtype="bf16", device="cpu")
     assert (plugin.metrics(), plugin.loss_scale, plugin.skipped_steps) == ({}, None, 0)
+    guarded = lp_fabric.XPUPrecision(dtype="bf16", device="cpu", skip_nonfinite=True)
+    assert (set(guarded.metrics()), guarded.loss_scale, guarded.skipped_steps) == ({"precision/skipped_steps"}, None, 0)
 
 
 # ---- FSDP2 policy (the sharded runs themselves are in test_fsdp.py) ----------------------------------------------------

@@ -38,6 +38,10 @@ from lightning_precision import fabric as lp_fabric
         ({"max_consecutive_skips": 0}, r"max_consecutive_skips=0.*positive int.*or None"),
         ({"max_consecutive_skips": 2.5}, r"max_consecutive_skips=2\.5.*positive int"),
         ({"growth_interval": True}, r"growth_interval=True.*positive int"),
+        # torch grows only to a finite fp32 scale: past 2**128 / max_scale the scale would never grow after a backoff
+        ({"growth_factor": 1e35}, r"growth_factor=1e\+35.*finite fp32.*<= 2\.0282408e\+31 \(max_scale = 1\.67772e\+07\)"),
+        ({"growth_factor": 2.0**104}, r"growth_factor=.*finite fp32"),
+        ({"growth_factor": 4.0, "max_scale": 2.0**126}, r"growth_factor=4\.0.*<= 3\.9999998 "),
     ],
 )
 @pytest.mark.parametrize("cls", [FP16MixedPrecision, lp_fabric.FP16MixedPrecision])
@@ -99,3 +103,14 @@ def test_meta_tensors_do_not_count_as_a_device():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4).to("meta"), torch.nn.Linear(4, 4))
     plugin.convert_module(model)
     assert plugin.device_type == "cpu"
+
+
+def test_the_largest_growth_factor_accepted_still_grows_the_scale():
+    """The bound of the growth_factor check is torch's own: at it, a scale that backed off grows again."""
+    from tests.helpers import fabric_loop, make_data
+
+    factor = 2.0**123  # max_scale (2**4) * 2**123 = 2**127, below fp32's max
+    assert 2.0**4 * factor <= torch.finfo(torch.float32).max
+    plugin = lp_fabric.FP16MixedPrecision(growth_factor=factor, growth_interval=1, init_scale=2.0**4, max_scale=2.0**4)
+    fabric_loop(plugin, make_data(2, overflow_batches=(0,)), steps=2)  # a skipped step backs off, a clean one grows
+    assert plugin.skipped_steps == 1 and plugin.loss_scale == 2.0**4

@@ -19,7 +19,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 import lightning_precision
-from lightning_precision import NoEffectWarning, ScalerConfig, XPUPrecision
+from lightning_precision import ScalerConfig, XPUPrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.accelerators import TrainerXPUAccelerator, XPUAccelerator
 from lightning_precision.accelerators.xpu import parse_xpu_devices
@@ -125,6 +125,10 @@ def test_precision_bf16_autocasts_with_the_dtype_passed_and_no_scaler():
     with plugin.forward_context():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert plugin.state_dict() == {} and plugin.metrics() == {}
+    guarded = lp_fabric.XPUPrecision(device="cpu", skip_nonfinite=True)  # the non-finite guard's counters, no scale
+    assert (guarded.scaler, guarded.loss_scale) == (None, None)
+    assert guarded.state_dict() == {"skipped_steps": 0, "optimizer_steps": 0, "consecutive_skips": 0}
+    assert set(guarded.metrics()) == {"precision/skipped_steps"}
     assert XPUPrecision().autocast_context_manager().device == "xpu"  # the real target, dtype explicit
     assert XPUPrecision().autocast_context_manager().fast_dtype == torch.bfloat16
 
@@ -137,9 +141,12 @@ def test_xpu_precision_is_not_an_fp16_plugin_and_bf16_owns_no_scaler():
     assert XPUPrecision(dtype="fp16", device="cpu").scaler.is_enabled()
 
 
-def test_xpu_bf16_says_scaler_arguments_have_no_effect():
-    with pytest.warns(NoEffectWarning, match="no effect"):
+def test_xpu_bf16_refuses_scaler_arguments_it_would_ignore():
+    # They did nothing in bf16 (a warning said so, easily missed): a user who sets a scale believes the loss is scaled.
+    with pytest.raises(ValueError, match=r"XPUPrecision\(dtype='bf16', scaler=ScalerConfig\(.*would do nothing.*dtype='fp16'"):
         XPUPrecision(device="cpu", scaler=ScalerConfig())
+    with pytest.raises(ValueError, match=r"XPUPrecision\(dtype='bf16', init_scale=1024\.0\).*would do nothing"):
+        XPUPrecision(device="cpu", init_scale=1024.0)
     plugin = XPUPrecision(dtype="fp16", device="cpu", scaler=ScalerConfig(init_scale=1024.0))
     assert plugin.loss_scale == 1024.0
 
@@ -255,3 +262,16 @@ def test_bf16_has_no_scaler_so_a_closure_optimizer_trains_as_with_lightning():
     assert set(model.output_dtypes) == {torch.bfloat16}
     with pytest.raises(ValueError, match="LBFGS"):
         trainer(XPUPrecision(dtype="fp16", device="cpu"), max_steps=1).fit(_LBFGSNet(), loader(make_data(1)))
+
+
+def test_the_guard_on_an_xpu_without_fp64_stands_aside_and_says_so(monkeypatch):
+    """No XPU exists here: torch.xpu's answers are stubbed to those of an Arc A770 (no fp64). torch's GradScaler, which
+    the guard's check runs through, computes in fp64 there; the fp16 scaler refuses such a device
+    (test_fp16_without_fp64_says_use_bf16), the bf16 guard steps aside with a warning instead of failing the run."""
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(name="Intel Arc A770", has_fp64=False))
+    plugin = lp_fabric.XPUPrecision(skip_nonfinite=True)
+    with pytest.warns(lightning_precision.NoEffectWarning, match=r"'Intel Arc A770' has no fp64.*not skipped"):
+        assert plugin.device_type == "xpu"
+    assert (plugin.skip_nonfinite, plugin.metrics()) == (False, {})

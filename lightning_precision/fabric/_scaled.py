@@ -1,12 +1,16 @@
-"""The autocast core with an optional loss scaler: what ``FP16MixedPrecision`` and ``XPUPrecision`` share.
+"""The autocast core with an optional loss scaler: what every plugin that trains shares.
 
-With a ``ScalerConfig`` the plugin scales the loss with a bounded, counting ``GradScaler`` (see ``_scaler``); with
-``None`` (bf16 on XPU) it is a plain autocast plugin that answers the same logging questions with "no loss scale".
+With a ``ScalerConfig`` (fp16) the plugin scales the loss with a bounded, counting ``GradScaler`` (see ``_scaler``).
+Without one (bf16, fp8 in bf16) it scales nothing, and with ``skip_nonfinite`` the same scaler machinery runs at a fixed
+scale of 1 as a guard: a step with inf/nan gradients is skipped, counted and stopped after ``max_consecutive_skips`` in a
+row, schedulers are held, the counters are checkpointed. With neither it is plain autocast, as Lightning's plugins are.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+import inspect
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.types import Optimizable
@@ -17,13 +21,34 @@ from typing_extensions import override
 
 from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
-from lightning_precision.fabric._scaler import ScalerConfig, _TrackingGradScaler
+from lightning_precision.fabric._scaler import ScalerConfig, _NonFiniteGuard, _TrackingGradScaler
 
-__all__ = ["_ScaledPrecision", "check_optimizer"]
+__all__ = ["SKIP_NONFINITE_DEFAULT", "_ScaledPrecision", "check_optimizer", "closure_driven"]
+
+# Whether plugins without loss scaling skip steps with inf/nan gradients unless told: off, because the check costs more
+# than the 2% of a step issue 23 allowed a default (3-7% on benchmarks/plugin_overhead.py's MLP, docs/benchmarks.md).
+SKIP_NONFINITE_DEFAULT = False
+
+
+def closure_driven(optimizer: Any) -> bool:
+    """Whether ``optimizer`` evaluates its closure inside ``step`` (its gradients do not exist before it): LBFGS, or any
+    optimizer whose ``step`` requires a closure."""
+    return _requires_closure(type(optimizer))
+
+
+@functools.lru_cache(maxsize=None)
+def _requires_closure(cls: type) -> bool:
+    if issubclass(cls, LBFGS):
+        return True
+    try:
+        closure = inspect.signature(cls.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def check_optimizer(owner: str, optimizer: Any) -> None:
-    if isinstance(optimizer, LBFGS):
+    if closure_driven(optimizer):
         raise ValueError(
             f"`{owner}` cannot drive `{type(optimizer).__name__}`: a loss scaler cannot skip a step that re-evaluates"
             " its closure. Use another optimizer, or `BF16MixedPrecision`, which needs no scaler."
@@ -31,7 +56,8 @@ def check_optimizer(owner: str, optimizer: Any) -> None:
 
 
 class _ScaledPrecision(_AutocastPrecision):
-    """Autocast in ``compute_dtype`` with a loss scaler built from ``scaler`` (``None``: no scaler).
+    """Autocast in ``compute_dtype`` with a loss scaler built from ``scaler``; without one (``None``), the non-finite
+    guard when ``skip_nonfinite``, else nothing.
 
     The scale is updated once per backward, after every optimizer that uses its gradients has stepped: at the next
     backward, or when ``loss_scale``, ``skipped_steps``, ``metrics()`` or ``state_dict()`` is read (torch's documented
@@ -46,89 +72,132 @@ class _ScaledPrecision(_AutocastPrecision):
         device: Optional[str],
         matmul_precision: Optional[MatmulPrecision],
         reduce_dtype: torch.dtype,
+        skip_nonfinite: bool = False,
+        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
         owner = type(self).__name__
-        if not isinstance(skip_schedulers_on_overflow, bool):
-            raise ValueError(f"`{owner}(skip_schedulers_on_overflow={skip_schedulers_on_overflow!r})`: pass True or"
-                             " False.")
+        for name, value in (("skip_schedulers_on_overflow", skip_schedulers_on_overflow),
+                            ("skip_nonfinite", skip_nonfinite)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{owner}({name}={value!r})`: pass True or False.")
         self.scaler_config = scaler
         self.skip_schedulers_on_overflow = skip_schedulers_on_overflow
-        # Built for cpu until the model's device is known, then rebuilt there with its state.
-        self.scaler: Optional[_TrackingGradScaler] = (
-            _TrackingGradScaler(device or "cpu", scaler) if scaler is not None else None
-        )
+        # A loss scaler always skips non-finite steps (it must, to back off); without one, the guard does if asked.
+        self.skip_nonfinite = scaler is not None or skip_nonfinite
+        if scaler is None:
+            ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips).validate(owner)
+        # What scales and skips: the loss scaler, or the guard (a scaler at a fixed scale of 1). Built for cpu until the
+        # model's device is known, then rebuilt there with its state.
+        self._scaler: Optional[_TrackingGradScaler] = None
+        if scaler is not None:
+            self._scaler = _TrackingGradScaler(device or "cpu", scaler, owner=owner)
+        elif skip_nonfinite:
+            self._scaler = _NonFiniteGuard(device or "cpu", max_consecutive_skips, owner=owner)
         self.step_was_skipped = False
         self._update_pending = False
 
+    @property
+    def scaler(self) -> Optional[_TrackingGradScaler]:
+        """The loss scaler (a ``torch.amp.GradScaler``); ``None`` without loss scaling, as for Lightning's bf16 plugin
+        (``trainer.scaler`` reads it), also where the non-finite guard skips steps."""
+        return self._scaler if self.scaler_config is not None else None
+
     @override
     def _on_device_resolved(self, device_type: str) -> None:
-        if self.scaler is not None and self.scaler.device_type != device_type:
-            state = self.scaler.state_dict()
-            self.scaler = _TrackingGradScaler(device_type, self.scaler.config)
-            self.scaler.load_state_dict(state)
+        if self._scaler is not None and self._scaler.device_type != device_type:
+            state = self._scaler.state_dict()
+            owner = type(self).__name__
+            self._scaler = (_TrackingGradScaler(device_type, self._scaler.config, owner=owner) if self.scaler_config
+                           else _NonFiniteGuard(device_type, self._scaler.config.max_consecutive_skips, owner=owner))
+            self._scaler.load_state_dict(state)
 
     @property
     @override
     def loss_scale(self) -> Optional[float]:
-        """The current loss scale (reads the device); ``None`` without a scaler."""
-        if self.scaler is None:
+        """The current loss scale (reads the device); ``None`` without loss scaling (the guard's scale is no loss
+        scale)."""
+        if self._scaler is None or self.scaler_config is None:
             return None
         self.apply_pending_update()
-        return float(self.scaler.scale_tensor())
+        return float(self._scaler.scale_tensor())
 
     @property
     @override
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because gradients had inf/nan (reads the device); 0 without a scaler."""
-        if self.scaler is None:
+        """Optimizer steps skipped because gradients had inf/nan (reads the device); 0 when nothing is skipped."""
+        if self._scaler is None:
             return 0
         self.apply_pending_update()
-        return int(self.scaler.skipped_tensor())
+        return int(self._scaler.skipped_tensor())
 
     @override
     def metrics(self) -> dict[str, Tensor]:
-        """``precision/loss_scale`` and ``precision/skipped_steps`` as tensors on the device (nothing without a scaler).
+        """``precision/loss_scale`` (with loss scaling) and ``precision/skipped_steps`` (whenever steps are skipped) as
+        tensors on the device; nothing for plain autocast.
 
         Nothing is synchronised until a logger reads them, so calling this only on logging steps costs nothing
         elsewhere: ``if step % 50 == 0: fabric.log_dict(plugin.metrics(), step)``. Call it after the iteration's last
         optimizer step: it applies the scale update that step left pending.
         """
-        if self.scaler is None:
+        return self.scaler_metrics()
+
+    def scaler_metrics(self) -> dict[str, Tensor]:
+        """The loss scaler's (or the guard's) part of ``metrics()``, without what a subclass adds: what the Trainer
+        logs."""
+        if self._scaler is None:
             return {}
         self.apply_pending_update()
-        return {
-            "precision/loss_scale": self.scaler.scale_tensor().float(),
-            "precision/skipped_steps": self.scaler.skipped_tensor().float(),
-        }
+        metrics = {"precision/skipped_steps": self._scaler.skipped_tensor().float()}
+        if self.scaler_config is not None:
+            metrics = {"precision/loss_scale": self._scaler.scale_tensor().float(), **metrics}
+        return metrics
+
+    def update_after_every_step(self) -> None:
+        """Update the scale now that every optimizer of the last backward has stepped (the Trainer knows when)."""
+        if self._update_pending and self._scaler is not None:
+            self._update_pending = False
+            self._scaler.update()
 
     def apply_pending_update(self) -> None:
         """Update the scale for the optimizer steps taken since the last backward, if not done yet (it happens by
         itself at the next backward). May raise ``SkippedStepsError`` (see ``max_consecutive_skips``)."""
-        if self._update_pending and self.scaler is not None:
+        if self._update_pending and self._scaler is not None:
             self._update_pending = False
             # Called by a read, maybe between two optimizers' steps on one backward: those still to step keep the
             # scale their gradients carry.
-            self.scaler.update_before_every_step()
+            self._scaler.update_before_every_step()
 
     def _scale_loss(self, tensor: Tensor) -> Tensor:
-        return tensor if self.scaler is None else self.scaler.scale(tensor)
+        return tensor if self._scaler is None else self._scaler.scale(tensor)
 
     @override
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        if self._update_pending and self.scaler is not None:  # every optimizer of the last backward has stepped
-            self._update_pending = False
-            self.scaler.update()
+        self.update_after_every_step()  # at a backward, every optimizer of the last one has stepped
         super().backward(self._scale_loss(tensor), model, *args, **kwargs)
 
-    def _scaler_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        if self.scaler is None:
+    def _scaler_step(self, optimizer: Optimizable, closure_step: Optional[Callable[[], Any]] = None,
+                     **kwargs: Any) -> Any:
+        """Step ``optimizer`` through the scaler or the guard. ``closure_step``: how a closure-driven optimizer steps
+        (evaluating the closure itself), for the guard to undo if it leaves non-finite weights."""
+        if self._scaler is None:
             self.step_was_skipped = False
-            return optimizer.step(**kwargs)
-        check_optimizer(type(self).__name__, optimizer)
-        output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+            return optimizer.step(**kwargs) if closure_step is None else closure_step()
+        if self._update_pending and self.scaler_config is None and self._scaler.has_stepped(optimizer):
+            # The guard, and a new iteration whose backward did not come through the plugin (`loss.backward()` by
+            # hand): at a scale of 1 nothing was missed but the update, applied now.
+            self.update_after_every_step()
+        if self.scaler_config is not None:
+            check_optimizer(type(self).__name__, optimizer)
+            output = self._scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        elif closure_step is not None or "closure" in kwargs:
+            assert isinstance(self._scaler, _NonFiniteGuard)
+            output = self._scaler.step_undoing_nonfinite(optimizer,  # type: ignore[arg-type]
+                                                        closure_step or functools.partial(optimizer.step, **kwargs))
+        else:
+            output = self._scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         if self.skip_schedulers_on_overflow:
-            self.step_was_skipped = self.scaler.step_was_skipped(optimizer)  # type: ignore[arg-type]
+            self.step_was_skipped = self._scaler.step_was_skipped(optimizer)  # type: ignore[arg-type]
         self._update_pending = True
         return output
 
@@ -138,29 +207,40 @@ class _ScaledPrecision(_AutocastPrecision):
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        if self.scaler is None:
+        if self._scaler is None:
             return
         if optimizer_handles_unscaling(optimizer):
+            if self.scaler_config is None:  # the guard's scale is 1: the gradients are unscaled already
+                return
             raise NotImplementedError(
                 f"`{type(optimizer).__name__}` unscales inside `step()` (a fused optimizer), so its gradients cannot"
                 " be unscaled for clipping. Use the non-fused optimizer to clip."
             )
-        self.scaler.unscale_(optimizer)
+        self._scaler.unscale_(optimizer)
+
+    # Keys of the state that a subclass keeps beside the scaler's (FP8Precision's plan): never given to the scaler.
+    _own_state_keys: tuple[str, ...] = ()
+
+    def scaler_state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state alone (what Lightning's ``MixedPrecision`` can resume), or the guard's counters;
+        ``{}`` for plain autocast."""
+        if self._scaler is None:
+            return {}
+        self.apply_pending_update()
+        return self._scaler.state_dict()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.scaler is None:
-            return {}
-        self.apply_pending_update()
-        return self.scaler.state_dict()
+        return self.scaler_state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict)
+        if self._scaler is not None:
+            self._scaler.load_state_dict({k: v for k, v in state_dict.items() if k not in self._own_state_keys})
 
     def __getstate__(self) -> dict[str, Any]:
         # torch refuses to pickle (or deepcopy) a GradScaler between a step and its update, which is where this plugin
         # rests at the end of every iteration: apply the update first, as any other read of the state does.
         self.apply_pending_update()
         return super().__getstate__()
+

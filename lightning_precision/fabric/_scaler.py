@@ -15,8 +15,10 @@ Three holes of torch's scaler are closed here:
   skipped?" is free there.
 
 It reads torch's ``_per_optimizer_states``, ``_scale`` and ``_init_scale`` (stable since torch 1.6) and overrides no
-private method; whether a step ran is seen through the optimizer's public step post-hook. The tests of this module fail
-if torch changes them.
+private method; whether a step ran is seen through the optimizer's public step post-hook. The non-finite guard (the
+scaler of plugins without loss scaling) records its check where ``unscale_`` does, with torch's own kernel
+(``torch._amp_foreach_non_finite_check_and_unscale_``, the op ``unscale_`` calls). The tests of this module fail if torch
+changes them.
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
 from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision.warnings import warn
 
-__all__ = ["ScalerConfig", "SkippedStepsError", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
+__all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "_NonFiniteGuard", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
 
 
 class SkippedStepsError(RuntimeError):
@@ -41,7 +44,9 @@ class SkippedStepsError(RuntimeError):
 
 
 # 1/scale must be a normal fp32 number in both directions, or unscaling is no longer exact (and at 2**-128, inf).
-_SCALE_RANGE = (2.0**-126, 2.0**126)
+MAX_LOG2_SCALE = 126
+_SCALE_RANGE = (2.0**-MAX_LOG2_SCALE, 2.0**MAX_LOG2_SCALE)
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,15 @@ class ScalerConfig:
         if not low <= real("init_scale") <= high:
             fail("init_scale", f"the initial loss scale must lie in [min_scale, max_scale] = [{low:g}, {high:g}],"
                                " e.g. 2.0**16 (the default).")
-        if not real("growth_factor") > 1:
+        growth = real("growth_factor")
+        if not growth > 1:
             fail("growth_factor", "the scale must grow, so use a factor > 1, e.g. 2.0.")
+        # torch grows the scale only when `scale * growth_factor` is a finite fp32 number: past that bound a scale that
+        # backed off below max_scale would never grow again.
+        if growth > _FP32_MAX / high:
+            fail("growth_factor", f"max_scale * growth_factor must stay a finite fp32 number (<= {_FP32_MAX:.6g}), or"
+                                  " torch never grows the scale again after a backoff: use a factor <="
+                                  f" {_FP32_MAX / high:.8g} (max_scale = {high:g}), e.g. 2.0.")
         backoff = real("backoff_factor")
         if not 0 < backoff < 1:
             fail("backoff_factor", "the scale must shrink on overflow: use a value in (0, 1), e.g. 0.5.")
@@ -116,7 +128,7 @@ def resolve_scaler_config(owner: str, scaler: Optional[ScalerConfig], **flat: An
 
 
 class _TrackingGradScaler(torch.amp.GradScaler):
-    def __init__(self, device: str, config: ScalerConfig, enabled: bool = True) -> None:
+    def __init__(self, device: str, config: ScalerConfig, enabled: bool = True, owner: str = "GradScaler") -> None:
         super().__init__(
             device,
             init_scale=float(config.init_scale),
@@ -126,13 +138,13 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
         self.config = config
+        self.owner = owner  # the plugin, named in errors
         self.device_type = device  # what it was built for (torch keeps it as the private `_device`)
-        # Tensors on the scale's device, created with it; ints until then (or after a load).
+        # Counted on the host while every step's answer is known there for free (ordinary optimizers: torch reads it to
+        # decide), on the device (tensors) from the first update whose answer only the device knows (fused optimizers).
         self._skipped: torch.Tensor | int = 0
         self._steps: torch.Tensor | int = 0
-        self._streak: torch.Tensor | int = 0  # skipped updates in a row
-        # The same streak where the host knows every step's answer for free (ordinary optimizers); None where it does not.
-        self._host_streak: Optional[int] = 0
+        self._streak: torch.Tensor | int = 0  # skipped updates in a row; back to an int at the first clean host answer
         self._unread_updates = 0
         self._host_skipped: dict[int, bool] = {}
         # Set by `update_before_every_step`: the scale this backward's gradients carry, and whether that update saw an
@@ -162,6 +174,8 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         finally:
             self._scale = live
         if self._early_found is not None:
+            # Whether this step's inf counts depends on the update before it, which only the device knows.
+            self._host_skipped.pop(id(optimizer), None)
             state = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
             for device, flag in state.items():
                 state[device] = flag * (~self._early_found).to(flag.device, flag.dtype)
@@ -216,18 +230,25 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             self._host_skipped.clear()
             super().update(new_scale)
             return
-        found = self._found_inf()
-        if found is not None:
+        host = self._host_answer()
+        if host is not None:  # no device op
+            self._skipped = self._skipped + host
+            self._steps = self._steps + 1
+            self._streak = self._streak + 1 if host else 0
+        elif (found := self._found_inf()) is not None:
             skipped = (found > 0).to(torch.int64)
             self._skipped = self._skipped + skipped
             self._steps = self._steps + 1
             self._streak = (self._streak + 1) * skipped
-        host = self._host_answer()
         self._host_skipped.clear()
+        self._update_scale()
+        self._check_streak()
+
+    def _update_scale(self) -> None:
+        """torch's update (back off or grow, and forget this iteration's flags), then the bounds."""
         super().update()
         if self._scale is not None:
             self._scale.clamp_(self.config.min_scale, self.config.max_scale)
-        self._check_streak(host)
 
     def _host_answer(self) -> Optional[bool]:
         """Whether this iteration skipped, if every optimizer stepped since the last update answered on the host."""
@@ -236,33 +257,30 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             return None
         return any(self._host_skipped[i] for i in ids)
 
-    def _check_streak(self, host: Optional[bool]) -> None:
+    def _check_streak(self) -> None:
         limit = self.config.max_consecutive_skips
-        if host is None:
-            self._host_streak = None
-        elif host is False:
-            self._host_streak = 0
-        elif self._host_streak is not None:
-            self._host_streak += 1
         if limit is None:
             return
-        streak = self._host_streak
-        if streak is None:
+        streak = self._streak
+        if not isinstance(streak, int):
             # Fused optimizers answer only on the device: look once every `limit` updates (one read, not one a step).
             self._unread_updates += 1
             if self._unread_updates < limit:
                 return
             self._unread_updates = 0
-            streak = int(self._streak)
+            streak = int(streak)
         if streak >= limit:
-            raise SkippedStepsError(
-                f"The loss scaler skipped {streak} optimizer steps in a row (max_consecutive_skips={limit}): every"
-                f" gradient had inf or nan, now at loss scale {float(self._scale):g} (min_scale ="  # type: ignore[arg-type]
-                f" {self.config.min_scale:g}), so the weights have not changed for {streak} steps. Usual causes: a"
-                " nan/inf in the loss itself (check the data, and the forward in fp32), a learning rate that made the"
-                " model diverge, or activations beyond fp16's range (65504): train in bf16 (BF16MixedPrecision). Pass"
-                " `max_consecutive_skips=None` to train on regardless."
-            )
+            raise SkippedStepsError(self._streak_message(streak, limit))
+
+    def _streak_message(self, streak: int, limit: int) -> str:
+        return (
+            f"The loss scaler skipped {streak} optimizer steps in a row (max_consecutive_skips={limit}): every"
+            f" gradient had inf or nan, now at loss scale {float(self._scale):g} (min_scale ="  # type: ignore[arg-type]
+            f" {self.config.min_scale:g}), so the weights have not changed for {streak} steps. Usual causes: a"
+            " nan/inf in the loss itself (check the data, and the forward in fp32), a learning rate that made the"
+            " model diverge, or activations beyond fp16's range (65504): train in bf16 (BF16MixedPrecision). Pass"
+            " `max_consecutive_skips=None` to train on regardless."
+        )
 
     def skipped_tensor(self) -> torch.Tensor:
         """Skipped optimizer steps, on the scale's device when it exists (no synchronisation)."""
@@ -287,10 +305,14 @@ class _TrackingGradScaler(torch.amp.GradScaler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The checkpoint gives the state (scale, growth tracker, counters); the arguments of this scaler stay in force
         (a warning names any that differ from the checkpoint's). A scale that is not a finite positive number restarts
-        from ``init_scale``; one outside ``[min_scale, max_scale]`` is clamped into it; both with a warning."""
+        from ``init_scale``; one outside ``[min_scale, max_scale]`` is clamped into it; both with a warning. A state
+        that is not a scaler's (a missing key, a scale that is no number, a negative count) is a ``ValueError``."""
         if not self._enabled or not state_dict:
             return
-        super().load_state_dict(state_dict)
+        checked = _CheckedState(self.owner, state_dict)
+        scale = checked.number("scale")
+        tracker = checked.count("_growth_tracker", required=True)
+        skipped, steps, streak = checked.counters(self.config.max_consecutive_skips)
         config = self.config
         changed = [f"{name}: checkpoint {state_dict[name]!r}, now {getattr(config, name)!r}"
                    for name in ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale")
@@ -300,14 +322,10 @@ class _TrackingGradScaler(torch.amp.GradScaler):
                 "Resuming the loss scaler with other arguments than the checkpoint's: " + "; ".join(changed) + ". The"
                 " arguments you pass are in force; the scale, growth tracker and counters come from the checkpoint.",
             )
-        self.set_growth_factor(float(config.growth_factor))
-        self.set_backoff_factor(float(config.backoff_factor))
-        self.set_growth_interval(config.growth_interval)
-        scale = float(state_dict["scale"])
         bounded = min(max(scale, config.min_scale), config.max_scale)
         if not (math.isfinite(scale) and scale > 0):
             bounded = float(config.init_scale)
-            self._init_growth_tracker = 0
+            tracker = 0
             warn(
                 f"The checkpoint's loss scale is {scale!r}, which would turn the next clean step into NaN weights"
                 f" (it was saved by a scaler without bounds). Restarting the scale from init_scale={bounded:g}.",
@@ -319,15 +337,198 @@ class _TrackingGradScaler(torch.amp.GradScaler):
             )
         # torch grows the scale when the tracker reaches growth_interval exactly: a tracker saved under a larger interval
         # would pass the new one and never grow again (until an overflow). Such a tracker is due: it grows next.
-        self._init_growth_tracker = min(int(self._init_growth_tracker), config.growth_interval - 1)
+        self._init_growth_tracker = min(tracker, config.growth_interval - 1)
         self._init_scale = bounded
         if self._scale is not None:
             self._scale.fill_(bounded)
             self._growth_tracker.fill_(self._init_growth_tracker)  # type: ignore[union-attr]
-        self._skipped = int(state_dict.get("skipped_steps", 0))
-        self._steps = int(state_dict.get("optimizer_steps", 0))
-        self._streak = int(state_dict.get("consecutive_skips", 0))
-        self._host_streak = self._streak
+        self._set_counters(skipped, steps, streak)
+
+    def _set_counters(self, skipped: int, steps: int, streak: int) -> None:
+        self._skipped, self._steps, self._streak = skipped, steps, streak
+        self._unread_updates = 0
+
+
+class _NonFiniteGuard(_TrackingGradScaler):
+    """The scaler of a plugin that scales no loss (bf16, fp8 in bf16, XPU in bf16), kept for its guarantee: a step whose
+    gradients hold inf or nan is skipped instead of written into every weight, counted, and a run that skips
+    ``max_consecutive_skips`` in a row stops. The scale is fixed at 1 (no growth, no backoff): the loss goes to backward
+    as it is, and unscaling multiplies by 1 (exact) in the same fused kernel that checks for inf/nan, all-reduced across
+    ranks for sharded (DTensor) gradients. Its state is its counters only: there is no scale to save.
+    """
+
+    def __init__(self, device: str, max_consecutive_skips: Optional[int], owner: str = "GradScaler") -> None:
+        super().__init__(device, ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips), owner=owner)
+        self._ones: dict[torch.device, torch.Tensor] = {}  # the inverse scale, 1, per device
+
+    def scale(self, outputs: Any) -> Any:
+        self._create_scale(outputs.device)
+        self._carried = self._early_found = None
+        return outputs  # times 1: the very loss, and no op for it
+
+    def _create_scale(self, device: torch.device) -> None:
+        if self._scale is None:  # the scale (1) lives on the loss's device, created once by torch's own scale()
+            super().scale(torch.ones((), device=device))
+
+    def has_stepped(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` stepped since the last update."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        return state is not None and state["stage"] is OptState.STEPPED
+
+    def _create_scale_for(self, optimizer: Optimizer) -> None:
+        """A backward that did not go through ``scale`` (``loss.backward()`` by hand) needs no scaling at a scale of 1:
+        the scale is created where the parameters live, so that the check still runs."""
+        if self._scale is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._create_scale(params[0].device if params else torch.device("cpu"))
+
+    def _update_scale(self) -> None:
+        self._per_optimizer_states.clear()  # what torch's update does last; the scale stays 1
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """The check alone (at a scale of 1 there is nothing to unscale), recorded where torch's ``unscale_`` records it
+        for ``step`` and ``update``: torch's fused check-and-unscale kernel, once per (device, dtype) group of
+        gradients, multiplying by 1 (exact), without torch's per-parameter bookkeeping, which cost more than the check
+        on small models. Its flag is all-reduced across ranks for sharded (DTensor) gradients, as in torch's
+        ``unscale_``. Sparse gradients are checked through their values, complex ones (which the kernel cannot take)
+        through their real views, fp16 ones as they are (times 1 loses nothing)."""
+        self._create_scale_for(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update(), or"
+                               " step() has.")
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    grad = grad._values()
+                elif grad.is_complex():
+                    grad = torch.view_as_real(grad)
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        found_per_device: dict[torch.device, torch.Tensor] = {}
+        for (device, _), grads in groups.items():
+            if device not in found_per_device:
+                found_per_device[device] = torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
+        state["found_inf_per_device"] = found_per_device
+        state["stage"] = OptState.UNSCALED
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), device=device)
+        return one
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_ones"] = {}  # made again where the copy runs
+        return state
+
+    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        self._create_scale_for(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY and not optimizer_handles_unscaling(optimizer):
+            self.unscale_(optimizer)
+        if state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]:
+            # Not one gradient (a part frozen, or unused this step): nothing to check, and torch's step would refuse.
+            # The optimizer's own step, as under Lightning's plugin.
+            state["stage"] = OptState.STEPPED
+            self._host_skipped[id(optimizer)] = False
+            return optimizer.step(*args, **kwargs)
+        return super().step(optimizer, *args, **kwargs)
+
+    def step_undoing_nonfinite(self, optimizer: Optimizer, closure_step: Callable[[], Any]) -> Any:
+        """For an optimizer that evaluates its closure inside ``step`` (LBFGS): its gradients do not exist before the
+        step, so the step cannot be skipped up front. It runs, and if it left a weight non-finite the weights are put
+        back as they were and the step counts as skipped. Costs one copy of the parameters a step (LBFGS itself keeps
+        ``2 * history_size`` flat copies) and a host read per parameter (LBFGS reads the host many times a step); the
+        optimizer's own state is not rolled back (LBFGS drops a non-finite curvature pair by itself)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        saved = [p.detach().clone() for p in params]
+        output = closure_step()
+        bad = not all(bool(torch.isfinite(p).all()) for p in params)
+        if bad:
+            with torch.no_grad():
+                for p, before in zip(params, saved):
+                    p.copy_(before)
+        device = self._scale.device if self._scale is not None else torch.device("cpu")
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {device: torch.tensor(float(bad),
+                                                                                                   device=device)}
+        self._host_skipped[id(optimizer)] = bad
+        return output
+
+    def _streak_message(self, streak: int, limit: int) -> str:
+        return (
+            f"{self.owner} skipped {streak} optimizer steps in a row (max_consecutive_skips={limit}): every step's"
+            f" gradients held inf or nan, so the weights have not changed for {streak} steps (each such step was"
+            " skipped rather than written into the weights as NaN). Usual causes: a nan/inf in the loss or the data"
+            " (check a batch, and the forward in fp32), or a learning rate that made the model diverge. Pass"
+            " `max_consecutive_skips=None` to train on regardless."
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": int(self._skipped), "optimizer_steps": int(self._steps),
+                "consecutive_skips": int(self._streak)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The counters, where the state has them: ``{}`` (a checkpoint from before the guard) leaves them at 0, and a
+        loss scaler's state (a run that switched from fp16) gives its counters, its scale being nothing to this one."""
+        self._set_counters(*_CheckedState(self.owner, state_dict).counters(self.config.max_consecutive_skips))
+
+
+class _CheckedState:
+    """Reads a saved scaler state, refusing what no scaler saved with a ``ValueError`` that names the key, the value and
+    the fix (a checkpoint edited by hand, cut short, or of another object)."""
+
+    def __init__(self, owner: str, state: dict[str, Any]) -> None:
+        self.owner, self.state = owner, state
+
+    def _fail(self, problem: str) -> ValueError:
+        return ValueError(
+            f"`{self.owner}.load_state_dict`: the checkpoint's scaler state {problem}. Resume from a checkpoint that this"
+            f" plugin or Lightning's MixedPrecision saved, or delete the plugin's entry (`checkpoint[{self.owner!r}]`,"
+            " and `checkpoint['MixedPrecision']` if there is one) to start the scaler afresh."
+        )
+
+    def _get(self, key: str) -> Any:
+        if key not in self.state:
+            raise self._fail(f"lacks {key!r} (it holds {sorted(self.state)})")
+        value = self.state[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        return value
+
+    def number(self, key: str) -> float:
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise self._fail(f"has {key}={value!r}, which is not a number")
+        return float(value)
+
+    def count(self, key: str, required: bool = False) -> int:
+        if not required and key not in self.state:
+            return 0
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise self._fail(f"has {key}={value!r}, which is not a count of steps (an int >= 0)")
+        return int(value)
+
+    def counters(self, max_consecutive_skips: Optional[int]) -> tuple[int, int, int]:
+        """``skipped_steps``, ``optimizer_steps`` and ``consecutive_skips`` (0 where absent, as in Lightning's state);
+        a streak at or above ``max_consecutive_skips`` restarts from 0, with a warning."""
+        skipped, steps, streak = (self.count(key) for key in ("skipped_steps", "optimizer_steps", "consecutive_skips"))
+        if max_consecutive_skips is not None and streak >= max_consecutive_skips:
+            warn(
+                f"`{self.owner}.load_state_dict`: the checkpoint's consecutive_skips={streak} is at or above"
+                f" max_consecutive_skips={max_consecutive_skips} (saved under a larger limit, or none): resumed as is,"
+                " the run would stop at its first skipped step. The streak restarts from 0, so the run stops only"
+                f" after {max_consecutive_skips} skipped steps in a row from here. Pass a larger `max_consecutive_skips`"
+                " to keep counting the checkpoint's streak."
+            )
+            streak = 0
+        return skipped, steps, streak
 
 
 def scale_of(scaler: torch.amp.GradScaler) -> torch.Tensor:

@@ -16,7 +16,9 @@ from typing_extensions import override
 
 from lightning_precision import _fsdp, _imports
 from lightning_precision import fp8 as _fp8
-from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
+from lightning_precision.fabric._autocast import MatmulPrecision
+from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
+from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, deprecated, warn
@@ -101,7 +103,7 @@ class _Calibration:
                                " precision, then the plan decides)")
 
 
-class FP8Precision(_AutocastPrecision):
+class FP8Precision(_ScaledPrecision):
     """fp8 linear layers inside high-precision autocast: ``Fabric(plugins=[FP8Precision()])``.
 
     Args:
@@ -112,7 +114,16 @@ class FP8Precision(_AutocastPrecision):
             ``emulate=True``; dims divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``, ``"block"``, a mapping
             ``{"name": "delayed", "amax_history_len": 16, ...}`` or a TE recipe object.
         emulate: run torchao's fp8 numerics without fp8 hardware (CPU included), slowly. torchao only.
-        compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16).
+        compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16). With fp16 the
+            loss is scaled by ``FP16MixedPrecision``'s bounded scaler (its skipped steps, logging, held schedulers and
+            checkpoints): without it, gradients below fp16's range flush to zero in the high-precision layers.
+        scaler: fp16 compute only: the loss scaler's arguments as one :class:`~lightning_precision.ScalerConfig`
+            (``None``: its defaults). With bf16 compute a ``ValueError``: bf16 needs no loss scaling.
+        skip_nonfinite: bf16 compute: ``True`` skips an optimizer step whose gradients hold inf or nan instead of
+            writing NaN into every weight, counted in ``skipped_steps`` (as ``BF16MixedPrecision``; default ``False``).
+            With fp16 compute the loss scaler always skips them.
+        max_consecutive_skips: skipped steps in a row before ``SkippedStepsError`` (default 50; None: never). With fp16
+            compute it is the scaler's (or give it in ``scaler``).
         layer_policy: which linear layers run in fp8, as one :class:`~lightning_precision.fp8.FP8LayerPolicy`; or
             the same three choices flat (not both):
         module_filter: ``(module, fqn) -> bool`` choosing the linear layers that run in fp8; replaces the defaults.
@@ -157,6 +168,9 @@ class FP8Precision(_AutocastPrecision):
         layers: Optional[PlanLike] = None,
         calibration_batches: Optional[int] = None,
         plan_rule: Optional[PlanRule] = None,
+        scaler: Optional[ScalerConfig] = None,
+        skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
+        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         owner = type(self).__name__
         if backend not in _fp8.BACKENDS:
@@ -169,7 +183,16 @@ class FP8Precision(_AutocastPrecision):
         self.layer_policy = _fp8._resolve_layer_policy(owner, layer_policy, module_filter=module_filter,
                                                       skip_small_layers=skip_small_layers,
                                                       skip_first_last=skip_first_last)
-        super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
+        if scaler is not None and compute_dtype != torch.float16:
+            raise ValueError(
+                f"`{owner}(scaler={scaler!r})`: bf16 has fp32's exponent range, so gradients do not underflow and need"
+                " no loss scaling. Remove `scaler`, or pass `compute_dtype=torch.float16` to scale the loss."
+            )
+        # fp16 compute always scales the loss: fp16 flushes gradients below 2**-24 where bf16 keeps them.
+        config = (resolve_scaler_config(owner, scaler, max_consecutive_skips=max_consecutive_skips)
+                  if compute_dtype == torch.float16 else None)
+        super().__init__(compute_dtype, config, True, device, matmul_precision, reduce_dtype,
+                         skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips)
         self.precision = _PRECISION_OF[(backend, compute_dtype)]
         self.backend = backend
         self.emulate = emulate
@@ -489,14 +512,21 @@ class FP8Precision(_AutocastPrecision):
             self.layer_decisions = calibration.measuring()
         calibration.next_batch()
 
+    _own_state_keys = ("plan",)  # beside the loss scaler's (fp16 compute)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         """The plan in force (made by ``layers="auto"``, given, or changed by ``demote``): a resumed fit applies it
-        instead of measuring again, and keeps demoted layers in high precision."""
-        return {"plan": self.plan.to_dict()} if self.plan is not None else {}
+        instead of measuring again, and keeps demoted layers in high precision. With fp16 compute, the loss scaler's
+        state beside it."""
+        state = super().state_dict()
+        if self.plan is not None:
+            state["plan"] = self.plan.to_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # the loss scaler's part (fp16 compute)
         if "plan" not in state_dict:
             return
         owner = type(self).__name__
@@ -581,13 +611,16 @@ class FP8Precision(_AutocastPrecision):
     @override
     def metrics(self) -> dict[str, Tensor]:
         """``precision/fp8_layers``: how many linear layers compute in fp8 (emulated or not), from the first backward
-        on; nothing before it, when layers chosen for fp8 may still turn out never to run. fp8 keeps no loss scale."""
-        if self._fp8_layers is None:
-            return {}
-        return {"precision/fp8_layers": torch.tensor(float(self._fp8_layers))}
+        on; nothing before it, when layers chosen for fp8 may still turn out never to run. With fp16 compute, the loss
+        scaler's ``precision/loss_scale`` and ``precision/skipped_steps`` too."""
+        metrics = super().metrics()  # the loss scale and skipped steps, where there are
+        if self._fp8_layers is not None:
+            metrics["precision/fp8_layers"] = torch.tensor(float(self._fp8_layers))
+        return metrics
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
+        super()._on_device_resolved(device_type)  # the loss scaler, built for cpu, moves to the model's device
         # While `layers="auto"` measures, its eligible layers are the ones that will run in fp8: checked now, not
         # after the measured batches.
         eligible = self._calibration.decisions if self._calibration is not None else self.layer_decisions
@@ -616,7 +649,8 @@ class NVFP4Precision(FP8Precision):
     Args:
         recipe: ``"nvfp4"`` (default), a mapping ``{"name": "nvfp4", **NVFP4BlockScaling_kwargs}`` or TE's
             ``NVFP4BlockScaling`` object.
-        compute_dtype, layer_policy, layers, device, matmul_precision, reduce_dtype: as for ``FP8Precision``. The
+        compute_dtype, layer_policy, layers, device, matmul_precision, reduce_dtype, scaler, skip_nonfinite,
+            max_consecutive_skips: as for ``FP8Precision``. The
             layer choice is a ``layer_policy`` only (no flat ``module_filter``/``skip_*`` arguments). Every argument
             is keyword-only.
     """
@@ -633,9 +667,13 @@ class NVFP4Precision(FP8Precision):
         device: Optional[str] = None,
         matmul_precision: Optional[MatmulPrecision] = None,
         reduce_dtype: torch.dtype = torch.float32,
+        scaler: Optional[ScalerConfig] = None,
+        skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
+        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
     ) -> None:
         super().__init__(
             backend="transformer_engine", recipe=recipe if recipe is not None else _fp8.TE_NVFP4,
             compute_dtype=compute_dtype, layer_policy=layer_policy, layers=layers, device=device,
-            matmul_precision=matmul_precision, reduce_dtype=reduce_dtype,
+            matmul_precision=matmul_precision, reduce_dtype=reduce_dtype, scaler=scaler, skip_nonfinite=skip_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
         )

@@ -1,5 +1,6 @@
 """Mixed precision on Intel XPU for Fabric: bf16 (default) or fp16 autocast for ``"xpu"``, the dtype always explicit
-(XPU autocast defaults to fp16), a loss scaler only for fp16, and IPEX only when it matches this torch."""
+(XPU autocast defaults to fp16), a loss scaler only for fp16 (bf16 skips non-finite steps without one), and IPEX only
+when it matches this torch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing_extensions import override
 
 from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import _ScaledPrecision
+from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.warnings import NoEffectWarning, deprecated, warn
 
@@ -34,8 +35,8 @@ def check_fp64(props: Any) -> None:
 class XPUPrecision(_ScaledPrecision):
     """Mixed precision on Intel GPUs: ``Fabric(strategy=XPUAccelerator.strategy(devices=1), plugins=[XPUPrecision()])``.
 
-    Not an ``FP16MixedPrecision``: in bf16 (the default) it has no scaler (``scaler`` is ``None``). Every argument is
-    keyword-only.
+    Not an ``FP16MixedPrecision``: in bf16 (the default) it scales no loss (``loss_scale`` is ``None``). Every argument
+    is keyword-only.
 
     Args:
         dtype: ``"bf16"`` (default; no scaler) or ``"fp16"`` (with ``torch.amp.GradScaler("xpu")``, the same skipped-step
@@ -43,10 +44,15 @@ class XPUPrecision(_ScaledPrecision):
         ipex: ``False`` (default): upstream torch only. ``True``: ``intel_extension_for_pytorch.optimize`` the model (and
             optimizer, with the Trainer), or an error if IPEX is missing or built for another torch. ``"auto"``: IPEX
             when it matches, else upstream torch, quietly. IPEX is checked from package metadata before any import.
-        scaler: fp16 only: the loss scaler's arguments as one ``ScalerConfig`` (``None``: its defaults). In bf16 a
-            ``NoEffectWarning`` says it does nothing. The flat ``init_scale=``, ``growth_factor=``, ... of 0.1 still
+        scaler: fp16 only: the loss scaler's arguments as one ``ScalerConfig`` (``None``: its defaults). In bf16 it is
+            a ``ValueError``, as are the flat ones (bf16 scales no loss). The flat ``init_scale=``, ``growth_factor=``, ... of 0.1 still
             work, deprecated: one config is the one place for them.
         skip_schedulers_on_overflow: fp16 only, as in ``FP16MixedPrecision``.
+        skip_nonfinite: bf16: ``True`` skips an optimizer step whose gradients hold inf or nan instead of writing NaN
+            into every weight, as ``BF16MixedPrecision(skip_nonfinite=True)`` does (default ``False``). fp16's scaler
+            always skips them.
+        max_consecutive_skips: skipped steps in a row before ``SkippedStepsError`` (default 50; None: never), in
+            either dtype (in fp16 it may be given in ``scaler`` instead).
         matmul_precision: as for every plugin.
         reduce_dtype: as for every plugin (FSDP2's gradient reduction under ``mp_policy``).
         device: ``"xpu"``; another device type only to exercise the logic where no XPU exists (the tests do).
@@ -62,6 +68,8 @@ class XPUPrecision(_ScaledPrecision):
         matmul_precision: Optional[MatmulPrecision] = None,
         device: str = "xpu",
         reduce_dtype: torch.dtype = torch.float32,
+        skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
+        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
         **flat_scaler: Any,
     ) -> None:
         owner = type(self).__name__
@@ -72,26 +80,39 @@ class XPUPrecision(_ScaledPrecision):
         unknown = sorted(set(flat_scaler) - {f.name for f in dataclasses.fields(ScalerConfig)})
         if unknown:
             raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        if dtype == "bf16" and (scaler is not None or flat_scaler):
+            # Refused, not ignored: a user who sets a scale believes the loss is scaled (as BF16MixedPrecision does).
+            given = [f"scaler={scaler!r}"] if scaler is not None else []
+            given += [f"{name}={value!r}" for name, value in flat_scaler.items()]
+            raise ValueError(
+                f"`{owner}(dtype='bf16', {', '.join(given)})`: bf16 has fp32's exponent range and runs without a loss"
+                " scaler, so these arguments would do nothing. Drop them, or pass `dtype='fp16'` to scale the loss."
+            )
         if flat_scaler:
             deprecated(f"{owner}({', '.join(flat_scaler)}=...)", f"{owner}(scaler=ScalerConfig(...))")
-        config = resolve_scaler_config(owner, scaler, **flat_scaler)
-        if dtype == "bf16" and (scaler is not None or config != ScalerConfig()):
-            # Accepted (a run that passed them before keeps working), but said: they do nothing in bf16.
-            warn(f"`{owner}(dtype='bf16', ...)` was given loss-scaler arguments, which have no effect: bf16 has fp32's"
-                 " exponent range and runs without a scaler. Drop them, or pass `dtype='fp16'` to scale the loss.",
-                 NoEffectWarning)
+        config = resolve_scaler_config(owner, scaler, **flat_scaler, max_consecutive_skips=max_consecutive_skips)
         compute_dtype, self.precision = _DTYPES[dtype]
         super().__init__(compute_dtype, config if dtype == "fp16" else None, skip_schedulers_on_overflow, device,
-                         matmul_precision, reduce_dtype)
+                         matmul_precision, reduce_dtype, skip_nonfinite=skip_nonfinite,
+                         max_consecutive_skips=max_consecutive_skips)
         self.dtype = dtype
         self.ipex = ipex
         self._ipex_module = _imports.load_ipex(ipex)
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
-        super()._on_device_resolved(device_type)
-        if self.scaler is not None and device_type == "xpu":
+        if device_type == "xpu" and self.scaler_config is not None:
             check_fp64(torch.xpu.get_device_properties())
+        elif device_type == "xpu" and self._scaler is not None and torch.xpu.is_available():
+            props = torch.xpu.get_device_properties()
+            if not getattr(props, "has_fp64", True):
+                # torch's GradScaler computes 1/scale in fp64 even at the guard's scale of 1: no guard on such a device.
+                warn(f"`{type(self).__name__}(dtype='bf16')`: {getattr(props, 'name', 'this XPU')!r} has no fp64, in"
+                     " which torch's GradScaler (the `skip_nonfinite` check) computes, so steps whose gradients hold"
+                     " inf or nan are not skipped on it: they reach the weights, as with Lightning. Pass"
+                     " `skip_nonfinite=False` to say you know.", NoEffectWarning)
+                self._scaler, self.skip_nonfinite = None, False
+        super()._on_device_resolved(device_type)
 
     def ipex_optimize(self, model: Module, optimizer: Any = None) -> Any:
         """``ipex.optimize`` in place with this plugin's dtype when IPEX is in use; the identity otherwise."""

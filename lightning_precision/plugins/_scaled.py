@@ -1,6 +1,7 @@
-"""What the Trainer adds to a plugin with a loss scaler (``FP16MixedPrecision``, ``XPUPrecision``): the scale
+"""What the Trainer adds to a plugin with a loss scaler or the non-finite guard (every plugin that trains): the scale
 unscaled before the closure's hooks, updated once per backward, logged at the logger's cadence, held schedulers on
-skipped steps, and checkpoints Lightning's own plugin can resume. Without a scaler (XPU in bf16) it is plain autocast.
+skipped steps, and checkpoints Lightning's own plugin can resume (a real loss scaler's state only). With neither
+(``skip_nonfinite=False`` in bf16) it is plain autocast, Lightning's step.
 
 Which hooks see scaled values:
 
@@ -12,6 +13,7 @@ Which hooks see scaled values:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, Union
@@ -26,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_precision._lightning import optimizer_handles_unscaling, should_update_logs
-from lightning_precision.fabric._scaled import check_optimizer
+from lightning_precision.fabric._scaled import check_optimizer, closure_driven
 from lightning_precision.plugins._schedulers import hold_step_schedulers
 from lightning_precision.plugins._trainer import LIGHTNING_AMP_KEY, _TrainerPrecision
 
@@ -48,13 +50,18 @@ class _TrainerScaledPrecision(_TrainerPrecision):
     ) -> tuple[Module, list[Optimizer], list[Any]]:
         self._held_optimizers: set[int] = set()
         self._manual_model: Optional[pl.LightningModule] = None
-        if self.scaler is not None:
+        if self.scaler_config is not None:  # a loss scaler; the guard steps closure-driven optimizers its own way
             for optimizer in optimizers:
                 check_optimizer(type(self).__name__, optimizer)
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
-        if self.scaler is not None and self.skip_schedulers_on_overflow:
-            lr_schedulers = hold_step_schedulers(lr_schedulers, lambda opt: id(opt) in self._held_optimizers)
+        if self._scaler is not None and self.skip_schedulers_on_overflow:
+            # A bound method, not a local function: the stand-ins pickle with the schedulers they hold.
+            lr_schedulers = hold_step_schedulers(lr_schedulers, self._holds_schedulers_of)
         return model, optimizers, lr_schedulers
+
+    def _holds_schedulers_of(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s last step was skipped, so that its step-interval schedulers stay where they are."""
+        return id(optimizer) in getattr(self, "_held_optimizers", ())
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
@@ -71,17 +78,22 @@ class _TrainerScaledPrecision(_TrainerPrecision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        if self.scaler is None:  # plain autocast (XPU in bf16): Lightning's step, closure-driven optimizers included
+        if self._scaler is None:  # plain autocast: Lightning's step, closure-driven optimizers included
             return super().optimizer_step(optimizer, model, closure, **kwargs)
-        closure_result = closure()
-        # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
-        skipped_backward = closure_result is None and model.automatic_optimization
-        if not skipped_backward and not optimizer_handles_unscaling(optimizer):
-            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
-        self._after_closure(model, optimizer)
-        if skipped_backward:
-            return closure_result
-        output = self._scaler_step(optimizer, **kwargs)
+        if self.scaler_config is None and closure_driven(optimizer):
+            # The guard with LBFGS: Lightning's own step hands it the closure; the guard undoes a non-finite step.
+            output = self._scaler_step(optimizer, closure_step=functools.partial(
+                super().optimizer_step, optimizer, model, closure, **kwargs))
+        else:
+            closure_result = closure()
+            # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
+            skipped_backward = closure_result is None and model.automatic_optimization
+            if not skipped_backward and not optimizer_handles_unscaling(optimizer):
+                self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the guard: the inf/nan check, times 1
+            self._after_closure(model, optimizer)
+            if skipped_backward:
+                return closure_result
+            output = self._scaler_step(optimizer, **kwargs)
         if self.step_was_skipped:
             self._held_optimizers.add(id(optimizer))
         else:
@@ -103,9 +115,9 @@ class _TrainerScaledPrecision(_TrainerPrecision):
             self._update_and_log(model)
 
     def _update_and_log(self, model: pl.LightningModule) -> None:
-        self.apply_pending_update()
+        self.update_after_every_step()
         if should_update_logs(model.trainer):
-            for name, value in self.metrics().items():
+            for name, value in self.scaler_metrics().items():  # not a subclass's own (FP8Guard logs the fp8 count)
                 model.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
     @override
@@ -115,7 +127,7 @@ class _TrainerScaledPrecision(_TrainerPrecision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val > 0 and self.scaler is not None and optimizer_handles_unscaling(optimizer):
+        if clip_val > 0 and self.scaler_config is not None and optimizer_handles_unscaling(optimizer):
             raise RuntimeError(
                 f"`{type(optimizer).__qualname__}` unscales gradients inside `step()` (a fused optimizer), so they"
                 " cannot be clipped. Use the non-fused optimizer, or drop `gradient_clip_val`."
@@ -124,8 +136,10 @@ class _TrainerScaledPrecision(_TrainerPrecision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Also under Lightning's key, so that a run resumed with `precision="16-mixed"` keeps its scale.
-        state = self.state_dict()
+        # Also under Lightning's key, so that a run resumed with `precision="16-mixed"` keeps its scale: a real loss
+        # scaler's state alone (not the plan FP8Precision keeps beside it, nor the guard's counters, which Lightning's
+        # plugin would take for a GradScaler's state).
+        state = self.scaler_state_dict() if self.scaler_config is not None else {}
         if state:
             checkpoint[LIGHTNING_AMP_KEY] = state
 
@@ -138,4 +152,5 @@ class _TrainerScaledPrecision(_TrainerPrecision):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_manual_model"] = None
+        state["_held_optimizers"] = set()  # ids of this process's optimizers: the copies have others
         return state

@@ -1,13 +1,15 @@
 """bf16 mixed precision for the Trainer."""
 
 from lightning_precision.fabric.bf16_mixed import BF16MixedPrecision as _FabricBF16MixedPrecision
-from lightning_precision.plugins._trainer import _TrainerPrecision
+from lightning_precision.plugins._scaled import _TrainerScaledPrecision
 
 __all__ = ["BF16MixedPrecision"]
 
 
-class BF16MixedPrecision(_TrainerPrecision, _FabricBF16MixedPrecision):
+class BF16MixedPrecision(_TrainerScaledPrecision, _FabricBF16MixedPrecision):
     """bf16 autocast for the Trainer: ``Trainer(plugins=[BF16MixedPrecision()])``.
 
-    Same arguments as :class:`lightning_precision.fabric.BF16MixedPrecision`; no scaler.
+    Same arguments as :class:`lightning_precision.fabric.BF16MixedPrecision`; no loss scaling. With
+    ``skip_nonfinite=True`` a step whose gradients hold inf/nan is skipped, ``precision/skipped_steps`` is
+    logged at the logger's cadence, and the step-interval LR schedulers you configured are held on skipped steps.
     """
