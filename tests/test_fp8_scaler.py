@@ -118,3 +118,30 @@ def test_a_scaler_with_bf16_compute_is_refused_and_fp16_validates_it(cls):
         cls(compute_dtype=torch.float16, scaler=ScalerConfig(growth_factor=1.0))
     assert cls(emulate=True).loss_scale is None
     assert cls(emulate=True, compute_dtype=torch.float16).loss_scale == 2.0**16
+
+
+def test_a_bf16_run_with_the_non_finite_guard_resumes_in_fp16(tmp_path):
+    """One class runs bf16 and fp16 compute, so its checkpoint key is the same: a bf16 run's guard saved its counters
+    only, and resuming it with fp16 compute was refused for the missing 'scale' (its fix, deleting the plugin's entry,
+    would have dropped the plan beside it). It resumes from init_scale, as a bf16 state without the guard does, with
+    the run's counters and its plan."""
+    first_plugin = FP8Precision(emulate=True, skip_small_layers=False, skip_nonfinite=True)
+    first = trainer(first_plugin, max_epochs=1)
+    data = fp8_data(3)
+    data.dataset.tensors[0][8] = float("nan")  # batch 1: a NaN loss, its step skipped
+    first.fit(TinyLossNet(factor=1.0, lr=0.1), data)
+    first.save_checkpoint(tmp_path / "bf16.ckpt")
+    assert set(torch.load(tmp_path / "bf16.ckpt", weights_only=False)["FP8Precision"]) == {
+        "skipped_steps", "optimizer_steps", "consecutive_skips"}
+    assert first_plugin.skipped_steps == 1
+
+    resumed = fp16_fp8(scaler=ScalerConfig(init_scale=1024.0))
+    trainer(resumed, max_epochs=2).fit(TinyLossNet(factor=1.0, lr=0.1), fp8_data(3), ckpt_path=tmp_path / "bf16.ckpt")
+    assert resumed.skipped_steps == 1 and resumed.state_dict()["optimizer_steps"] == 6
+    assert resumed.loss_scale == 1024.0
+    # Fabric alike, with a plan beside the counters
+    guarded = lp_fabric.FP8Precision(emulate=True, skip_nonfinite=True)
+    fp16 = fp16_fp8(lp_fabric.FP8Precision)
+    fp16.load_state_dict({**guarded.state_dict(), "plan": {"version": 1, "recipe": "tensorwise", "batches": 0,
+                                                             "layers": []}})
+    assert fp16.loss_scale == 2.0**16 and fp16.plan is not None

@@ -47,6 +47,8 @@ class SkippedStepsError(RuntimeError):
 MAX_LOG2_SCALE = 126
 _SCALE_RANGE = (2.0**-MAX_LOG2_SCALE, 2.0**MAX_LOG2_SCALE)
 _FP32_MAX = torch.finfo(torch.float32).max
+# The counters every scaler saves beside torch's state; all the non-finite guard saves.
+_COUNTER_KEYS = ("skipped_steps", "optimizer_steps", "consecutive_skips")
 
 
 @dataclass(frozen=True)
@@ -306,10 +308,18 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         """The checkpoint gives the state (scale, growth tracker, counters); the arguments of this scaler stay in force
         (a warning names any that differ from the checkpoint's). A scale that is not a finite positive number restarts
         from ``init_scale``; one outside ``[min_scale, max_scale]`` is clamped into it; both with a warning. A state
-        that is not a scaler's (a missing key, a scale that is no number, a negative count) is a ``ValueError``."""
+        that is not a scaler's (a missing key, a scale that is no number, a negative count) is a ``ValueError``; the non-finite
+        guard's counters alone (a bf16 run of a plugin that also runs fp16) give the counters, and the scale starts from
+        ``init_scale``."""
         if not self._enabled or not state_dict:
             return
         checked = _CheckedState(self.owner, state_dict)
+        if "scale" not in state_dict and set(state_dict) <= set(_COUNTER_KEYS):
+            # The non-finite guard's counters: a run without loss scaling (FP8Precision or XPUPrecision in bf16, under
+            # the same checkpoint key as in fp16) resumed with it. No scale to resume: init_scale, as for a bf16 state
+            # without the guard; the run's counters go on.
+            self._set_counters(*checked.counters(self.config.max_consecutive_skips))
+            return
         scale = checked.number("scale")
         tracker = checked.count("_growth_tracker", required=True)
         skipped, steps, streak = checked.counters(self.config.max_consecutive_skips)
@@ -470,8 +480,7 @@ class _NonFiniteGuard(_TrackingGradScaler):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped_steps": int(self._skipped), "optimizer_steps": int(self._steps),
-                "consecutive_skips": int(self._streak)}
+        return dict(zip(_COUNTER_KEYS, (int(self._skipped), int(self._steps), int(self._streak))))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The counters, where the state has them: ``{}`` (a checkpoint from before the guard) leaves them at 0, and a
@@ -518,7 +527,7 @@ class _CheckedState:
     def counters(self, max_consecutive_skips: Optional[int]) -> tuple[int, int, int]:
         """``skipped_steps``, ``optimizer_steps`` and ``consecutive_skips`` (0 where absent, as in Lightning's state);
         a streak at or above ``max_consecutive_skips`` restarts from 0, with a warning."""
-        skipped, steps, streak = (self.count(key) for key in ("skipped_steps", "optimizer_steps", "consecutive_skips"))
+        skipped, steps, streak = (self.count(key) for key in _COUNTER_KEYS)
         if max_consecutive_skips is not None and streak >= max_consecutive_skips:
             warn(
                 f"`{self.owner}.load_state_dict`: the checkpoint's consecutive_skips={streak} is at or above"
