@@ -185,7 +185,13 @@ class SensitivityProbe:
         self._pending = False  # something is staged (host-side: no device read)
         self.keep_outputs = keep_outputs
         self.outputs: list[Tensor] = []  # this step's layer outputs: where a gradient-only backward must reach
-        self._handles = [m.register_forward_hook(self._forward(fqn)) for fqn, m in self.layers.items()]
+        self._handles: list[Any] = []
+        self.open()
+
+    def open(self) -> None:
+        """Put the hooks on the layers (done at construction; again after ``close()`` to measure on, sums kept)."""
+        if not self._handles:
+            self._handles = [m.register_forward_hook(self._forward(fqn)) for fqn, m in self.layers.items()]
 
     def close(self) -> None:
         for handle in self._handles:

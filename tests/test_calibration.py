@@ -73,6 +73,34 @@ def test_a_fit_that_ends_while_measuring_reports_no_fp8_and_the_guard_writes_no_
     assert guard.plan_file is None and list(tmp_path.glob("*.yaml")) == []  # no unmeasured plan saved
 
 
+def test_between_fits_the_model_carries_no_measuring_hooks_and_a_later_fit_measures_on():
+    """A fit that ends while measuring (and a validate before any fit) left the probe's forward hooks on the layers:
+    `torch.save(model)` failed on them (local functions do not pickle), and every later forward with gradients (a loop
+    of the user's) was measured, into the plugin's sums. They are removed at teardown and put back when training goes
+    on: the next fit measures the remaining batches and decides."""
+    import io
+
+    class Validated(Lit):
+        def validation_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.net(batch[0]).float(), batch[1])
+
+    plugin, module = FP8Precision(layers="auto", calibration_batches=4, **FP8_KW), Validated()
+    trainer = L.Trainer(accelerator="cpu", plugins=[plugin], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    trainer.validate(module, loader(1))
+    assert all(not m._forward_hooks for m in module.net.children())
+    with pytest.warns(NoEffectWarning, match="ended after 2 of the 4 batches to measure"):
+        fit(plugin, 2, module)
+    assert all(not m._forward_hooks for m in module.net.children())
+    torch.save(module.net, io.BytesIO())
+    staged = plugin._calibration.probe._staged.clone()
+    module.net(torch.randn(4, 64)).sum().backward()  # the user's own forward and backward between fits
+    assert torch.equal(plugin._calibration.probe._staged, staged)
+    fit(plugin, 4, module)
+    assert plugin.plan.batches == 4 and plugin.plan.fp8_layers == MEASURED
+    assert fp8_now(module.net) == MEASURED
+
+
 # ---- item 7: a batch is a training step, whatever the optimizers and accumulation ------------------------------------
 
 

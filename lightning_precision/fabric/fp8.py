@@ -510,6 +510,7 @@ class FP8Precision(_ScaledPrecision):
         if calibration.ended:  # a new fit of the same model measures on
             calibration.ended = False
             self.layer_decisions = calibration.measuring()
+        calibration.probe.open()  # taken off at teardown
         calibration.next_batch()
 
     _own_state_keys = ("plan",)  # beside the loss scaler's (fp16 compute)
@@ -579,6 +580,10 @@ class FP8Precision(_ScaledPrecision):
     @override
     def teardown(self) -> None:
         calibration = self._calibration
+        if calibration is not None:
+            # No hooks on the model between fits: it pickles (`torch.save(model)`), and a forward of the user's is not
+            # measured. The next training batch puts them back.
+            calibration.probe.close()
         if calibration is not None and calibration.seen:  # a run that trained but stopped before deciding
             ended = (f"training ended after {calibration.seen} of the {calibration.batches} batches to measure"
                      if not calibration.done else f"training ended after the {calibration.seen} batches measured,"
