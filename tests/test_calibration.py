@@ -8,6 +8,7 @@ channels and ``c``'s output gradients are ~1e-23, so a measured plan keeps both 
 from __future__ import annotations
 
 import math
+import warnings
 
 import lightning as L
 import pytest
@@ -260,6 +261,26 @@ def test_auto_with_every_batch_non_finite_measures_nothing_and_says_so():
         fit(plugin, 3, module=AllBad(bad=0))
     assert plugin.plan.fp8_layers == set() and plugin.plan.batches == 0
     assert plugin.plan.get("net.a").reason == "not measured: all 2 batches measured had non-finite values"
+
+
+def test_fp16_compute_measures_again_the_batches_whose_step_the_loss_scaler_skipped():
+    """With fp16 compute the loss scaler's first steps overflow until the scale has backed off (6 here, from 2**24):
+    routine, not a fault of the data. Those batches used to be measured as non-finite and counted, so 3 asked were
+    all spent on them, the warning blamed the data, and the plan kept every layer in high precision for the whole run.
+    Now a batch whose step the scaler skipped is measured again, and the plan is made after 3 more."""
+    from lightning_precision import ScalerConfig
+
+    plugin = FP8Precision(layers="auto", calibration_batches=3, compute_dtype=torch.float16,
+                          scaler=ScalerConfig(init_scale=2.0**24), **FP8_KW)
+    record = Record()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no warning blames the data
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # Lightning's own, on this torch
+        fit(plugin, 12, callbacks=[record])
+    # 3 batches after the 6 skipped steps; the plan also keeps what the skipped ones measured with finite values
+    assert plugin.skipped_steps == 6 and plugin.plan.batches >= 3
+    assert plugin.plan.fp8_layers and plugin.plan.fp8_layers <= MEASURED | {"net.c"}
+    assert record.converted == [set()] * 9 + [plugin.plan.fp8_layers] * 3
 
 
 def test_the_guard_does_not_demote_for_a_non_finite_batch(tmp_path):

@@ -53,6 +53,12 @@ def _to_be_sharded(module: Module) -> bool:
     return isinstance(strategy, ModelParallelStrategy)
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _check_not_sharded(module: Module, decisions: list[_fp8.LayerDecision]) -> None:
     """A layer already sharded by ``fully_shard`` cannot be converted: the fp8 layer would lose FSDP's hooks and fail
     at the first forward with a DTensor error. Say what order works instead."""
@@ -80,6 +86,8 @@ class _Calibration:
     def __init__(self, module: Module, decisions: list[_fp8.LayerDecision], config: Any, batches: int) -> None:
         self.module, self.decisions, self.batches = module, decisions, batches
         self.seen = 0  # batches that ran while measured
+        self.counted = 0  # of them, those up to the last optimizer step the loss scaler took
+        self.retaken = 0  # batches measured again because the loss scaler skipped their step
         self.ended = False  # a fit stopped before the plan was made (teardown); a later fit measures on
         self.probe = SensitivityProbe({d.fqn: module.get_submodule(d.fqn) for d in decisions if d.fp8}, config)
 
@@ -88,6 +96,16 @@ class _Calibration:
         more batch is counted."""
         self.probe.commit()
         self.seen += 1
+
+    def stepped(self, skipped: bool) -> None:
+        """An optimizer step of the loss scaler (fp16 compute). One it skipped overflowed the scale in its batches,
+        which is the scaler backing off (its first steps do, routinely), not a fault of the data: they are measured
+        again. Every process skips alike, so every one still counts the same batches."""
+        if skipped:
+            self.retaken += self.seen - self.counted
+            self.seen = self.counted
+        else:
+            self.counted = self.seen
 
     @property
     def done(self) -> bool:
@@ -138,7 +156,8 @@ class FP8Precision(_ScaledPrecision):
             path of a saved one (YAML/JSON): its fp8 layers, as saved (``skip_small_layers``/``skip_first_last`` do
             not apply; a plan with ``module_filter`` is refused).
         calibration_batches: with ``layers="auto"``, how many batches to measure (default 8): Trainer training steps
-            (whatever the optimizers or the gradient accumulation), Fabric backward passes.
+            (whatever the optimizers or the gradient accumulation), Fabric backward passes. With fp16 compute, batches
+            whose step the loss scaler skipped (its overflows) are measured again.
         plan_rule: with ``layers="auto"``, the thresholds (``PlanRule()`` by default).
         fsdp_float8_all_gather: torchao, tensorwise: FSDP2 all-gathers the fp8 layers' weights in fp8 (a quarter of
             fp32's bytes), and their scales are precomputed after each optimizer step. ``None`` (default): on when the
@@ -368,8 +387,11 @@ class FP8Precision(_ScaledPrecision):
         probe.close()
         sensitivity = probe.result(_sum_across_processes)  # every rank at the same step: the sums are all-reduced
         owner = f"{type(self).__name__}(layers='auto')"
-        if probe.dropped:
-            warn(f"{owner}: {probe.dropped} of the {probe.dropped + probe.batches} batches measured (over all"
+        # Batches of skipped steps were measured again: non-finite, they are the loss scale's overflows (at most one
+        # per process each), not the data's.
+        faults = max(0, probe.dropped - calibration.retaken * _world_size())
+        if faults:
+            warn(f"{owner}: {faults} of the {probe.dropped + probe.batches} batches measured (over all"
                  " processes) had a non-finite input, gradient or fp32 result in a measured layer: a fault of the data"
                  " or the loss, not of fp8. They were left out; the plan is made from the other"
                  f" {probe.batches}.")
@@ -575,6 +597,13 @@ class FP8Precision(_ScaledPrecision):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
         self._after_optimizer_step()
+        return output
+
+    @override
+    def _scaler_step(self, optimizer: Any, closure_step: Any = None, **kwargs: Any) -> Any:
+        output = super()._scaler_step(optimizer, closure_step, **kwargs)
+        if self._calibration is not None and self.scaler_config is not None:
+            self._calibration.stepped(self.step_was_skipped)  # known on the host already (schedulers are held)
         return output
 
     @override
