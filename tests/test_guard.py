@@ -366,3 +366,25 @@ def test_runs_starting_together_in_one_directory_get_a_file_each(tmp_path):
     with ThreadPoolExecutor(8) as pool:
         names = list(pool.map(lambda _: create_new_file(tmp_path, "fp8_plan.yaml").name, range(8)))
     assert sorted(names) == sorted(["fp8_plan.yaml"] + [f"fp8_plan-{i}.yaml" for i in range(1, 8)])
+
+
+def test_a_plan_file_that_cannot_be_written_after_setup_warns_and_the_fit_finishes(tmp_path):
+    """The plan's folder goes away after the setup check (a file takes its place, as a full disk or a removed mount
+    would fail the write): the write after the demotion stopped the fit mid-run, and the one at the end a finished fit,
+    with a bare OSError naming neither the guard nor the file. Each failed write now warns with the file, the error and
+    how to save the plan from the plugin, and the fit runs to its end."""
+
+    class TakeTheFolder(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            (tmp_path / "plans").rmdir()
+            (tmp_path / "plans").write_text("")
+
+    plugin, module = FP8Precision(**FP8_KW), Lit(inject_at=0)
+    guard = FP8Guard(every_n_steps=2, plan_path=tmp_path / "plans" / "plan.yaml")
+    with pytest.warns(UserWarning, match=r"FP8Guard: could not write the fp8 plan to '.*plans/plan.yaml' \(.*File"
+                                         r" exists.*trainer.precision_plugin.plan_in_force\(\).save") as record:
+        fit(plugin, 4, [guard, TakeTheFolder()], module=module)
+    assert len(module.losses) == 4
+    assert [(e.step, e.fqn) for e in guard.events] == [(1, "net.b")]
+    assert "net.b" not in plugin.plan.fp8_layers
+    assert sum("could not write the fp8 plan" in str(w.message) for w in record) == 2  # at the demotion, at the end

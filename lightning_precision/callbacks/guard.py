@@ -166,7 +166,7 @@ class FP8Guard(Callback):
             if rank_zero_only.rank == 0:
                 warn(f"FP8Guard: step {step}: {len(events)} layer(s) moved back to {plugin.compute_dtype}: "
                      + "; ".join(f"{e.fqn} ({e.reason})" for e in events))
-            self.save(plugin)  # at once: a run that dies later keeps what was learned
+            self._save_during_fit(plugin)  # at once: a run that dies later keeps what was learned
         return events
 
     def save(self, plugin: Any, path: Optional[Union[str, Path]] = None) -> Optional[Path]:
@@ -194,6 +194,18 @@ class FP8Guard(Callback):
                 target.unlink(missing_ok=True)
                 self._own_file = None
             raise
+
+    def _save_during_fit(self, plugin: Any) -> None:
+        """``save`` from inside training: a write that fails after the setup check (a full disk, a folder gone) warns
+        instead of ending the run: the plan stays in the plugin (and, once decided or changed, in its checkpoints)."""
+        try:
+            self.save(plugin)
+        except OSError as err:
+            where = self.plan_file or self._default_dir
+            warn(f"FP8Guard: could not write the fp8 plan to {str(where)!r} ({err}); training goes on and the plan is"
+                 " not lost: save it where a file can be written with"
+                 " `trainer.precision_plugin.plan_in_force().save('fp8_plan.yaml')` (`plugin.plan_in_force()` with"
+                 " Fabric).")
 
     # ---- Trainer glue -----------------------------------------------------------------------------------------------
 
@@ -242,13 +254,13 @@ class FP8Guard(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
-        self.save(trainer.precision_plugin)
+        self._save_during_fit(trainer.precision_plugin)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop()
         if hasattr(trainer.precision_plugin, "plan_in_force"):  # not when setup refused the plugin
-            self.save(trainer.precision_plugin)  # the demotions so far are not lost with the run
+            self._save_during_fit(trainer.precision_plugin)  # the demotions so far are not lost with the run
 
     def _stop(self) -> None:
         probe, self._probe = self._probe, None
