@@ -78,6 +78,40 @@ def _remove_set(folder: Path, names: Collection[str]) -> bool:
     return True
 
 
+def _holder(fd: int) -> str:
+    """The pid the holder of a lock file wrote in it ("" if unreadable)."""
+    try:
+        return os.read(fd, 32).decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _held_above(folder: Path) -> Optional[tuple[Path, str]]:
+    """The folder above ``folder`` that another run holds, with its holder's pid: that run replaces it whole, and would
+    find this run's folder and lock in it. None if none (or where the system has no ``flock``)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    for above in folder.parents:
+        if above.parent == above:
+            break
+        try:
+            fd = os.open(above.parent / f"{_sibling(above, '')}.lock", os.O_RDONLY)
+        except OSError:  # no lock file: no run holds it
+            continue
+        try:
+            # A shared lock, released at once: refused while a run holds the exclusive one. (A run claiming that very
+            # folder in the same instant would be refused once, as if held.)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                return above, _holder(fd)
+        finally:
+            os.close(fd)
+    return None
+
+
 @contextlib.contextmanager
 def _lock(folder: Path, owner: str) -> Iterator[None]:
     """Hold ``.<name>.lock`` beside the folder (beside it, not in it: the folder itself is swapped). ``flock`` ends
@@ -107,10 +141,7 @@ def _lock(folder: Path, owner: str) -> Iterator[None]:
             if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 os.close(fd)
                 raise
-            try:
-                holder = os.read(fd, 32).decode(errors="replace").strip()
-            except OSError:
-                holder = ""
+            holder = _holder(fd)
             os.close(fd)
             by = f" (pid {holder})" if holder else ""
             raise ValueError(f"{owner}: {str(folder)!r} is in use by another run{by}; wait for it to finish or choose"
@@ -162,6 +193,12 @@ def claim_folder(path: "str | os.PathLike[str]", owner: str, names: Collection[s
     if str(path) == "":
         check_writable_dir(path, owner)  # refused, in the words every writer uses
     folder = _resolve(path, owner)
+    held = _held_above(folder)
+    if held is not None:
+        above, holder = held
+        by = f" (pid {holder})" if holder else ""
+        raise ValueError(f"{owner}: {str(path)!r} is inside {str(above)!r}, which another run{by} is writing and replaces"
+                         " whole; choose a folder outside it.")
     with _lock(folder, owner):
         _recover(folder, names)
         check_writable_dir(folder, owner)  # under the lock: no check writes into a folder another run holds

@@ -212,6 +212,23 @@ def test_a_folder_another_run_holds_is_refused(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / ".r.lock").exists()  # released on the way out
 
 
+def test_a_folder_inside_one_another_run_holds_is_refused(tmp_path, capsys, monkeypatch):
+    """A second comparison with `--out` inside the first one's folder took its own lock there, and wrote its folder and
+    its lock file into the report folder being replaced whole: the first run then found them there and left its report
+    beside the folder, exit 1, and every later run on that folder was refused for them. It is refused, as the folder
+    itself is; a folder beside it is not."""
+    out = tmp_path / "r"
+    _fail_if_trained(monkeypatch)
+    with _outdir.claim_folder(out, "--out", _report.FILES):
+        assert cli.main(["compare", *TINY, "--out", str(out / "sub" / "deeper")]) == 2
+        assert os.listdir(out) == []  # nothing written into the folder held
+        with _outdir.claim_folder(tmp_path / "beside", "--out", _report.FILES):
+            pass
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"is inside {str(out)!r}, which another run (pid {os.getpid()}) is writing" in err
+
+
 def test_a_killed_runs_lock_does_not_block(tmp_path):
     """flock ends with its process: a run killed with SIGKILL (no cleanup at all) leaves its lock file, which does not
     block the next run."""
