@@ -87,6 +87,10 @@ class _ScaledPrecision(_AutocastPrecision):
         self.skip_nonfinite = scaler is not None or skip_nonfinite
         if scaler is None:
             ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips).validate(owner)
+            if not skip_nonfinite and max_consecutive_skips != ScalerConfig.max_consecutive_skips:
+                raise ValueError(f"`{owner}(max_consecutive_skips={max_consecutive_skips!r})`: without loss scaling this"
+                                 " plugin skips nothing unless asked, so the limit would have no effect. Pass"
+                                 " `skip_nonfinite=True` too, or leave `max_consecutive_skips` out.")
         # What scales and skips: the loss scaler, or the guard (a scaler at a fixed scale of 1). Built for cpu until the
         # model's device is known, then rebuilt there with its state.
         self._scaler: Optional[_TrackingGradScaler] = None

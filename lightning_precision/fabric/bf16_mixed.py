@@ -54,7 +54,8 @@ class BF16MixedPrecision(_ScaledPrecision):
             Lightning's behaviour, no check; off by default because the check costs more than 2% of a step on small
             models (docs/benchmarks.md).
         max_consecutive_skips: skipped steps in a row before the run stops with ``SkippedStepsError`` (default 50;
-            None: never), instead of training nothing.
+            None: never), instead of training nothing. With ``skip_nonfinite=True`` only (another value without it
+            is a ``ValueError``: nothing would be skipped).
     """
 
     precision = "bf16-mixed"

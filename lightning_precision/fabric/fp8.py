@@ -141,7 +141,7 @@ class FP8Precision(_ScaledPrecision):
             writing NaN into every weight, counted in ``skipped_steps`` (as ``BF16MixedPrecision``; default ``False``).
             With fp16 compute the loss scaler always skips them.
         max_consecutive_skips: skipped steps in a row before ``SkippedStepsError`` (default 50; None: never). With fp16
-            compute it is the scaler's (or give it in ``scaler``).
+            compute it is the scaler's (or give it in ``scaler``); with bf16, ``skip_nonfinite=True`` only.
         layer_policy: which linear layers run in fp8, as one :class:`~lightning_precision.fp8.FP8LayerPolicy`; or
             the same three choices flat (not both):
         module_filter: ``(module, fqn) -> bool`` choosing the linear layers that run in fp8; replaces the defaults.

@@ -52,7 +52,7 @@ class XPUPrecision(_ScaledPrecision):
             into every weight, as ``BF16MixedPrecision(skip_nonfinite=True)`` does (default ``False``). fp16's scaler
             always skips them.
         max_consecutive_skips: skipped steps in a row before ``SkippedStepsError`` (default 50; None: never), in
-            either dtype (in fp16 it may be given in ``scaler`` instead).
+            either dtype (in fp16 it may be given in ``scaler`` instead; in bf16 with ``skip_nonfinite=True`` only).
         matmul_precision: as for every plugin.
         reduce_dtype: as for every plugin (FSDP2's gradient reduction under ``mp_policy``).
         device: ``"xpu"``; another device type only to exercise the logic where no XPU exists (the tests do).
