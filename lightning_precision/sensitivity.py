@@ -183,6 +183,7 @@ class SensitivityProbe:
         self._staged: Optional[Tensor] = None
         self._finite: Optional[Tensor] = None  # 1.0 while every tensor of the staged batch is finite, else 0.0
         self._pending = False  # something is staged (host-side: no device read)
+        self.ran = False  # a layer's forward ran with gradients on (on no tokens too): its hooks are seen
         self.keep_outputs = keep_outputs
         self.outputs: list[Tensor] = []  # this step's layer outputs: where a gradient-only backward must reach
         self._handles: list[Any] = []
@@ -239,6 +240,7 @@ class SensitivityProbe:
             x = args[0] if args else None
             if not torch.is_grad_enabled() or not isinstance(x, Tensor) or not isinstance(output, Tensor):
                 return
+            self.ran = True
             if x.numel() == 0:  # no tokens reached this layer (an idle expert): nothing to measure, nothing to cast
                 return
             n = _NUMERIC_FIELDS

@@ -388,3 +388,27 @@ def test_a_plan_file_that_cannot_be_written_after_setup_warns_and_the_fit_finish
     assert [(e.step, e.fqn) for e in guard.events] == [(1, "net.b")]
     assert "net.b" not in plugin.plan.fp8_layers
     assert sum("could not write the fp8 plan" in str(w.message) for w in record) == 2  # at the demotion, at the end
+
+
+def test_a_measured_step_with_no_tokens_is_not_taken_for_hooks_that_never_ran():
+    """An empty batch on a measured step: the fp8 layers ran, on no tokens, so there was nothing to measure (issue 23,
+    item 13). The guard said their hooks never ran and blamed torch.compile, and, warning only once, then stayed silent
+    when a later step really was not watched (here: the layers run without gradients)."""
+
+    class EmptyThenBlind(Lit):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx == 1:
+                x, y = x[:0], y[:0]
+            if batch_idx == 3:
+                with torch.no_grad():
+                    out = self.net(x)
+                return nn.functional.cross_entropy(out.float(), y) + 0 * sum(p.sum() for p in self.parameters())
+            return super().training_step((x, y), batch_idx)
+
+    guard = FP8Guard(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(FP8Precision(**FP8_KW), 4, [guard], module=EmptyThenBlind(inject_at=10**6))
+    blind = [str(w.message) for w in record if "forward hooks ran with gradients" in str(w.message)]
+    assert len(blind) == 1 and blind[0].startswith("FP8Guard: step 3 was measured"), blind

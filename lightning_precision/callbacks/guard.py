@@ -150,7 +150,8 @@ class FP8Guard(Callback):
             warn(f"FP8Guard: step {step} is {judged}: a non-finite input, loss or gradient reached the fp8 layers on"
                  f" {probe.dropped} process(es). That is a fault of the data or the loss, not an fp8 overflow: no layer"
                  " is demoted for it.")
-        if not sensitivity and not probe.dropped and not self._blind:
+        # Nothing measured on any process, and here not even a call without tokens: the hooks did not run at all.
+        if not sensitivity and not probe.dropped and not probe.ran and not self._blind:
             self._blind = True
             if rank_zero_only.rank == 0:
                 warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward hooks"
