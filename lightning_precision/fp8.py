@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import threading
 from collections.abc import Mapping
@@ -319,35 +320,55 @@ def _warn_if_no_fp8(decisions: list[LayerDecision], owner: str = "FP8Precision",
         )
 
 
-_NEVER_RAN = "converted, but its forward did not run in the first training step (its weight is used elsewhere): not fp8"
+_NEVER_RAN = ("converted, but its forward did not run in the first training step (its weight is used elsewhere, or no"
+              " input reached it): not fp8 until it runs")
 
 
 class _ForwardWatch:
-    """Counts forward calls of the layers chosen for fp8 until ``close()``, which removes the hooks and returns the
-    paths of the layers that never ran."""
+    """Counts forward calls of the layers chosen for fp8. ``settle()`` (at the first backward) returns the layers that
+    have not run and keeps watching only them; ``ran()`` (at each later backward) returns those that have run since:
+    a layer no input reached at first (an expert a mixture of experts does not call while no token is routed to it)
+    computes in fp8 from the step it runs. The hooks are bound methods (the model pickles) and leave as layers run."""
 
     def __init__(self, layers: dict[str, nn.Module]) -> None:
         self.calls = dict.fromkeys(layers, 0)
-        self._handles = [m.register_forward_pre_hook(self._counter(fqn)) for fqn, m in layers.items()]
+        self.settled = False
+        self._handles = {fqn: m.register_forward_pre_hook(functools.partial(self._count, fqn))
+                         for fqn, m in layers.items()}
 
-    def _counter(self, fqn: str) -> Callable[..., None]:
-        def count(module: nn.Module, args: Any) -> None:
-            self.calls[fqn] += 1
+    def _count(self, fqn: str, module: nn.Module, args: Any) -> None:
+        self.calls[fqn] += 1
 
-        return count
+    def ran(self) -> list[str]:
+        """The layers watched that have run, no longer watched."""
+        ran = [fqn for fqn in self._handles if self.calls[fqn]]
+        for fqn in ran:
+            self._handles.pop(fqn).remove()
+        return ran
 
-    def close(self) -> list[str]:
-        for handle in self._handles:
+    def settle(self) -> list[str]:
+        """At the first backward: the layers that have not run (still watched)."""
+        self.settled = True
+        self.ran()
+        return list(self._handles)
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._handles)
+
+    def close(self) -> None:
+        for handle in self._handles.values():
             handle.remove()
-        return [fqn for fqn, n in self.calls.items() if n == 0]
+        self._handles.clear()
 
 
 def _warn_never_ran(paths: list[str]) -> None:
     warn(
-        f"FP8Precision: {len(paths)} layer(s) chosen for fp8 did not run their forward in the first training step, so"
-        f" they do not compute in fp8: {', '.join(paths)}. Their weights are used by another module directly (as"
-        " nn.MultiheadAttention does with out_proj). `plugin.layer_decisions` now lists them as high precision; exclude"
-        " them with `module_filter` to silence this.",
+        f"FP8Precision: {len(paths)} layer(s) chosen for fp8 did not run their forward in the first training step:"
+        f" {', '.join(paths)}. If another module uses their weights directly (as nn.MultiheadAttention does with"
+        " out_proj), they never compute in fp8: exclude them with `module_filter` to silence this. If no input reached"
+        " them (an expert a mixture of experts skips while no token is routed to it), they compute in fp8 from the"
+        " step they run. `plugin.layer_decisions` lists them as high precision until they do.",
         NoEffectWarning,
     )
 

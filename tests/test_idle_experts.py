@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_precision import BF16MixedPrecision, FP8Precision
+from lightning_precision import BF16MixedPrecision, FP8Precision, NoEffectWarning, PrecisionPlan
 from lightning_precision.callbacks import AmaxHistoryLogger, FP8Guard
 
 pytest.importorskip("torchao")
@@ -121,3 +121,63 @@ def test_fp8_sensitivity_passes_over_a_batch_without_tokens():
     result = fp8_sensitivity(MoE(), data, loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0], b[2]).float(), b[1]))
     assert set(result) == {"inp", "experts.0", "experts.1", "head"} and {s.batches for s in result.values()} == {3}
     assert 0 < result["experts.1"].output_error < 0.1
+
+
+class Skipping(MoE):
+    """An expert no token was routed to is not called at all, as Hugging Face's Mixtral and Qwen-MoE blocks do;
+    ``never`` is an expert the router never picks."""
+
+    def __init__(self, never: bool = False) -> None:
+        super().__init__()
+        self.never = never
+
+    def forward(self, x: torch.Tensor, idle: bool) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        route = torch.zeros(len(h), dtype=torch.long) if idle or self.never else torch.arange(len(h)) % 2
+        out = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            chosen = route == i
+            if chosen.any():
+                out[chosen] = expert(h[chosen]).to(out.dtype)
+        return self.head(out)
+
+
+class IdleFirst(Lit):
+    """Expert 1 gets no tokens on even steps, the first one included."""
+
+    def __init__(self, never: bool = False) -> None:
+        super().__init__()
+        self.net = Skipping(never)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x, idle=batch_idx % 2 == 0).float(), y)
+
+
+def test_an_expert_not_called_in_the_first_step_is_fp8_from_the_step_it_runs(tmp_path):
+    """Only the first step was watched: an expert the router skipped then was reported "its weight is used elsewhere:
+    not fp8" for the whole run although it computed in fp8 on every later step with tokens, so FP8Guard never
+    watched it, `precision/fp8_layers` left it out, and the plan written said bf16 for it (a run resumed from that plan
+    then trained it in bf16). It counts as fp8 from the step it runs; an expert never called stays reported not fp8,
+    and the model still pickles."""
+    import io
+
+    plugin, guard = FP8Precision(**FP8_KW), FP8Guard(every_n_steps=2)
+    module = IdleFirst()
+    with pytest.warns(NoEffectWarning, match=r"did not run their forward in the first training step: net\.experts\.1"
+                                             r".*no input reached them"):
+        L.Trainer(accelerator="cpu", plugins=[plugin], callbacks=[guard], max_steps=STEPS, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  default_root_dir=tmp_path).fit(module, loader())
+    fp8 = {"net.inp", "net.experts.0", "net.experts.1", "net.head"}
+    assert {d.fqn for d in plugin.layer_decisions if d.fp8} == set(plugin.fp8_modules()) == fp8
+    assert plugin.metrics()["precision/fp8_layers"].item() == 4
+    assert PrecisionPlan.load(guard.plan_file).fp8_layers == fp8
+
+    plugin = FP8Precision(**FP8_KW)
+    module = IdleFirst(never=True)
+    with pytest.warns(NoEffectWarning, match="did not run their forward"):
+        L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=STEPS, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, enable_checkpointing=False).fit(module, loader())
+    assert {d.fqn for d in plugin.layer_decisions if d.fp8} == fp8 - {"net.experts.1"}
+    torch.save(module.net, io.BytesIO())

@@ -244,6 +244,7 @@ class FP8Precision(_ScaledPrecision):
         self._scales: Optional[_fsdp.Float8ScalePrecompute] = None
         self.layer_decisions: list[_fp8.LayerDecision] = []
         self._forward_watch: Optional[_fp8._ForwardWatch] = None
+        self._idle_decisions: dict[str, _fp8.LayerDecision] = {}  # the decisions of chosen layers not run yet
         self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
         self._root: Optional[weakref.ref] = None  # the module converted: `layer_decisions` name paths in it
 
@@ -425,7 +426,9 @@ class FP8Precision(_ScaledPrecision):
         if self.backend == "torchao":
             for layer in fp8_layers.values():
                 _fp8._run_outside_inference_mode(layer)
-        self._forward_watch = _fp8._ForwardWatch(fp8_layers)
+        if self._forward_watch is not None:  # a watch of an earlier conversion
+            self._forward_watch.close()
+        self._forward_watch, self._idle_decisions = _fp8._ForwardWatch(fp8_layers), {}
         self._fp8_layers = None
         self._root = weakref.ref(module)
         setattr(module, _CONVERTED, True)
@@ -628,18 +631,26 @@ class FP8Precision(_ScaledPrecision):
     def _after_backward(self) -> None:
         if self._batch_per_backward:
             self._measured_batch()
-        # After the first backward every layer that runs has run its forward: the others are not fp8, whatever was
-        # decided (a weight used functionally elsewhere). Say so, and make the decisions tell the truth.
-        watch, self._forward_watch = self._forward_watch, None
+        # After the first backward a layer that did not run its forward is not fp8, whatever was decided (a weight used
+        # functionally elsewhere): say so, and make the decisions tell the truth. One that runs later (an expert no
+        # token reached at first) computes in fp8 from then on: the decisions say so again.
+        watch = self._forward_watch
         if watch is None:
             return
-        idle = watch.close()
-        if idle:
-            self.layer_decisions = [
-                dataclasses.replace(d, fp8=False, reason=_fp8._NEVER_RAN) if d.fqn in idle else d
-                for d in self.layer_decisions
-            ]
-            _fp8._warn_never_ran(idle)
+        if not watch.settled:
+            idle = watch.settle()
+            if idle:
+                self._idle_decisions = {d.fqn: d for d in self.layer_decisions if d.fqn in idle}
+                self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=_fp8._NEVER_RAN) if d.fqn in idle
+                                        else d for d in self.layer_decisions]
+                _fp8._warn_never_ran(idle)
+        else:
+            ran = watch.ran()
+            if ran:
+                self.layer_decisions = [self._idle_decisions.pop(d.fqn, d) if d.fqn in ran else d
+                                        for d in self.layer_decisions]
+        if not watch.watching:
+            self._forward_watch = None
         self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
 
     @override
