@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_precision import fp8 as _fp8
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._checks import is_positive_int
+from lightning_precision._lightning import should_update_logs
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.plan import PlanRule, _measured_numbers, _suffix, demotions
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
@@ -234,10 +235,12 @@ class FP8Guard(Callback):
             return
         plugin = trainer.precision_plugin
         events = self.check(plugin, trainer.global_step)
-        metrics = {"precision/fp8_layers": float(len(plugin.fp8_modules()))}
-        metrics.update({f"precision/fp8_demoted/{e.fqn}": float(e.step) for e in events})
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        metrics = {f"precision/fp8_demoted/{e.fqn}": float(e.step) for e in events}
+        if not should_update_logs(trainer):  # on the logger's steps the plugin logs it itself: not twice
+            metrics["precision/fp8_layers"] = float(len(plugin.fp8_modules()))
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -286,6 +286,8 @@ class FP8Precision(_AutocastPrecision):
                 rank_zero_info(f"{type(self).__name__}: a new model; the plan made for the previous one is not applied"
                                f" to it ({how}). To apply a plan to another model, pass it: `layers=plugin.plan`.")
             self.plan = None
+        if self.plan is not None and self.layers == "auto":  # restored from a checkpoint before conversion
+            return self._apply_plan(module, restored=True)
         if self.plan is not None:
             decisions = self._decisions_of_plan(module, self.plan)
         else:
@@ -326,9 +328,6 @@ class FP8Precision(_AutocastPrecision):
         self._calibration = _Calibration(module, decisions, self._probe_config(), batches)
         self.layer_decisions = self._calibration.measuring()
         self._fp8_layers = 0  # none runs in fp8 while measuring: `metrics()` says so, as `layer_decisions` does
-        rank_zero_info(f"fp8: {sum(d.fp8 for d in decisions)} eligible linear layers; the first {batches} training"
-                       f" batches run in {self.compute_dtype} while their fp8 numerics are measured (layers='auto'),"
-                       " and the plan is made at the optimizer step that ends them.")
         setattr(module, _CONVERTED, True)
         return module
 
@@ -356,17 +355,22 @@ class FP8Precision(_AutocastPrecision):
                                          not_measured=not_measured)
         self._apply_plan(calibration.module)
 
-    def _apply_plan(self, module: Module) -> None:
-        rank_zero_info(self.plan.table())
-        self._swap(module, self._decisions_of_plan(module, self.plan))
+    def _apply_plan(self, module: Module, restored: bool = False) -> Module:
+        """Convert as ``layers="auto"``'s plan says, and print it once: the plan's table, with its numbers."""
+        table = self.plan.table()
+        if restored:
+            table = f"fp8 (layers='auto'): the plan restored from the checkpoint, not measured again:\n{table}"
+        module = self._swap(module, self._decisions_of_plan(module, self.plan), table)
         if self._device_type is not None:
             self._on_device_resolved(self._device_type)
+        return module
 
-    def _swap(self, module: Module, decisions: list[_fp8.LayerDecision]) -> Module:
-        """Convert the layers ``decisions`` choose (in place below the root)."""
+    def _swap(self, module: Module, decisions: list[_fp8.LayerDecision], table: Optional[str] = None) -> Module:
+        """Convert the layers ``decisions`` choose (in place below the root); ``table``: what to print, by default the
+        decisions' summary."""
         self.layer_decisions = decisions
         _check_not_sharded(module, self.layer_decisions)
-        rank_zero_info(_fp8.format_summary(self.layer_decisions))
+        rank_zero_info(table if table is not None else _fp8.format_summary(self.layer_decisions))
         _fp8._warn_if_no_fp8(self.layer_decisions, type(self).__name__, "NVFP4" if self._nvfp4 else "fp8")
         if self.backend == "torchao":
             recipe = self.recipe
@@ -487,6 +491,13 @@ class FP8Precision(_AutocastPrecision):
         if calibration.ended:  # a new fit of the same model measures on
             calibration.ended = False
             self.layer_decisions = calibration.measuring()
+        if calibration.seen == 0:
+            # Said when measuring really starts, not at conversion: a resumed fit restores its plan in between (and
+            # then measures nothing).
+            rank_zero_info(f"fp8: {sum(d.fp8 for d in calibration.decisions)} eligible linear layers; the first"
+                           f" {calibration.batches} training batches run in {self.compute_dtype} while their fp8"
+                           " numerics are measured (layers='auto'), and the plan is made at the optimizer step that"
+                           " ends them.")
         calibration.next_batch()
 
     @override
@@ -529,7 +540,7 @@ class FP8Precision(_AutocastPrecision):
             self.plan = saved
             calibration, self._calibration = self._calibration, None
             calibration.probe.close()
-            self._apply_plan(calibration.module)
+            self._apply_plan(calibration.module, restored=True)
         elif not self.layer_decisions:  # not converted yet: convert as the saved run was (and as asked, if asked)
             if given is None:
                 self.plan = saved

@@ -12,11 +12,21 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-__all__ = ["LIGHTNING_AMP_KEY", "_TrainerPrecision"]
+from lightning_precision._lightning import should_update_logs
+
+__all__ = ["LIGHTNING_AMP_KEY", "_TrainerPrecision", "log_metrics"]
 
 # Keys under which Lightning's own plugin saves the scaler: its class name, and the pre-1.6 name.
 LIGHTNING_AMP_KEY = "MixedPrecision"
 _LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")
+
+
+def log_metrics(model: pl.LightningModule, metrics: dict[str, Tensor]) -> None:
+    """Log a plugin's ``metrics()`` through the model, on the logger's steps only (``log_every_n_steps``): each value is
+    already a tensor, and nothing is read from the device here."""
+    if metrics and should_update_logs(model.trainer):
+        for name, value in metrics.items():
+            model.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
 
 class _TrainerPrecision(TrainerPrecision):
