@@ -385,6 +385,7 @@ class FP8Precision(_AutocastPrecision):
             for layer in fp8_layers.values():
                 _fp8._run_outside_inference_mode(layer)
         self._forward_watch = _fp8._ForwardWatch(fp8_layers)
+        self._short_mxfp8: dict[str, _fp8.LayerDecision] = {}  # reported not fp8 until a call runs in MXFP8
         self._fp8_layers = None
         self._root = weakref.ref(module)
         setattr(module, _CONVERTED, True)
@@ -579,6 +580,8 @@ class FP8Precision(_AutocastPrecision):
         # decided (a weight used functionally elsewhere). Say so, and make the decisions tell the truth.
         watch, self._forward_watch = self._forward_watch, None
         if watch is None:
+            if getattr(self, "_short_mxfp8", None):  # set at conversion
+                self._recheck_short_mxfp8()
             return
         idle = watch.close()
         if idle:
@@ -587,7 +590,28 @@ class FP8Precision(_AutocastPrecision):
                 for d in self.layer_decisions
             ]
             _fp8._warn_never_ran(idle)
+        # MXFP8 layers that ran but never in MXFP8 (too few tokens for a block, every call): not fp8 either.
+        short = _fp8.mxfp8_after_first_step(watch.layers, self.compute_dtype, type(self).__name__)
+        if short:
+            self._short_mxfp8 = {d.fqn: d for d in self.layer_decisions if d.fqn in short}
+            self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=short[d.fqn]) if d.fqn in short else d
+                                    for d in self.layer_decisions]
         self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
+
+    def _recheck_short_mxfp8(self) -> None:
+        """An MXFP8 layer reported not fp8 (every call fell back) that has since run a call in MXFP8 (sequences of
+        another length) is fp8 again: a host-side flag per such layer, read after each backward."""
+        module = self._root() if self._root is not None else None
+        if module is None:
+            return
+        ran = [fqn for fqn in self._short_mxfp8 if getattr(module.get_submodule(fqn), "_mxfp8_ran", False)]
+        if not ran:
+            return
+        restored = {fqn: self._short_mxfp8.pop(fqn) for fqn in ran}
+        self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
+        self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
+        rank_zero_info(f"fp8: {', '.join(ran)}: a training call of a multiple of {_fp8.MXFP8_TOKENS} tokens ran in"
+                       " MXFP8; counted as fp8 again.")
 
     @override
     def metrics(self) -> dict[str, Tensor]:
