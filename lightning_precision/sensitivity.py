@@ -150,6 +150,32 @@ def _sum_across_processes(t: Tensor) -> Tensor:
     return t
 
 
+class _Eager:
+    """How many probes are open, and the compiler stance to restore when the last one closes."""
+
+    open = 0
+    stance: Any = None
+
+
+def _run_eagerly(on: bool) -> None:
+    """While a probe is open, ``torch.compile``d code runs eagerly (``torch.compiler.set_stance("force_eager")``; the
+    stance before the first open probe is restored when the last one closes). Compiled, the probe's hooks break the
+    graph at every measured layer, and dynamo compiles each such layer's forward, and the hook, once per layer shape:
+    a model with more shapes than ``torch._dynamo.config.recompile_limit`` (8) hit it at the first measured step.
+    Eagerly nothing is compiled, and the compiled model's cache is left as it was: the steps after run the graph
+    compiled before, without a recompile. Only the measured steps pay (FP8Guard's one in ``every_n_steps``,
+    ``layers="auto"``'s first batches)."""
+    if on:
+        if _Eager.open == 0:
+            _Eager.stance = torch.compiler.set_stance("force_eager")  # set now; it holds the stance it replaced
+        _Eager.open += 1
+        return
+    _Eager.open -= 1
+    if _Eager.open == 0:
+        stance, _Eager.stance = _Eager.stance, None
+        stance.__exit__(None, None, None)  # the stance before the first probe
+
+
 class SensitivityProbe:
     """Forward hooks on the given linear layers that measure each training forward and backward (see the module
     docstring) and accumulate on the device; ``result(reduce)`` reads them once (``reduce`` sums across processes, so
@@ -185,12 +211,30 @@ class SensitivityProbe:
         self._pending = False  # something is staged (host-side: no device read)
         self.keep_outputs = keep_outputs
         self.outputs: list[Tensor] = []  # this step's layer outputs: where a gradient-only backward must reach
-        self._handles = [m.register_forward_hook(self._forward(fqn)) for fqn, m in self.layers.items()]
+        self._handles: list[Any] = []
+        self._open = False
+        self.reopen()
+
+    def reopen(self) -> None:
+        """Measure again after ``close()`` (the sums so far are kept); nothing if open. While open, compiled code runs
+        eagerly (``_run_eagerly``)."""
+        if self._open:
+            return
+        # First among the forward hooks: the output measured (and its gradient) is the one the layer produced, not one
+        # a later hook put in its place, which could hide what the layer's own fp8 backward receives.
+        self._handles = [m.register_forward_hook(self._forward(fqn), prepend=True) for fqn, m in self.layers.items()]
+        self._open = True
+        _run_eagerly(True)
 
     def close(self) -> None:
+        """Stop measuring: the hooks go, and compiled code runs compiled again once no probe is open."""
+        if not self._open:
+            return
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._open = False
+        _run_eagerly(False)
 
     def _allocate(self, device: torch.device) -> None:
         self._sums = torch.zeros(len(self.layers) + 1, _WIDTH, dtype=torch.float64, device=device)

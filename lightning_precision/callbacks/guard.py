@@ -1,7 +1,7 @@
 """FP8Guard: watches the fp8 layers' numerics during training and moves a layer that degrades back to high precision.
 
 At a cadence, one optimizer step is measured by the same ``SensitivityProbe`` that ``FP8Precision(layers="auto")``
-calibrates with; every layer the rule now rejects (``plan.demotions``) is returned to the plugin's high-precision
+calibrates with (its hooks run first on each layer, and the measured step runs eagerly under ``torch.compile``); every layer the rule now rejects (``plan.demotions``) is returned to the plugin's high-precision
 dtype in place by ``FP8Precision.demote`` (same module, same Parameters: the optimizer state is intact).
 """
 
@@ -155,9 +155,8 @@ class FP8Guard(Callback):
             self._blind = True
             if rank_zero_only.rank == 0:
                 warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward hooks"
-                     " ran with gradients on, so nothing is watched. Under torch.compile, hooks added after compiling"
-                     " are ignored (torch._dynamo.config.skip_nnmodule_hook_guards, True by default): set it to False"
-                     " before compiling, or guard the model uncompiled.", NoEffectWarning)
+                     " ran with gradients on (the step's forward ran under no_grad, or did not reach them), so nothing"
+                     " is watched.", NoEffectWarning)
         failed = demotions(sensitivity, self.rule or plugin.plan_rule)
         moved = plugin.demote({fqn: f"FP8Guard, step {step}: {why}" for fqn, why in failed.items()},
                               {fqn: _measured_numbers(sensitivity[fqn]) for fqn in failed})

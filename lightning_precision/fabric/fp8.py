@@ -492,6 +492,7 @@ class FP8Precision(_AutocastPrecision):
         if calibration.ended:  # a new fit of the same model measures on
             calibration.ended = False
             self.layer_decisions = calibration.measuring()
+        calibration.probe.reopen()  # closed at the end of an earlier fit (or open still: nothing to do)
         if calibration.seen == 0:
             # Said when measuring really starts, not at conversion: a resumed fit restores its plan in between (and
             # then measures nothing).
@@ -561,6 +562,8 @@ class FP8Precision(_AutocastPrecision):
     @override
     def teardown(self) -> None:
         calibration = self._calibration
+        if calibration is not None:  # its hooks (and the eager stance they hold) go with the fit; the next one reopens
+            calibration.probe.close()
         if calibration is not None and calibration.seen:  # a run that trained but stopped before deciding
             ended = (f"training ended after {calibration.seen} of the {calibration.batches} batches to measure"
                      if not calibration.done else f"training ended after the {calibration.seen} batches measured,"
