@@ -39,6 +39,7 @@ __all__ = [
     "cast_specs",
     "fp8_sensitivity",
     "probe_config",
+    "torchao_scale",
 ]
 
 # torchao clamps amax to this before dividing (torchao.float8.float8_utils.EPS; tests/test_sensitivity.py pins it):
@@ -75,6 +76,19 @@ def cast_specs(config: Any) -> dict[str, CastSpec]:
     return specs
 
 
+def torchao_scale(amax: Tensor, fmax: float, pow2: bool = False) -> Tensor:
+    """torchao's dynamic scale for a largest magnitude ``amax`` (per tensor or per row): ``fmax / max(amax, EPS)`` in
+    fp64, then fp32, rounded down to a power of two when ``pow2`` (its rowwise recipes). The one place it is computed:
+    ``cast_numerics`` and ``functional.dynamic_scale_stats`` both use it.
+
+    Example:
+        >>> torchao_scale(torch.tensor(2.0), 448.0).item(), torchao_scale(torch.tensor(2.0), 448.0, pow2=True).item()
+        (224.0, 128.0)
+    """
+    scale = (fmax / amax.double().clamp(min=TORCHAO_EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
 def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     """``[signal power, noise power, non-zero, underflow, non-finite, elements]`` of casting ``t`` to fp8 as torchao
     does (scale ``max / max(amax, EPS)`` in fp64 then fp32, rounded down to a power of two if asked, saturating cast),
@@ -85,9 +99,7 @@ def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     x = torch.where(finite, x, torch.zeros_like(x))
     amax = x.abs().amax(dim=-1, keepdim=True) if spec.axiswise else x.abs().amax()
     fmax = torch.finfo(spec.dtype).max
-    scale = (fmax / amax.double().clamp(min=TORCHAO_EPS)).float()
-    if spec.pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = torchao_scale(amax, fmax, spec.pow2)
     q = (x * scale).clamp(-fmax, fmax).to(spec.dtype).float()
     noise = (q / scale - x).double().pow(2).sum()
     nonzero = x != 0
