@@ -412,8 +412,9 @@ def test_a_compiled_model_is_guarded_without_recompiling_and_the_degraded_layer_
     """Compiled, the probe's hooks broke the graph at every fp8 layer on a measured step, and dynamo compiled each
     layer's forward and the hook once per layer shape: this model's nine shapes hit ``recompile_limit`` (8) at the
     first measured step (here made an error, ``fail_on_recompile_limit_hit``). The measured steps now run eagerly and
-    leave the compiled graph alone: two frames compiled in all (the graph, and its recompile once the plugin's
-    first-step watch hooks go), the degraded layer demoted at the first measured step, the stance restored."""
+    leave the compiled graph alone: two frames compiled in all on torch 2.13 (the graph, and its recompile once the
+    plugin's first-step watch hooks go), the degraded layer demoted at the first measured step, the stance
+    restored."""
     import torch._dynamo
     import torch._dynamo.utils
 
@@ -422,8 +423,10 @@ def test_a_compiled_model_is_guarded_without_recompiling_and_the_degraded_layer_
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.randint(0, 16, (6 * 16,))),
                                        batch_size=16)
     guard = FP8Guard(every_n_steps=2)
+    # torch >= 2.8 can make hitting the limit an error; before, it is a warning and the frame count tells.
+    strict = {"fail_on_recompile_limit_hit": True} if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit") else {}
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(**strict):
             L.Trainer(accelerator="cpu", plugins=[FP8Precision(**FP8_KW)], callbacks=[guard], max_steps=6,
                       logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       default_root_dir=tmp_path).fit(Compiled(), data)
@@ -431,7 +434,7 @@ def test_a_compiled_model_is_guarded_without_recompiling_and_the_degraded_layer_
     finally:
         torch._dynamo.reset()
     assert [(e.step, e.fqn) for e in guard.events] == [(1, "net.layers.4")]
-    assert frames == {"total": 2, "ok": 2}
+    assert frames["total"] == frames["ok"] <= 3, frames  # 2 on torch 2.13
     assert torch._dynamo.eval_frame._stance.stance == "default"  # the eager stance ends with the measured step
 
 
