@@ -69,7 +69,7 @@ def test_an_auto_plan_prints_once_and_a_resumed_run_says_it_was_restored_not_mea
     said "the first 2 training batches run in bf16 while ... measured" before applying the checkpoint's plan."""
     measuring, table = "while their fp8 numerics are measured", "linear layers in fp8"
     plugin = FP8Precision(layers="auto", calibration_batches=2, **FP8_KW)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):  # another test may have quieted it
         L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=3, logger=False, enable_progress_bar=False,
                   enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="last")],
                   ).fit(Lit(), loader(3))
@@ -79,7 +79,7 @@ def test_an_auto_plan_prints_once_and_a_resumed_run_says_it_was_restored_not_mea
     caplog.clear()
 
     resumed = FP8Precision(layers="auto", calibration_batches=2, **FP8_KW)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):  # another test may have quieted it
         L.Trainer(accelerator="cpu", plugins=[resumed], max_steps=4, logger=False, enable_progress_bar=False,
                   enable_model_summary=False, enable_checkpointing=False,
                   ).fit(Lit(), loader(4), ckpt_path=str(tmp_path / "last.ckpt"))
