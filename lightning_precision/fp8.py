@@ -54,6 +54,7 @@ __all__ = [
     "select_fp8_layers",
     "te_recipe",
     "te_scaling_family",
+    "mxfp8_after_first_step",
     "to_mxfp8_linear",
     "torchao_config",
     "torchao_scaling_family",
@@ -328,11 +329,17 @@ class _ForwardWatch:
     """Counts forward calls of the layers chosen for fp8. ``settle()`` (at the first backward) returns the layers that
     have not run and keeps watching only them; ``ran()`` (at each later backward) returns those that have run since:
     a layer no input reached at first (an expert a mixture of experts does not call while no token is routed to it)
-    computes in fp8 from the step it runs. The hooks are bound methods (the model pickles) and leave as layers run."""
+    computes in fp8 from the step it runs. The hooks are bound methods (the model pickles) and leave as layers run.
+    Until the first backward, MXFP8 layers leave their fallback warnings to the plugin, which gives them once it knows
+    what ran (``mxfp8_after_first_step``)."""
 
     def __init__(self, layers: dict[str, nn.Module]) -> None:
+        self.layers = layers
         self.calls = dict.fromkeys(layers, 0)
         self.settled = False
+        for m in layers.values():
+            if getattr(m, _MXFP8, False):
+                m._mxfp8_quiet = True
         self._handles = {fqn: m.register_forward_pre_hook(functools.partial(self._count, fqn))
                          for fqn, m in layers.items()}
 
@@ -437,7 +444,7 @@ def demote_torchao_layer(layer: nn.Module) -> None:
     for handle in getattr(layer, _INFERENCE_HOOKS, ()):
         handle.remove()
     layer.__dict__.pop(_INFERENCE_HOOKS, None)
-    for attribute in (_MXFP8, "kernel_preference", "scale_calculation_mode", "wgrad_with_hp", "_mxfp8_fallbacks"):
+    for attribute in (_MXFP8, "kernel_preference", "scale_calculation_mode", "wgrad_with_hp", *_MXFP8_RECORD):
         layer.__dict__.pop(attribute, None)
     layer.__class__ = nn.Linear
 
@@ -493,7 +500,7 @@ def convert_with_torchao(module: nn.Module, config: Any, decisions: list[LayerDe
     if isinstance(config, MXFP8Recipe):
         for fqn, m, _ in _linear_layers(module):
             if fqn in chosen:
-                to_mxfp8_linear(m, config)
+                to_mxfp8_linear(m, config, fqn)
         return module
     # torchao's public verb converts a bare nn.Linear into its Float8Linear, reusing weight and bias.
     replacements = {id(m): convert_to_float8_training(m, config=config) for fqn, m, _ in _linear_layers(module)
@@ -566,15 +573,29 @@ def _mxfp8_linear() -> Any:
         ) from err
 
 
-def to_mxfp8_linear(layer: nn.Linear, recipe: MXFP8Recipe) -> None:
-    """Make ``layer`` compute in MXFP8, in place (the same module and Parameters, as ``demote_torchao_layer`` undoes)."""
+# What an MXFP8 layer records of its calls, for the plugin to report what ran. Flags set once each (no counter): under
+# torch.compile a module attribute that changes is a guard that fails, and a counter would recompile every step.
+_MXFP8_RECORD = {
+    "_mxfp8_ran": False,  # a training call (gradients on) ran in MXFP8
+    "_mxfp8_short": None,  # the tokens of the first training call that fell back to high precision
+    "_mxfp8_warned": False,  # the fallback was said (by the layer, or by the plugin for it)
+    "_mxfp8_quiet": False,  # the plugin says it instead (until the first backward, when it knows what ran)
+    "_mxfp8_name": None,  # the layer's path, named in the warning
+}
+
+
+def to_mxfp8_linear(layer: nn.Linear, recipe: MXFP8Recipe, name: Optional[str] = None) -> None:
+    """Make ``layer`` compute in MXFP8, in place (the same module and Parameters, as ``demote_torchao_layer`` undoes).
+    ``name``: its path in the model, named when a call falls back to high precision."""
     mx = _mxfp8_linear()
     kernels = _imports.import_quietly("torchao.quantization.quantize_.common").KernelPreference
     modes = _imports.import_quietly("torchao.prototype.mx_formats.config").ScaleCalculationMode
     layer.kernel_preference = kernels.EMULATED if recipe.emulate else kernels.AUTO
     layer.scale_calculation_mode = modes.RCEIL
     layer.wgrad_with_hp = recipe.wgrad_with_hp
-    layer._mxfp8_fallbacks = 0
+    for attribute, value in _MXFP8_RECORD.items():
+        setattr(layer, attribute, value)
+    layer._mxfp8_name = name
     setattr(layer, _MXFP8, True)
     layer.__class__ = _autocast_mxfp8_class(mx.MXFP8Linear)
 
@@ -585,8 +606,10 @@ _MXFP8_CLASS: dict[type, type] = {}
 def _autocast_mxfp8_class(base: type) -> type:
     """torchao's ``MXFP8Linear`` under autocast: its matmul takes input and weight as they come (an fp32 weight beside
     a bf16 input fails; fp32 inputs compute in fp32), and its backward needs the tokens in blocks of 32. This subclass
-    casts both to the autocast dtype, as ``Float8Linear`` does, and runs a step whose tokens are not a multiple of 32
-    (an epoch's last, short batch) in high precision with a warning instead of failing mid-run."""
+    casts both to the autocast dtype, as ``Float8Linear`` does, and runs a call whose tokens are not a multiple of 32
+    (an epoch's last, short batch; a head over pooled tokens) in high precision with a warning naming the layer,
+    instead of failing mid-run. It records whether its training calls ran in MXFP8 (``_MXFP8_RECORD``), so that the
+    plugin reports a layer that never does as not fp8."""
     if base not in _MXFP8_CLASS:
 
         class AutocastMXFP8Linear(base):
@@ -594,18 +617,70 @@ def _autocast_mxfp8_class(base: type) -> type:
                 device = input.device.type
                 dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else input.dtype
                 tokens = input.numel() // max(input.shape[-1], 1)
+                training = torch.is_grad_enabled()
                 if tokens % MXFP8_TOKENS:
-                    self._mxfp8_fallbacks += 1
-                    if self._mxfp8_fallbacks == 1:
-                        warn(f"MXFP8: a batch of {tokens} tokens (not a multiple of {MXFP8_TOKENS}) ran in {dtype} in"
-                             " this layer; MXFP8's backward casts tokens in blocks of 32. Make batch x sequence a"
-                             " multiple of 32 (or drop_last=True) to keep every step in MXFP8.", NoEffectWarning)
+                    if training and self._mxfp8_short is None:
+                        self._mxfp8_short = tokens
+                    if not self._mxfp8_warned and not self._mxfp8_quiet:
+                        self._mxfp8_warned = True
+                        warn(_mxfp8_fallback_message(self._mxfp8_name, tokens, dtype), NoEffectWarning)
                     return nn.functional.linear(input, self.weight, self.bias)
-                with torch.autocast(device, enabled=False):
-                    return _mxfp8_forward(self, input.to(dtype), self.weight.to(dtype))
+                if training and not self._mxfp8_ran:
+                    self._mxfp8_ran = True
+                with torch.autocast(device, enabled=False):  # torchao's casts take contiguous tensors only
+                    return _mxfp8_forward(self, input.to(dtype).contiguous(), self.weight.to(dtype))
 
         _MXFP8_CLASS[base] = AutocastMXFP8Linear
     return _MXFP8_CLASS[base]
+
+
+def _mxfp8_fallback_message(name: Optional[str], tokens: int, dtype: torch.dtype) -> str:
+    layer = f"layer {name!r}" if name else "an MXFP8 layer"
+    return (f"MXFP8: {layer} ran a call of {tokens} tokens in {dtype}: not a multiple of {MXFP8_TOKENS}, the block"
+            " MXFP8's backward casts the tokens (batch x sequence) in. Its calls of a multiple of 32 tokens run in"
+            " MXFP8, so it stays an MXFP8 layer. To run every step in MXFP8: `drop_last=True` in the DataLoader (an"
+            " epoch's short last batch), or batch x sequence a multiple of 32.")
+
+
+def _short_reason(tokens: int, dtype: torch.dtype) -> str:
+    return (f"MXFP8 layer, but every training call so far had {tokens} tokens, not a multiple of {MXFP8_TOKENS} (the"
+            f" block MXFP8's backward casts tokens in): it ran in {dtype}, not fp8")
+
+
+def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype,
+                           owner: str = "FP8Precision") -> dict[str, str]:
+    """After the first training backward: the MXFP8 layers among ``layers`` whose every call fell back to ``dtype``
+    (tokens not a multiple of 32), each with the reason it is not fp8 (a ``LayerDecision.reason``), said in one
+    warning with a fix that works for them. A
+    layer that ran some calls in MXFP8 stays an MXFP8 layer, its fallback warned (named). From here on, each layer
+    warns by itself at its first fallback."""
+    mx = {fqn: m for fqn, m in layers.items() if getattr(m, _MXFP8, False)}
+    for m in mx.values():
+        m._mxfp8_quiet = False
+    short = {fqn: m._mxfp8_short for fqn, m in mx.items() if m._mxfp8_short is not None and not m._mxfp8_ran}
+    for fqn, m in mx.items():
+        if m._mxfp8_short is not None and not m._mxfp8_warned:
+            m._mxfp8_warned = True
+            if fqn not in short:  # some of its calls ran in MXFP8: an MXFP8 layer, with a short call
+                warn(_mxfp8_fallback_message(fqn, m._mxfp8_short, dtype), NoEffectWarning)
+    if not short:
+        return {}
+    named = ", ".join(f"{fqn} ({tokens} tokens)" for fqn, tokens in short.items())
+    if any(m._mxfp8_ran for m in mx.values()):
+        # Other MXFP8 layers got a multiple of 32: these see fewer tokens than the rest (a head over pooled tokens),
+        # and no choice of sequence length helps them.
+        fix = (f"They see fewer tokens than the model's other MXFP8 layers (a head over pooled tokens, say). Exclude"
+               f" them, as they run in {dtype} anyway: `module_filter=lambda module, fqn: fqn not in"
+               f" {set(short)!r}` (it replaces the default layer rules), or give them a multiple of 32 tokens (a"
+               " batch size that is, for a head that sees one token per sample).")
+    else:
+        fix = ("No MXFP8 layer ran in MXFP8: batch x sequence is what is short. Make it a multiple of 32 (pad sequences"
+               " to a multiple of 32, e.g. a tokenizer's `pad_to_multiple_of=32`, or choose such a batch size).")
+    warn(f"{owner}(recipe='mxfp8'): {len(short)} layer(s) ran every training call of the first step in {dtype}, not"
+         f" in MXFP8, because the tokens reaching them are not a multiple of {MXFP8_TOKENS} (the block MXFP8's backward"
+         f" casts tokens in): {named}. `layer_decisions` and `precision/fp8_layers` count them as not fp8 (and as fp8"
+         f" again if a later call runs in MXFP8). {fix}", NoEffectWarning)
+    return {fqn: _short_reason(tokens, dtype) for fqn, tokens in short.items()}
 
 
 def _mxfp8_forward(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from lightning_precision.fp8 import (
     select_fp8_layers,
 )
 from lightning_precision.mfu import choose_peak, mfu, model_flops_per_step
-from lightning_precision.sensitivity import fp8_sensitivity
+from lightning_precision.sensitivity import fp8_sensitivity, torchao_scale
 from lightning_precision.warnings import NoEffectWarning, warn
 
 __all__ = [
@@ -45,11 +45,13 @@ __all__ = [
     "HIST_MAX",
     "HIST_MIN",
     "CastStats",
+    "DYNAMIC_SCALINGS",
     "FormatLike",
     "LossScaleAdvice",
     "TensorsLike",
     "UnderflowReport",
     "cast_stats",
+    "dynamic_scale_stats",
     "exponent_histogram",
     "gradient_stats",
     "measurable_values",
@@ -239,6 +241,11 @@ def _tensor_amax(flat: Tensor, formats: Sequence[AnyFormat]) -> Optional[Tensor]
     """The largest finite magnitude of the tensor, when a format has a per-tensor scale (NVFP4): one more pass."""
     if not any(isinstance(f, BlockFormat) and f.tensor_scale for f in formats):
         return None
+    return _finite_amax(flat)
+
+
+def _finite_amax(flat: Tensor) -> Tensor:
+    """The largest finite magnitude of a flat tensor, in chunks (0 for an empty or all-non-finite one)."""
     amax = torch.zeros((), device=flat.device)
     for chunk in _chunks(flat):
         a = _magnitudes(chunk)
@@ -356,6 +363,61 @@ def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[Union[fl
         per_scale = torch.zeros(len(scales), 2, dtype=torch.int64, device=flat.device)
     # a scaled zero stays zero and inf stays inf; a finite value scaled to inf counts as overflow, as in _counts.
     return [_stats_from_counts(numel, torch.cat([shared, row]), 1)[0] for row in per_scale]
+
+
+# How fp8 training scales a tensor before its cast, by the scale's reach: one scale per tensor (torchao tensorwise,
+# Transformer Engine's per-tensor recipes), per row of the last dim (torchao rowwise), per block of 32 (MXFP8).
+DYNAMIC_SCALINGS = ("tensorwise", "rowwise", "mxfp8")
+
+
+def dynamic_scale_stats(
+    tensor: Tensor, formats: Iterable[FormatLike], scaling: str = "tensorwise", pow2: bool = False
+) -> dict[str, CastStats]:
+    """What casting ``tensor`` to each fp8 format flushes or overflows when it is first scaled as fp8 training scales it:
+    the largest finite magnitude (of the tensor, of each row of its last dim, or of each block of 32 consecutive values,
+    by ``scaling``, one of ``DYNAMIC_SCALINGS``) lands on the format's max. The scale is torchao's
+    (``sensitivity.torchao_scale``: fp64 then fp32, rounded down to a power of two when ``pow2``, as its rowwise recipes
+    do); MXFP8's is the block's e8m0 scale, rounded up (``"rceil"``). A finite value never overflows at such a scale; what
+    flushes is what the real cast loses: small values beside the tensor's (row's, block's) largest. Counted in chunks,
+    as ``multi_format_stats``; a tensor that is not dense and real is scaled as a whole for ``"rowwise"``.
+
+    Example:
+        Unscaled, e4m3fn flushes both small values; scaled so that 1.0 lands on 448, it keeps 1e-4 and still flushes
+        1e-6 (below 2**-10 even times 448: past e4m3fn's range under the largest value).
+
+        >>> x = torch.tensor([1e-6, 1e-4, 1.0])
+        >>> multi_format_stats(x, ["e4m3fn"])["e4m3fn"].underflow.item()
+        2
+        >>> dynamic_scale_stats(x, ["e4m3fn"])["e4m3fn"].underflow.item()
+        1
+    """
+    fmts = [_elementwise(f, "dynamic_scale_stats") for f in formats]
+    if scaling not in DYNAMIC_SCALINGS:
+        raise ValueError(f"`dynamic_scale_stats(scaling={scaling!r})`: one of {DYNAMIC_SCALINGS}.")
+    if scaling == "mxfp8":
+        blocks = [BlockFormat(f.name, f, 32, "e8m0", "rceil") for f in fmts]
+        return multi_format_stats(tensor, blocks)
+    x = tensor.detach()
+    if scaling == "rowwise" and x.layout == torch.strided and not x.is_complex() and x.dim() > 1 and x.shape[-1]:
+        rows = x.reshape(-1, x.shape[-1])
+        step = max(1, CHUNK // rows.shape[1])  # whole rows per pass, each with its own scale
+        chunks: Iterable[Tensor] = (rows[i : i + step] for i in range(0, rows.shape[0], step))
+        amax, n = None, rows.numel()
+    else:
+        flat = measurable_values(x)
+        chunks, amax, n = _chunks(flat), _finite_amax(flat), flat.numel()  # one scale for the tensor: its amax first
+    total = None
+    for chunk in chunks:
+        a = _magnitudes(chunk)
+        if chunk.dim() > 1:  # rowwise
+            amax = torch.where(a <= torch.finfo(a.dtype).max, a, 0.0).amax(dim=-1, keepdim=True)
+        # zeros, finite and inf once (a scaled zero stays zero, inf stays inf), then each format at its own scale
+        parts = [_counts(a, ())] + [_counts((a * torchao_scale(amax, f.max, pow2)).view(-1), (f,))[3:] for f in fmts]
+        total = torch.cat(parts) if total is None else total + torch.cat(parts)
+    numel = torch.zeros((), dtype=torch.int64, device=x.device) + n
+    if total is None:  # an empty tensor
+        total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=x.device)
+    return {f.name: st for f, st in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
 
 
 def gradient_stats(

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_precision import fp8 as _fp8
+from lightning_precision._console import echo
 from lightning_precision._io import atomic_write_text, check_writable_file, json_safe
 from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
 from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
@@ -539,19 +540,54 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         return _usage_error(str(err))
     model, batches = RECIPES[args.recipe].training_batches(args.batches)
-    print(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...", flush=True)
+    nothing = _nothing_to_measure(model, args.recipe, args.recipe_fp8, args.emulate)
+    if nothing:  # refused before measuring: a plan of no fp8 layer is not worth the wait, nor a file
+        return _usage_error(nothing)
+    echo(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...")
     plan = make_plan(model, batches, loss_fn=lambda m, b: m.training_loss(b), recipe=args.recipe_fp8,
                      skip_small_layers=not args.emulate)
-    print(plan.table())
+    echo(plan.table())
+    if not plan.measured and out.exists():
+        # An earlier plan there was measured, perhaps for long; one that rests on no number must not replace it.
+        print(f"lightning-precision plan: error: nothing was measured (every batch had a non-finite value, or no"
+              f" eligible layer ran), so the plan is not written over the existing {str(out)!r}; it follows on"
+              " standard output.", file=sys.stderr)
+        echo(_dump(plan.to_dict(), out).rstrip("\n"))
+        return 1
     try:
-        print(f"wrote {plan.save(out)}")
+        saved = plan.save(out)
     except (OSError, ValueError) as err:  # the disk filled up, or the folder changed, while measuring: keep it
         why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())
         print(f"lightning-precision plan: error: could not write the plan to {str(out)!r} ({why});"
               " it follows on standard output: save it as a file and pass that file to `layers=`.", file=sys.stderr)
-        print(_dump(plan.to_dict(), out), end="", flush=True)
+        echo(_dump(plan.to_dict(), out).rstrip("\n"))
         return 1
+    echo(f"wrote {saved}")
     return 0
+
+
+def _nothing_to_measure(model: nn.Module, recipe: str, scaling_family: str, emulate: bool) -> Optional[str]:
+    """Why no layer of ``model`` is left to measure, with the fix when there is one (``--emulate``); None if some is.
+    ``scaling_family``: the CLI's torchao recipes are their own scaling families (tensorwise, rowwise)."""
+    decisions = _fp8.select_fp8_layers(model, scaling_family, skip_small_layers=not emulate)
+    if any(d.fp8 for d in decisions):
+        return None
+    # Grouped by the rule (its details, such as each layer's dims, in parentheses left out): one readable line.
+    reasons = ", ".join(f"{n} {why}" for why, n in _counted(d.reason.split(" (")[0] for d in decisions).items())
+    head = (f"--recipe {recipe}: none of the {len(decisions)} linear layers of the embedded {recipe} default is left"
+            f" to measure ({reasons})")
+    if not emulate and any(d.fp8 for d in _fp8.select_fp8_layers(model, scaling_family, skip_small_layers=False)):
+        return (f"{head}. Without --emulate the plan is for an fp8 GPU, where layers this small run slower in fp8 than"
+                " in bf16 and stay in bf16. Pass --emulate to judge them too (the plan for `fit --precision"
+                " fp8-emulated`).")
+    return f"{head}: no layer of it can run in fp8, so there is no plan to make."
+
+
+def _counted(items: Iterable[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
 
 
 def _usage_error(message: str) -> int:

@@ -39,6 +39,7 @@ __all__ = [
     "cast_specs",
     "fp8_sensitivity",
     "probe_config",
+    "torchao_scale",
 ]
 
 # torchao clamps amax to this before dividing (torchao.float8.float8_utils.EPS; tests/test_sensitivity.py pins it):
@@ -75,6 +76,19 @@ def cast_specs(config: Any) -> dict[str, CastSpec]:
     return specs
 
 
+def torchao_scale(amax: Tensor, fmax: float, pow2: bool = False) -> Tensor:
+    """torchao's dynamic scale for a largest magnitude ``amax`` (per tensor or per row): ``fmax / max(amax, EPS)`` in
+    fp64, then fp32, rounded down to a power of two when ``pow2`` (its rowwise recipes). The one place it is computed:
+    ``cast_numerics`` and ``functional.dynamic_scale_stats`` both use it.
+
+    Example:
+        >>> torchao_scale(torch.tensor(2.0), 448.0).item(), torchao_scale(torch.tensor(2.0), 448.0, pow2=True).item()
+        (224.0, 128.0)
+    """
+    scale = (fmax / amax.double().clamp(min=TORCHAO_EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
 def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     """``[signal power, noise power, non-zero, underflow, non-finite, elements]`` of casting ``t`` to fp8 as torchao
     does (scale ``max / max(amax, EPS)`` in fp64 then fp32, rounded down to a power of two if asked, saturating cast),
@@ -85,9 +99,7 @@ def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     x = torch.where(finite, x, torch.zeros_like(x))
     amax = x.abs().amax(dim=-1, keepdim=True) if spec.axiswise else x.abs().amax()
     fmax = torch.finfo(spec.dtype).max
-    scale = (fmax / amax.double().clamp(min=TORCHAO_EPS)).float()
-    if spec.pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = torchao_scale(amax, fmax, spec.pow2)
     q = (x * scale).clamp(-fmax, fmax).to(spec.dtype).float()
     noise = (q / scale - x).double().pow(2).sum()
     nonzero = x != 0
@@ -150,6 +162,32 @@ def _sum_across_processes(t: Tensor) -> Tensor:
     return t
 
 
+class _Eager:
+    """How many probes are open, and the compiler stance to restore when the last one closes."""
+
+    open = 0
+    stance: Any = None
+
+
+def _run_eagerly(on: bool) -> None:
+    """While a probe is open, ``torch.compile``d code runs eagerly (``torch.compiler.set_stance("force_eager")``; the
+    stance before the first open probe is restored when the last one closes). Compiled, the probe's hooks break the
+    graph at every measured layer, and dynamo compiles each such layer's forward, and the hook, once per layer shape:
+    a model with more shapes than ``torch._dynamo.config.recompile_limit`` (8) hit it at the first measured step.
+    Eagerly nothing is compiled, and the compiled model's cache is left as it was: the steps after run the graph
+    compiled before, without a recompile. Only the measured steps pay (FP8Guard's one in ``every_n_steps``,
+    ``layers="auto"``'s first batches)."""
+    if on:
+        if _Eager.open == 0:
+            _Eager.stance = torch.compiler.set_stance("force_eager")  # set now; it holds the stance it replaced
+        _Eager.open += 1
+        return
+    _Eager.open -= 1
+    if _Eager.open == 0:
+        stance, _Eager.stance = _Eager.stance, None
+        stance.__exit__(None, None, None)  # the stance before the first probe
+
+
 class SensitivityProbe:
     """Forward hooks on the given linear layers that measure each training forward and backward (see the module
     docstring) and accumulate on the device; ``result(reduce)`` reads them once (``reduce`` sums across processes, so
@@ -187,17 +225,29 @@ class SensitivityProbe:
         self.keep_outputs = keep_outputs
         self.outputs: list[Tensor] = []  # this step's layer outputs: where a gradient-only backward must reach
         self._handles: list[Any] = []
-        self.open()
+        self._open = False
+        self.reopen()
 
-    def open(self) -> None:
-        """Put the hooks on the layers (done at construction; again after ``close()`` to measure on, sums kept)."""
-        if not self._handles:
-            self._handles = [m.register_forward_hook(self._forward(fqn)) for fqn, m in self.layers.items()]
+    def reopen(self) -> None:
+        """Measure again after ``close()`` (the sums so far are kept); nothing if open. While open, compiled code runs
+        eagerly (``_run_eagerly``)."""
+        if self._open:
+            return
+        # First among the forward hooks: the output measured (and its gradient) is the one the layer produced, not one
+        # a later hook put in its place, which could hide what the layer's own fp8 backward receives.
+        self._handles = [m.register_forward_hook(self._forward(fqn), prepend=True) for fqn, m in self.layers.items()]
+        self._open = True
+        _run_eagerly(True)
 
     def close(self) -> None:
+        """Stop measuring: the hooks go, and compiled code runs compiled again once no probe is open."""
+        if not self._open:
+            return
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._open = False
+        _run_eagerly(False)
 
     def _allocate(self, device: torch.device) -> None:
         self._sums = torch.zeros(len(self.layers) + 1, _WIDTH, dtype=torch.float64, device=device)

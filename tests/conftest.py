@@ -1,9 +1,29 @@
 # Imported before any test captures output: Lightning's log handler binds to the stderr of the moment it is imported
 # (`import lightning_precision` no longer imports it), and one test's closed capture must not be where later
 # tests' "Seed set to 0" goes.
+import logging
+
 import lightning  # noqa: F401
 import pytest
 import torch
+
+_LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
+
+
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path_factory, monkeypatch):
+    """Each test runs in a folder of its own: a Trainer's `lightning_logs`, or FP8Guard's default plan beside them,
+    never lands in the checkout (or in another test's folder)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger_levels():
+    """A test that quiets Lightning's loggers (as `compare`'s runs do) must not hide the next test's info lines."""
+    levels = {name: logging.getLogger(name).level for name in _LIGHTNING_LOGGERS}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.fixture(autouse=True)

@@ -341,3 +341,21 @@ def test_an_fp8_result_that_overflows_where_fp32_does_not_still_fails():
     from lightning_precision.sensitivity import _relative
 
     assert _relative(math.nan, 1.0) == math.inf and _relative(math.inf, 1.0) == math.inf
+
+
+# ---- issue 28, item 11: while measuring, compiled code runs eagerly; a fit that ends restores the stance -------------
+
+
+def test_a_fit_that_ends_while_measuring_leaves_compiled_code_compiled_and_the_next_fit_measures_on():
+    """The probe runs ``torch.compile``d code eagerly while it measures (its hooks would otherwise recompile per layer):
+    a fit that ends before the plan closes it, so the process is not left running everything eagerly, and the next fit
+    of the same model reopens it and measures the batches still missing."""
+    from torch._dynamo import eval_frame
+
+    plugin, module = FP8Precision(layers="auto", calibration_batches=4, **FP8_KW), Lit()
+    with pytest.warns(NoEffectWarning, match="ended after 2 of the 4"):
+        fit(plugin, 2, module=module)
+    assert eval_frame._stance.stance == "default"
+    fit(plugin, 3, module=module)  # 2 more batches measured, then the plan at the 4th's optimizer step
+    assert plugin.plan is not None and plugin.plan.batches == 4 and plugin.plan.fp8_layers == MEASURED
+    assert eval_frame._stance.stance == "default"

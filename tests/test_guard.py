@@ -270,11 +270,9 @@ def test_under_ddp_every_rank_demotes_the_same_layer_at_the_same_step(tmp_path):
 
 
 def test_a_measured_step_that_saw_no_layer_is_said_not_watched():
-    """When none of the probe's hooks run with gradients on, the guard would watch nothing and report nothing: it says
-    so, once. The real cause is torch.compile, which ignores hooks added after compiling (``skip_nnmodule_hook_guards``)
-    when the layers are inside its graph; here the measured step's forward runs without gradients, which the probe
-    skips the same way. (Today every fp8 layer breaks the compiled graph at its inference-mode hook, so the hooks run
-    under torch.compile too: noted in docs/plan.md.)"""
+    """When none of the probe's hooks run with gradients on (here the measured step's forward runs under no_grad), the
+    guard would watch nothing and report nothing: it says so, once. (Under torch.compile the measured step runs
+    eagerly, so the hooks always run there: tested below.)"""
     from lightning_precision import NoEffectWarning
 
     plugin, guard = lp_fabric.FP8Precision(**FP8_KW), FP8Guard(every_n_steps=1)
@@ -412,3 +410,93 @@ def test_a_measured_step_with_no_tokens_is_not_taken_for_hooks_that_never_ran():
         fit(FP8Precision(**FP8_KW), 4, [guard], module=EmptyThenBlind(inject_at=10**6))
     blind = [str(w.message) for w in record if "forward hooks ran with gradients" in str(w.message)]
     assert len(blind) == 1 and blind[0].startswith("FP8Guard: step 3 was measured"), blind
+
+
+# ---- issue 28, item 11: compiled models, and hooks that replace a layer's output ------------------------------------
+
+
+class Deep(nn.Module):
+    """Nine fp8 layers of nine shapes (more than dynamo's recompile limit of 8), the middle one degraded from the first
+    step as ``Net.b`` is (its output gradients 1e-21: fp8 flushes them)."""
+
+    DIMS = (32, 48, 64, 80, 96, 112, 128, 144, 160, 16)
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(self.DIMS, self.DIMS[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i == 4:
+                x = ScaleGrad.apply(layer(ScaleGrad.apply(x, 1e21)), 1e-21)
+            else:
+                x = layer(x)
+            x = torch.relu(x) if i < len(self.layers) - 1 else x
+        return x
+
+
+class Compiled(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Deep()
+
+    def on_fit_start(self) -> None:
+        # As docs/plugins/fp8.md says: compile after the plugin converted the model. The eager backend: dynamo's
+        # guards and recompiles are the same as inductor's, without its minutes of code generation.
+        self.net = torch.compile(self.net, backend="eager")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_compiled_model_is_guarded_without_recompiling_and_the_degraded_layer_is_found(tmp_path):
+    """Compiled, the probe's hooks broke the graph at every fp8 layer on a measured step, and dynamo compiled each
+    layer's forward and the hook once per layer shape: this model's nine shapes hit ``recompile_limit`` (8) at the
+    first measured step (here made an error, ``fail_on_recompile_limit_hit``). The measured steps now run eagerly and
+    leave the compiled graph alone: two frames compiled in all on torch 2.13 (the graph, and its recompile once the
+    plugin's first-step watch hooks go), the degraded layer demoted at the first measured step, the stance
+    restored."""
+    import torch._dynamo
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    x = torch.randn(6 * 16, 32, generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.randint(0, 16, (6 * 16,))),
+                                       batch_size=16)
+    guard = FP8Guard(every_n_steps=2)
+    # torch >= 2.8 can make hitting the limit an error; before, it is a warning and the frame count tells.
+    strict = {"fail_on_recompile_limit_hit": True} if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit") else {}
+    try:
+        with torch._dynamo.config.patch(**strict):
+            L.Trainer(accelerator="cpu", plugins=[FP8Precision(**FP8_KW)], callbacks=[guard], max_steps=6,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      default_root_dir=tmp_path).fit(Compiled(), data)
+        frames = dict(torch._dynamo.utils.counters["frames"])
+    finally:
+        torch._dynamo.reset()
+    assert [(e.step, e.fqn) for e in guard.events] == [(1, "net.layers.4")]
+    assert frames["total"] == frames["ok"] <= 3, frames  # 2 on torch 2.13
+    assert torch._dynamo.eval_frame._stance.stance == "default"  # the eager stance ends with the measured step
+
+
+def test_the_guard_measures_what_the_layer_produced_not_what_a_later_hook_made_of_it():
+    """A forward hook of the user's replaces ``b``'s output with one whose backward scales the gradient by 1e-21 on its
+    way into ``b`` (and a pre-hook undoes it for ``a``): ``b``'s fp8 backward gets gradients that flush. The guard's
+    hook used to run after the user's and measure the replaced output's gradient (healthy): ``b`` stayed in fp8. Its
+    hook now runs first and measures the layer's own output, whose gradient is the one fp8 casts."""
+    plugin, guard = lp_fabric.FP8Precision(**FP8_KW), FP8Guard(every_n_steps=1)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = Net()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    net.b.register_forward_pre_hook(lambda module, args: (ScaleGrad.apply(args[0], 1e21),))
+    net.b.register_forward_hook(lambda module, args, output: ScaleGrad.apply(output, 1e-21))
+    x, y = torch.randn(16, 32), torch.randint(0, 16, (16,))
+    guard.watch(plugin, 0)
+    fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
+    events = guard.check(plugin, 0)
+    assert [e.fqn for e in events] == ["b"] and "grad_output" in events[0].reason

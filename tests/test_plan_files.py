@@ -388,3 +388,69 @@ def test_the_plan_file_in_the_docs_loads(tmp_path):
     (tmp_path / "plan.yaml").write_text(block[:block.index("```")])
     plan = PrecisionPlan.load(tmp_path / "plan.yaml")
     assert plan.fp8_layers == {"encoder.0.linear"} and plan.rule == PlanRule() and plan.batches == 8
+
+
+# ---- issue 28, item 6: `plan` refuses what it cannot measure, never replaces a measured plan, and survives `| head` ---
+
+
+def _plan_command(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "lightning_precision.cli", "plan", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_plan_without_emulate_on_the_embedded_default_refuses_before_measuring_and_keeps_the_earlier_plan(tmp_path):
+    """Every linear layer of the embedded ViT is under the fp8-GPU size thresholds: without --emulate nothing is left to
+    measure. The command says so in one line with the fix (--emulate), exit 2, before measuring; the emulated plan
+    written earlier stays as it was (it used to be replaced by a plan of 0 fp8 layers)."""
+    earlier = plan_of({"a", "b"})
+    earlier.save(tmp_path / "plan-vit.yaml")
+    before = (tmp_path / "plan-vit.yaml").read_bytes()
+    done = _plan_command("--recipe", "vit", "--batches", "2", cwd=tmp_path)
+    out, err = done.communicate(timeout=300)
+    assert done.returncode == 2, err
+    assert out == ""  # not "measuring 2 batches"
+    line = err.strip()
+    assert line.splitlines() == [line] and line.startswith("lightning-precision plan: error: --recipe vit: none of the")
+    assert "too small to gain" in line and "Pass --emulate" in line
+    assert (tmp_path / "plan-vit.yaml").read_bytes() == before
+
+
+def test_plan_piped_into_head_exits_quietly_and_still_writes_the_plan(tmp_path):
+    """`plan ... | head -1`: the reader closes the pipe after the first line, while the command measures; the table
+    printed next used to raise BrokenPipeError (a traceback, exit 1, no plan file). Now the rest of the output goes
+    nowhere, the plan is written, exit 0, nothing on stderr."""
+    done = _plan_command("--recipe", "vit", "--emulate", "--batches", "1", cwd=tmp_path)
+    first = done.stdout.readline()
+    done.stdout.close()  # as `head -1` does
+    err = done.stderr.read()
+    assert done.wait(timeout=300) == 0, err
+    assert first.startswith("measuring 1 batches")
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert PrecisionPlan.load(tmp_path / "plan-vit.yaml").fp8_layers
+
+
+def test_a_plan_that_measured_nothing_is_not_written_over_an_existing_one(tmp_path, monkeypatch, capsys):
+    """Every batch's loss is NaN (a fault injected in the recipe's own loss): every batch is dropped, nothing is
+    measured, and that plan (0 fp8 layers, resting on no number) must not replace the measured plan already there. It
+    is printed instead, exit 1; with no file there it is written (it replaces nothing)."""
+    from lightning_precision import cli
+    from lightning_precision.recipes.vision import ViTClassifier
+
+    real = ViTClassifier.training_loss
+    monkeypatch.setattr(ViTClassifier, "training_loss", lambda self, batch: real(self, batch) * math.nan)
+    earlier = tmp_path / "plan.yaml"
+    plan_of({"a", "b"}).save(earlier)
+    before = earlier.read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp8_sensitivity's warning about the dropped batches
+        assert cli.main(["plan", "--recipe", "vit", "--emulate", "--batches", "1", "--out", str(earlier)]) == 1
+    captured = capsys.readouterr()
+    assert "nothing was measured" in captured.err and "not written over the existing" in captured.err
+    assert earlier.read_bytes() == before
+    assert "batches: 0" in captured.out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main(["plan", "--recipe", "vit", "--emulate", "--batches", "1", "--out",
+                         str(tmp_path / "new.yaml")]) == 0
+    assert not PrecisionPlan.load(tmp_path / "new.yaml").measured

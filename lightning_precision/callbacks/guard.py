@@ -1,7 +1,7 @@
 """FP8Guard: watches the fp8 layers' numerics during training and moves a layer that degrades back to high precision.
 
 At a cadence, one optimizer step is measured by the same ``SensitivityProbe`` that ``FP8Precision(layers="auto")``
-calibrates with; every layer the rule now rejects (``plan.demotions``) is returned to the plugin's high-precision
+calibrates with (its hooks run first on each layer, and the measured step runs eagerly under ``torch.compile``); every layer the rule now rejects (``plan.demotions``) is returned to the plugin's high-precision
 dtype in place by ``FP8Precision.demote`` (same module, same Parameters: the optimizer state is intact).
 """
 
@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_precision import fp8 as _fp8
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._checks import is_positive_int
+from lightning_precision._lightning import should_update_logs
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.plan import PlanRule, _measured_numbers, _suffix, demotions
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
@@ -155,9 +156,8 @@ class FP8Guard(Callback):
             self._blind = True
             if rank_zero_only.rank == 0:
                 warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward hooks"
-                     " ran with gradients on, so nothing is watched. Under torch.compile, hooks added after compiling"
-                     " are ignored (torch._dynamo.config.skip_nnmodule_hook_guards, True by default): set it to False"
-                     " before compiling, or guard the model uncompiled.", NoEffectWarning)
+                     " ran with gradients on (the step's forward ran under no_grad, or did not reach them), so nothing"
+                     " is watched.", NoEffectWarning)
         failed = demotions(sensitivity, self.rule or plugin.plan_rule)
         moved = plugin.demote({fqn: f"FP8Guard, step {step}: {why}" for fqn, why in failed.items()},
                               {fqn: _measured_numbers(sensitivity[fqn]) for fqn in failed})
@@ -247,10 +247,12 @@ class FP8Guard(Callback):
             return
         plugin = trainer.precision_plugin
         events = self.check(plugin, trainer.global_step)
-        metrics = {"precision/fp8_layers": float(len(plugin.fp8_modules()))}
-        metrics.update({f"precision/fp8_demoted/{e.fqn}": float(e.step) for e in events})
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        metrics = {f"precision/fp8_demoted/{e.fqn}": float(e.step) for e in events}
+        if not should_update_logs(trainer):  # on the logger's steps the plugin logs it itself: not twice
+            metrics["precision/fp8_layers"] = float(len(plugin.fp8_modules()))
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

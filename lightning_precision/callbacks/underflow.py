@@ -23,6 +23,7 @@ from lightning_precision.functional import (
     HIST_MAX,
     HIST_MIN,
     CastStats,
+    dynamic_scale_stats,
     exponent_histogram,
     gradient_stats,
     measurable_values,
@@ -33,7 +34,7 @@ from lightning_precision.functional import (
 from lightning_precision.plotting import check_plot_path
 from lightning_precision.warnings import warn
 
-__all__ = ["GradientUnderflowMonitor", "Reduce"]
+__all__ = ["DYNAMIC", "FP8_SCALINGS", "GradientUnderflowMonitor", "Reduce"]
 
 Reduce = Callable[[Tensor], Tensor]
 
@@ -59,6 +60,29 @@ def _loss_scale_of(plugin: Any) -> Optional[Tensor]:
     if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
         return None
     return scale_of(scaler)
+
+
+# `fp8_scaling=`: a plugin's `scaling_family` (FP8Precision.scaling_family), and how its casts are scaled: per row for
+# torchao's rowwise recipes (rounded to powers of two, as they are), per block of 32 for MXFP8, per tensor otherwise
+# (torchao tensorwise; Transformer Engine's delayed and current scaling, measured at the current amax; NVFP4's plugin,
+# whose casts are not fp8: a what-if at a per-tensor scale).
+FP8_SCALINGS = ("tensorwise", "rowwise", "mxfp8", "delayed", "current", "block", "custom", "nvfp4")
+_DYNAMIC = {"rowwise": ("rowwise", True), "mxfp8": ("mxfp8", False)}
+DYNAMIC = "dynamic"  # the key segment of a figure taken at the dynamic scale: precision/underflow/e4m3fn/dynamic
+
+
+def _plugin_scaling(plugin: Any) -> Optional[tuple[str, bool]]:
+    """How the fp8 plugin scales what it casts to fp8, as ``(scaling, pow2)`` for ``dynamic_scale_stats``; None for a
+    plugin that casts nothing to fp8."""
+    family = getattr(plugin, "scaling_family", None)  # lightning_precision's FP8Precision
+    if family is None:  # Lightning's own TransformerEnginePrecision: delayed scaling, per tensor
+        return ("tensorwise", False) if str(getattr(plugin, "precision", "")).startswith("transformer-engine") else None
+    if getattr(plugin, "backend", None) == "torchao" and family in ("tensorwise", "rowwise"):
+        from lightning_precision.sensitivity import cast_specs
+
+        spec = cast_specs(plugin.recipe)["grad_output"]  # the recipe's own gradient cast, whatever its name
+        return ("rowwise" if spec.axiswise else "tensorwise", spec.pow2)
+    return _DYNAMIC.get(family, ("tensorwise", False))
 
 
 def _module_path(param_name: str) -> str:
@@ -141,6 +165,14 @@ class GradientUnderflowMonitor(Callback):
     keeps its fp16 tensors) are measured as they flow in backward, scaled when a scaler is active (key suffix
     ``/scaled``). Exact zeros are reported apart (``precision/exact_zero``): they are not underflow.
 
+    **fp8 is scaled first.** fp8 training casts nothing unscaled: torchao (and Transformer Engine) scale each tensor
+    so that its largest value lands on the format's max (per tensor, per row, or per block of 32 for MXFP8). Under an
+    fp8 plugin (``fp8_scaling="auto"``, the Trainer's ``FP8Precision``) the fp8 formats (e4m3fn, e5m2) are therefore
+    measured at that dynamic scale, each gradient tensor with its own, and keyed ``precision/underflow/<fmt>/dynamic``
+    (likewise ``overflow``, ``act_underflow``, the per-module keys); their unscaled figures, which no fp8 cast of the run
+    resembles, are not logged. Elsewhere (``fp8_scaling=None``, or any other plugin) they are unscaled: what a cast
+    with no scale at all would flush. fp16 and bf16 figures are unscaled (or loss-scaled) as they always were.
+
     **What fp16 already flushed.** Under fp16 autocast the activation gradients are fp16, so a gradient that underflowed
     is already an exact zero when any hook sees it. On measuring steps of an fp16 run, the monitor therefore repeats the
     first micro-batch's backward at ``probe_factor`` times the loss scale (``torch.autograd.grad`` on the same graph: no
@@ -171,6 +203,10 @@ class GradientUnderflowMonitor(Callback):
         probe_factor: the probe backward's scale relative to the loss scale (a power of two > 1; its log2 halved,
             2**16 -> 2**8, after a probe overflowed); ``None`` turns the probe off and saves one backward pass per
             measuring step of fp16 runs.
+        fp8_scaling: how the fp8 formats are scaled before their cast: ``"auto"`` (default) the Trainer's fp8
+            plugin's scaling, unscaled under any other plugin and with Fabric; ``None`` unscaled; or a plugin's
+            ``scaling_family`` (``"tensorwise"``, ``"rowwise"``, ``"mxfp8"``, ...): with Fabric, pass
+            ``plugin.scaling_family``.
     """
 
     def __init__(
@@ -185,6 +221,7 @@ class GradientUnderflowMonitor(Callback):
         target_underflow: float = 1e-3,
         plot_path: Optional[str] = None,
         probe_factor: Optional[float] = 2.0**16,
+        fp8_scaling: Optional[str] = "auto",
     ) -> None:
         owner = "GradientUnderflowMonitor"
         if isinstance(formats, (str, torch.dtype, NumberFormat)):
@@ -203,6 +240,13 @@ class GradientUnderflowMonitor(Callback):
         ):
             raise ValueError(f"`{owner}(probe_factor={probe_factor!r})`: a power of two > 1 (e.g. 2.0**16), or None for"
                              " no probe.")
+        if fp8_scaling not in (None, "auto", *FP8_SCALINGS):
+            raise ValueError(f"`{owner}(fp8_scaling={fp8_scaling!r})`: 'auto' (the Trainer's fp8 plugin's scaling),"
+                             f" None (unscaled), or a plugin's `scaling_family`: one of {FP8_SCALINGS}.")
+        self.fp8_scaling = fp8_scaling
+        # (scaling, pow2) the fp8 formats are measured at; None: unscaled. "auto" is resolved at the Trainer's setup.
+        self._dynamic: Optional[tuple[str, bool]] = None if fp8_scaling in (None, "auto") else \
+            _DYNAMIC.get(fp8_scaling, ("tensorwise", False))
         self.activations = activations
         self.top_k = top_k
         self.warn_threshold = warn_threshold
@@ -316,6 +360,7 @@ class GradientUnderflowMonitor(Callback):
                 continue
             try:
                 per_format, scaled, h = gradient_stats(g, self.formats, loss_scale)
+                per_format = self._at_fp8_scale(g, per_format)
             except (RuntimeError, TypeError, ValueError) as err:
                 self._skip(name, err)
                 continue
@@ -331,7 +376,7 @@ class GradientUnderflowMonitor(Callback):
             for fmt, stats in per_format.items():
                 self._counts.add(f"param/{fmt}", stats)
             if self.top_k:
-                self._counts.add(f"layer/{_module_path(name)}", per_format[self.formats[0]])
+                self._counts.add(f"layer/{_module_path(name)}", per_format[self._label(self.formats[0])])
             if scaled is not None:
                 self._counts.add("param_scaled/fp16", scaled)
             hist = h if hist is None else hist + h
@@ -352,6 +397,27 @@ class GradientUnderflowMonitor(Callback):
                 torch.zeros_like(probe.activation_histogram)
             self._add_histogram(1, torch.where(probe.finite.to(real.device), probe.activation_histogram.to(real.device),
                                                real))
+
+    def _fp8_formats(self) -> list[str]:
+        """The fp8 formats measured at the dynamic scale (``fp8_scaling``); none when unscaled. A block format
+        (``"mxfp8"``) scales each block itself already."""
+        if self._dynamic is None:
+            return []
+        return [name for name in self.formats
+                if isinstance(get_format(name), NumberFormat) and get_format(name).bits == 8]
+
+    def _label(self, fmt: str) -> str:
+        """How a format's figures are keyed: ``e4m3fn/dynamic`` when measured at the dynamic scale."""
+        return f"{fmt}/{DYNAMIC}" if fmt in self._fp8_formats() else fmt
+
+    def _at_fp8_scale(self, g: Tensor, per_format: dict[str, CastStats]) -> dict[str, CastStats]:
+        """``per_format`` with each fp8 format's counts taken at the dynamic scale instead, keyed ``<fmt>/dynamic``."""
+        fp8 = self._fp8_formats()
+        if not fp8:
+            return per_format
+        assert self._dynamic is not None
+        dynamic = dynamic_scale_stats(g, fp8, *self._dynamic)
+        return {self._label(name): dynamic.get(name, stats) for name, stats in per_format.items()}
 
     def _skip(self, name: str, err: Exception) -> None:
         if name not in self._failed:
@@ -410,7 +476,7 @@ class GradientUnderflowMonitor(Callback):
                 metrics["precision/act_exact_zero"] = s.exact_zero_fraction
         layers = {k.split("/", 1)[1]: s.underflow_fraction for k, s in stats.items() if k.startswith("layer/")}
         for path in sorted(layers, key=lambda p: -float(layers[p]))[: self.top_k]:
-            metrics[f"precision/underflow/{self.formats[0]}/{path}"] = layers[path]
+            metrics[f"precision/underflow/{self._label(self.formats[0])}/{path}"] = layers[path]
         if overflowed and self.probe_factor is not None and self.probe_factor > 2:
             self.probe_factor = 2.0 ** (int(math.log2(self.probe_factor)) // 2)
         return metrics
@@ -446,7 +512,7 @@ class GradientUnderflowMonitor(Callback):
         scale = self._act_scale
         kind = "act_scaled" if scale is not None else "act"
         try:
-            per_format = multi_format_stats(grad, self.formats)
+            per_format = self._at_fp8_scale(grad, multi_format_stats(grad, self.formats))
             hist = exponent_histogram(grad, 1.0 / scale if scale is not None else 1.0)
         except (RuntimeError, TypeError, ValueError) as err:
             self._skip("activation gradients", err)
@@ -463,6 +529,8 @@ class GradientUnderflowMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.fp8_scaling == "auto":
+            self._dynamic = _plugin_scaling(trainer.precision_plugin)
         if stage == "fit" and self.plot_path is not None and trainer.is_global_zero:
             check_plot_path(self.plot_path, f"GradientUnderflowMonitor(plot_path={str(self.plot_path)!r})")
         if self.activations and stage == "fit":

@@ -207,7 +207,12 @@ class _ScaledPrecision(_AutocastPrecision):
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        return self._scaler_step(optimizer, **kwargs)
+        output = self._scaler_step(optimizer, **kwargs)
+        self._after_optimizer_step()
+        return output
+
+    def _after_optimizer_step(self) -> None:
+        """Hook for subclasses: runs after each optimizer step (skipped or not); the Trainer's step calls it too."""
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:

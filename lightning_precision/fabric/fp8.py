@@ -245,6 +245,7 @@ class FP8Precision(_ScaledPrecision):
         self.layer_decisions: list[_fp8.LayerDecision] = []
         self._forward_watch: Optional[_fp8._ForwardWatch] = None
         self._idle_decisions: dict[str, _fp8.LayerDecision] = {}  # the decisions of chosen layers not run yet
+        self._short_mxfp8: dict[str, _fp8.LayerDecision] = {}  # MXFP8 layers reported not fp8 until a call runs in it
         self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
         self._root: Optional[weakref.ref] = None  # the module converted: `layer_decisions` name paths in it
 
@@ -329,6 +330,8 @@ class FP8Precision(_ScaledPrecision):
                 rank_zero_info(f"{type(self).__name__}: a new model; the plan made for the previous one is not applied"
                                f" to it ({how}). To apply a plan to another model, pass it: `layers=plugin.plan`.")
             self.plan = None
+        if self.plan is not None and self.layers == "auto":  # restored from a checkpoint before conversion
+            return self._apply_plan(module, restored=True)
         if self.plan is not None:
             decisions = self._decisions_of_plan(module, self.plan)
         else:
@@ -369,9 +372,6 @@ class FP8Precision(_ScaledPrecision):
         self._calibration = _Calibration(module, decisions, self._probe_config(), batches)
         self.layer_decisions = self._calibration.measuring()
         self._fp8_layers = 0  # none runs in fp8 while measuring: `metrics()` says so, as `layer_decisions` does
-        rank_zero_info(f"fp8: {sum(d.fp8 for d in decisions)} eligible linear layers; the first {batches} training"
-                       f" batches run in {self.compute_dtype} while their fp8 numerics are measured (layers='auto'),"
-                       " and the plan is made at the optimizer step that ends them.")
         setattr(module, _CONVERTED, True)
         return module
 
@@ -402,17 +402,22 @@ class FP8Precision(_ScaledPrecision):
                                          not_measured=not_measured)
         self._apply_plan(calibration.module)
 
-    def _apply_plan(self, module: Module) -> None:
-        rank_zero_info(self.plan.table())
-        self._swap(module, self._decisions_of_plan(module, self.plan))
+    def _apply_plan(self, module: Module, restored: bool = False) -> Module:
+        """Convert as ``layers="auto"``'s plan says, and print it once: the plan's table, with its numbers."""
+        table = self.plan.table()
+        if restored:
+            table = f"fp8 (layers='auto'): the plan restored from the checkpoint, not measured again:\n{table}"
+        module = self._swap(module, self._decisions_of_plan(module, self.plan), table)
         if self._device_type is not None:
             self._on_device_resolved(self._device_type)
+        return module
 
-    def _swap(self, module: Module, decisions: list[_fp8.LayerDecision]) -> Module:
-        """Convert the layers ``decisions`` choose (in place below the root)."""
+    def _swap(self, module: Module, decisions: list[_fp8.LayerDecision], table: Optional[str] = None) -> Module:
+        """Convert the layers ``decisions`` choose (in place below the root); ``table``: what to print, by default the
+        decisions' summary."""
         self.layer_decisions = decisions
         _check_not_sharded(module, self.layer_decisions)
-        rank_zero_info(_fp8.format_summary(self.layer_decisions))
+        rank_zero_info(table if table is not None else _fp8.format_summary(self.layer_decisions))
         _fp8._warn_if_no_fp8(self.layer_decisions, type(self).__name__, "NVFP4" if self._nvfp4 else "fp8")
         if self.backend == "torchao":
             recipe = self.recipe
@@ -428,7 +433,7 @@ class FP8Precision(_ScaledPrecision):
                 _fp8._run_outside_inference_mode(layer)
         if self._forward_watch is not None:  # a watch of an earlier conversion
             self._forward_watch.close()
-        self._forward_watch, self._idle_decisions = _fp8._ForwardWatch(fp8_layers), {}
+        self._forward_watch, self._idle_decisions, self._short_mxfp8 = _fp8._ForwardWatch(fp8_layers), {}, {}
         self._fp8_layers = None
         self._root = weakref.ref(module)
         setattr(module, _CONVERTED, True)
@@ -517,6 +522,7 @@ class FP8Precision(_ScaledPrecision):
             self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
         return chosen
 
+    @override
     def _after_optimizer_step(self) -> None:
         if self._scales is not None:
             self._scales.after_optimizer_step()
@@ -535,7 +541,14 @@ class FP8Precision(_ScaledPrecision):
         if calibration.ended:  # a new fit of the same model measures on
             calibration.ended = False
             self.layer_decisions = calibration.measuring()
-        calibration.probe.open()  # taken off at teardown
+        calibration.probe.reopen()  # taken off at teardown (or open still: nothing to do)
+        if calibration.seen == 0:
+            # Said when measuring really starts, not at conversion: a resumed fit restores its plan in between (and
+            # then measures nothing).
+            rank_zero_info(f"fp8: {sum(d.fp8 for d in calibration.decisions)} eligible linear layers; the first"
+                           f" {calibration.batches} training batches run in {self.compute_dtype} while their fp8"
+                           " numerics are measured (layers='auto'), and the plan is made at the optimizer step that"
+                           " ends them.")
         calibration.next_batch()
 
     _own_state_keys = ("plan",)  # beside the loss scaler's (fp16 compute)
@@ -585,7 +598,7 @@ class FP8Precision(_ScaledPrecision):
             self.plan = saved
             calibration, self._calibration = self._calibration, None
             calibration.probe.close()
-            self._apply_plan(calibration.module)
+            self._apply_plan(calibration.module, restored=True)
         elif not self.layer_decisions:  # not converted yet: convert as the saved run was (and as asked, if asked)
             if given is None:
                 self.plan = saved
@@ -595,12 +608,6 @@ class FP8Precision(_ScaledPrecision):
                 self.plan = given
         else:  # converted already: what the run moved back to high precision stays there
             self.demote({f: p.reason for f, p in high.items()}, {f: p.numbers for f, p in high.items()})
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)
-        self._after_optimizer_step()
-        return output
 
     @override
     def _scaler_step(self, optimizer: Any, closure_step: Any = None, **kwargs: Any) -> Any:
@@ -613,8 +620,8 @@ class FP8Precision(_ScaledPrecision):
     def teardown(self) -> None:
         calibration = self._calibration
         if calibration is not None:
-            # No hooks on the model between fits: it pickles (`torch.save(model)`), and a forward of the user's is not
-            # measured. The next training batch puts them back.
+            # No hooks on the model between fits (nor the eager stance they hold): it pickles (`torch.save(model)`),
+            # and a forward of the user's is not measured. The next training batch puts them back.
             calibration.probe.close()
         if calibration is not None and calibration.seen:  # a run that trained but stopped before deciding
             ended = (f"training ended after {calibration.seen} of the {calibration.batches} batches to measure"
@@ -635,23 +642,45 @@ class FP8Precision(_ScaledPrecision):
         # functionally elsewhere): say so, and make the decisions tell the truth. One that runs later (an expert no
         # token reached at first) computes in fp8 from then on: the decisions say so again.
         watch = self._forward_watch
-        if watch is None:
-            return
-        if not watch.settled:
+        if watch is not None and not watch.settled:
             idle = watch.settle()
             if idle:
                 self._idle_decisions = {d.fqn: d for d in self.layer_decisions if d.fqn in idle}
                 self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=_fp8._NEVER_RAN) if d.fqn in idle
                                         else d for d in self.layer_decisions]
                 _fp8._warn_never_ran(idle)
-        else:
+            # MXFP8 layers that ran but never in MXFP8 (too few tokens for a block, every call): not fp8 either.
+            short = _fp8.mxfp8_after_first_step(watch.layers, self.compute_dtype, type(self).__name__)
+            if short:
+                self._short_mxfp8 = {d.fqn: d for d in self.layer_decisions if d.fqn in short}
+                self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=short[d.fqn]) if d.fqn in short
+                                        else d for d in self.layer_decisions]
+        elif watch is not None:
             ran = watch.ran()
             if ran:
                 self.layer_decisions = [self._idle_decisions.pop(d.fqn, d) if d.fqn in ran else d
                                         for d in self.layer_decisions]
-        if not watch.watching:
-            self._forward_watch = None
+        if watch is not None:
+            if not watch.watching:
+                self._forward_watch = None
+            self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
+        if self._short_mxfp8:
+            self._recheck_short_mxfp8()
+
+    def _recheck_short_mxfp8(self) -> None:
+        """An MXFP8 layer reported not fp8 (every call fell back) that has since run a call in MXFP8 (sequences of
+        another length) is fp8 again: a host-side flag per such layer, read after each backward."""
+        module = self._root() if self._root is not None else None
+        if module is None:
+            return
+        ran = [fqn for fqn in self._short_mxfp8 if getattr(module.get_submodule(fqn), "_mxfp8_ran", False)]
+        if not ran:
+            return
+        restored = {fqn: self._short_mxfp8.pop(fqn) for fqn in ran}
+        self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
         self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
+        rank_zero_info(f"fp8: {', '.join(ran)}: a training call of a multiple of {_fp8.MXFP8_TOKENS} tokens ran in"
+                       " MXFP8; counted as fp8 again.")
 
     @override
     def metrics(self) -> dict[str, Tensor]:

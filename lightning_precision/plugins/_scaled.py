@@ -79,30 +79,34 @@ class _TrainerScaledPrecision(_TrainerPrecision):
         **kwargs: Any,
     ) -> Any:
         if self._scaler is None:  # plain autocast: Lightning's step, closure-driven optimizers included
-            return super().optimizer_step(optimizer, model, closure, **kwargs)
-        if self.scaler_config is None and closure_driven(optimizer):
+            output = super().optimizer_step(optimizer, model, closure, **kwargs)
+        elif self.scaler_config is None and closure_driven(optimizer):
             # The guard with LBFGS: Lightning's own step hands it the closure; the guard undoes a non-finite step.
             output = self._scaler_step(optimizer, closure_step=functools.partial(
                 super().optimizer_step, optimizer, model, closure, **kwargs))
+            self._hold_if_skipped(optimizer)
         else:
-            closure_result = closure()
+            output = closure()
             # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
-            skipped_backward = closure_result is None and model.automatic_optimization
+            skipped_backward = output is None and model.automatic_optimization
             if not skipped_backward and not optimizer_handles_unscaling(optimizer):
                 self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the guard: the inf/nan check, times 1
             self._after_closure(model, optimizer)
-            if skipped_backward:
-                return closure_result
-            output = self._scaler_step(optimizer, **kwargs)
-        if self.step_was_skipped:
-            self._held_optimizers.add(id(optimizer))
-        else:
-            self._held_optimizers.discard(id(optimizer))
+            if not skipped_backward:
+                output = self._scaler_step(optimizer, **kwargs)
+                self._hold_if_skipped(optimizer)
+        self._after_optimizer_step()
         if model.automatic_optimization:  # one optimizer per backward: its update is due now
             self._update_and_log(model)
         else:
             self._manual_model = model
         return output
+
+    def _hold_if_skipped(self, optimizer: Optimizable) -> None:
+        if self.step_was_skipped:
+            self._held_optimizers.add(id(optimizer))
+        else:
+            self._held_optimizers.discard(id(optimizer))
 
     @override
     @contextmanager
@@ -116,8 +120,10 @@ class _TrainerScaledPrecision(_TrainerPrecision):
 
     def _update_and_log(self, model: pl.LightningModule) -> None:
         self.update_after_every_step()
+        # `metrics()` on the logger's steps only (`log_every_n_steps`): tensors, nothing read from the device here.
+        # FP8Precision's include `precision/fp8_layers`, which FP8Guard logs on the other steps it measures.
         if should_update_logs(model.trainer):
-            for name, value in self.scaler_metrics().items():  # not a subclass's own (FP8Guard logs the fp8 count)
+            for name, value in self.metrics().items():
                 model.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 
     @override

@@ -2,10 +2,7 @@
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Callable
 
-import lightning.pytorch as pl
-from lightning.fabric.utilities.types import Optimizable
 from typing_extensions import override
 
 from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
@@ -34,14 +31,6 @@ class FP8Precision(_TrainerScaledPrecision, _FabricFP8Precision):
         self._measured_batch()
         with super().train_step_context():
             yield
-
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        output = super().optimizer_step(optimizer, model, closure, **kwargs)
-        self._after_optimizer_step()
-        return output
 
 
 class NVFP4Precision(FP8Precision, _FabricNVFP4Precision):
