@@ -24,7 +24,6 @@ import shlex
 import signal
 import statistics
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -37,6 +36,7 @@ from typing_extensions import override
 
 from lightning_precision._outdir import claim_folder
 from lightning_precision._report import FILES, NOISY
+from lightning_precision._stop import STOP_SIGNALS, Interrupted, Stop, signal_name
 from lightning_precision.mfu import (
     choose_peak,
     compute_kind,
@@ -56,12 +56,9 @@ _QUICK_STEPS, _QUICK_VAL_BATCHES = 30, 2
 _MIN_PAIRS = 3  # paired blocks needed before a speedup can count as resolved
 _GRACE_S = 5.0  # after a signal, how long a process may take to reach its next turn before it is killed
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything (numpy's bound) refuses a seed outside [0, 2**32 - 1]
-# What stops a comparison (the terminal's Ctrl-C; timeout, SLURM and Kubernetes send SIGTERM), as the rows name them
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
-class _UsageError(Exception):
+class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
@@ -330,7 +327,7 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
     # Ctrl-C and SIGTERM are the parent's to handle: it stops every run at once and writes what they reached. Ignored,
     # and blocked (from the process's start, ``_start``, and again here): Lightning's SIGTERM handler, installed at
     # every fit, never runs either (it would end this run as an error, or swallow the signal and keep running).
-    for signum in _STOP_SIGNALS:
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     _quiet_lightning()
 
@@ -356,62 +353,6 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
 # ------------------------------------------------------------------------------------------------ the parent process
 
 
-class _Stop:
-    """SIGINT and SIGTERM while the comparison runs. The first asks every run to stop at its next turn, and what
-    finished is written; a second one kills what still runs at once. The handler only records: the loops look between
-    messages (every 0.2 s at most), so no exception lands in the middle of a message or of the cleanup. Before any
-    process starts (``raising``), a signal raises ``_Interrupted`` at once instead: nothing is under way there."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._previous: dict[int, Any] = {}
-        self._raising = False
-
-    def __enter__(self) -> _Stop:
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
-            for signum in _STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            # Ctrl-C works afterwards: Lightning leaves SIGINT ignored after a fit it interrupted (a notebook, a script
-            # that trained first), and a CI run once found it ignored.
-            if signum == signal.SIGINT and handler in (signal.SIG_IGN, None):
-                handler = signal.default_int_handler
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
-        if self._raising:
-            self._raising = False  # once: what unwinds must not be cut again
-            raise _Interrupted
-
-    @contextlib.contextmanager
-    def raising(self) -> Any:
-        """A signal raises ``_Interrupted`` in this block (work that can be abandoned at any point)."""
-        self._raising = True
-        try:
-            yield
-        finally:
-            self._raising = False
-
-    @property
-    def signum(self) -> Optional[int]:
-        """The first signal received, None if none."""
-        return self.received[0] if self.received else None
-
-    @property
-    def hurry(self) -> bool:
-        """A signal came after the first: nothing is waited for any more."""
-        return len(self.received) > 1
-
-
-class _Interrupted(BaseException):
-    """A signal arrived: the turns end here. Not an ``Exception``: no ``except Exception`` on the way may take it for a
-    failure of what it interrupted."""
-
-
 class _Run:
     """The parent's record of one precision's process: what it has reported so far."""
 
@@ -429,7 +370,7 @@ class _Run:
     def finished(self) -> bool:
         return self.result is not None or self.error is not None
 
-    def take_turn(self, on_step: Callable[[int], None], stop: _Stop) -> None:
+    def take_turn(self, on_step: Callable[[int], None], stop: Stop) -> None:
         """Let the process run until it yields (a block done) or ends (its result, or an error)."""
         try:
             self.conn.send("go")
@@ -438,11 +379,11 @@ class _Run:
             return
         self.wait(on_step, stop)
 
-    def wait(self, on_step: Callable[[int], None], stop: _Stop) -> None:
-        """Read the process's messages until it yields or ends; ``_Interrupted`` as soon as a signal has arrived."""
+    def wait(self, on_step: Callable[[int], None], stop: Stop) -> None:
+        """Read the process's messages until it yields or ends; ``Interrupted`` as soon as a signal has arrived."""
         while True:
             if stop.signum is not None:
-                raise _Interrupted
+                raise Interrupted
             if not self.conn.poll(0.2):
                 if self.process.is_alive() or self.conn.poll(0):  # its last message may have come as it exited
                     continue
@@ -497,7 +438,7 @@ class _Run:
             except OSError:
                 pass
 
-    def end(self, stop: _Stop) -> None:
+    def end(self, stop: Stop) -> None:
         """The process has reported its end: give it 10 s to exit, then kill it. A signal cuts the wait short
         (``_stop_all`` ends it then)."""
         self.ask_to_stop()
@@ -509,7 +450,7 @@ class _Run:
             self.process.join()
 
 
-def _stop_all(runs: list[_Run], stop: _Stop, grace: float = _GRACE_S) -> None:
+def _stop_all(runs: list[_Run], stop: Stop, grace: float = _GRACE_S) -> None:
     """End every process, whatever happened: each is asked to stop at its next turn boundary, and killed if it has
     not ended ``grace`` seconds later, or at once once a second signal has come. Blocks that arrive meanwhile are
     kept. Returns when every process is gone (a process in an uninterruptible wait, e.g. a driver call, after 5 s
@@ -539,7 +480,7 @@ def _stop_signals_blocked() -> Any:
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group receives them
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
@@ -570,7 +511,7 @@ def _advance(progress: Any, task: Any, steps: int) -> None:
     progress.advance(task, steps)
 
 
-def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop: _Stop) -> dict[str, _Run]:
+def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop: Stop) -> dict[str, _Run]:
     """Start every precision's process, then take turns until all are done or a signal arrives; every process has
     ended on return, whatever happened."""
     runs: dict[str, _Run] = {}
@@ -578,7 +519,7 @@ def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, sto
     try:
         for p in precisions:
             if stop.signum is not None:
-                raise _Interrupted
+                raise Interrupted
             runs[p] = _start(args.recipe, p, args)
         for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
             run.wait(lambda n: None, stop)
@@ -589,7 +530,7 @@ def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, sto
                 if not runs[p].finished:
                     runs[p].take_turn(lambda n, p=p: _advance(progress, tasks[p], n), stop)
             turn += 1
-    except _Interrupted:
+    except Interrupted:
         pass
     finally:
         _stop_all(list(runs.values()), stop)
@@ -657,7 +598,7 @@ def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
         model, (batch,) = recipe.training_batches(1, data_args)
         out["units_per_batch"] = recipe.units(batch)
     except Exception as err:  # every precision's run builds the same data: none of them could start
-        raise _UsageError(f"{given}: the recipe's first batch cannot be made ({type(err).__name__}: {_one_line(err)}),"
+        raise UsageError(f"{given}: the recipe's first batch cannot be made ({type(err).__name__}: {_one_line(err)}),"
                           " so every precision would fail; check --data-dir or choose other arguments.") from None
     try:
         out["model_flops_per_step"] = model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
@@ -669,7 +610,7 @@ def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_one_step(model: Any, batch: Any, given: str) -> None:
-    """A ``_UsageError`` if one fp32 training step fails here for a reason that is not memory (every precision's run
+    """A ``UsageError`` if one fp32 training step fails here for a reason that is not memory (every precision's run
     would fail the same way: a ResNet's batch norm refuses a batch of 1)."""
     try:
         model.training_loss(batch).backward()
@@ -678,7 +619,7 @@ def _check_one_step(model: Any, batch: Any, given: str) -> None:
         memory = isinstance(err, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))) or \
             "out of memory" in text or "allocate" in text
         if not memory:
-            raise _UsageError(f"{given}: one training step fails in fp32 before any precision runs"
+            raise UsageError(f"{given}: one training step fails in fp32 before any precision runs"
                               f" ({type(err).__name__}: {_one_line(err)}), so every precision would fail; choose other"
                               " arguments (e.g. a larger --batch-size).") from None
 
@@ -764,40 +705,40 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                              " bf16=989,fp8=1979")
     args = parser.parse_args(argv)
     if args.recipe not in RECIPES:
-        raise _UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
+        raise UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
     args.steps = args.steps if args.steps is not None else (_QUICK_STEPS if args.quick else 100)
     args.val_batches = args.val_batches if args.val_batches is not None else (_QUICK_VAL_BATCHES if args.quick else 8)
     if args.precisions is not None:
         given = args.precisions
         args.precisions = list(dict.fromkeys(p.strip() for p in given.split(",") if p.strip()))
         if not args.precisions:
-            raise _UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
+            raise UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
         for p in args.precisions:
             if p not in PRECISIONS:
-                raise _UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
+                raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
         fp8 = [p for p in args.precisions if p in _FP8_PRECISIONS]
         if fp8 and not (fp8_gpu_available() or args.emulate):
-            raise _UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
+            raise UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
                              " emulated")
     try:
         args.peak_overrides = parse_peak_override(args.peak_tflops) if args.peak_tflops is not None else {}
     except ValueError as err:
-        raise _UsageError(str(err)) from None
+        raise UsageError(str(err)) from None
     if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
-        raise _UsageError("--steps and --batch-size must be positive, --val-batches not negative")
+        raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
     if not 0 <= args.seed <= _MAX_SEED:
-        raise _UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {_MAX_SEED} (2**32 - 1).")
+        raise UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {_MAX_SEED} (2**32 - 1).")
     if args.accelerator != "auto":
         _check_accelerator(args.accelerator)
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
-        raise _UsageError(f"data folder {args.data_dir!r} does not exist")
+        raise UsageError(f"data folder {args.data_dir!r} does not exist")
     # --out is checked (it can be written, it holds nothing but a report) when it is claimed, in ``main``: under its lock,
     # so that no check writes into a folder another run holds
     return args
 
 
 def _check_accelerator(name: str) -> None:
-    """A ``_UsageError`` if a Trainer refuses ``--accelerator`` here (unknown, or absent from this machine), which every
+    """A ``UsageError`` if a Trainer refuses ``--accelerator`` here (unknown, or absent from this machine), which every
     precision's run would do."""
     import lightning as L
 
@@ -806,25 +747,33 @@ def _check_accelerator(name: str) -> None:
         L.Trainer(accelerator=name, devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False)
     except Exception as err:  # noqa: BLE001  (Lightning raises ValueError, MisconfigurationException, ImportError)
-        raise _UsageError(f"--accelerator {name!r}: {_one_line(err)}") from None
+        raise UsageError(f"--accelerator {name!r}: {_one_line(err)}") from None
 
 
 # ------------------------------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str]) -> int:
-    args = _parse(argv)
+def main(argv: list[str], stop: Optional[Stop] = None) -> int:
+    """``lightning-precision compare``: the exit code. ``stop``: the recorder of SIGINT and SIGTERM that the command line
+    installed before importing this module (torch and Lightning take seconds to import); without one, one is installed
+    for the call."""
     with contextlib.ExitStack() as held:
+        if stop is None:
+            stop = held.enter_context(Stop())
+        try:
+            with stop.raising():  # nothing is under way yet (--accelerator builds a Trainer): a signal ends it at once
+                args = _parse(argv)
+        except Interrupted:
+            print(stop.nothing_written(), file=sys.stderr)
+            return stop.exit_code(1)
         # Before any training (an output folder that cannot be written must not cost the whole comparison), and held
         # for the whole run, released on every way out: a second run on this folder is refused meanwhile.
         try:
             folder = held.enter_context(claim_folder(args.out, "--out", FILES))
         except ValueError as err:
-            raise _UsageError(str(err)) from None
-        stop = held.enter_context(_Stop())
+            raise UsageError(str(err)) from None
         code = _compare(args, argv, folder, stop)
-    # 128 + the signal, as a shell reports a command the signal stopped: 130 for Ctrl-C, 143 for SIGTERM
-    return 128 + stop.signum if stop.signum is not None else code
+    return stop.exit_code(code)
 
 
 def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], Any]:
@@ -856,7 +805,7 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
     return machine, meta, doomed, out
 
 
-def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Stop) -> int:
+def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from lightning_precision import _report
@@ -864,9 +813,8 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Sto
     try:
         with stop.raising():  # nothing runs yet (measuring the batch takes seconds): a signal ends it at once
             machine, meta, doomed, out = _prepare(args, argv)
-    except _Interrupted:
-        print(f"lightning-precision compare: interrupted before any precision started: nothing written, {args.out!r}"
-              " keeps what it held.", file=sys.stderr)
+    except Interrupted:
+        print(stop.nothing_written(args.out), file=sys.stderr)
         return 1
     runnable = [p for p in args.precisions if p not in doomed]
     _quiet_lightning()
@@ -877,7 +825,7 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Sto
             runs = _run_all(args, runnable, progress, stop)
     stopped_by = None
     if stop.signum is not None and (len(runs) < len(runnable) or not all(r.finished for r in runs.values())):
-        stopped_by = _SIGNAL_NAMES.get(stop.signum, signal.Signals(stop.signum).name)
+        stopped_by = signal_name(stop.signum)
         meta.update(interrupted=True, signal=signal.Signals(stop.signum).name)
     rows = []
     for p in args.precisions:
@@ -889,11 +837,10 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Sto
     _add_speedups(rows, runs, args.steps)
     _add_mfu(rows, meta, args)
     meta["verdict"] = _report.verdict(rows, meta)
-    _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     if meta["interrupted"] and not any(r.get("steps_done") for r in rows):  # a report of nothing replaces no report
-        print(f"lightning-precision compare: interrupted before any step finished: nothing written, {args.out!r} keeps"
-              " what it held.", file=sys.stderr)
+        print(stop.nothing_written(args.out), file=sys.stderr)
         return 1
+    _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     try:  # whole or not at all, also when interrupted: written beside the folder, then swapped in
         where, names, note = _report.write_reports(rows, folder, meta)
     except OSError as err:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_precision import _outdir, _report, cli, compare
+from lightning_precision import _outdir, _report, _stop, cli, compare
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
@@ -417,5 +417,174 @@ def test_a_process_that_does_not_answer_is_killed_after_the_grace_period():
     process = context.Process(target=_stubborn, daemon=True)
     process.start()
     run = compare._Run("32-true", process, parent)
-    compare._stop_all([run], compare._Stop(), grace=1.0)
+    compare._stop_all([run], _stop.Stop(), grace=1.0)
     assert not process.is_alive() and process.exitcode == -signal.SIGKILL
+
+
+# ---------------------------------------------------------------- issue 28, item 8: a signal at any moment of a run
+
+# Run by the tests below in a process group of its own: compare as the console script runs it, with real signals sent
+# to the whole group (as a terminal's Ctrl-C, timeout and SLURM do) at one moment of the run: while the command imports
+# torch and Lightning ("import"), as the first precision's process starts ("start"), or while the report is written
+# ("write": the plot function waits for the test's signal, then draws). Nothing else is changed.
+DRIVER_AT = """
+import importlib.abc, os, signal, sys, time
+from pathlib import Path
+
+when, names, ignore, state = sys.argv[1], sys.argv[2], sys.argv[3] == "1", Path(sys.argv[4])
+signals = [getattr(signal, name) for name in names.split(",") if name]
+if ignore:  # as a shell starts a job with "&": SIGINT ignored from the start
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+def send():
+    for signum in signals:
+        os.killpg(os.getpgid(0), signum)
+
+if when == "import":
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "lightning_precision.compare":
+                sys.meta_path.remove(self)
+                send()
+            return None
+    sys.meta_path.insert(0, Finder())
+
+from lightning_precision import cli
+
+if when == "start":
+    from lightning_precision import compare
+    real_start = compare._start
+
+    def start(*args):
+        run = real_start(*args)
+        send()
+        return run
+    compare._start = start
+elif when == "write":
+    from lightning_precision import plotting
+    real_plot = plotting.plot_compare
+
+    def plot(*args):
+        (state / "ready").write_text("")
+        deadline = time.monotonic() + 300
+        while not (state / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return real_plot(*args)
+    plotting.plot_compare = plot
+sys.exit(cli.main(sys.argv[5:]))
+"""
+
+
+def _group_left(pgid: int) -> list[int]:
+    """The processes of a process group still running (zombies have ended)."""
+    left = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            left.append(int(stat.parent.name))
+    return left
+
+
+def _run_at(tmp_path: Path, when: str, signals: str, argv: list, ignore: bool = False):
+    """Start DRIVER_AT in a new process group; returns the process and the paths of its stdout and stderr."""
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    out, err = open(tmp_path / "stdout.txt", "w"), open(tmp_path / "stderr.txt", "w")
+    run = subprocess.Popen([sys.executable, "-c", DRIVER_AT, when, signals, "1" if ignore else "0", str(state),
+                            "compare", *argv], cwd=tmp_path, stdout=out, stderr=err,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    out.close(), err.close()
+    return run, tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+
+
+def _finish(run, timeout: float = 300) -> int:
+    try:
+        return run.wait(timeout=timeout)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        deadline = time.monotonic() + 30
+        while _group_left(run.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+@linux_only
+@pytest.mark.parametrize(("signals", "ignore", "code", "name"), [
+    pytest.param("SIGINT", True, 130, "Ctrl-C", id="Ctrl-C-where-SIGINT-was-ignored-at-start-as-in-a-job-started-with-&"),
+    pytest.param("SIGINT", False, 130, "Ctrl-C", id="Ctrl-C-in-a-terminal"),
+    pytest.param("SIGTERM", False, 143, "SIGTERM", id="SIGTERM"),
+])
+def test_a_signal_while_the_command_imports_ends_it_in_one_line(signals, ignore, code, name, tmp_path):
+    """Issue 28, item 8: a Ctrl-C 4-5 s after `compare` starts came while it imported torch and Lightning, before
+    any handler of compare's: where SIGINT was ignored at start (a job started with `&`) it vanished and the whole
+    comparison ran (exit 0, "interrupted": false); in a terminal it printed a 20-100 line traceback. Now the command
+    takes SIGINT and SIGTERM before those imports: one line, 128 + the signal, nothing written, no folder made."""
+    out = tmp_path / "r"
+    run, stdout, stderr = _run_at(tmp_path, "import", signals, [*TINY, "--precisions", "32-true", "--out", str(out)],
+                                  ignore=ignore)
+    assert _finish(run) == code, stdout.read_text() + stderr.read_text()
+    assert stderr.read_text() == f"lightning-precision compare: interrupted ({name}) before any precision reported a" \
+                                 " step: nothing written.\n"
+    assert stdout.read_text() == "" and not out.exists() and _group_left(run.pid) == []
+
+
+@linux_only
+def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(tmp_path):
+    """Issue 28, item 8: a Ctrl-C to the whole process group as the precisions' processes start (they import torch):
+    the workers, born with SIGINT and SIGTERM blocked, print no traceback (there were ~80 interleaved lines); the
+    comparison stops, says in one line that nothing was written (no table of empty rows), keeps the previous report,
+    and leaves no process behind."""
+    out = tmp_path / "r"
+    _write(out, loss=1.0)
+    before = _contents(out)
+    run, stdout, stderr = _run_at(tmp_path, "start", "SIGINT", [*TINY, "--precisions", "32-true,bf16-mixed",
+                                                                "--out", str(out)])
+    assert _finish(run) == 130, stdout.read_text() + stderr.read_text()
+    printed = stdout.read_text() + stderr.read_text()
+    assert "Traceback" not in printed and "Error" not in printed and "speedup" not in printed, printed
+    assert stderr.read_text() == f"lightning-precision compare: interrupted (Ctrl-C) before any precision reported a" \
+                                 f" step: nothing written, {str(out)!r} keeps what it held.\n"
+    assert _contents(out) == before and _group_left(run.pid) == []
+    assert sorted(os.listdir(tmp_path)) == ["r", "state", "stderr.txt", "stdout.txt"]  # no lock, no temporary folder
+
+
+@linux_only
+@pytest.mark.parametrize(("signals", "code"), [
+    pytest.param("SIGINT", 130, id="Ctrl-C"),
+    pytest.param("SIGTERM,SIGINT", 143, id="SIGTERM-then-Ctrl-C"),
+])
+def test_a_signal_while_the_report_is_written_leaves_the_new_report_whole(signals, code, tmp_path):
+    """Issue 28, item 8: a Ctrl-C while the report was written left no report.md. Real signals to the process group
+    while the report is being written (the plot function waits for them): every precision had finished, so the new
+    report is written whole, and says it is complete ("interrupted": false); the exit code says a signal came. The
+    folder held a previous report: it is replaced whole, nothing of it is left, no temporary folder either."""
+    out = tmp_path / "r"
+    _write(out, loss=1.0)
+    run, stdout, stderr = _run_at(tmp_path, "write", "", [*TINY, "--precisions", "32-true,bf16-mixed",
+                                                          "--out", str(out)])
+    state = tmp_path / "state"
+    try:
+        deadline = time.monotonic() + 300
+        while not (state / "ready").exists():
+            assert run.poll() is None and time.monotonic() < deadline, stdout.read_text() + stderr.read_text()
+            time.sleep(0.1)
+        for i, name in enumerate(signals.split(",")):
+            time.sleep(0.2 if i else 0)
+            os.killpg(run.pid, getattr(signal, name))
+        time.sleep(0.5)  # the signals are in before the writing goes on
+        (state / "go").write_text("")
+    finally:
+        code_seen = _finish(run)
+    assert code_seen == code, stdout.read_text() + stderr.read_text()
+    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    report = json.loads((out / "report.json").read_text())
+    assert report["meta"]["interrupted"] is False and all(r["steps_done"] == 6 for r in report["results"])
+    assert all("error" not in r for r in report["results"]) and report["results"][0]["final_loss"] != 1.0
+    md = (out / "report.md").read_text()
+    assert report["meta"]["verdict"] in md and "![loss](loss.png)" in md
+    assert "Traceback" not in stdout.read_text() + stderr.read_text()
+    assert sorted(os.listdir(tmp_path)) == ["r", "state", "stderr.txt", "stdout.txt"]
