@@ -232,8 +232,10 @@ def _compare(argv: list[str]) -> int:
     """``compare``, with SIGINT and SIGTERM taken before the imports: torch and Lightning take seconds to import, and a
     Ctrl-C then printed a traceback, or vanished where SIGINT was ignored at start (a job started with ``&``) and the
     whole comparison ran."""
+    from lightning_precision._spawn import exit_if_importing_main
     from lightning_precision._stop import Interrupted, Stop
 
+    exit_if_importing_main()  # a process of a comparison importing a script that lacks the __main__ guard: ends here
     with Stop() as stop:
         try:
             with stop.raising():

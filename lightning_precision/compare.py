@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -36,6 +37,7 @@ from typing_extensions import override
 
 from lightning_precision._outdir import claim_folder
 from lightning_precision._report import FILES, NOISY
+from lightning_precision._spawn import NO_MAIN_GUARD_EXIT, exit_if_importing_main, no_main_guard_message
 from lightning_precision._stop import STOP_SIGNALS, Interrupted, Stop, signal_name
 from lightning_precision.mfu import (
     choose_peak,
@@ -365,6 +367,7 @@ class _Run:
         self.result: Optional[dict[str, Any]] = None
         self.error: Optional[str] = None
         self.detail: Optional[str] = None
+        self.no_main_guard = False  # it ended as it started: the calling script lacks the __main__ guard
 
     @property
     def finished(self) -> bool:
@@ -426,6 +429,9 @@ class _Run:
     def fail_from_exit(self) -> None:
         self.process.join(timeout=5)
         code = self.process.exitcode
+        if code == NO_MAIN_GUARD_EXIT:  # it ended while importing the calling script (``_spawn``)
+            self.error, self.no_main_guard = no_main_guard_message(), True
+            return
         why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         hint = " (signal 9 is often the out-of-memory killer)" if code == -signal.SIGKILL else ""
         self.error = f"its process ended before finishing: {why}{hint}"
@@ -507,8 +513,14 @@ def _start(recipe: str, precision: str, args: argparse.Namespace) -> _Run:
 
 
 def _advance(progress: Any, task: Any, steps: int) -> None:
-    """The progress bar of one precision moved by ``steps``."""
+    """The progress bar of one precision moved by ``steps``. Where stdout is not a terminal (a pipe, a log file, a batch
+    job) rich draws nothing until the end: a line per finished turn says how far each precision is."""
     progress.advance(task, steps)
+    if progress.disable:
+        state = progress.tasks[task]
+        progress.console.print(f"{' '.join(state.description.split())}: {state.completed:.0f}/{state.total:.0f} steps,"
+                               f" {datetime.timedelta(seconds=round(state.elapsed or 0))} elapsed", highlight=False,
+                               markup=False)
 
 
 def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop: Stop) -> dict[str, _Run]:
@@ -516,6 +528,10 @@ def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, sto
     ended on return, whatever happened."""
     runs: dict[str, _Run] = {}
     tasks = {p: progress.add_task(f"{args.recipe} {p:>10}", total=args.steps) for p in precisions}
+    if progress.disable:  # no bars (stdout is not a terminal): say what comes, as a bar at 0 would
+        block = _block_size(args.steps)
+        progress.console.print(f"{args.recipe}: starting {', '.join(precisions)}, each in its own process; a line per"
+                               f" turn of {block} step{'s' if block > 1 else ''} follows", highlight=False, markup=False)
     try:
         for p in precisions:
             if stop.signum is not None:
@@ -523,6 +539,8 @@ def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, sto
             runs[p] = _start(args.recipe, p, args)
         for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
             run.wait(lambda n: None, stop)
+            if run.no_main_guard:  # every process would end so: one line, as for any argument the runs refuse
+                raise UsageError(run.error)
         turn = 0
         while not all(r.finished for r in runs.values()):
             order = precisions[turn % len(precisions):] + precisions[: turn % len(precisions)]
@@ -757,6 +775,7 @@ def main(argv: list[str], stop: Optional[Stop] = None) -> int:
     """``lightning-precision compare``: the exit code. ``stop``: the recorder of SIGINT and SIGTERM that the command line
     installed before importing this module (torch and Lightning take seconds to import); without one, one is installed
     for the call."""
+    exit_if_importing_main()  # a process of a comparison importing a script that lacks the __main__ guard: ends here
     with contextlib.ExitStack() as held:
         if stop is None:
             stop = held.enter_context(Stop())
@@ -794,7 +813,7 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
             "machine_line": describe(machine, "cuda" if gpu else "cpu"), "machine": machine, "notes": notes,
             "schedule": f"interleaved, {_block_size(args.steps)} steps per turn, first {_WARMUP} steps untimed",
             "interrupted": False, "command": shlex.join(["lightning-precision", "compare", *argv])}
-    out = console()
+    out = console(outlive_reader=True)  # `compare | head` must not end the comparison: the report is written
     out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
     for note in notes:
         out.print(f"note: {note}", highlight=False, markup=False)
@@ -821,7 +840,7 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
     runs: dict[str, _Run] = {}
     if runnable:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=out) as progress:
+                      console=out, disable=not out.is_terminal) as progress:
             runs = _run_all(args, runnable, progress, stop)
     stopped_by = None
     if stop.signum is not None and (len(runs) < len(runnable) or not all(r.finished for r in runs.values())):
@@ -852,5 +871,5 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
     elif note:
         print(f"lightning-precision compare: note: {note}.", file=sys.stderr)
     shown = Path(args.out) if where == folder else where  # the folder as the user named it
-    print("wrote " + ", ".join(str(shown / name) for name in names))
+    out.print("wrote " + ", ".join(str(shown / name) for name in names), highlight=False, markup=False, soft_wrap=True)
     return 1 if where != folder or any("error" in r for r in rows) else 0

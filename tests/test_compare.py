@@ -360,3 +360,84 @@ def test_default_precisions_on_a_gpu_without_bf16(monkeypatch):
     assert chosen == ["32-true", "16-mixed"]
     assert notes == ["bf16-mixed left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"
                      " found 'Tesla T4' (compute capability 7.5). Use `FP16MixedPrecision()` on this GPU."]
+
+
+# ------------------------------------------------------------- issue 28, item 10: output where no one sits at a terminal
+
+def _command(argv, tmp_path, **kwargs):
+    """The real command in a process of its own, its stdout a pipe (as in a batch job, `| tee`, `| head`)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.Popen([sys.executable, "-m", "lightning_precision.cli", *argv], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)}, **kwargs)
+
+
+def test_a_line_per_turn_when_stdout_is_not_a_terminal(tmp_path):
+    """rich draws no progress bar where stdout is not a terminal, so a loaded machine's comparison was silent for its
+    whole length (45 minutes once): a line per finished turn says each precision's steps and the time, as it happens
+    (the first one arrives long before the report is written)."""
+    out = tmp_path / "r"
+    run = _command(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--val-batches", "0", "--out", str(out)],
+                   tmp_path)
+    try:
+        lines = []
+        for line in run.stdout:
+            if " steps, " in line and len([x for x in lines if " steps, " in x]) == 0:
+                assert not (out / "report.json").exists()  # printed as it happened, not at the end
+            lines.append(line.rstrip("\n"))
+        assert run.wait(timeout=300) == 0, run.stderr.read()
+    finally:
+        run.kill()
+        run.wait()
+    assert "vit: starting 32-true, bf16-mixed, each in its own process; a line per turn of 1 step follows" in lines
+    for precision in ("32-true", "bf16-mixed"):
+        progress = [x for x in lines if x.startswith(f"vit {precision}: ")]
+        assert [x.split(": ")[1].split(",")[0] for x in progress] == [f"{n}/6 steps" for n in range(1, 7)]
+        assert all(re.fullmatch(rf"vit {precision}: \d/6 steps, \d+:\d\d:\d\d elapsed", x) for x in progress)
+    assert not [x for x in lines if re.search(r"━ +\d+/6 ", x)]  # no bar drawn at the end either
+
+
+def test_a_closed_pipe_does_not_end_the_comparison(tmp_path):
+    """`compare | head -3`: the reader goes away after three lines, mid-run. Printing the next line made rich end the
+    program (SystemExit(1)): the measurements were lost and no report was written. The comparison goes on quietly and
+    writes its report."""
+    out = tmp_path / "r"
+    run = _command(["compare", *TINY, "--precisions", "32-true", "--val-batches", "0", "--out", str(out)], tmp_path)
+    try:
+        head = [run.stdout.readline() for _ in range(3)]
+        run.stdout.close()  # as head does when it has its lines
+        assert run.wait(timeout=300) == 0
+        err = run.stderr.read()
+    finally:
+        run.kill()
+        run.wait()
+    assert head[-1].startswith("vit 32-true: 1/6 steps") and "Traceback" not in err and "Error" not in err, err
+    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    assert [r["steps_done"] for r in json.loads((out / "report.json").read_text())["results"]] == [6]
+
+
+def test_a_script_without_the_main_guard_is_told_so_in_one_line(tmp_path):
+    """A script that calls compare at its top level, without `if __name__ == "__main__":`: each precision's process
+    imports it again as it starts (multiprocessing's spawn), which ran the comparison again there. It was refused by the
+    folder's lock with a misleading line about another run, and the run ended "exit code 2" in a failed row; it is now
+    one line that names the script and the guard, exit 2, nothing written, no traceback."""
+    script = tmp_path / "my_compare.py"
+    script.write_text("import sys\nfrom lightning_precision import cli\n"
+                      f"sys.exit(cli.main(['compare', *{TINY!r}, '--precisions', '32-true,bf16-mixed', '--out', 'r']))\n")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        "lightning-precision compare: error: the script that calls compare (my_compare.py) lacks `if __name__ =="
+        " \"__main__\":` around the call: each precision's process imports that script again as it starts"
+        " (multiprocessing's spawn), which would run the comparison again there; put the call under that guard."]
+    assert "Traceback" not in done.stdout and "in use by another run" not in done.stdout
+    assert sorted(os.listdir(tmp_path)) == ["my_compare.py"]  # no report, no folder, no lock
