@@ -813,11 +813,11 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
             "machine_line": describe(machine, "cuda" if gpu else "cpu"), "machine": machine, "notes": notes,
             "schedule": f"interleaved, {_block_size(args.steps)} steps per turn, first {_WARMUP} steps untimed",
             "interrupted": False, "command": shlex.join(["lightning-precision", "compare", *argv])}
+    meta.update(_measure_batch(args))  # first: data that every run would refuse is one line, with nothing before it
     out = console(outlive_reader=True)  # `compare | head` must not end the comparison: the report is written
     out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
     for note in notes:
         out.print(f"note: {note}", highlight=False, markup=False)
-    meta.update(_measure_batch(args))
     doomed = {p: why for p in args.precisions if (why := _precheck(p, args))}
     for p, why in doomed.items():
         out.print(f"{p} cannot run here: {why}", style="red", highlight=False, markup=False)

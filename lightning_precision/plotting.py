@@ -220,7 +220,10 @@ def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]
                     color=_precision_color(r["precision"]), ls="--" if "error" in r else "-")
     ax.set_ylabel("training loss (cross-entropy)")
     ax.set_title(_title(meta, "training loss"))
-    ax.legend(fontsize=8)
+    if ax.lines:  # no precision reported a step (every one failed as it started): no legend of nothing, no warning
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no precision reported a training step", ha="center", va="center", transform=ax.transAxes)
     if base:
         diff = axes[1, 0]
         diff.axhline(0, color=_precision_color("32-true"), lw=1)

@@ -588,3 +588,62 @@ def test_a_signal_while_the_report_is_written_leaves_the_new_report_whole(signal
     assert report["meta"]["verdict"] in md and "![loss](loss.png)" in md
     assert "Traceback" not in stdout.read_text() + stderr.read_text()
     assert sorted(os.listdir(tmp_path)) == ["r", "state", "stderr.txt", "stdout.txt"]
+
+
+# -------------------------------------------- issue 28, item 7: what every run would refuse, through the real command
+
+# The command as the console script runs it, with a tripwire on the start of a precision's process (nothing else
+# changed): a refused argument must cost no run.
+TRIPWIRE = """
+import sys
+from lightning_precision import cli, compare
+
+def start(*args):
+    print("a precision's process was started", file=sys.stderr)
+    sys.exit(99)
+
+compare._start = start
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["--accelerator", "cuda"], id="accelerator-cuda-without-a-GPU",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA GPU is present")),
+    pytest.param(["--data-dir", "{tmp}/not-imdb"], id="data-dir-that-is-not-the-dataset"),
+])
+def test_arguments_every_run_would_refuse_are_one_line_and_exit_2_through_the_command(argv, tmp_path):
+    """Issue 28, item 7, as the issue states it: `compare --accelerator cuda` on a machine without a GPU, and
+    `compare --data-dir` naming a folder that holds something other than the dataset (the default recipe, DistilBERT,
+    reads aclImdb). Each started every run and ended with failed rows, exit 1 and a matplotlib warning; now: one line
+    on stderr and nothing else (nothing on stdout before it), exit 2, no precision started, no report folder made."""
+    (tmp_path / "not-imdb" / "photos").mkdir(parents=True)
+    (tmp_path / "not-imdb" / "notes.txt").write_text("not a data set")
+    done = subprocess.run([sys.executable, "-c", TRIPWIRE, "compare", *[a.format(tmp=tmp_path) for a in argv]],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stdout + done.stderr
+    line = done.stderr.strip()
+    assert line.startswith("lightning-precision compare: error: ") and "warning" not in line.lower()
+    if argv[0] == "--accelerator":
+        assert "--accelerator 'cuda': `CUDAAccelerator` can not run on your system" in line
+    else:
+        assert "--data-dir" in line and "first batch cannot be made" in line and "aclImdb" in line
+    assert sorted(os.listdir(tmp_path)) == ["not-imdb"]  # no compare-report folder, no lock
+
+
+def test_a_report_where_no_precision_reported_a_step_draws_without_warnings(tmp_path):
+    """Issue 28, item 7: such a report (every precision failed as it started, e.g. a data set every run refused)
+    printed matplotlib's "No artists with labels found to put in legend" under the table. The plots say in words that
+    there is nothing to draw, and nothing warns."""
+    import warnings
+
+    rows, meta = _report_of(loss=1.0)
+    rows = [{"precision": r["precision"], "error": "its process ended before finishing: exit code 1", "steps_done": 0,
+             "losses": []} for r in rows]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _report.write_reports(rows, tmp_path / "r", meta)
+    assert [str(w.message) for w in caught] == []
+    assert sorted(os.listdir(tmp_path / "r")) == sorted(_report.FILES)
