@@ -2,14 +2,16 @@
 
 Each precision trains in its own process, and the processes take turns: a block of steps each, in an order that
 rotates every round, so a machine that slows down or speeds up during the comparison slows every precision alike, and
-each precision's memory is its own process's, whatever the run order. The speedup is the median over rounds of the
-paired ratio (32-true's block over this precision's block, measured back to back), with its interquartile range; a
-speedup whose range includes 1x is flagged as not resolved.
+each precision's memory is its own process's, whatever the run order. Every timing figure rests on each turn's median
+step time: ms/step is their median, samples/s and MFU follow from it, and the speedup is 32-true's ms/step over this
+precision's, so they rank the precisions alike. The speedup's bracket is the interquartile range of the paired ratios
+(32-true's turn over this precision's in the same round, measured back to back); a speedup whose bracket includes 1x,
+or lies on its other side (the machine's speed changed), is flagged as not resolved.
 
-Per precision: step time (median and interquartile range), samples/s, speedup, peak memory, final loss, validation
-accuracy, gradient underflow in fp16 (at the loss scale in effect) and skipped steps. A table on the terminal, and
-``report.md``, ``report.json`` (with the machine), ``report.csv``, ``loss.png``, ``throughput.png`` and ``memory.png`` in
-the output folder.
+Per precision: step time (median and spread), samples/s, speedup, peak memory, final loss, validation accuracy,
+gradient underflow in fp16 (unscaled, and at the loss scale for 16-mixed) and skipped steps. A table on the terminal
+(a line per finished turn where stdout is not one), and ``report.md``, ``report.json`` (with the machine),
+``report.csv``, ``loss.png``, ``throughput.png`` and ``memory.png`` in the output folder.
 """
 
 from __future__ import annotations
@@ -302,11 +304,14 @@ def _run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callab
     metrics = dict(trainer.callback_metrics)
     gate()  # validation takes a turn too: it must not run beside another precision's timed steps
     val = trainer.validate(model, datamodule=data, verbose=False)[0] if args.val_batches else {}
-    underflow = metrics.get("precision/underflow/fp16/scaled", metrics.get("precision/underflow/fp16"))
+    unscaled, scaled = (metrics.get(f"precision/underflow/fp16{k}") for k in ("", "/scaled"))
     return {
         "val_acc": float(val["val_acc"]) if "val_acc" in val else None,
         "val_samples": stats.val_samples,
-        "grad_underflow_fp16": float(underflow) if underflow is not None else None,
+        # two figures, never one for the other: parameter gradients cast to fp16 as they are (every precision), and at
+        # the loss scale in effect (the fp16 run only: what its backward meets)
+        "grad_underflow_fp16": float(unscaled) if unscaled is not None else None,
+        "grad_underflow_fp16_scaled": float(scaled) if scaled is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
         # what the plugin's matmuls ran in (an fp8 plugin says fp8 only for real fp8 layers): MFU's peak
         "compute_dtype": str(plugin_compute_dtype(trainer.precision_plugin)),
@@ -565,20 +570,29 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def _timed(run: _Run, steps: int) -> list[list[float]]:
-    """The run's blocks with the untimed steps left out (``_untimed_steps``; emptied blocks stay, for pairing)."""
+def _timed(run: _Run, steps: int) -> tuple[list[list[float]], int]:
+    """The run's turns with the untimed steps left out (``_untimed_steps``; emptied turns stay, for pairing), and how
+    many steps were left out. A run that reported no step past them (``--steps 1``, an early stop) is timed whole,
+    warm-up included (0 left out): the report says so."""
     blocks, seen, skip = [], 0, _untimed_steps(run.precision, steps)
+    if len(run.times) <= skip:
+        skip = 0
     for block in run.blocks:
-        kept = block[max(0, skip - seen):]
+        blocks.append(block[max(0, skip - seen):])
         seen += len(block)
-        blocks.append(kept)
-    return blocks
+    return blocks, skip
+
+
+def _turn_medians(run: _Run, steps: int) -> list[Optional[float]]:
+    """Each turn's median timed step time (None for a turn with no timed step): every timing figure rests on these."""
+    return [statistics.median(b) if b else None for b in _timed(run, steps)[0]]
 
 
 def _make_row(run: _Run, args: argparse.Namespace, machine: dict[str, Any],
               interrupted: Optional[str] = None) -> dict[str, Any]:
     """One precision's figures; ``interrupted``: the signal that stopped the comparison ("Ctrl-C", "SIGTERM"), if one
-    did."""
+    did. ms/step is the median over turns of each turn's median step time (samples/s, units/s, MFU and the speedup
+    follow from it); spread is the interquartile range of all timed steps over their median (how much steps varied)."""
     row: dict[str, Any] = {"precision": run.precision, "steps_done": len(run.times),
                            "emulated": _emulated(run.precision, machine, _on_gpu(args)), "losses": run.losses,
                            "step_ms": [t * 1e3 for t in run.times]}
@@ -589,16 +603,52 @@ def _make_row(run: _Run, args: argparse.Namespace, machine: dict[str, Any],
     elif run.result is None:
         row["error"] = (f"interrupted ({interrupted}) after {len(run.times)} of {args.steps} steps" if interrupted
                         else "did not finish")
-    times = [t for block in _timed(run, args.steps) for t in block] or run.times
+        if interrupted:
+            row["interrupted"] = interrupted
+    blocks, left_out = _timed(run, args.steps)
+    times = [t for block in blocks for t in block]
+    turns = [m for m in _turn_medians(run, args.steps) if m is not None]
     if times:
         q1, median, q3 = _quartiles(times)
-        row.update(median_step_ms=median * 1e3, step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3,
-                   samples_per_s=args.batch_size / median, spread=(q3 - q1) / median,
-                   noisy=(q3 - q1) / median > NOISY)
+        t1, turn_median, t3 = _quartiles(turns)
+        row.update(median_step_ms=turn_median * 1e3, turn_ms_q1=t1 * 1e3, turn_ms_q3=t3 * 1e3, turns=len(turns),
+                   step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3, samples_per_s=args.batch_size / turn_median,
+                   spread=(q3 - q1) / median, noisy=(q3 - q1) / median > NOISY, timed_steps=len(times),
+                   untimed_steps=left_out)
     row["peak_memory_mb"] = run.peak_mb
     row["final_loss"] = statistics.mean(run.losses[-5:]) if run.losses else None
-    row.update(run.result or {"val_acc": None, "grad_underflow_fp16": None, "skipped_steps": None})
+    row.update(run.result or {"val_acc": None, "grad_underflow_fp16": None, "grad_underflow_fp16_scaled": None,
+                              "skipped_steps": None})
+    if "fp8_layers" in row:  # the steps that ran fp8 layers: none if it has none, or fp8-auto measured all along
+        measured = _calibration_steps(args.steps) if run.precision == "fp8-auto" else 0
+        row["fp8_steps"] = max(0, row["steps_done"] - measured) if row["fp8_layers"] else 0
+        if not row["fp8_steps"]:  # every matmul ran in bf16: emulated only where bf16 is
+            row["emulated"] = _emulated("bf16-mixed", machine, _on_gpu(args))
     return row
+
+
+def _schedule(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """How the steps were run and which were timed, as it happened: a run with no more steps than it leaves untimed
+    (``--steps 1``, an early stop) is timed whole, warm-up included, and this says so."""
+    block = _block_size(args.steps)
+    parts = [f"interleaved, {block} step{'s' if block > 1 else ''} per turn"]
+    timed = [r for r in rows if "untimed_steps" in r]
+    whole = [r for r in timed if not r["untimed_steps"]]
+    groups: dict[int, list[str]] = {}
+    for r in timed:
+        if r["untimed_steps"]:
+            groups.setdefault(r["untimed_steps"], []).append(r["precision"])
+    for left_out, names in groups.items():
+        who = f" for {', '.join(names)}" if len(groups) > 1 or whole else ""
+        why = "warm-up" if left_out == _WARMUP else f"{left_out - _WARMUP} measuring steps, then the warm-up"
+        parts.append(f"first {left_out} steps untimed{who} ({why})")
+    if whole:
+        done = max(r["steps_done"] for r in whole)
+        who = f" for {', '.join(r['precision'] for r in whole)}" if len(whole) < len(timed) else ""
+        first = sorted({_untimed_steps(r["precision"], args.steps) for r in whole})
+        parts.append(f"every step timed{who}, warm-up included: {done} step{'s' if done > 1 else ''} reported, too few"
+                     f" to leave out the first {' or '.join(map(str, first))}")
+    return "; ".join(parts)
 
 
 def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
@@ -663,24 +713,31 @@ def _add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Na
 
 
 def _add_speedups(rows: list[dict[str, Any]], runs: dict[str, _Run], steps: int) -> None:
-    """Speedup over 32-true from blocks measured back to back: the median of the paired ratios, their interquartile
-    range, and whether that range excludes 1x (with at least ``_MIN_PAIRS`` pairs)."""
-    if "32-true" not in runs:
+    """Speedup over 32-true: 32-true's ms/step over this one's, so that the speedup, ms/step, samples/s and the
+    throughput plot rank the precisions alike. Its bracket is the interquartile range of the paired ratios (32-true's
+    turn median over this one's, in the same round: measured back to back, so a machine whose speed drifts affects
+    both); it is resolved when at least ``_MIN_PAIRS`` pairs put the whole range on the speedup's side of 1x. A range
+    wholly on the other side (``speedup_drift``) means the machine's speed changed during the run."""
+    base_row = next((r for r in rows if r["precision"] == "32-true" and "median_step_ms" in r), None)
+    if base_row is None:
         return
-    base = [statistics.median(b) if b else None for b in _timed(runs["32-true"], steps)]
+    base = _turn_medians(runs["32-true"], steps)
     for row in rows:
         if "median_step_ms" not in row:
             continue
-        if row["precision"] == "32-true":
+        if row is base_row:
             row.update(speedup=1.0, speedup_resolved=None)  # the reference itself
             continue
-        mine = [statistics.median(b) if b else None for b in _timed(runs[row["precision"]], steps)]
-        ratios = [b / m for b, m in zip(base, mine) if b and m]
+        speedup = base_row["median_step_ms"] / row["median_step_ms"]
+        row.update(speedup=speedup, speedup_resolved=False, speedup_pairs=0)
+        ratios = [b / m for b, m in zip(base, _turn_medians(runs[row["precision"]], steps)) if b and m]
         if not ratios:
             continue
         q1, median, q3 = _quartiles(ratios)
-        row.update(speedup=median, speedup_q1=q1, speedup_q3=q3, speedup_pairs=len(ratios),
-                   speedup_resolved=len(ratios) >= _MIN_PAIRS and (q1 > 1 or q3 < 1))
+        above, below = q1 > 1, q3 < 1
+        row.update(speedup_q1=q1, speedup_q3=q3, speedup_paired=median, speedup_pairs=len(ratios),
+                   speedup_resolved=len(ratios) >= _MIN_PAIRS and ((above and speedup > 1) or (below and speedup < 1)),
+                   speedup_drift=(above and speedup < 1) or (below and speedup > 1))
 
 
 # -------------------------------------------------------------------------------------------------------- arguments
@@ -811,7 +868,6 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
             "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "val_batches": args.val_batches,
             "quick": args.quick, "device": torch.cuda.get_device_name() if gpu else "cpu",
             "machine_line": describe(machine, "cuda" if gpu else "cpu"), "machine": machine, "notes": notes,
-            "schedule": f"interleaved, {_block_size(args.steps)} steps per turn, first {_WARMUP} steps untimed",
             "interrupted": False, "command": shlex.join(["lightning-precision", "compare", *argv])}
     meta.update(_measure_batch(args))  # first: data that every run would refuse is one line, with nothing before it
     out = console(outlive_reader=True)  # `compare | head` must not end the comparison: the report is written
@@ -849,10 +905,14 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
     rows = []
     for p in args.precisions:
         if p in doomed or p not in runs:
-            why = doomed.get(p, "not started: the comparison was interrupted before it")
-            rows.append({"precision": p, "error": why, "steps_done": 0, "losses": []})
+            row = {"precision": p, "error": doomed.get(p), "steps_done": 0, "losses": []}
+            if p not in doomed:
+                row.update(error=f"not started: the comparison was interrupted ({stopped_by}) before it",
+                           interrupted=stopped_by)
+            rows.append(row)
         else:
             rows.append(_make_row(runs[p], args, machine, stopped_by))
+    meta["schedule"] = _schedule(rows, args)
     _add_speedups(rows, runs, args.steps)
     _add_mfu(rows, meta, args)
     meta["verdict"] = _report.verdict(rows, meta)
