@@ -647,3 +647,21 @@ def test_a_report_where_no_precision_reported_a_step_draws_without_warnings(tmp_
         _report.write_reports(rows, tmp_path / "r", meta)
     assert [str(w.message) for w in caught] == []
     assert sorted(os.listdir(tmp_path / "r")) == sorted(_report.FILES)
+
+
+def test_a_claim_that_writes_nothing_leaves_no_folder_it_made(tmp_path):
+    """A refused or interrupted run made `--out` (and its missing parents) to check it can be written: with nothing
+    written, they are removed again; a folder that held a report, or that existed before, stays."""
+    out = tmp_path / "a" / "b" / "r"
+    with pytest.raises(RuntimeError):
+        with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+            assert folder.is_dir()
+            raise RuntimeError("refused after the claim")
+    assert os.listdir(tmp_path) == []
+    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+        _write(folder, loss=1.0)
+    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    (tmp_path / "empty").mkdir()
+    with _outdir.claim_folder(tmp_path / "empty", "--out", _report.FILES):
+        pass
+    assert sorted(os.listdir(tmp_path)) == ["a", "empty"]
