@@ -667,7 +667,7 @@ def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
         out["units_per_batch"] = recipe.units(batch)
     except Exception as err:  # every precision's run builds the same data: none of them could start
         raise UsageError(f"{given}: the recipe's first batch cannot be made ({type(err).__name__}: {_one_line(err)}),"
-                          " so every precision would fail; check --data-dir or choose other arguments.") from None
+                         " so every precision would fail; check --data-dir or choose other arguments.") from None
     try:
         out["model_flops_per_step"] = model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
     except Exception as err:
@@ -688,8 +688,8 @@ def _check_one_step(model: Any, batch: Any, given: str) -> None:
             "out of memory" in text or "allocate" in text
         if not memory:
             raise UsageError(f"{given}: one training step fails in fp32 before any precision runs"
-                              f" ({type(err).__name__}: {_one_line(err)}), so every precision would fail; choose other"
-                              " arguments (e.g. a larger --batch-size).") from None
+                             f" ({type(err).__name__}: {_one_line(err)}), so every precision would fail; choose other"
+                             " arguments (e.g. a larger --batch-size).") from None
 
 
 def _add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
