@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import TYPE_CHECKING
+
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -12,11 +15,37 @@ if TYPE_CHECKING:
 __all__ = ["console", "echo"]
 
 
-def console() -> Console:
-    from rich.console import Console  # here: `echo`'s users (plan) do not pay for importing rich
+def _silence_stdout() -> None:
+    """Point stdout at the null device: what is still buffered is lost with the reader, and Python's own writes and
+    its flush at exit go nowhere instead of failing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+@functools.cache
+def _outliving() -> type[Console]:
+    from rich.console import Console
+
+    class Outliving(Console):
+        """A console that goes quiet when its reader goes away (``compare | head``) instead of ending the program, as
+        rich's does (``SystemExit(1)`` from inside the print): a comparison under way goes on and writes its report."""
+
+        @override
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            _silence_stdout()
+
+    return Outliving
+
+
+def console(outlive_reader: bool = False) -> Console:
+    """The console on stdout; ``outlive_reader``: printing never stops the program, even when stdout is a pipe that
+    was closed. rich is imported here: `echo`'s users (plan) do not pay for it."""
+    from rich.console import Console
 
     # A pipe or a log file reports width 80, which folds every column of a wide table: use a readable width there.
-    return Console(width=None if sys.stdout.isatty() else 150)
+    return (_outliving() if outlive_reader else Console)(width=None if sys.stdout.isatty() else 150)
 
 
 def echo(text: str) -> bool:
@@ -27,8 +56,5 @@ def echo(text: str) -> bool:
         print(text, flush=True)
         return True
     except BrokenPipeError:
-        # What is still buffered is lost with the reader; stdout now points at the null device, so nothing else fails.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _silence_stdout()
         return False

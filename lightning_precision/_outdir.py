@@ -189,7 +189,8 @@ def claim_folder(path: "str | os.PathLike[str]", owner: str, names: Collection[s
     """Hold the folder ``path`` for this run, released on every way out (and by the system if the process is killed);
     yields its real path. A ``ValueError`` naming ``owner``, the folder and the fix if another run holds it, or if it
     holds a file not named in ``names``: the folder is replaced whole later (``replace_folder``), and the user's files
-    are never moved or deleted. The folder need not exist: it is made, and a file written in it to prove it can be."""
+    are never moved or deleted. The folder need not exist: it is made, and a file written in it to prove it can be;
+    if it is still empty on the way out (nothing was written), it is removed again, with the parents made for it."""
     if str(path) == "":
         check_writable_dir(path, owner)  # refused, in the words every writer uses
     folder = _resolve(path, owner)
@@ -199,16 +200,32 @@ def claim_folder(path: "str | os.PathLike[str]", owner: str, names: Collection[s
         by = f" (pid {holder})" if holder else ""
         raise ValueError(f"{owner}: {str(path)!r} is inside {str(above)!r}, which another run{by} is writing and replaces"
                          " whole; choose a folder outside it.")
-    with _lock(folder, owner):
-        _recover(folder, names)
-        check_writable_dir(folder, owner)  # under the lock: no check writes into a folder another run holds
-        # Names only: a folder in the place of one of the set's files fails the swap later, as a write into it would.
-        foreign = _foreign(folder, names, strict=False)
-        if foreign:
-            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-            raise ValueError(f"{owner}: {str(path)!r} holds {shown}, which a report does not write, and the folder is"
-                             " replaced whole by each report; choose a new or empty folder, or move them out.")
-        yield folder
+    # The folder and the parents this claim creates: a run that writes nothing (refused, interrupted) leaves none
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        with _lock(folder, owner):
+            try:
+                _recover(folder, names)
+                check_writable_dir(folder, owner)  # under the lock: no check writes into a folder another run holds
+                # Names only: a folder in the place of one of the set's files fails the swap later, as a write into
+                # it would.
+                foreign = _foreign(folder, names, strict=False)
+                if foreign:
+                    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                    raise ValueError(f"{owner}: {str(path)!r} holds {shown}, which a report does not write, and the"
+                                     " folder is replaced whole by each report; choose a new or empty folder, or move"
+                                     " them out.")
+                yield folder
+            finally:
+                if made:  # still under the lock: no other run is using it
+                    with contextlib.suppress(OSError):  # not empty (a report is in it), or gone
+                        folder.rmdir()
+    finally:
+        for parent in made[1:]:  # after the lock file beside the folder is gone
+            try:
+                parent.rmdir()
+            except OSError:
+                break
 
 
 def _fsync(path: Path) -> None:

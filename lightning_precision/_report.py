@@ -13,16 +13,18 @@ from lightning_precision._io import json_safe
 from lightning_precision._outdir import replace_folder
 from lightning_precision.warnings import warn
 
-__all__ = ["FILES", "NOISY", "print_table", "verdict", "write_reports"]
+__all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"]
 
 # Every file a report writes: the report folder holds these and nothing else (``lightning_precision._outdir``).
 FILES = ("report.md", "report.json", "report.csv", "loss.png", "throughput.png", "memory.png")
 
-COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "final loss", "val acc",
-           "fp16 underflow", "skipped")
-CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "samples_per_s", "units_per_s", "achieved_tflops", "mfu",
-               "peak_tflops", "speedup", "speedup_q1", "speedup_q3", "speedup_resolved", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
-               "skipped_steps", "steps_done", "emulated", "noisy", "error"]
+COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "final loss",
+           "val acc", "fp16 underflow, unscaled", "at loss scale", "skipped")
+CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "turn_ms_q1", "turn_ms_q3", "turns",
+               "timed_steps", "untimed_steps", "samples_per_s", "units_per_s", "achieved_tflops", "mfu", "peak_tflops",
+               "speedup", "speedup_q1", "speedup_q3", "speedup_paired", "speedup_pairs", "speedup_resolved",
+               "speedup_drift", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
+               "grad_underflow_fp16_scaled", "skipped_steps", "steps_done", "emulated", "noisy", "interrupted", "error"]
 # Interquartile range / median of a run's step times above which it is flagged as measured on a busy machine. Steps
 # vary by ~20-30% on an idle shared VM (the monitor's measuring steps, the first step after a turn, slow drift that
 # the paired turns cancel), so only a wider spread is called busy.
@@ -39,15 +41,24 @@ def columns(meta: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"{meta.get('unit') or 'units'}/s" if c == "units/s" else c for c in COLUMNS)
 
 
+def failed(row: dict[str, Any]) -> bool:
+    """A run that failed (an error, its process died), not one a signal stopped: those are ``interrupted``."""
+    return "error" in row and not row.get("interrupted")
+
+
+def _status(row: dict[str, Any]) -> Optional[str]:
+    return "interrupted" if row.get("interrupted") else "failed" if "error" in row else None
+
+
 def cells(row: dict[str, Any]) -> list[str]:
     """The table row of one precision, as text (the terminal and report.md show the same)."""
+    status = _status(row)
     if "median_step_ms" not in row:
-        return [row["precision"], "failed (see notes)" if "error" in row else "-", *[""] * (len(COLUMNS) - 2)]
+        return [row["precision"], f"{status} (see notes)" if status else "-", *[""] * (len(COLUMNS) - 2)]
     speedup = row.get("speedup")
     mark = "~" if row.get("speedup_resolved") is False else ""
-    name = row["precision"] + (" (failed)" if "error" in row else "")
     return [
-        name,
+        row["precision"] + (f" ({status})" if status else ""),
         _fmt(row["median_step_ms"], ".1f"),
         _fmt(row["spread"] * 100, ".0f", "%") + (" busy" if row.get("noisy") else ""),
         mark + _fmt(speedup, ".2f", "x")
@@ -60,6 +71,7 @@ def cells(row: dict[str, Any]) -> list[str]:
         _fmt(row.get("final_loss"), ".3f"),
         _fmt(row.get("val_acc"), ".3f"),
         _fmt(row.get("grad_underflow_fp16"), ".2e"),
+        _fmt(row.get("grad_underflow_fp16_scaled"), ".2e"),
         _fmt(row.get("skipped_steps"), "d"),
     ]
 
@@ -93,18 +105,35 @@ def memory_note(device: str) -> str:
 
 
 def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
-    """The lines under the table: every failure's whole reason, what each flag means where it appears."""
-    lines = [f"{r['precision']} failed: {r['error']}" for r in rows if "error" in r]
+    """The lines under the table: every failure's and interruption's whole reason, which statistic each column is, what
+    each flag means where it appears."""
+    lines = []
+    for r in rows:
+        if failed(r):
+            lines.append(f"{r['precision']} failed: {r['error']}")
+        elif r.get("interrupted"):
+            lines.append(f"{r['precision']}: {r['error']}" + ("; its figures are from those steps" if r.get("steps_done")
+                                                               else ""))
     lines += meta.get("notes", [])
     if any("median_step_ms" in r for r in rows):
-        lines.append(f"spread: interquartile range of the step times over the median ({meta['schedule']});"
-                     " speedup: median over paired turns of 32-true's step time over this one's, [interquartile range].")
+        unit = meta.get("unit") or "units"
+        lines.append(f"ms/step: the median over turns of each turn's median step time ({meta['schedule']}); samples/s,"
+                     f" {unit}/s and MFU follow from it. speedup: 32-true's ms/step over this one's, so these columns"
+                     " and throughput.png rank the precisions alike; [brackets]: the interquartile range over turns of"
+                     " the paired ratio (32-true's turn over this one's in the same round, measured back to back)."
+                     " spread: the interquartile range of the timed step times over their median.")
     if any(r.get("noisy") for r in rows):
         lines.append(f"busy: step times varied by more than {NOISY:.0%} of their median; something else was using the"
-                     " machine. The paired speedups are the figures to trust; rerun when it is idle.")
+                     " machine. The paired brackets are the figures to trust; rerun when it is idle.")
     if any(r.get("speedup_resolved") is False for r in rows):
-        lines.append("~: speedup not resolved: its interquartile range over the paired turns includes 1x (or fewer"
-                     " than 3 turns were timed), so it is not measurably different from 32-true.")
+        lines.append("~: speedup not resolved: fewer than 3 turns were paired, or the paired ratios' interquartile range"
+                     " includes 1x or lies on the other side of it, so it is not measurably different from 32-true.")
+    for r in rows:
+        if r.get("speedup_drift"):
+            lines.append(f"{r['precision']}: the paired turns put it at {r['speedup_q1']:.2f}-{r['speedup_q3']:.2f}x"
+                         f" the speed of 32-true, the medians at {r['speedup']:.2f}x: they disagree on which is faster"
+                         " because the machine's speed changed during the run (paired turns cancel that, medians do"
+                         " not); rerun when it is idle.")
     emulated = [r["precision"] for r in rows if r.get("emulated") and "median_step_ms" in r]
     if emulated:
         lines.append(f"emulated: no hardware arithmetic for {', '.join(emulated)} on this machine (torch emulates"
@@ -112,9 +141,20 @@ def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     lines += mfu_notes(rows, meta)
     for r in rows:
         if "fp8_layers" in r:
-            how = "chosen from measured numerics (the measured steps are not timed)" if "fp8_plan" in r else \
-                "all that the shape rules leave"
-            lines.append(f"{r['precision']}: {r['fp8_layers']} of {r['linear_layers']} linear layers in fp8, {how}.")
+            how = "chosen from measured numerics" if "fp8_plan" in r else "all that the shape rules leave"
+            line = f"{r['precision']}: {r['fp8_layers']} of {r['linear_layers']} linear layers in fp8, {how}"
+            if not r.get("fp8_steps", r["fp8_layers"]):
+                n = r["steps_done"]
+                why = "" if not r["fp8_layers"] else \
+                    f"; {'its one step was' if n == 1 else f'all its {n} steps were'} measured in bf16, before the plan"
+                line += (f"{why}: every matmul ran in bf16, so its figures are bf16-mixed's"
+                         + (" (emulated here)" if r.get("emulated") else " (not emulated)"))
+            lines.append(line + ".")
+    if any(r.get("grad_underflow_fp16") is not None or r.get("grad_underflow_fp16_scaled") is not None for r in rows):
+        lines.append("fp16 underflow, unscaled: the fraction of nonzero parameter gradients that would flush to zero if"
+                     " cast to fp16 as they are (every precision). at loss scale: the same fraction at the loss scale in"
+                     " effect, 16-mixed only: what its fp16 backward meets, including what it already flushed. The two"
+                     " answer different questions: compare a column with itself.")
     lines.append(memory_note(meta["device"]))
     return lines
 
@@ -128,12 +168,15 @@ def accuracy_tolerance(base: dict[str, Any], meta: dict[str, Any]) -> float:
 
 
 def verdict(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The result in a sentence or two, claiming only what the figures resolve."""
+    """The result in a sentence or two, claiming only what the figures resolve. It rests on the table's own figures:
+    a run a signal stopped is partial, not failed, and its speedup counts as the table shows it."""
     prefix = "Interrupted: the figures below are partial. " if meta.get("interrupted") else ""
-    base = next((r for r in rows if r["precision"] == "32-true" and "error" not in r), None)
+    failures = [r["precision"] for r in rows if failed(r)]
+    tail = f" {', '.join(failures)} failed (see the notes)." if failures else ""
+    base = next((r for r in rows if r["precision"] == "32-true" and "median_step_ms" in r), None)
     if base is None:
-        return prefix + "No finished 32-true run to compare against: speedups are not computed."
-    others = [r for r in rows if r is not base and "error" not in r and r.get("speedup") is not None]
+        return prefix + "No 32-true step was timed: speedups are not computed." + tail
+    others = [r for r in rows if r is not base and not failed(r) and r.get("speedup") is not None]
     tolerance = accuracy_tolerance(base, meta)
 
     def same_accuracy(r: dict[str, Any]) -> bool:
@@ -149,8 +192,6 @@ def verdict(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     def differs(r: dict[str, Any]) -> str:
         return f"{r['precision']}'s {accuracy(r)} differs by more than chance allows ({tolerance:.3f})"
 
-    failed = [r["precision"] for r in rows if "error" in r]
-    tail = f" {', '.join(failed)} failed (see the notes)." if failed else ""
     faster = sorted((r for r in others if r.get("speedup_resolved") and r["speedup"] > 1 and not r.get("emulated")),
                     key=lambda r: -r["speedup"])
     if faster:
@@ -177,12 +218,14 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], console: Any) 
     from rich.table import Table
     from rich.text import Text
 
-    title = f"{meta['recipe']}: {meta['task']} | {meta['steps']} steps, batch {meta['batch_size']}, {meta['device']}"
+    steps = f"{meta['steps']} step{'s' if meta['steps'] != 1 else ''}"
+    title = f"{meta['recipe']}: {meta['task']} | {steps}, batch {meta['batch_size']}, {meta['device']}"
     table = Table(title=title + (" | INTERRUPTED: partial results" if meta.get("interrupted") else ""))
     for column in columns(meta):
         table.add_column(column, justify="left" if column == "precision" else "right")
     for row in rows:
-        table.add_row(*(Text(c, style="red" if "error" in row and i < 2 else "") for i, c in enumerate(cells(row))))
+        style = "red" if failed(row) else "yellow" if row.get("interrupted") else ""
+        table.add_row(*(Text(c, style=style if i < 2 else "") for i, c in enumerate(cells(row))))
     console.print(table)
     for line in notes(rows, meta):
         console.print(Text(line, style="red" if " failed: " in line else "dim"))
@@ -195,7 +238,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]
         f"# compare: {meta['recipe']} on {meta['device']}", "",
         meta["verdict"], "",
         f"- Task: {meta['task']} (chance accuracy {meta['chance']})",
-        f"- Run: {meta['steps']} steps per precision, batch {meta['batch_size']}, seed {meta['seed']},"
+        f"- Run: {meta['steps']} step{'s' if meta['steps'] != 1 else ''} per precision, batch {meta['batch_size']}, seed {meta['seed']},"
         f" {meta['val_batches']} validation batches; {meta['schedule']}" + ("; --quick" if meta.get("quick") else ""),
         f"- Machine: {meta['machine_line']}",
         f"- Packages: {packages}",

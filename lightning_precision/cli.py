@@ -228,6 +228,29 @@ def _fit(argv: list[str]) -> int:
     return 0
 
 
+def _compare(argv: list[str]) -> int:
+    """``compare``, with SIGINT and SIGTERM taken before the imports: torch and Lightning take seconds to import, and a
+    Ctrl-C then printed a traceback, or vanished where SIGINT was ignored at start (a job started with ``&``) and the
+    whole comparison ran."""
+    from lightning_precision._spawn import exit_if_importing_main
+    from lightning_precision._stop import Interrupted, Stop
+
+    exit_if_importing_main()  # a process of a comparison importing a script that lacks the __main__ guard: ends here
+    with Stop() as stop:
+        try:
+            with stop.raising():
+                from lightning_precision.compare import UsageError
+                from lightning_precision.compare import main as compare
+        except Interrupted:
+            print(stop.nothing_written(), file=sys.stderr)
+            return stop.exit_code(1)
+        try:
+            return compare(argv, stop)
+        except UsageError as err:
+            print(f"lightning-precision compare: error: {err}", file=sys.stderr)
+            return 2
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -241,14 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if command == "fit":
             return _fit(rest)
         if command == "compare":
-            from lightning_precision.compare import _UsageError
-            from lightning_precision.compare import main as compare
-
-            try:
-                return compare(rest)
-            except _UsageError as err:
-                print(f"lightning-precision compare: error: {err}", file=sys.stderr)
-                return 2
+            return _compare(rest)
         if command == "doctor":
             from lightning_precision.doctor import main as doctor
 

@@ -2,20 +2,23 @@
 
 Each precision trains in its own process, and the processes take turns: a block of steps each, in an order that
 rotates every round, so a machine that slows down or speeds up during the comparison slows every precision alike, and
-each precision's memory is its own process's, whatever the run order. The speedup is the median over rounds of the
-paired ratio (32-true's block over this precision's block, measured back to back), with its interquartile range; a
-speedup whose range includes 1x is flagged as not resolved.
+each precision's memory is its own process's, whatever the run order. Every timing figure rests on each turn's median
+step time: ms/step is their median, samples/s and MFU follow from it, and the speedup is 32-true's ms/step over this
+precision's, so they rank the precisions alike. The speedup's bracket is the interquartile range of the paired ratios
+(32-true's turn over this precision's in the same round, measured back to back); a speedup whose bracket includes 1x,
+or lies on its other side (the machine's speed changed), is flagged as not resolved.
 
-Per precision: step time (median and interquartile range), samples/s, speedup, peak memory, final loss, validation
-accuracy, gradient underflow in fp16 (at the loss scale in effect) and skipped steps. A table on the terminal, and
-``report.md``, ``report.json`` (with the machine), ``report.csv``, ``loss.png``, ``throughput.png`` and ``memory.png`` in
-the output folder.
+Per precision: step time (median and spread), samples/s, speedup, peak memory, final loss, validation accuracy,
+gradient underflow in fp16 (unscaled, and at the loss scale for 16-mixed) and skipped steps. A table on the terminal
+(a line per finished turn where stdout is not one), and ``report.md``, ``report.json`` (with the machine),
+``report.csv``, ``loss.png``, ``throughput.png`` and ``memory.png`` in the output folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -24,10 +27,10 @@ import shlex
 import signal
 import statistics
 import sys
-import threading
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -37,6 +40,8 @@ from typing_extensions import override
 
 from lightning_precision._outdir import claim_folder
 from lightning_precision._report import FILES, NOISY
+from lightning_precision._spawn import NO_MAIN_GUARD_EXIT, exit_if_importing_main, no_main_guard_message
+from lightning_precision._stop import STOP_SIGNALS, Interrupted, Stop, signal_name
 from lightning_precision.mfu import (
     choose_peak,
     compute_kind,
@@ -56,12 +61,9 @@ _QUICK_STEPS, _QUICK_VAL_BATCHES = 30, 2
 _MIN_PAIRS = 3  # paired blocks needed before a speedup can count as resolved
 _GRACE_S = 5.0  # after a signal, how long a process may take to reach its next turn before it is killed
 _MAX_SEED = 2**32 - 1  # Lightning's seed_everything (numpy's bound) refuses a seed outside [0, 2**32 - 1]
-# What stops a comparison (the terminal's Ctrl-C; timeout, SLURM and Kubernetes send SIGTERM), as the rows name them
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
-class _UsageError(Exception):
+class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
@@ -264,6 +266,9 @@ class _RunStats(Callback):
         self.sent = len(self.times)
 
 
+_LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
+
+
 def _quiet_lightning() -> None:
     """One table, not a Trainer banner and hints per precision; Lightning's known-harmless notices go too."""
     from lightning_precision.warnings import _ignore_known_harmless
@@ -271,8 +276,22 @@ def _quiet_lightning() -> None:
     _ignore_known_harmless()
     for pattern in (".*does not have many workers.*", ".*GPU available but not used.*"):
         warnings.filterwarnings("ignore", pattern)
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
+    for name in _LIGHTNING_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def _lightning_quieted() -> Iterator[None]:
+    """``_quiet_lightning`` in the caller's process for the comparison only: ``main`` called from a script (or a test)
+    leaves Lightning's logger levels and the warning filters as it found them."""
+    levels = {name: logging.getLogger(name).level for name in _LIGHTNING_LOGGERS}
+    with warnings.catch_warnings():
+        _quiet_lightning()
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
 
 
 def _run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callable[[], None] = lambda: None,
@@ -303,11 +322,14 @@ def _run_one(recipe: str, precision: str, args: argparse.Namespace, gate: Callab
     metrics = dict(trainer.callback_metrics)
     gate()  # validation takes a turn too: it must not run beside another precision's timed steps
     val = trainer.validate(model, datamodule=data, verbose=False)[0] if args.val_batches else {}
-    underflow = metrics.get("precision/underflow/fp16/scaled", metrics.get("precision/underflow/fp16"))
+    unscaled, scaled = (metrics.get(f"precision/underflow/fp16{k}") for k in ("", "/scaled"))
     return {
         "val_acc": float(val["val_acc"]) if "val_acc" in val else None,
         "val_samples": stats.val_samples,
-        "grad_underflow_fp16": float(underflow) if underflow is not None else None,
+        # two figures, never one for the other: parameter gradients cast to fp16 as they are (every precision), and at
+        # the loss scale in effect (the fp16 run only: what its backward meets)
+        "grad_underflow_fp16": float(unscaled) if unscaled is not None else None,
+        "grad_underflow_fp16_scaled": float(scaled) if scaled is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
         # what the plugin's matmuls ran in (an fp8 plugin says fp8 only for real fp8 layers): MFU's peak
         "compute_dtype": str(plugin_compute_dtype(trainer.precision_plugin)),
@@ -330,7 +352,7 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
     # Ctrl-C and SIGTERM are the parent's to handle: it stops every run at once and writes what they reached. Ignored,
     # and blocked (from the process's start, ``_start``, and again here): Lightning's SIGTERM handler, installed at
     # every fit, never runs either (it would end this run as an error, or swallow the signal and keep running).
-    for signum in _STOP_SIGNALS:
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     _quiet_lightning()
 
@@ -356,62 +378,6 @@ def _child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> 
 # ------------------------------------------------------------------------------------------------ the parent process
 
 
-class _Stop:
-    """SIGINT and SIGTERM while the comparison runs. The first asks every run to stop at its next turn, and what
-    finished is written; a second one kills what still runs at once. The handler only records: the loops look between
-    messages (every 0.2 s at most), so no exception lands in the middle of a message or of the cleanup. Before any
-    process starts (``raising``), a signal raises ``_Interrupted`` at once instead: nothing is under way there."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._previous: dict[int, Any] = {}
-        self._raising = False
-
-    def __enter__(self) -> _Stop:
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
-            for signum in _STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            # Ctrl-C works afterwards: Lightning leaves SIGINT ignored after a fit it interrupted (a notebook, a script
-            # that trained first), and a CI run once found it ignored.
-            if signum == signal.SIGINT and handler in (signal.SIG_IGN, None):
-                handler = signal.default_int_handler
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
-        if self._raising:
-            self._raising = False  # once: what unwinds must not be cut again
-            raise _Interrupted
-
-    @contextlib.contextmanager
-    def raising(self) -> Any:
-        """A signal raises ``_Interrupted`` in this block (work that can be abandoned at any point)."""
-        self._raising = True
-        try:
-            yield
-        finally:
-            self._raising = False
-
-    @property
-    def signum(self) -> Optional[int]:
-        """The first signal received, None if none."""
-        return self.received[0] if self.received else None
-
-    @property
-    def hurry(self) -> bool:
-        """A signal came after the first: nothing is waited for any more."""
-        return len(self.received) > 1
-
-
-class _Interrupted(BaseException):
-    """A signal arrived: the turns end here. Not an ``Exception``: no ``except Exception`` on the way may take it for a
-    failure of what it interrupted."""
-
-
 class _Run:
     """The parent's record of one precision's process: what it has reported so far."""
 
@@ -424,12 +390,13 @@ class _Run:
         self.result: Optional[dict[str, Any]] = None
         self.error: Optional[str] = None
         self.detail: Optional[str] = None
+        self.no_main_guard = False  # it ended as it started: the calling script lacks the __main__ guard
 
     @property
     def finished(self) -> bool:
         return self.result is not None or self.error is not None
 
-    def take_turn(self, on_step: Callable[[int], None], stop: _Stop) -> None:
+    def take_turn(self, on_step: Callable[[int], None], stop: Stop) -> None:
         """Let the process run until it yields (a block done) or ends (its result, or an error)."""
         try:
             self.conn.send("go")
@@ -438,11 +405,11 @@ class _Run:
             return
         self.wait(on_step, stop)
 
-    def wait(self, on_step: Callable[[int], None], stop: _Stop) -> None:
-        """Read the process's messages until it yields or ends; ``_Interrupted`` as soon as a signal has arrived."""
+    def wait(self, on_step: Callable[[int], None], stop: Stop) -> None:
+        """Read the process's messages until it yields or ends; ``Interrupted`` as soon as a signal has arrived."""
         while True:
             if stop.signum is not None:
-                raise _Interrupted
+                raise Interrupted
             if not self.conn.poll(0.2):
                 if self.process.is_alive() or self.conn.poll(0):  # its last message may have come as it exited
                     continue
@@ -485,6 +452,9 @@ class _Run:
     def fail_from_exit(self) -> None:
         self.process.join(timeout=5)
         code = self.process.exitcode
+        if code == NO_MAIN_GUARD_EXIT:  # it ended while importing the calling script (``_spawn``)
+            self.error, self.no_main_guard = no_main_guard_message(), True
+            return
         why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         hint = " (signal 9 is often the out-of-memory killer)" if code == -signal.SIGKILL else ""
         self.error = f"its process ended before finishing: {why}{hint}"
@@ -497,7 +467,7 @@ class _Run:
             except OSError:
                 pass
 
-    def end(self, stop: _Stop) -> None:
+    def end(self, stop: Stop) -> None:
         """The process has reported its end: give it 10 s to exit, then kill it. A signal cuts the wait short
         (``_stop_all`` ends it then)."""
         self.ask_to_stop()
@@ -509,7 +479,7 @@ class _Run:
             self.process.join()
 
 
-def _stop_all(runs: list[_Run], stop: _Stop, grace: float = _GRACE_S) -> None:
+def _stop_all(runs: list[_Run], stop: Stop, grace: float = _GRACE_S) -> None:
     """End every process, whatever happened: each is asked to stop at its next turn boundary, and killed if it has
     not ended ``grace`` seconds later, or at once once a second signal has come. Blocks that arrive meanwhile are
     kept. Returns when every process is gone (a process in an uninterruptible wait, e.g. a driver call, after 5 s
@@ -539,7 +509,7 @@ def _stop_signals_blocked() -> Any:
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group receives them
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
@@ -566,22 +536,34 @@ def _start(recipe: str, precision: str, args: argparse.Namespace) -> _Run:
 
 
 def _advance(progress: Any, task: Any, steps: int) -> None:
-    """The progress bar of one precision moved by ``steps``."""
+    """The progress bar of one precision moved by ``steps``. Where stdout is not a terminal (a pipe, a log file, a batch
+    job) rich draws nothing until the end: a line per finished turn says how far each precision is."""
     progress.advance(task, steps)
+    if progress.disable:
+        state = progress.tasks[task]
+        progress.console.print(f"{' '.join(state.description.split())}: {state.completed:.0f}/{state.total:.0f} steps,"
+                               f" {datetime.timedelta(seconds=round(state.elapsed or 0))} elapsed", highlight=False,
+                               markup=False)
 
 
-def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop: _Stop) -> dict[str, _Run]:
+def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop: Stop) -> dict[str, _Run]:
     """Start every precision's process, then take turns until all are done or a signal arrives; every process has
     ended on return, whatever happened."""
     runs: dict[str, _Run] = {}
     tasks = {p: progress.add_task(f"{args.recipe} {p:>10}", total=args.steps) for p in precisions}
+    if progress.disable:  # no bars (stdout is not a terminal): say what comes, as a bar at 0 would
+        block = _block_size(args.steps)
+        progress.console.print(f"{args.recipe}: starting {', '.join(precisions)}, each in its own process; a line per"
+                               f" turn of {block} step{'s' if block > 1 else ''} follows", highlight=False, markup=False)
     try:
         for p in precisions:
             if stop.signum is not None:
-                raise _Interrupted
+                raise Interrupted
             runs[p] = _start(args.recipe, p, args)
         for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
             run.wait(lambda n: None, stop)
+            if run.no_main_guard:  # every process would end so: one line, as for any argument the runs refuse
+                raise UsageError(run.error)
         turn = 0
         while not all(r.finished for r in runs.values()):
             order = precisions[turn % len(precisions):] + precisions[: turn % len(precisions)]
@@ -589,7 +571,7 @@ def _run_all(args: argparse.Namespace, precisions: list[str], progress: Any, sto
                 if not runs[p].finished:
                     runs[p].take_turn(lambda n, p=p: _advance(progress, tasks[p], n), stop)
             turn += 1
-    except _Interrupted:
+    except Interrupted:
         pass
     finally:
         _stop_all(list(runs.values()), stop)
@@ -606,20 +588,29 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def _timed(run: _Run, steps: int) -> list[list[float]]:
-    """The run's blocks with the untimed steps left out (``_untimed_steps``; emptied blocks stay, for pairing)."""
+def _timed(run: _Run, steps: int) -> tuple[list[list[float]], int]:
+    """The run's turns with the untimed steps left out (``_untimed_steps``; emptied turns stay, for pairing), and how
+    many steps were left out. A run that reported no step past them (``--steps 1``, an early stop) is timed whole,
+    warm-up included (0 left out): the report says so."""
     blocks, seen, skip = [], 0, _untimed_steps(run.precision, steps)
+    if len(run.times) <= skip:
+        skip = 0
     for block in run.blocks:
-        kept = block[max(0, skip - seen):]
+        blocks.append(block[max(0, skip - seen):])
         seen += len(block)
-        blocks.append(kept)
-    return blocks
+    return blocks, skip
+
+
+def _turn_medians(run: _Run, steps: int) -> list[Optional[float]]:
+    """Each turn's median timed step time (None for a turn with no timed step): every timing figure rests on these."""
+    return [statistics.median(b) if b else None for b in _timed(run, steps)[0]]
 
 
 def _make_row(run: _Run, args: argparse.Namespace, machine: dict[str, Any],
               interrupted: Optional[str] = None) -> dict[str, Any]:
     """One precision's figures; ``interrupted``: the signal that stopped the comparison ("Ctrl-C", "SIGTERM"), if one
-    did."""
+    did. ms/step is the median over turns of each turn's median step time (samples/s, units/s, MFU and the speedup
+    follow from it); spread is the interquartile range of all timed steps over their median (how much steps varied)."""
     row: dict[str, Any] = {"precision": run.precision, "steps_done": len(run.times),
                            "emulated": _emulated(run.precision, machine, _on_gpu(args)), "losses": run.losses,
                            "step_ms": [t * 1e3 for t in run.times]}
@@ -630,16 +621,52 @@ def _make_row(run: _Run, args: argparse.Namespace, machine: dict[str, Any],
     elif run.result is None:
         row["error"] = (f"interrupted ({interrupted}) after {len(run.times)} of {args.steps} steps" if interrupted
                         else "did not finish")
-    times = [t for block in _timed(run, args.steps) for t in block] or run.times
+        if interrupted:
+            row["interrupted"] = interrupted
+    blocks, left_out = _timed(run, args.steps)
+    times = [t for block in blocks for t in block]
+    turns = [m for m in _turn_medians(run, args.steps) if m is not None]
     if times:
         q1, median, q3 = _quartiles(times)
-        row.update(median_step_ms=median * 1e3, step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3,
-                   samples_per_s=args.batch_size / median, spread=(q3 - q1) / median,
-                   noisy=(q3 - q1) / median > NOISY)
+        t1, turn_median, t3 = _quartiles(turns)
+        row.update(median_step_ms=turn_median * 1e3, turn_ms_q1=t1 * 1e3, turn_ms_q3=t3 * 1e3, turns=len(turns),
+                   step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3, samples_per_s=args.batch_size / turn_median,
+                   spread=(q3 - q1) / median, noisy=(q3 - q1) / median > NOISY, timed_steps=len(times),
+                   untimed_steps=left_out)
     row["peak_memory_mb"] = run.peak_mb
     row["final_loss"] = statistics.mean(run.losses[-5:]) if run.losses else None
-    row.update(run.result or {"val_acc": None, "grad_underflow_fp16": None, "skipped_steps": None})
+    row.update(run.result or {"val_acc": None, "grad_underflow_fp16": None, "grad_underflow_fp16_scaled": None,
+                              "skipped_steps": None})
+    if "fp8_layers" in row:  # the steps that ran fp8 layers: none if it has none, or fp8-auto measured all along
+        measured = _calibration_steps(args.steps) if run.precision == "fp8-auto" else 0
+        row["fp8_steps"] = max(0, row["steps_done"] - measured) if row["fp8_layers"] else 0
+        if not row["fp8_steps"]:  # every matmul ran in bf16: emulated only where bf16 is
+            row["emulated"] = _emulated("bf16-mixed", machine, _on_gpu(args))
     return row
+
+
+def _schedule(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """How the steps were run and which were timed, as it happened: a run with no more steps than it leaves untimed
+    (``--steps 1``, an early stop) is timed whole, warm-up included, and this says so."""
+    block = _block_size(args.steps)
+    parts = [f"interleaved, {block} step{'s' if block > 1 else ''} per turn"]
+    timed = [r for r in rows if "untimed_steps" in r]
+    whole = [r for r in timed if not r["untimed_steps"]]
+    groups: dict[int, list[str]] = {}
+    for r in timed:
+        if r["untimed_steps"]:
+            groups.setdefault(r["untimed_steps"], []).append(r["precision"])
+    for left_out, names in groups.items():
+        who = f" for {', '.join(names)}" if len(groups) > 1 or whole else ""
+        why = "warm-up" if left_out == _WARMUP else f"{left_out - _WARMUP} measuring steps, then the warm-up"
+        parts.append(f"first {left_out} steps untimed{who} ({why})")
+    if whole:
+        done = max(r["steps_done"] for r in whole)
+        who = f" for {', '.join(r['precision'] for r in whole)}" if len(whole) < len(timed) else ""
+        first = sorted({_untimed_steps(r["precision"], args.steps) for r in whole})
+        parts.append(f"every step timed{who}, warm-up included: {done} step{'s' if done > 1 else ''} reported, too few"
+                     f" to leave out the first {' or '.join(map(str, first))}")
+    return "; ".join(parts)
 
 
 def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
@@ -657,8 +684,8 @@ def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
         model, (batch,) = recipe.training_batches(1, data_args)
         out["units_per_batch"] = recipe.units(batch)
     except Exception as err:  # every precision's run builds the same data: none of them could start
-        raise _UsageError(f"{given}: the recipe's first batch cannot be made ({type(err).__name__}: {_one_line(err)}),"
-                          " so every precision would fail; check --data-dir or choose other arguments.") from None
+        raise UsageError(f"{given}: the recipe's first batch cannot be made ({type(err).__name__}: {_one_line(err)}),"
+                         " so every precision would fail; check --data-dir or choose other arguments.") from None
     try:
         out["model_flops_per_step"] = model_flops_per_step(model, batch, lambda m, b: m.training_loss(b))
     except Exception as err:
@@ -669,7 +696,7 @@ def _measure_batch(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_one_step(model: Any, batch: Any, given: str) -> None:
-    """A ``_UsageError`` if one fp32 training step fails here for a reason that is not memory (every precision's run
+    """A ``UsageError`` if one fp32 training step fails here for a reason that is not memory (every precision's run
     would fail the same way: a ResNet's batch norm refuses a batch of 1)."""
     try:
         model.training_loss(batch).backward()
@@ -678,9 +705,9 @@ def _check_one_step(model: Any, batch: Any, given: str) -> None:
         memory = isinstance(err, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))) or \
             "out of memory" in text or "allocate" in text
         if not memory:
-            raise _UsageError(f"{given}: one training step fails in fp32 before any precision runs"
-                              f" ({type(err).__name__}: {_one_line(err)}), so every precision would fail; choose other"
-                              " arguments (e.g. a larger --batch-size).") from None
+            raise UsageError(f"{given}: one training step fails in fp32 before any precision runs"
+                             f" ({type(err).__name__}: {_one_line(err)}), so every precision would fail; choose other"
+                             " arguments (e.g. a larger --batch-size).") from None
 
 
 def _add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
@@ -704,24 +731,31 @@ def _add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Na
 
 
 def _add_speedups(rows: list[dict[str, Any]], runs: dict[str, _Run], steps: int) -> None:
-    """Speedup over 32-true from blocks measured back to back: the median of the paired ratios, their interquartile
-    range, and whether that range excludes 1x (with at least ``_MIN_PAIRS`` pairs)."""
-    if "32-true" not in runs:
+    """Speedup over 32-true: 32-true's ms/step over this one's, so that the speedup, ms/step, samples/s and the
+    throughput plot rank the precisions alike. Its bracket is the interquartile range of the paired ratios (32-true's
+    turn median over this one's, in the same round: measured back to back, so a machine whose speed drifts affects
+    both); it is resolved when at least ``_MIN_PAIRS`` pairs put the whole range on the speedup's side of 1x. A range
+    wholly on the other side (``speedup_drift``) means the machine's speed changed during the run."""
+    base_row = next((r for r in rows if r["precision"] == "32-true" and "median_step_ms" in r), None)
+    if base_row is None:
         return
-    base = [statistics.median(b) if b else None for b in _timed(runs["32-true"], steps)]
+    base = _turn_medians(runs["32-true"], steps)
     for row in rows:
         if "median_step_ms" not in row:
             continue
-        if row["precision"] == "32-true":
+        if row is base_row:
             row.update(speedup=1.0, speedup_resolved=None)  # the reference itself
             continue
-        mine = [statistics.median(b) if b else None for b in _timed(runs[row["precision"]], steps)]
-        ratios = [b / m for b, m in zip(base, mine) if b and m]
+        speedup = base_row["median_step_ms"] / row["median_step_ms"]
+        row.update(speedup=speedup, speedup_resolved=False, speedup_pairs=0)
+        ratios = [b / m for b, m in zip(base, _turn_medians(runs[row["precision"]], steps)) if b and m]
         if not ratios:
             continue
         q1, median, q3 = _quartiles(ratios)
-        row.update(speedup=median, speedup_q1=q1, speedup_q3=q3, speedup_pairs=len(ratios),
-                   speedup_resolved=len(ratios) >= _MIN_PAIRS and (q1 > 1 or q3 < 1))
+        above, below = q1 > 1, q3 < 1
+        row.update(speedup_q1=q1, speedup_q3=q3, speedup_paired=median, speedup_pairs=len(ratios),
+                   speedup_resolved=len(ratios) >= _MIN_PAIRS and ((above and speedup > 1) or (below and speedup < 1)),
+                   speedup_drift=(above and speedup < 1) or (below and speedup > 1))
 
 
 # -------------------------------------------------------------------------------------------------------- arguments
@@ -764,40 +798,40 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                              " bf16=989,fp8=1979")
     args = parser.parse_args(argv)
     if args.recipe not in RECIPES:
-        raise _UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
+        raise UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
     args.steps = args.steps if args.steps is not None else (_QUICK_STEPS if args.quick else 100)
     args.val_batches = args.val_batches if args.val_batches is not None else (_QUICK_VAL_BATCHES if args.quick else 8)
     if args.precisions is not None:
         given = args.precisions
         args.precisions = list(dict.fromkeys(p.strip() for p in given.split(",") if p.strip()))
         if not args.precisions:
-            raise _UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
+            raise UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
         for p in args.precisions:
             if p not in PRECISIONS:
-                raise _UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
+                raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
         fp8 = [p for p in args.precisions if p in _FP8_PRECISIONS]
         if fp8 and not (fp8_gpu_available() or args.emulate):
-            raise _UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
+            raise UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its numerics"
                              " emulated")
     try:
         args.peak_overrides = parse_peak_override(args.peak_tflops) if args.peak_tflops is not None else {}
     except ValueError as err:
-        raise _UsageError(str(err)) from None
+        raise UsageError(str(err)) from None
     if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
-        raise _UsageError("--steps and --batch-size must be positive, --val-batches not negative")
+        raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
     if not 0 <= args.seed <= _MAX_SEED:
-        raise _UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {_MAX_SEED} (2**32 - 1).")
+        raise UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {_MAX_SEED} (2**32 - 1).")
     if args.accelerator != "auto":
         _check_accelerator(args.accelerator)
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
-        raise _UsageError(f"data folder {args.data_dir!r} does not exist")
+        raise UsageError(f"data folder {args.data_dir!r} does not exist")
     # --out is checked (it can be written, it holds nothing but a report) when it is claimed, in ``main``: under its lock,
     # so that no check writes into a folder another run holds
     return args
 
 
 def _check_accelerator(name: str) -> None:
-    """A ``_UsageError`` if a Trainer refuses ``--accelerator`` here (unknown, or absent from this machine), which every
+    """A ``UsageError`` if a Trainer refuses ``--accelerator`` here (unknown, or absent from this machine), which every
     precision's run would do."""
     import lightning as L
 
@@ -806,25 +840,35 @@ def _check_accelerator(name: str) -> None:
         L.Trainer(accelerator=name, devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False)
     except Exception as err:  # noqa: BLE001  (Lightning raises ValueError, MisconfigurationException, ImportError)
-        raise _UsageError(f"--accelerator {name!r}: {_one_line(err)}") from None
+        raise UsageError(f"--accelerator {name!r}: {_one_line(err)}") from None
 
 
 # ------------------------------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str]) -> int:
-    args = _parse(argv)
+def main(argv: list[str], stop: Optional[Stop] = None) -> int:
+    """``lightning-precision compare``: the exit code. ``stop``: the recorder of SIGINT and SIGTERM that the command line
+    installed before importing this module (torch and Lightning take seconds to import); without one, one is installed
+    for the call."""
+    exit_if_importing_main()  # a process of a comparison importing a script that lacks the __main__ guard: ends here
     with contextlib.ExitStack() as held:
+        held.enter_context(_lightning_quieted())
+        if stop is None:
+            stop = held.enter_context(Stop())
+        try:
+            with stop.raising():  # nothing is under way yet (--accelerator builds a Trainer): a signal ends it at once
+                args = _parse(argv)
+        except Interrupted:
+            print(stop.nothing_written(), file=sys.stderr)
+            return stop.exit_code(1)
         # Before any training (an output folder that cannot be written must not cost the whole comparison), and held
         # for the whole run, released on every way out: a second run on this folder is refused meanwhile.
         try:
             folder = held.enter_context(claim_folder(args.out, "--out", FILES))
         except ValueError as err:
-            raise _UsageError(str(err)) from None
-        stop = held.enter_context(_Stop())
+            raise UsageError(str(err)) from None
         code = _compare(args, argv, folder, stop)
-    # 128 + the signal, as a shell reports a command the signal stopped: 130 for Ctrl-C, 143 for SIGTERM
-    return 128 + stop.signum if stop.signum is not None else code
+    return stop.exit_code(code)
 
 
 def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], Any]:
@@ -843,20 +887,19 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
             "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "val_batches": args.val_batches,
             "quick": args.quick, "device": torch.cuda.get_device_name() if gpu else "cpu",
             "machine_line": describe(machine, "cuda" if gpu else "cpu"), "machine": machine, "notes": notes,
-            "schedule": f"interleaved, {_block_size(args.steps)} steps per turn, first {_WARMUP} steps untimed",
             "interrupted": False, "command": shlex.join(["lightning-precision", "compare", *argv])}
-    out = console()
+    meta.update(_measure_batch(args))  # first: data that every run would refuse is one line, with nothing before it
+    out = console(outlive_reader=True)  # `compare | head` must not end the comparison: the report is written
     out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
     for note in notes:
         out.print(f"note: {note}", highlight=False, markup=False)
-    meta.update(_measure_batch(args))
     doomed = {p: why for p in args.precisions if (why := _precheck(p, args))}
     for p, why in doomed.items():
         out.print(f"{p} cannot run here: {why}", style="red", highlight=False, markup=False)
     return machine, meta, doomed, out
 
 
-def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Stop) -> int:
+def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from lightning_precision import _report
@@ -864,36 +907,37 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Sto
     try:
         with stop.raising():  # nothing runs yet (measuring the batch takes seconds): a signal ends it at once
             machine, meta, doomed, out = _prepare(args, argv)
-    except _Interrupted:
-        print(f"lightning-precision compare: interrupted before any precision started: nothing written, {args.out!r}"
-              " keeps what it held.", file=sys.stderr)
+    except Interrupted:
+        print(stop.nothing_written(args.out), file=sys.stderr)
         return 1
     runnable = [p for p in args.precisions if p not in doomed]
-    _quiet_lightning()
     runs: dict[str, _Run] = {}
     if runnable:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=out) as progress:
+                      console=out, disable=not out.is_terminal) as progress:
             runs = _run_all(args, runnable, progress, stop)
     stopped_by = None
     if stop.signum is not None and (len(runs) < len(runnable) or not all(r.finished for r in runs.values())):
-        stopped_by = _SIGNAL_NAMES.get(stop.signum, signal.Signals(stop.signum).name)
+        stopped_by = signal_name(stop.signum)
         meta.update(interrupted=True, signal=signal.Signals(stop.signum).name)
     rows = []
     for p in args.precisions:
         if p in doomed or p not in runs:
-            why = doomed.get(p, "not started: the comparison was interrupted before it")
-            rows.append({"precision": p, "error": why, "steps_done": 0, "losses": []})
+            row = {"precision": p, "error": doomed.get(p), "steps_done": 0, "losses": []}
+            if p not in doomed:
+                row.update(error=f"not started: the comparison was interrupted ({stopped_by}) before it",
+                           interrupted=stopped_by)
+            rows.append(row)
         else:
             rows.append(_make_row(runs[p], args, machine, stopped_by))
+    meta["schedule"] = _schedule(rows, args)
     _add_speedups(rows, runs, args.steps)
     _add_mfu(rows, meta, args)
     meta["verdict"] = _report.verdict(rows, meta)
-    _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     if meta["interrupted"] and not any(r.get("steps_done") for r in rows):  # a report of nothing replaces no report
-        print(f"lightning-precision compare: interrupted before any step finished: nothing written, {args.out!r} keeps"
-              " what it held.", file=sys.stderr)
+        print(stop.nothing_written(args.out), file=sys.stderr)
         return 1
+    _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     try:  # whole or not at all, also when interrupted: written beside the folder, then swapped in
         where, names, note = _report.write_reports(rows, folder, meta)
     except OSError as err:
@@ -905,5 +949,5 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: _Sto
     elif note:
         print(f"lightning-precision compare: note: {note}.", file=sys.stderr)
     shown = Path(args.out) if where == folder else where  # the folder as the user named it
-    print("wrote " + ", ".join(str(shown / name) for name in names))
+    out.print("wrote " + ", ".join(str(shown / name) for name in names), highlight=False, markup=False, soft_wrap=True)
     return 1 if where != folder or any("error" in r for r in rows) else 0

@@ -199,8 +199,9 @@ def _title(meta: Mapping, what: str) -> str:
 
 def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]:
     """``loss.png`` (training loss per precision, and its difference from 32-true, where overlapping curves part),
-    ``throughput.png`` (samples/s with the interquartile range) and ``memory.png``; failed precisions are drawn with
-    what they reached and marked, not dropped."""
+    ``throughput.png`` (samples/s from the table's ms/step, with the interquartile range over turns and the table's
+    speedup) and ``memory.png``; failed and interrupted precisions are drawn with what they reached and marked, not
+    dropped."""
     require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
@@ -208,7 +209,8 @@ def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]
     import matplotlib.pyplot as plt
 
     def label(r: Mapping) -> str:
-        return r["precision"] + (f" (failed after {r.get('steps_done', 0)} steps)" if "error" in r else "")
+        status = "interrupted" if r.get("interrupted") else "failed" if "error" in r else ""
+        return r["precision"] + (f" ({status} after {r.get('steps_done', 0)} steps)" if status else "")
 
     files = []
     base = next((r for r in rows if r["precision"] == "32-true" and r.get("losses")), None)
@@ -220,7 +222,10 @@ def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]
                     color=_precision_color(r["precision"]), ls="--" if "error" in r else "-")
     ax.set_ylabel("training loss (cross-entropy)")
     ax.set_title(_title(meta, "training loss"))
-    ax.legend(fontsize=8)
+    if ax.lines:  # no precision reported a step (every one failed as it started): no legend of nothing, no warning
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no precision reported a training step", ha="center", va="center", transform=ax.transAxes)
     if base:
         diff = axes[1, 0]
         diff.axhline(0, color=_precision_color("32-true"), lw=1)
@@ -239,22 +244,29 @@ def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]
 
     memory = ("peak resident memory gained in training (MiB)" if meta["device"] == "cpu"
               else "peak GPU memory allocated (MiB)")
+    throughput = "samples / s (batch / ms/step)"
     for key, name, ylabel, what in (
-        ("samples_per_s", "throughput.png", "samples / s (median step; whiskers: interquartile range)", "throughput"),
+        ("samples_per_s", "throughput.png", throughput, "throughput"),
         ("peak_memory_mb", "memory.png", memory, "memory, each precision in its own process"),
     ):
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(7, 4.4))
         names = [r["precision"] for r in rows]
         values = [r.get(key) or 0.0 for r in rows]
         errors = None
-        if key == "samples_per_s":  # the step-time quartiles turned into samples/s: q3 time gives the low bound
-            errors = [[max(0.0, v - meta["batch_size"] * 1e3 / r["step_ms_q3"]) if "step_ms_q3" in r else 0.0
+        labels = ["failed" if "error" in r and not r.get("interrupted") and not r.get(key) else
+                  "interrupted" if r.get("interrupted") and not r.get(key) else f"{v:.0f}" for r, v in zip(rows, values)]
+        if key == "samples_per_s":
+            # the turn medians' quartiles turned into samples/s (the slower quartile gives the lower bound): the same
+            # statistic as the bar, and as the table's ms/step
+            errors = [[max(0.0, v - meta["batch_size"] * 1e3 / r["turn_ms_q3"]) if "turn_ms_q3" in r else 0.0
                        for v, r in zip(values, rows)],
-                      [max(0.0, meta["batch_size"] * 1e3 / r["step_ms_q1"] - v) if "step_ms_q1" in r else 0.0
+                      [max(0.0, meta["batch_size"] * 1e3 / r["turn_ms_q1"] - v) if "turn_ms_q1" in r else 0.0
                        for v, r in zip(values, rows)]]
-        bars = ax.bar(names, values, yerr=errors, capsize=4, color=[_precision_color(n) for n in names])
-        ax.bar_label(bars, label_type="center", labels=["failed" if "error" in r and not r.get(key) else f"{v:.0f}"
-                                   for r, v in zip(rows, values)])
+            names = [n + (f"\n{r['speedup']:.2f}x" if r.get("speedup") is not None else "") for n, r in zip(names, rows)]
+            ax.set_xlabel("under each name its speedup: 32-true's ms/step over its own, as in the table\nms/step: the"
+                          " median of the turns' median step times; whiskers: the middle half of the turns", fontsize=8)
+        bars = ax.bar(names, values, yerr=errors, capsize=4, color=[_precision_color(r["precision"]) for r in rows])
+        ax.bar_label(bars, label_type="center", labels=labels)
         ax.set_ylabel(ylabel, fontsize=9)
         ax.set_title(_title(meta, what), fontsize=10)
         fig.tight_layout()

@@ -48,6 +48,18 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
     for png in ("loss.png", "throughput.png", "memory.png"):
         assert (out / png).stat().st_size > 5_000
     assert _no_children_left()
+    # Issue 28, item 3: fp16 underflow in two columns, never one for the other: cast as they are (every precision), and
+    # at the loss scale (16-mixed only; it took the place of the unscaled figure in that row, under the same header)
+    for r in rows:
+        assert 0 <= r["grad_underflow_fp16"] <= 1
+        assert (r["grad_underflow_fp16_scaled"] is not None) == (r["precision"] == "16-mixed")
+    assert "| fp16 underflow, unscaled | at loss scale |" in md
+    assert "fp16 underflow, unscaled: the fraction of nonzero parameter gradients" in md
+    # ... and every timing figure from the same turn medians: the speedup is the ratio of the ms/step column
+    for r in rows:
+        assert r["speedup"] == pytest.approx(rows[0]["median_step_ms"] / r["median_step_ms"])
+        assert r["samples_per_s"] == pytest.approx(8 / (r["median_step_ms"] / 1e3))
+        assert r["turn_ms_q1"] <= r["median_step_ms"] <= r["turn_ms_q3"]
 
 
 def test_precisions_take_turns_in_rotating_order(tmp_path, monkeypatch):
@@ -218,9 +230,22 @@ def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, 
     for r in report["results"]:
         assert re.fullmatch(r"interrupted \(Ctrl-C\) after \d of 6 steps", r["error"])
         assert 3 <= r["steps_done"] < 6 and len(r["losses"]) == r["steps_done"]
-    assert "INTERRUPTED" in capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "INTERRUPTED" in printed
     assert _no_children_left()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Issue 28, item 3: the rows say "interrupted", not "failed", and the notes and the verdict agree with the table: the
+    # speedups it shows are computed (the verdict said "speedups are not computed" beside them)
+    md = (out / "report.md").read_text()
+    verdict = report["meta"]["verdict"]
+    assert "failed" not in md and "failed" not in printed and "not computed" not in verdict
+    for r in report["results"]:
+        assert r["interrupted"] == "Ctrl-C" and r["speedup"] is not None
+        assert f"| {r['precision']} (interrupted) |" in md
+        assert f"- {r['precision']}: interrupted (Ctrl-C) after {r['steps_done']} of 6 steps; its figures are from those" \
+            " steps" in md
+    assert verdict.startswith("Interrupted: the figures below are partial. No precision was measurably faster") or \
+        verdict.startswith("Interrupted: the figures below are partial. bf16-mixed")
 
 
 def _fail_if_trained(monkeypatch):
@@ -328,7 +353,13 @@ META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes
      "bf16-mixed is the one to use here: 1.40x the speed of 32-true (interquartile 1.30-1.50x over 9 paired turns),"
      " validation accuracy 0.800 vs 0.900."),  # 20 samples counted, not 256: 0.1 apart is within chance (0.19)
     ([{"precision": "32-true", "error": "boom"}, _row("bf16-mixed")],
-     "No finished 32-true run to compare against: speedups are not computed."),
+     "No 32-true step was timed: speedups are not computed. 32-true failed (see the notes)."),
+    # a run a signal stopped is partial, not failed: its figures count, as the table shows them (issue 28, item 3)
+    ([_row("32-true", 1.0, interrupted="Ctrl-C", error="interrupted (Ctrl-C) after 40 of 100 steps"),
+      _row("bf16-mixed", 1.4, (1.3, 1.5), True, acc=0.89, interrupted="Ctrl-C",
+           error="interrupted (Ctrl-C) after 40 of 100 steps")],
+     "bf16-mixed is the one to use here: 1.40x the speed of 32-true (interquartile 1.30-1.50x over 9 paired turns),"
+     " validation accuracy 0.890 vs 0.900."),
 ])
 def test_the_verdict_claims_only_what_the_figures_resolve(rows, expected):
     assert _report.verdict(rows, META) == expected
@@ -360,3 +391,177 @@ def test_default_precisions_on_a_gpu_without_bf16(monkeypatch):
     assert chosen == ["32-true", "16-mixed"]
     assert notes == ["bf16-mixed left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"
                      " found 'Tesla T4' (compute capability 7.5). Use `FP16MixedPrecision()` on this GPU."]
+
+
+# ------------------------------------------------------------- issue 28, item 10: output where no one sits at a terminal
+
+def _command(argv, tmp_path, **kwargs):
+    """The real command in a process of its own, its stdout a pipe (as in a batch job, `| tee`, `| head`)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.Popen([sys.executable, "-m", "lightning_precision.cli", *argv], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)}, **kwargs)
+
+
+def test_a_line_per_turn_when_stdout_is_not_a_terminal(tmp_path):
+    """rich draws no progress bar where stdout is not a terminal, so a loaded machine's comparison was silent for its
+    whole length (45 minutes once): a line per finished turn says each precision's steps and the time, as it happens
+    (the first one arrives long before the report is written)."""
+    out = tmp_path / "r"
+    run = _command(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--val-batches", "0", "--out", str(out)],
+                   tmp_path)
+    try:
+        lines = []
+        for line in run.stdout:
+            if " steps, " in line and len([x for x in lines if " steps, " in x]) == 0:
+                assert not (out / "report.json").exists()  # printed as it happened, not at the end
+            lines.append(line.rstrip("\n"))
+        assert run.wait(timeout=300) == 0, run.stderr.read()
+    finally:
+        run.kill()
+        run.wait()
+    assert "vit: starting 32-true, bf16-mixed, each in its own process; a line per turn of 1 step follows" in lines
+    for precision in ("32-true", "bf16-mixed"):
+        progress = [x for x in lines if x.startswith(f"vit {precision}: ")]
+        assert [x.split(": ")[1].split(",")[0] for x in progress] == [f"{n}/6 steps" for n in range(1, 7)]
+        assert all(re.fullmatch(rf"vit {precision}: \d/6 steps, \d+:\d\d:\d\d elapsed", x) for x in progress)
+    assert not [x for x in lines if re.search(r"━ +\d+/6 ", x)]  # no bar drawn at the end either
+
+
+def test_a_closed_pipe_does_not_end_the_comparison(tmp_path):
+    """`compare | head -3`: the reader goes away after three lines, mid-run. Printing the next line made rich end the
+    program (SystemExit(1)): the measurements were lost and no report was written. The comparison goes on quietly and
+    writes its report."""
+    out = tmp_path / "r"
+    run = _command(["compare", *TINY, "--precisions", "32-true", "--val-batches", "0", "--out", str(out)], tmp_path)
+    try:
+        head = [run.stdout.readline() for _ in range(3)]
+        run.stdout.close()  # as head does when it has its lines
+        assert run.wait(timeout=300) == 0
+        err = run.stderr.read()
+    finally:
+        run.kill()
+        run.wait()
+    assert head[-1].startswith("vit 32-true: 1/6 steps") and "Traceback" not in err and "Error" not in err, err
+    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    assert [r["steps_done"] for r in json.loads((out / "report.json").read_text())["results"]] == [6]
+
+
+def test_a_script_without_the_main_guard_is_told_so_in_one_line(tmp_path):
+    """A script that calls compare at its top level, without `if __name__ == "__main__":`: each precision's process
+    imports it again as it starts (multiprocessing's spawn), which ran the comparison again there. It was refused by the
+    folder's lock with a misleading line about another run, and the run ended "exit code 2" in a failed row; it is now
+    one line that names the script and the guard, exit 2, nothing written, no traceback."""
+    script = tmp_path / "my_compare.py"
+    script.write_text("import sys\nfrom lightning_precision import cli\n"
+                      f"sys.exit(cli.main(['compare', *{TINY!r}, '--precisions', '32-true,bf16-mixed', '--out', 'r']))\n")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        "lightning-precision compare: error: the script that calls compare (my_compare.py) lacks `if __name__ =="
+        " \"__main__\":` around the call: each precision's process imports that script again as it starts"
+        " (multiprocessing's spawn), which would run the comparison again there; put the call under that guard."]
+    assert "Traceback" not in done.stdout and "in use by another run" not in done.stdout
+    assert sorted(os.listdir(tmp_path)) == ["my_compare.py"]  # no report, no folder, no lock
+
+
+
+# ------------------------------------------------------------------ issue 28, item 3: the table says what it measured
+
+def _run_of(precision, turn_ms, result=None):
+    """A finished run as the parent records it: one block of 4 steps per turn (the first 3 steps are the warm-up), each
+    turn's steps taking ``turn_ms``. The step times are given, not measured: a machine whose speed drifts between turns
+    in a chosen way cannot be made on demand."""
+    run = compare._Run(precision, None, None)
+    run.blocks = [[0.5] * 3 + [turn_ms[0] / 1e3]] + [[t / 1e3] * 4 for t in turn_ms[1:]]
+    run.times = [t for block in run.blocks for t in block]
+    run.losses = [1.0] * len(run.times)
+    run.result = result or {"val_acc": 0.9, "grad_underflow_fp16": 0.0, "grad_underflow_fp16_scaled": None,
+                            "skipped_steps": 0}
+    return run
+
+
+def _rows_of(runs, steps=24):
+    args = argparse.Namespace(steps=steps, batch_size=32, accelerator="cpu", emulate=False)
+    rows = [compare._make_row(run, args, _machine(bf16=True, fp16=False)) for run in runs.values()]
+    compare._add_speedups(rows, runs, steps)
+    return {r["precision"]: r for r in rows}
+
+
+def test_speedup_ms_per_step_and_throughput_rank_the_precisions_alike():
+    """The speedup was the median of the paired turn ratios and ms/step the median of all steps: with these turns
+    bf16-mixed's paired median is 1.07x (faster) while its ms/step, samples/s and throughput bar say slower (25 ms
+    against 20). Every figure now comes from the turn medians, and the speedup is 32-true's ms/step over this one's:
+    the columns and the plot rank alike; the paired ratios give the bracket, which here includes 1x (not resolved)."""
+    rows = _rows_of({"32-true": _run_of("32-true", [10, 20, 30] * 2),
+                     "bf16-mixed": _run_of("bf16-mixed", [25, 15, 28] * 2),
+                     "16-mixed": _run_of("16-mixed", [12] * 6)})
+    bf16 = rows["bf16-mixed"]
+    assert bf16["speedup_paired"] == pytest.approx(30 / 28) and bf16["median_step_ms"] == pytest.approx(25)
+    assert bf16["speedup"] == pytest.approx(20 / 25) and bf16["speedup_resolved"] is False
+    by_speedup = sorted(rows, key=lambda p: -rows[p]["speedup"])
+    assert by_speedup == sorted(rows, key=lambda p: rows[p]["median_step_ms"]) == \
+        sorted(rows, key=lambda p: -rows[p]["samples_per_s"]) == ["16-mixed", "32-true", "bf16-mixed"]
+    assert _report.cells(bf16)[3] == f"~0.80x [{bf16['speedup_q1']:.2f}-{bf16['speedup_q3']:.2f}]"
+
+
+def test_when_the_paired_turns_and_the_medians_disagree_the_report_says_why():
+    """A machine whose speed changed during the run: paired turn by turn bf16-mixed is faster (the middle half of the
+    ratios lies above 1x), the medians say slower. The speedup (the medians' ratio, as ms/step) is not called
+    resolved, and a note says the two disagree and why."""
+    rows = _rows_of({"32-true": _run_of("32-true", [40, 10, 10, 40, 10, 10]),
+                     "bf16-mixed": _run_of("bf16-mixed", [39, 9, 45, 19, 9, 9])})
+    bf16 = rows["bf16-mixed"]
+    assert bf16["speedup_q1"] > 1 > bf16["speedup"] and bf16["speedup_drift"] is True
+    assert bf16["speedup_resolved"] is False and _report.cells(bf16)[3].startswith("~0.71x")
+    meta = {**META, "schedule": "interleaved"}
+    note = next(n for n in _report.notes(list(rows.values()), meta) if n.startswith("bf16-mixed: the paired turns"))
+    assert "they disagree on which is faster because the machine's speed changed during the run" in note
+    assert "32-true's ms/step over this one's, so these columns and throughput.png rank the precisions alike" in \
+        " ".join(_report.notes(list(rows.values()), meta))
+    assert "faster" not in _report.verdict(list(rows.values()), meta).split("No precision was measurably faster")[1]
+
+
+def test_an_fp8_run_with_no_fp8_layer_is_bf16_not_emulated():
+    """fp8-auto that kept every layer in bf16 was marked "emulated" with 0 fp8 layers: it ran bf16-mixed's arithmetic,
+    native on this (given) CPU, and the note says so."""
+    result = {"val_acc": 0.9, "grad_underflow_fp16": 0.0, "grad_underflow_fp16_scaled": None, "skipped_steps": 0,
+              "fp8_layers": 0, "linear_layers": 7, "fp8_plan": {}}
+    rows = _rows_of({"32-true": _run_of("32-true", [10] * 6), "fp8-auto": _run_of("fp8-auto", [12] * 6, result)})
+    auto = rows["fp8-auto"]
+    assert auto["emulated"] is False and auto["fp8_steps"] == 0 and "emulated" not in _report.cells(auto)[3]
+    notes = _report.notes(list(rows.values()), {**META, "schedule": "interleaved"})
+    assert "fp8-auto: 0 of 7 linear layers in fp8, chosen from measured numerics: every matmul ran in bf16, so its" \
+           " figures are bf16-mixed's (not emulated)." in notes
+    assert not any(n.startswith("emulated:") for n in notes)
+
+
+def test_one_step_says_which_steps_were_timed_and_fp8_auto_that_never_ran_fp8(tmp_path):
+    """`--steps 1` said "first 3 steps untimed" while the one step was timed (there is no other): the schedule says
+    every step was timed, warm-up included. fp8-auto's one step measured in bf16 before its plan applied: no step ran
+    an fp8 layer, so it is not "emulated" where bf16 is native, and its note says so."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "r"
+    assert cli.main(["compare", "--recipe", "vit", "--steps", "1", "--batch-size", "8", "--val-batches", "0",
+                     "--precisions", "32-true,fp8-auto", "--emulate", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    schedule = report["meta"]["schedule"]
+    assert schedule == "interleaved, 1 step per turn; every step timed, warm-up included: 1 step reported, too few to" \
+                       " leave out the first 3 or 4"
+    md = (out / "report.md").read_text()
+    assert "untimed" not in md and schedule in md
+    fp32, auto = report["results"]
+    assert fp32["timed_steps"] == auto["timed_steps"] == 1 and fp32["untimed_steps"] == auto["untimed_steps"] == 0
+    native_bf16 = report["meta"]["machine"]["cpu"]["native_bf16"]
+    assert auto["fp8_layers"] > 0 and auto["fp8_steps"] == 0 and auto["emulated"] is (not native_bf16)
+    assert f"its one step was measured in bf16, before the plan: every matmul ran in bf16, so its figures are" \
+           f" bf16-mixed's" in " ".join(md.split())

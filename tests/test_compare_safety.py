@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_precision import _outdir, _report, cli, compare
+from lightning_precision import _outdir, _report, _stop, cli, compare
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
@@ -124,6 +124,24 @@ def test_a_folder_holding_files_not_of_the_report_is_refused_before_training(tmp
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "notes.txt" in err and "choose a new or empty folder" in err
     assert _contents(out) == {"notes.txt": b"mine", "report.md": b"a previous report"}
+
+
+def test_compare_called_in_process_leaves_lightnings_loggers_and_warning_filters_as_they_were(tmp_path):
+    """``compare.main`` quiets Lightning's loggers (WARNING) and some warnings for its own table. Called from Python (a
+    script, a notebook, a test) it left them so for the rest of the process: the caller's next Trainer printed no info
+    line, and a later test's ``caplog`` read nothing (what failed CI). ``--accelerator cpu`` builds a Trainer to check
+    it, quieted, before the run is refused for the user's file."""
+    import logging
+    import warnings
+
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
+    filters = list(warnings.filters)
+    assert cli.main(["compare", *TINY, "--accelerator", "cpu", "--out", str(out)]) == 2
+    assert logging.getLogger("lightning.pytorch").level == logging.INFO
+    assert warnings.filters == filters
 
 
 def test_a_file_that_appears_during_the_run_is_left_and_the_report_written_beside(tmp_path):
@@ -434,5 +452,251 @@ def test_a_process_that_does_not_answer_is_killed_after_the_grace_period():
     process = context.Process(target=_stubborn, daemon=True)
     process.start()
     run = compare._Run("32-true", process, parent)
-    compare._stop_all([run], compare._Stop(), grace=1.0)
+    compare._stop_all([run], _stop.Stop(), grace=1.0)
     assert not process.is_alive() and process.exitcode == -signal.SIGKILL
+
+
+# ---------------------------------------------------------------- issue 28, item 8: a signal at any moment of a run
+
+# Run by the tests below in a process group of its own: compare as the console script runs it, with real signals sent
+# to the whole group (as a terminal's Ctrl-C, timeout and SLURM do) at one moment of the run: while the command imports
+# torch and Lightning ("import"), as the first precision's process starts ("start"), or while the report is written
+# ("write": the plot function waits for the test's signal, then draws). Nothing else is changed.
+DRIVER_AT = """
+import importlib.abc, os, signal, sys, time
+from pathlib import Path
+
+when, names, ignore, state = sys.argv[1], sys.argv[2], sys.argv[3] == "1", Path(sys.argv[4])
+signals = [getattr(signal, name) for name in names.split(",") if name]
+if ignore:  # as a shell starts a job with "&": SIGINT ignored from the start
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+def send():
+    for signum in signals:
+        os.killpg(os.getpgid(0), signum)
+
+if when == "import":
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "lightning_precision.compare":
+                sys.meta_path.remove(self)
+                send()
+            return None
+    sys.meta_path.insert(0, Finder())
+
+from lightning_precision import cli
+
+if when == "start":
+    from lightning_precision import compare
+    real_start = compare._start
+
+    def start(*args):
+        run = real_start(*args)
+        send()
+        return run
+    compare._start = start
+elif when == "write":
+    from lightning_precision import plotting
+    real_plot = plotting.plot_compare
+
+    def plot(*args):
+        (state / "ready").write_text("")
+        deadline = time.monotonic() + 300
+        while not (state / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return real_plot(*args)
+    plotting.plot_compare = plot
+sys.exit(cli.main(sys.argv[5:]))
+"""
+
+
+def _group_left(pgid: int) -> list[int]:
+    """The processes of a process group still running (zombies have ended)."""
+    left = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            left.append(int(stat.parent.name))
+    return left
+
+
+def _run_at(tmp_path: Path, when: str, signals: str, argv: list, ignore: bool = False):
+    """Start DRIVER_AT in a new process group; returns the process and the paths of its stdout and stderr."""
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    out, err = open(tmp_path / "stdout.txt", "w"), open(tmp_path / "stderr.txt", "w")
+    run = subprocess.Popen([sys.executable, "-c", DRIVER_AT, when, signals, "1" if ignore else "0", str(state),
+                            "compare", *argv], cwd=tmp_path, stdout=out, stderr=err,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    out.close(), err.close()
+    return run, tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+
+
+def _finish(run, timeout: float = 300) -> int:
+    try:
+        return run.wait(timeout=timeout)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        deadline = time.monotonic() + 30
+        while _group_left(run.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+@linux_only
+@pytest.mark.parametrize(("signals", "ignore", "code", "name"), [
+    pytest.param("SIGINT", True, 130, "Ctrl-C", id="Ctrl-C-where-SIGINT-was-ignored-at-start-as-in-a-job-started-with-&"),
+    pytest.param("SIGINT", False, 130, "Ctrl-C", id="Ctrl-C-in-a-terminal"),
+    pytest.param("SIGTERM", False, 143, "SIGTERM", id="SIGTERM"),
+])
+def test_a_signal_while_the_command_imports_ends_it_in_one_line(signals, ignore, code, name, tmp_path):
+    """Issue 28, item 8: a Ctrl-C 4-5 s after `compare` starts came while it imported torch and Lightning, before
+    any handler of compare's: where SIGINT was ignored at start (a job started with `&`) it vanished and the whole
+    comparison ran (exit 0, "interrupted": false); in a terminal it printed a 20-100 line traceback. Now the command
+    takes SIGINT and SIGTERM before those imports: one line, 128 + the signal, nothing written, no folder made."""
+    out = tmp_path / "r"
+    run, stdout, stderr = _run_at(tmp_path, "import", signals, [*TINY, "--precisions", "32-true", "--out", str(out)],
+                                  ignore=ignore)
+    assert _finish(run) == code, stdout.read_text() + stderr.read_text()
+    assert stderr.read_text() == f"lightning-precision compare: interrupted ({name}) before any precision reported a" \
+                                 " step: nothing written.\n"
+    assert stdout.read_text() == "" and not out.exists() and _group_left(run.pid) == []
+
+
+@linux_only
+def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(tmp_path):
+    """Issue 28, item 8: a Ctrl-C to the whole process group as the precisions' processes start (they import torch):
+    the workers, born with SIGINT and SIGTERM blocked, print no traceback (there were ~80 interleaved lines); the
+    comparison stops, says in one line that nothing was written (no table of empty rows), keeps the previous report,
+    and leaves no process behind."""
+    out = tmp_path / "r"
+    _write(out, loss=1.0)
+    before = _contents(out)
+    run, stdout, stderr = _run_at(tmp_path, "start", "SIGINT", [*TINY, "--precisions", "32-true,bf16-mixed",
+                                                                "--out", str(out)])
+    assert _finish(run) == 130, stdout.read_text() + stderr.read_text()
+    printed = stdout.read_text() + stderr.read_text()
+    assert "Traceback" not in printed and "Error" not in printed and "speedup" not in printed, printed
+    assert stderr.read_text() == f"lightning-precision compare: interrupted (Ctrl-C) before any precision reported a" \
+                                 f" step: nothing written, {str(out)!r} keeps what it held.\n"
+    assert _contents(out) == before and _group_left(run.pid) == []
+    assert sorted(os.listdir(tmp_path)) == ["r", "state", "stderr.txt", "stdout.txt"]  # no lock, no temporary folder
+
+
+@linux_only
+@pytest.mark.parametrize(("signals", "code"), [
+    pytest.param("SIGINT", 130, id="Ctrl-C"),
+    pytest.param("SIGTERM,SIGINT", 143, id="SIGTERM-then-Ctrl-C"),
+])
+def test_a_signal_while_the_report_is_written_leaves_the_new_report_whole(signals, code, tmp_path):
+    """Issue 28, item 8: a Ctrl-C while the report was written left no report.md. Real signals to the process group
+    while the report is being written (the plot function waits for them): every precision had finished, so the new
+    report is written whole, and says it is complete ("interrupted": false); the exit code says a signal came. The
+    folder held a previous report: it is replaced whole, nothing of it is left, no temporary folder either."""
+    out = tmp_path / "r"
+    _write(out, loss=1.0)
+    run, stdout, stderr = _run_at(tmp_path, "write", "", [*TINY, "--precisions", "32-true,bf16-mixed",
+                                                          "--out", str(out)])
+    state = tmp_path / "state"
+    try:
+        deadline = time.monotonic() + 300
+        while not (state / "ready").exists():
+            assert run.poll() is None and time.monotonic() < deadline, stdout.read_text() + stderr.read_text()
+            time.sleep(0.1)
+        for i, name in enumerate(signals.split(",")):
+            time.sleep(0.2 if i else 0)
+            os.killpg(run.pid, getattr(signal, name))
+        time.sleep(0.5)  # the signals are in before the writing goes on
+        (state / "go").write_text("")
+    finally:
+        code_seen = _finish(run)
+    assert code_seen == code, stdout.read_text() + stderr.read_text()
+    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    report = json.loads((out / "report.json").read_text())
+    assert report["meta"]["interrupted"] is False and all(r["steps_done"] == 6 for r in report["results"])
+    assert all("error" not in r for r in report["results"]) and report["results"][0]["final_loss"] != 1.0
+    md = (out / "report.md").read_text()
+    assert report["meta"]["verdict"] in md and "![loss](loss.png)" in md
+    assert "Traceback" not in stdout.read_text() + stderr.read_text()
+    assert sorted(os.listdir(tmp_path)) == ["r", "state", "stderr.txt", "stdout.txt"]
+
+
+# -------------------------------------------- issue 28, item 7: what every run would refuse, through the real command
+
+# The command as the console script runs it, with a tripwire on the start of a precision's process (nothing else
+# changed): a refused argument must cost no run.
+TRIPWIRE = """
+import sys
+from lightning_precision import cli, compare
+
+def start(*args):
+    print("a precision's process was started", file=sys.stderr)
+    sys.exit(99)
+
+compare._start = start
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["--accelerator", "cuda"], id="accelerator-cuda-without-a-GPU",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA GPU is present")),
+    pytest.param(["--data-dir", "{tmp}/not-imdb"], id="data-dir-that-is-not-the-dataset"),
+])
+def test_arguments_every_run_would_refuse_are_one_line_and_exit_2_through_the_command(argv, tmp_path):
+    """Issue 28, item 7, as the issue states it: `compare --accelerator cuda` on a machine without a GPU, and
+    `compare --data-dir` naming a folder that holds something other than the dataset (the default recipe, DistilBERT,
+    reads aclImdb). Each started every run and ended with failed rows, exit 1 and a matplotlib warning; now: one line
+    on stderr and nothing else (nothing on stdout before it), exit 2, no precision started, no report folder made."""
+    (tmp_path / "not-imdb" / "photos").mkdir(parents=True)
+    (tmp_path / "not-imdb" / "notes.txt").write_text("not a data set")
+    done = subprocess.run([sys.executable, "-c", TRIPWIRE, "compare", *[a.format(tmp=tmp_path) for a in argv]],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stdout + done.stderr
+    line = done.stderr.strip()
+    assert line.startswith("lightning-precision compare: error: ") and "warning" not in line.lower()
+    if argv[0] == "--accelerator":
+        assert "--accelerator 'cuda': `CUDAAccelerator` can not run on your system" in line
+    else:
+        assert "--data-dir" in line and "first batch cannot be made" in line and "aclImdb" in line
+    assert sorted(os.listdir(tmp_path)) == ["not-imdb"]  # no compare-report folder, no lock
+
+
+def test_a_report_where_no_precision_reported_a_step_draws_without_warnings(tmp_path):
+    """Issue 28, item 7: such a report (every precision failed as it started, e.g. a data set every run refused)
+    printed matplotlib's "No artists with labels found to put in legend" under the table. The plots say in words that
+    there is nothing to draw, and nothing warns."""
+    import warnings
+
+    rows, meta = _report_of(loss=1.0)
+    rows = [{"precision": r["precision"], "error": "its process ended before finishing: exit code 1", "steps_done": 0,
+             "losses": []} for r in rows]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _report.write_reports(rows, tmp_path / "r", meta)
+    assert [str(w.message) for w in caught] == []
+    assert sorted(os.listdir(tmp_path / "r")) == sorted(_report.FILES)
+
+
+def test_a_claim_that_writes_nothing_leaves_no_folder_it_made(tmp_path):
+    """A refused or interrupted run made `--out` (and its missing parents) to check it can be written: with nothing
+    written, they are removed again; a folder that held a report, or that existed before, stays."""
+    out = tmp_path / "a" / "b" / "r"
+    with pytest.raises(RuntimeError):
+        with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+            assert folder.is_dir()
+            raise RuntimeError("refused after the claim")
+    assert os.listdir(tmp_path) == []
+    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+        _write(folder, loss=1.0)
+    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    (tmp_path / "empty").mkdir()
+    with _outdir.claim_folder(tmp_path / "empty", "--out", _report.FILES):
+        pass
+    assert sorted(os.listdir(tmp_path)) == ["a", "empty"]
