@@ -120,3 +120,27 @@ def assert_params_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x, y)
 
 
+class QuietNet(LitNet):
+    """LitNet without its per-step `float(loss)`, so the only device reads left are the precision plugin's."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+
+def device_reads_per_step(plugin: Any, monkeypatch: Any, log_every_n_steps: int) -> list[int]:
+    """Host reads of tensors (`item`, `float`, `int`, `bool`) inside each `optimizer_step` of the plugin, over a
+    6-step fit of ``QuietNet`` with a scheduler."""
+    counts, current = [], count_host_reads(monkeypatch)
+    step = plugin.optimizer_step
+
+    def counting_step(*args: Any, **kwargs: Any) -> Any:
+        current[0] = 0
+        out = step(*args, **kwargs)
+        counts.append(current[0])
+        return out
+
+    monkeypatch.setattr(plugin, "optimizer_step", counting_step)
+    trainer(plugin, max_steps=6, log_every_n_steps=log_every_n_steps).fit(QuietNet(scheduler=True), loader(make_data(6)))
+    monkeypatch.undo()
+    return counts

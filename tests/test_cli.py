@@ -9,6 +9,8 @@ import pytest
 
 from lightning_precision import cli
 
+pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("precision-"))
 VARIANTS = sorted(p.name for p in (ROOT / "recipes").glob("precision-*.yaml"))

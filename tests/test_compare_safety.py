@@ -21,6 +21,8 @@ import pytest
 
 from lightning_precision import _outdir, _report, _stop, cli, compare
 
+pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc, sends POSIX signals to process groups")

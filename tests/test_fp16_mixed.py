@@ -13,7 +13,7 @@ from lightning_precision import fabric as lp_fabric
 from tests.helpers import (
     LitNet,
     assert_params_equal,
-    count_host_reads,
+    device_reads_per_step,
     fabric_loop,
     loader,
     make_data,
@@ -196,36 +196,11 @@ def test_trainer_plugin_handed_to_fabric_says_which_class_to_use():
         fabric.backward(model(torch.ones(2, 4)).sum())
 
 
-class _QuietNet(LitNet):
-    """LitNet without its per-step `float(loss)`, so the only device reads left are the precision plugin's."""
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self(x), y)
-
-
-def _device_reads_per_step(plugin, monkeypatch, log_every_n_steps):
-    """Counts host reads of tensors (`item`, `float`, `int`, `bool`) inside each `optimizer_step` of the plugin."""
-    counts, current = [], count_host_reads(monkeypatch)
-    step = plugin.optimizer_step
-
-    def counting_step(*args, **kwargs):
-        current[0] = 0
-        out = step(*args, **kwargs)
-        counts.append(current[0])
-        return out
-
-    monkeypatch.setattr(plugin, "optimizer_step", counting_step)
-    trainer(plugin, max_steps=6, log_every_n_steps=log_every_n_steps).fit(_QuietNet(scheduler=True), loader(make_data(6)))
-    monkeypatch.undo()
-    return counts
-
-
 def test_no_extra_device_reads_on_steps_that_log_nothing(monkeypatch):
     """Lightning's MixedPrecision reads found_inf once per step (inside GradScaler.step); ours reads no more, even
     with logging every 3 steps and scheduler holding on: logged values stay tensors until the logger writes."""
-    lightning = _device_reads_per_step(MixedPrecision("16-mixed", "cpu"), monkeypatch, log_every_n_steps=3)
-    ours = _device_reads_per_step(FP16MixedPrecision(), monkeypatch, log_every_n_steps=3)
+    lightning = device_reads_per_step(MixedPrecision("16-mixed", "cpu"), monkeypatch, log_every_n_steps=3)
+    ours = device_reads_per_step(FP16MixedPrecision(), monkeypatch, log_every_n_steps=3)
     assert lightning == [1] * 6
     assert ours == lightning
 

@@ -19,7 +19,7 @@ import lightning_precision
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision, SkippedStepsError
 from lightning_precision import _imports
 from lightning_precision import fabric as lp_fabric
-from tests.helpers import LitNet, count_host_reads, loader, make_data, make_net, params, trainer
+from tests.helpers import LitNet, device_reads_per_step, loader, make_data, make_net, params, trainer
 
 _FP8 = pytest.mark.skipif(not _imports._TORCHAO_AVAILABLE, reason="FP8Precision needs torchao (the [fp8] extra)")
 # Each plugin without loss scaling, built to run here: fp8 emulated on the 32x32 layer, XPU's logic for the CPU.
@@ -321,30 +321,10 @@ def test_a_guard_state_no_guard_saved_is_refused():
 # ---- cost --------------------------------------------------------------------------------------------------------------
 
 
-class _QuietNet(LitNet):
-    """LitNet without its per-step `float(loss)`, so the only device reads left are the precision plugin's."""
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
-
-
 def test_the_guard_reads_the_device_once_per_step_to_decide_and_no_more(monkeypatch):
     """Skipping a step needs the host to know whether the gradients are finite: one read per step (inside torch's
     GradScaler.step, as for fp16), none for the counting, the scheduler hold or logging steps (every 3 here)."""
-    counts, current = [], count_host_reads(monkeypatch)
-    plugin = BF16MixedPrecision(**GUARD)
-    step = plugin.optimizer_step
-
-    def counting_step(*args, **kwargs):
-        current[0] = 0
-        out = step(*args, **kwargs)
-        counts.append(current[0])
-        return out
-
-    monkeypatch.setattr(plugin, "optimizer_step", counting_step)
-    trainer(plugin, max_steps=6, log_every_n_steps=3).fit(_QuietNet(scheduler=True), loader(make_data(6)))
-    monkeypatch.undo()
+    counts = device_reads_per_step(BF16MixedPrecision(**GUARD), monkeypatch, log_every_n_steps=3)
     assert counts == [1] * 6
 
 
