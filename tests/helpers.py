@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -144,3 +147,45 @@ def device_reads_per_step(plugin: Any, monkeypatch: Any, log_every_n_steps: int)
     trainer(plugin, max_steps=6, log_every_n_steps=log_every_n_steps).fit(QuietNet(scheduler=True), loader(make_data(6)))
     monkeypatch.undo()
     return counts
+
+
+# ---- what the installed torchao can run on a CPU ------------------------------------------------------------------
+
+
+@functools.cache
+def rowwise_emulates_on_cpu() -> bool:
+    """torchao 0.11 cannot emulate the rowwise recipe under CPU autocast (its float8 tensor has no rowwise cast there;
+    docs/plugins/fp8.md); later releases can."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return False
+    net = convert_to_float8_training(nn.Sequential(nn.Linear(16, 16)), config=dataclasses.replace(
+        Float8LinearConfig.from_recipe_name("rowwise"), emulate=True))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            net(torch.randn(16, 16)).float().sum().backward()
+    except (AssertionError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@functools.cache
+def has_mxfp8() -> bool:
+    """Whether the installed torchao has the MXFP8 training layer (torchao 0.11 has none)."""
+    from lightning_precision import fp8 as lp_fp8
+
+    try:
+        lp_fp8._mxfp8_linear()
+    except ImportError:
+        return False
+    return True
+
+
+def fp8_recipe(recipe: str) -> Any:
+    """``recipe`` as a pytest parameter, skipped with the reason where the installed torchao cannot run it here."""
+    if recipe == "rowwise" and not rowwise_emulates_on_cpu():
+        return pytest.param(recipe, marks=pytest.mark.skip(reason="this torchao cannot emulate rowwise under CPU autocast"))
+    if recipe == "mxfp8" and not has_mxfp8():
+        return pytest.param(recipe, marks=pytest.mark.skip(reason="this torchao has no MXFP8 training layer"))
+    return recipe

@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_precision import FP8Precision
+from tests.helpers import has_mxfp8
 from tests.test_plan import FP8_KW, Lit, loader
 
 pytest.importorskip("torchao")
@@ -91,14 +92,7 @@ def test_an_auto_plan_prints_once_and_a_resumed_run_says_it_was_restored_not_mea
 
 # ---- item 1: an MXFP8 layer that never gets a block of tokens is reported as what it runs ------------------------------
 
-try:
-    from lightning_precision import fp8 as lp_fp8
-
-    lp_fp8._mxfp8_linear()
-    HAS_MXFP8 = True
-except ImportError:  # torchao before its MXFP8 training layer
-    HAS_MXFP8 = False
-mxfp8 = pytest.mark.skipif(not HAS_MXFP8, reason="this torchao has no MXFP8 training layer")
+mxfp8 = pytest.mark.skipif(not has_mxfp8(), reason="this torchao has no MXFP8 training layer")
 
 
 class Pooled(nn.Module):

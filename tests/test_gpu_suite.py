@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers import rowwise_emulates_on_cpu
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -33,27 +35,7 @@ common = _load("_common")
 INJECTED = ("vit", "fp8-rowwise compiled")
 
 
-def _rowwise_emulates_on_cpu() -> bool:
-    """torchao 0.11 cannot emulate the rowwise recipe under CPU autocast (its float8 tensor has no rowwise cast there;
-    docs/plugins/fp8.md): the suite then records those rows as failed, which is what it should do."""
-    import dataclasses
-
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        return False
-
-    net = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(16, 16)), config=dataclasses.replace(
-        Float8LinearConfig.from_recipe_name("rowwise"), emulate=True))
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            net(torch.randn(16, 16)).float().sum().backward()
-    except (AssertionError, RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-ROWWISE_OK = _rowwise_emulates_on_cpu()
+ROWWISE_OK = rowwise_emulates_on_cpu()  # else the suite records those rows as failed, as it should
 
 
 def _expected_ok(key: tuple[str, str]) -> bool:

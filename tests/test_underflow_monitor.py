@@ -16,7 +16,7 @@ from lightning_precision.callbacks import GradientUnderflowMonitor
 from lightning_precision.callbacks.underflow import _loss_scale_of
 from lightning_precision.functional import exponent_histogram, recommend_loss_scale, underflow_stats
 from tests.distributed import fit_spawned
-from tests.helpers import LitNet, loader, make_data, make_net, trainer
+from tests.helpers import LitNet, fp8_recipe, loader, make_data, make_net, trainer
 
 
 class GradCapture(Callback):
@@ -467,7 +467,7 @@ def _torchao_underflow(grads: dict, dtype: torch.dtype, rowwise: bool = False) -
     return flushed / total
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", [fp8_recipe(r) for r in ("tensorwise", "rowwise")])
 def test_under_an_fp8_plugin_fp8_is_measured_at_the_plugins_dynamic_scale(recipe):
     """Unscaled, e4m3fn flushed most of these gradients (the issue's 0.63-0.82 on real models): no fp8 cast of the run
     does that, since torchao scales each tensor first. Under FP8Precision the fp8 figures are taken at the plugin's
