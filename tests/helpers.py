@@ -149,6 +149,30 @@ def device_reads_per_step(plugin: Any, monkeypatch: Any, log_every_n_steps: int)
     return counts
 
 
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization: one backward through ``a`` and ``b``, then each one's optimizer stepped. Subclasses give
+    ``loss``."""
+
+    def __init__(self, a: nn.Module, b: nn.Module) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+        self.automatic_optimization = False
+
+    def loss(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizers = self.optimizers()
+        self.manual_backward(self.loss(batch[0], batch_idx))
+        for optimizer in optimizers:
+            optimizer.step()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
 # ---- what the installed torchao can run on a CPU ------------------------------------------------------------------
 
 

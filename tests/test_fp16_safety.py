@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_precision import FP16MixedPrecision, SkippedStepsError
 from lightning_precision import fabric as lp_fabric
+from tests import helpers
 from tests.helpers import LitNet, assert_params_equal, count_host_reads, loader, make_data, params, trainer
 
 BIG = 1e6  # fp16 max is 65504: inputs this large make the first layer's output (and the loss) inf
@@ -165,22 +166,12 @@ def test_fabric_updates_the_scale_once_per_backward(read_between):
     assert plugin.skipped_steps == 3
 
 
-class TwoOptimizers(L.LightningModule):
+class TwoOptimizers(helpers.TwoOptimizers):
     def __init__(self):
-        super().__init__()
-        self.a, self.b = two_nets()
-        self.automatic_optimization = False
+        super().__init__(*two_nets())
 
-    def training_step(self, batch, batch_idx):
-        opt_a, opt_b = self.optimizers()
-        self.manual_backward(two_loss(self.a, self.b, batch[0]))
-        opt_a.step()
-        opt_b.step()
-        opt_a.zero_grad()
-        opt_b.zero_grad()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+    def loss(self, x, batch_idx):
+        return two_loss(self.a, self.b, x)
 
 
 def test_trainer_manual_optimization_updates_the_scale_once_per_training_step():

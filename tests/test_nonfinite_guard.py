@@ -19,6 +19,7 @@ import lightning_precision
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision, SkippedStepsError
 from lightning_precision import _imports
 from lightning_precision import fabric as lp_fabric
+from tests import helpers
 from tests.helpers import LitNet, device_reads_per_step, loader, make_data, make_net, params, trainer
 
 _FP8 = pytest.mark.skipif(not _imports._TORCHAO_AVAILABLE, reason="FP8Precision needs torchao (the [fp8] extra)")
@@ -165,27 +166,16 @@ def test_gradient_clipping_sees_the_gradients_and_a_nan_step_is_still_skipped():
     assert plugin.skipped_steps == 1 and all_finite(model)
 
 
-class TwoOptimizers(L.LightningModule):
-    """Manual optimization, one backward, two optimizers: ``a`` gets the NaN input at step 1, ``b`` never does."""
+class TwoOptimizers(helpers.TwoOptimizers):
+    """``a`` gets the NaN input at step 1, ``b`` never does."""
 
     def __init__(self):
-        super().__init__()
         torch.manual_seed(0)
-        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
-        self.automatic_optimization = False
+        super().__init__(nn.Linear(8, 4), nn.Linear(8, 4))
 
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        opt_a, opt_b = self.optimizers()
+    def loss(self, x, batch_idx):
         xa = x * float("nan") if batch_idx == 1 else x
-        self.manual_backward(self.a(xa).sum() + self.b(x).sum())
-        opt_a.step()
-        opt_b.step()
-        opt_a.zero_grad()
-        opt_b.zero_grad()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+        return self.a(xa).sum() + self.b(x).sum()
 
 
 def test_manual_optimization_with_two_optimizers_skips_only_the_poisoned_one():
@@ -336,14 +326,8 @@ def test_an_optimizer_without_any_gradient_steps_as_under_lightning():
     ("No inf checks were recorded"); there is nothing to check, so the optimizer's own step runs."""
 
     class FrozenSecond(TwoOptimizers):
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            opt_a, opt_b = self.optimizers()
-            self.manual_backward(self.a(x).sum())  # b gets no gradient
-            opt_a.step()
-            opt_b.step()
-            opt_a.zero_grad()
-            opt_b.zero_grad()
+        def loss(self, x, batch_idx):
+            return self.a(x).sum()  # b gets no gradient, and its optimizer still steps
 
     model, plugin = FrozenSecond(), BF16MixedPrecision(**GUARD)
     before = params(model.a)
