@@ -496,9 +496,15 @@ class FP8Precision(_ScaledPrecision):
         """Move fp8 layers back to ``compute_dtype``, in place: ``layers`` maps a path to the reason. Each stays the
         same module with the same Parameters, so the optimizer and its state are untouched. Recorded in ``plan`` and
         ``layer_decisions`` (and so in checkpoints: a resumed run keeps them in high precision); ``numbers`` are the
-        measurements behind each. Returns the paths moved (those not in fp8 now are left). Call it on every process at
-        the same step (``FP8Guard`` does)."""
+        measurements behind each. Returns the paths moved (layers in high precision are left; a converted one reported
+        not fp8 for now, an expert not run yet or an MXFP8 layer whose calls all fell back, moves too). Call it on
+        every process at the same step (``FP8Guard`` does)."""
         current = self.fp8_modules()
+        root = self._root() if self._root is not None else None
+        if root is not None and self._calibration is None:  # as `fp8_modules()`
+            # Converted layers reported not fp8 for now still compute in fp8 when they run (an expert no token has
+            # reached yet; an MXFP8 layer whose calls all fell back so far): they move too, or they would come back.
+            current.update({fqn: root.get_submodule(fqn) for fqn in (*self._idle_decisions, *self._short_mxfp8)})
         # A layer registered under several names (tied) is one layer, decided under its first name: any name moves it.
         first = {alias: d.fqn for d in self.layer_decisions for alias in d.aliases}
         layers = {first.get(fqn, fqn): why for fqn, why in layers.items()}
@@ -511,8 +517,14 @@ class FP8Precision(_ScaledPrecision):
                                " in place; only torchao's can (backend='torchao').")
         for fqn in chosen:
             _fp8.demote_torchao_layer(current[fqn])
-        plan = self.plan_in_force()
-        assert plan is not None  # layers run in fp8: the model is converted and decided
+            self._idle_decisions.pop(fqn, None)
+            self._short_mxfp8.pop(fqn, None)
+        # The plan kept from now on records the layers reported not fp8 only for now as what they are, converted (as a
+        # given or measured plan does): frozen as "not fp8", an expert that runs later kept training in fp8 while the
+        # plan (its file, the checkpoint a run resumes from) said bf16, and a resumed run demoted it.
+        held = {**self._idle_decisions, **self._short_mxfp8}
+        plan = self.plan if self.plan is not None else PrecisionPlan.from_decisions(
+            [held.get(d.fqn, d) for d in self.layer_decisions], self.scaling_family)
         for fqn in chosen:
             plan = plan.with_layer(fqn, HIGH, layers[fqn], (numbers or {}).get(fqn))
         self.plan = plan
@@ -649,23 +661,29 @@ class FP8Precision(_ScaledPrecision):
                 self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=_fp8._NEVER_RAN) if d.fqn in idle
                                         else d for d in self.layer_decisions]
                 _fp8._warn_never_ran(idle)
-            # MXFP8 layers that ran but never in MXFP8 (too few tokens for a block, every call): not fp8 either.
-            short = _fp8.mxfp8_after_first_step(watch.layers, self.compute_dtype, type(self).__name__)
-            if short:
-                self._short_mxfp8 = {d.fqn: d for d in self.layer_decisions if d.fqn in short}
-                self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=short[d.fqn]) if d.fqn in short
-                                        else d for d in self.layer_decisions]
+            self._judge_mxfp8(watch, [fqn for fqn in watch.layers if fqn not in idle])
         elif watch is not None:
             ran = watch.ran()
             if ran:
                 self.layer_decisions = [self._idle_decisions.pop(d.fqn, d) if d.fqn in ran else d
                                         for d in self.layer_decisions]
+                # An MXFP8 expert's first step is judged as the others' was: every call short of a block is not fp8.
+                self._judge_mxfp8(watch, ran)
         if watch is not None:
             if not watch.watching:
                 self._forward_watch = None
             self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
         if self._short_mxfp8:
             self._recheck_short_mxfp8()
+
+    def _judge_mxfp8(self, watch: _fp8._ForwardWatch, ran: list[str]) -> None:
+        """MXFP8 layers among ``ran`` (each in the backward after its first call) that ran but never in MXFP8 (too few
+        tokens for a block, every call): not fp8 either, until a call runs in MXFP8 (``_recheck_short_mxfp8``)."""
+        short = _fp8.mxfp8_after_first_step(watch.layers, self.compute_dtype, type(self).__name__, ran=ran)
+        if short:
+            self._short_mxfp8.update({d.fqn: d for d in self.layer_decisions if d.fqn in short})
+            self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=short[d.fqn]) if d.fqn in short
+                                    else d for d in self.layer_decisions]
 
     def _recheck_short_mxfp8(self) -> None:
         """An MXFP8 layer reported not fp8 (every call fell back) that has since run a call in MXFP8 (sequences of
