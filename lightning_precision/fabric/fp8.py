@@ -19,7 +19,7 @@ from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
+from lightning_precision.plan import FP8, HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, deprecated, warn
 
@@ -519,12 +519,8 @@ class FP8Precision(_ScaledPrecision):
             _fp8.demote_torchao_layer(current[fqn])
             self._idle_decisions.pop(fqn, None)
             self._short_mxfp8.pop(fqn, None)
-        # The plan kept from now on records the layers reported not fp8 only for now as what they are, converted (as a
-        # given or measured plan does): frozen as "not fp8", an expert that runs later kept training in fp8 while the
-        # plan (its file, the checkpoint a run resumes from) said bf16, and a resumed run demoted it.
-        held = {**self._idle_decisions, **self._short_mxfp8}
-        plan = self.plan if self.plan is not None else PrecisionPlan.from_decisions(
-            [held.get(d.fqn, d) for d in self.layer_decisions], self.scaling_family)
+        plan = self.plan_in_force()
+        assert plan is not None  # layers run in fp8: the model is converted and decided
         for fqn in chosen:
             plan = plan.with_layer(fqn, HIGH, layers[fqn], (numbers or {}).get(fqn))
         self.plan = plan
@@ -665,8 +661,7 @@ class FP8Precision(_ScaledPrecision):
         elif watch is not None:
             ran = watch.ran()
             if ran:
-                self.layer_decisions = [self._idle_decisions.pop(d.fqn, d) if d.fqn in ran else d
-                                        for d in self.layer_decisions]
+                self._count_again({fqn: self._idle_decisions.pop(fqn) for fqn in ran if fqn in self._idle_decisions})
                 # An MXFP8 expert's first step is judged as the others' was: every call short of a block is not fp8.
                 self._judge_mxfp8(watch, ran)
         if watch is not None:
@@ -675,6 +670,17 @@ class FP8Precision(_ScaledPrecision):
             self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
         if self._short_mxfp8:
             self._recheck_short_mxfp8()
+
+    def _count_again(self, restored: Mapping[str, _fp8.LayerDecision]) -> None:
+        """Layers reported not fp8 for a while (an idle expert, an MXFP8 layer whose calls all fell back) that have run
+        in fp8: their decisions back. A plan ``demote`` took while they read "not fp8" (it keeps the plan from then on:
+        FP8Guard's file, checkpoints) says fp8 for them again: left stale, a run resumed from it demoted them."""
+        was = {d.fqn: d.reason for d in self.layer_decisions if d.fqn in restored}
+        self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
+        for fqn, decision in restored.items():
+            entry = self.plan.get(fqn) if self.plan is not None else None
+            if entry is not None and entry.precision == HIGH and entry.reason == was.get(fqn):
+                self.plan = self.plan.with_layer(fqn, FP8, decision.reason)
 
     def _judge_mxfp8(self, watch: _fp8._ForwardWatch, ran: list[str]) -> None:
         """MXFP8 layers among ``ran`` (each in the backward after its first call) that ran but never in MXFP8 (too few
@@ -694,8 +700,7 @@ class FP8Precision(_ScaledPrecision):
         ran = [fqn for fqn in self._short_mxfp8 if getattr(module.get_submodule(fqn), "_mxfp8_ran", False)]
         if not ran:
             return
-        restored = {fqn: self._short_mxfp8.pop(fqn) for fqn in ran}
-        self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
+        self._count_again({fqn: self._short_mxfp8.pop(fqn) for fqn in ran})
         self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
         rank_zero_info(f"fp8: {', '.join(ran)}: a training call of a multiple of {_fp8.MXFP8_TOKENS} tokens ran in"
                        " MXFP8; counted as fp8 again.")
