@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import inspect
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -330,8 +330,9 @@ class _ForwardWatch:
     have not run and keeps watching only them; ``ran()`` (at each later backward) returns those that have run since:
     a layer no input reached at first (an expert a mixture of experts does not call while no token is routed to it)
     computes in fp8 from the step it runs. The hooks are bound methods (the model pickles) and leave as layers run.
-    Until the first backward, MXFP8 layers leave their fallback warnings to the plugin, which gives them once it knows
-    what ran (``mxfp8_after_first_step``)."""
+    Until the backward after their first call (the first backward; later for an idle expert), MXFP8 layers leave their
+    fallback warnings to the plugin, which gives them once it knows what ran (``mxfp8_after_first_step``); ``close()``
+    hands them back to the layers still watched."""
 
     def __init__(self, layers: dict[str, nn.Module]) -> None:
         self.layers = layers
@@ -364,8 +365,11 @@ class _ForwardWatch:
         return bool(self._handles)
 
     def close(self) -> None:
-        for handle in self._handles.values():
+        for fqn, handle in self._handles.items():
             handle.remove()
+            # Its MXFP8 fallbacks were left to the plugin, which no longer watches it: the layer says them itself again.
+            if getattr(self.layers[fqn], _MXFP8, False):
+                self.layers[fqn]._mxfp8_quiet = False
         self._handles.clear()
 
 
@@ -647,14 +651,18 @@ def _short_reason(tokens: int, dtype: torch.dtype) -> str:
             f" block MXFP8's backward casts tokens in): it ran in {dtype}, not fp8")
 
 
-def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype,
-                           owner: str = "FP8Precision") -> dict[str, str]:
+def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype, owner: str = "FP8Precision",
+                           ran: Optional[Iterable[str]] = None) -> dict[str, str]:
     """After the first training backward: the MXFP8 layers among ``layers`` whose every call fell back to ``dtype``
     (tokens not a multiple of 32), each with the reason it is not fp8 (a ``LayerDecision.reason``), said in one
-    warning with a fix that works for them. A
-    layer that ran some calls in MXFP8 stays an MXFP8 layer, its fallback warned (named). From here on, each layer
-    warns by itself at its first fallback."""
-    mx = {fqn: m for fqn, m in layers.items() if getattr(m, _MXFP8, False)}
+    warning with a fix that works for them. A layer that ran some calls in MXFP8 stays an MXFP8 layer, its fallback
+    warned (named). From here on, each layer warns by itself at its first fallback. ``ran``: the layers judged now
+    (default: all of ``layers``); the others (an expert no token reached in the first step) stay quiet until the
+    backward after their first call, when this is called again with them in ``ran`` (``layers`` still all of them, so
+    the fix knows whether other layers ran in MXFP8)."""
+    judged = set(layers) if ran is None else set(ran)
+    every = {fqn: m for fqn, m in layers.items() if getattr(m, _MXFP8, False)}
+    mx = {fqn: m for fqn, m in every.items() if fqn in judged}
     for m in mx.values():
         m._mxfp8_quiet = False
     short = {fqn: m._mxfp8_short for fqn, m in mx.items() if m._mxfp8_short is not None and not m._mxfp8_ran}
@@ -666,7 +674,7 @@ def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype,
     if not short:
         return {}
     named = ", ".join(f"{fqn} ({tokens} tokens)" for fqn, tokens in short.items())
-    if any(m._mxfp8_ran for m in mx.values()):
+    if any(m._mxfp8_ran for m in every.values()):
         # Other MXFP8 layers got a multiple of 32: these see fewer tokens than the rest (a head over pooled tokens),
         # and no choice of sequence length helps them.
         fix = (f"They see fewer tokens than the model's other MXFP8 layers (a head over pooled tokens, say). Exclude"
@@ -676,10 +684,10 @@ def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype,
     else:
         fix = ("No MXFP8 layer ran in MXFP8: batch x sequence is what is short. Make it a multiple of 32 (pad sequences"
                " to a multiple of 32, e.g. a tokenizer's `pad_to_multiple_of=32`, or choose such a batch size).")
-    warn(f"{owner}(recipe='mxfp8'): {len(short)} layer(s) ran every training call of the first step in {dtype}, not"
-         f" in MXFP8, because the tokens reaching them are not a multiple of {MXFP8_TOKENS} (the block MXFP8's backward"
-         f" casts tokens in): {named}. `layer_decisions` and `precision/fp8_layers` count them as not fp8 (and as fp8"
-         f" again if a later call runs in MXFP8). {fix}", NoEffectWarning)
+    warn(f"{owner}(recipe='mxfp8'): {len(short)} layer(s) ran every training call of the first step they ran in"
+         f" {dtype}, not in MXFP8, because the tokens reaching them are not a multiple of {MXFP8_TOKENS} (the block"
+         f" MXFP8's backward casts tokens in): {named}. `layer_decisions` and `precision/fp8_layers` count them as not"
+         f" fp8 (and as fp8 again if a later call runs in MXFP8). {fix}", NoEffectWarning)
     return {fqn: _short_reason(tokens, dtype) for fqn, tokens in short.items()}
 
 

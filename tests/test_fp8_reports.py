@@ -191,3 +191,113 @@ def test_a_layer_that_falls_back_only_on_a_short_last_batch_stays_mxfp8_with_one
     assert float(plugin.metrics()["precision/fp8_layers"]) == 2
     assert sorted(w.split(" ran a call")[0] for w in warned) == ["MXFP8: layer 'net.enc'", "MXFP8: layer 'net.pre'"]
     assert "of 24 tokens" in " ".join(warned) and all("drop_last=True" in w for w in warned)
+
+
+def test_the_guards_fp8_layer_count_is_logged_at_the_step_lightning_logs_the_batch_at(tmp_path):
+    """FP8Guard logged ``precision/fp8_layers`` (on its measured steps between the logger's) at ``global_step``, which
+    counts every optimizer's steps, while the plugin logs it at the logger's step: with two optimizers a 6-step run
+    had values at steps 8 and 10, and a logger that drops steps going back (wandb) lost the plugin's."""
+    from lightning_precision.callbacks import FP8Guard
+
+    L.Trainer(accelerator="cpu", plugins=[FP8Precision(**FP8_KW)], callbacks=[FP8Guard(every_n_steps=1)], max_steps=12,
+              log_every_n_steps=2, logger=CSVLogger(tmp_path, name="run"), default_root_dir=tmp_path,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              ).fit(TwoOptimizers(), loader(6))
+    assert sorted(logged(tmp_path, "precision/fp8_layers")) == [0, 1, 2, 3, 4, 5]  # guard: 0, 2, 4; plugin: 1, 3, 5
+
+
+class Routed(nn.Module):
+    """A router over two MXFP8 experts: expert 1 gets no token in step 0, 8 of the 64 tokens in steps 1 and 2, 32 in
+    step 3; expert 0 the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.head = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.experts = nn.ModuleList([nn.Linear(64, 64) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        route = torch.zeros(len(h), dtype=torch.long)
+        route[: (0, 8, 8, 32)[step]] = 1
+        out = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            chosen = route == i
+            if chosen.any():  # an expert without tokens is not called (Hugging Face's Mixtral)
+                out[chosen] = expert(h[chosen]).to(out.dtype)
+        return self.head(out)
+
+
+class RoutedLit(PooledLit):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Routed()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x, batch_idx).float(), y)
+
+
+@mxfp8
+def test_an_expert_idle_in_the_first_step_whose_calls_then_fall_back_is_reported_not_fp8_until_one_runs_in_mxfp8(
+    tmp_path,
+):
+    """Its first step with tokens was never judged as the first step is: it was counted fp8 from then on while every
+    call ran in bf16, under the layer's own warning that it "stays an MXFP8 layer". Judged the same way now: not fp8
+    (the reason gives its 8 tokens) until a call of 32 tokens runs in MXFP8."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 64, generator=g), torch.randint(0, 64, (64,), generator=g)) for _ in range(4)]
+    plugin = FP8Precision(**MX_KW)
+    trainer = L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=3, log_every_n_steps=1,
+                        logger=CSVLogger(tmp_path, name="run"), enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    module = RoutedLit()
+    with pytest.warns(Warning) as caught:
+        trainer.fit(module, torch.utils.data.DataLoader(data[:3], batch_size=None))
+    from lightning_precision import NoEffectWarning
+
+    warned = [str(w.message) for w in caught if issubclass(w.category, NoEffectWarning)]
+    assert logged(tmp_path, "precision/fp8_layers") == {0: 3.0, 1: 3.0, 2: 3.0}
+    expert = {d.fqn: d for d in plugin.layer_decisions}["net.experts.1"]
+    assert not expert.fp8 and "every training call so far had 8 tokens" in expert.reason
+    assert not any("'net.experts.1'" in w and "stays an MXFP8 layer" in w for w in warned), warned
+    assert sum("net.experts.1 (8 tokens)" in w for w in warned) == 1, warned
+
+    # A step that gives it 32 tokens runs it in MXFP8: counted again.
+    L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=4, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False,
+              ).fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    assert plugin.metrics()["precision/fp8_layers"].item() == 4
+
+
+@mxfp8
+def test_demote_moves_an_mxfp8_layer_whose_calls_all_fell_back_and_it_does_not_count_again(tmp_path):
+    """``pre`` (8 tokens a step) is reported not fp8 after the first step; ``demote`` left it as an MXFP8 layer (not
+    "in fp8 now"), so the first 32-token call ran it in MXFP8 and counted it fp8 again, its demotion lost."""
+    from tests.test_idle_experts import DemoteAtSecondStep
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(b, 4, 64, generator=g), torch.randint(0, 2, (b,), generator=g)) for b in (8, 8, 32)]
+    plugin, demote, module = FP8Precision(**MX_KW), DemoteAtSecondStep("net.pre"), PooledLit()
+    with pytest.warns(Warning):
+        L.Trainer(accelerator="cpu", plugins=[plugin], callbacks=[demote], max_steps=3, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  ).fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    assert demote.moved == ["net.pre"] and type(module.net.pre) is nn.Linear
+    assert [d.fqn for d in plugin.layer_decisions if d.fp8] == ["net.enc"]
+    assert plugin.metrics()["precision/fp8_layers"].item() == 1
+
+
+@mxfp8
+def test_a_second_model_leaves_the_first_ones_mxfp8_layers_warning_their_fallbacks():
+    """Fabric with two models (a GAN's two halves) on one plugin: the second's conversion closed the first's watch
+    before any backward, and the first's MXFP8 layers kept the silence the watch had put on them: their calls on too
+    few tokens for a block ran in bf16, step after step, with no warning."""
+    from lightning_precision import NoEffectWarning
+    from lightning_precision.fabric import FP8Precision as FabricFP8Precision
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FabricFP8Precision(**MX_KW)])
+    first = fabric.setup_module(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)))
+    fabric.setup_module(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)))
+    with pytest.warns(NoEffectWarning, match=r"layer '0' ran a call of 8 tokens"):
+        fabric.backward(first(torch.randn(8, 64)).float().sum())

@@ -182,3 +182,50 @@ def test_an_expert_not_called_in_the_first_step_is_fp8_from_the_step_it_runs(tmp
                   enable_model_summary=False, enable_checkpointing=False).fit(module, loader())
     assert {d.fqn for d in plugin.layer_decisions if d.fp8} == fp8 - {"net.experts.1"}
     torch.save(module.net, io.BytesIO())
+
+
+class DemoteAtSecondStep(L.Callback):
+    """``plugin.demote(fqn)`` by hand before the second step: after the first backward (settled: expert 1 of
+    ``IdleFirst`` did not run in it)."""
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn, self.moved = fqn, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            self.moved = trainer.precision_plugin.demote({self.fqn: "by hand"})
+
+
+def fit_demoting(fqn: str) -> tuple[FP8Precision, DemoteAtSecondStep, IdleFirst]:
+    plugin, demote, module = FP8Precision(**FP8_KW), DemoteAtSecondStep(fqn), IdleFirst()
+    with pytest.warns(NoEffectWarning, match="did not run their forward"):
+        L.Trainer(accelerator="cpu", plugins=[plugin], callbacks=[demote], max_steps=STEPS, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  ).fit(module, loader())
+    return plugin, demote, module
+
+
+def test_an_expert_demoted_before_it_first_runs_stays_in_high_precision_when_it_runs():
+    """``demote`` (by hand, or a resumed plan's demotions) of an expert no token had reached yet: it was not among the
+    layers "in fp8 now", so it was left as a Float8Linear, and the step it first ran it computed in fp8 and was counted
+    fp8 again, its demotion lost. It moves like any fp8 layer, and stays moved."""
+    plugin, demote, module = fit_demoting("net.experts.1")
+    assert demote.moved == ["net.experts.1"]
+    assert type(module.net.experts[1]) is nn.Linear  # ran on steps 1, 3, 5: in bf16
+    decisions = {d.fqn: d for d in plugin.layer_decisions}
+    assert not decisions["net.experts.1"].fp8 and decisions["net.experts.1"].reason == "demoted: by hand"
+    assert set(plugin.fp8_modules()) == {"net.inp", "net.experts.0", "net.head"}
+    assert plugin.metrics()["precision/fp8_layers"].item() == 3
+    assert "net.experts.1" not in plugin.plan_in_force().fp8_layers
+
+
+def test_a_demotion_while_an_expert_has_not_run_yet_keeps_that_expert_fp8_in_the_plan():
+    """The plan ``demote`` keeps (FP8Guard's file, the checkpoint's) was taken from ``layer_decisions`` as they read
+    then, an expert no token had reached yet "not fp8": it ran in fp8 from the next step on while the plan said bf16,
+    and a run resumed from that checkpoint demoted it."""
+    plugin, demote, module = fit_demoting("net.head")
+    assert demote.moved == ["net.head"]
+    fp8 = {"net.inp", "net.experts.0", "net.experts.1"}
+    assert {d.fqn for d in plugin.layer_decisions if d.fp8} == set(plugin.fp8_modules()) == fp8
+    assert plugin.plan_in_force().fp8_layers == fp8
+    assert PrecisionPlan.from_dict(plugin.state_dict()["plan"]).fp8_layers == fp8

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_precision import fp8 as _fp8
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._checks import is_positive_int
-from lightning_precision._lightning import should_update_logs
+from lightning_precision._lightning import batches_that_stepped, should_update_logs
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.plan import PlanRule, _measured_numbers, _suffix, demotions
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
@@ -251,8 +251,10 @@ class FP8Guard(Callback):
         if not should_update_logs(trainer):  # on the logger's steps the plugin logs it itself: not twice
             metrics["precision/fp8_layers"] = float(len(plugin.fp8_modules()))
         if metrics:
+            # The step Lightning logs this batch's metrics at (the plugin's `precision/fp8_layers` included), not
+            # `global_step`, which counts every optimizer's steps: a logger seeing steps go back drops them (wandb).
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=batches_that_stepped(trainer))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

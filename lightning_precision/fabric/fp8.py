@@ -19,7 +19,7 @@ from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision.plan import HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
+from lightning_precision.plan import FP8, HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, deprecated, warn
 
@@ -496,9 +496,15 @@ class FP8Precision(_ScaledPrecision):
         """Move fp8 layers back to ``compute_dtype``, in place: ``layers`` maps a path to the reason. Each stays the
         same module with the same Parameters, so the optimizer and its state are untouched. Recorded in ``plan`` and
         ``layer_decisions`` (and so in checkpoints: a resumed run keeps them in high precision); ``numbers`` are the
-        measurements behind each. Returns the paths moved (those not in fp8 now are left). Call it on every process at
-        the same step (``FP8Guard`` does)."""
+        measurements behind each. Returns the paths moved (layers in high precision are left; a converted one reported
+        not fp8 for now, an expert not run yet or an MXFP8 layer whose calls all fell back, moves too). Call it on
+        every process at the same step (``FP8Guard`` does)."""
         current = self.fp8_modules()
+        root = self._root() if self._root is not None else None
+        if root is not None and self._calibration is None:  # as `fp8_modules()`
+            # Converted layers reported not fp8 for now still compute in fp8 when they run (an expert no token has
+            # reached yet; an MXFP8 layer whose calls all fell back so far): they move too, or they would come back.
+            current.update({fqn: root.get_submodule(fqn) for fqn in (*self._idle_decisions, *self._short_mxfp8)})
         # A layer registered under several names (tied) is one layer, decided under its first name: any name moves it.
         first = {alias: d.fqn for d in self.layer_decisions for alias in d.aliases}
         layers = {first.get(fqn, fqn): why for fqn, why in layers.items()}
@@ -511,6 +517,8 @@ class FP8Precision(_ScaledPrecision):
                                " in place; only torchao's can (backend='torchao').")
         for fqn in chosen:
             _fp8.demote_torchao_layer(current[fqn])
+            self._idle_decisions.pop(fqn, None)
+            self._short_mxfp8.pop(fqn, None)
         plan = self.plan_in_force()
         assert plan is not None  # layers run in fp8: the model is converted and decided
         for fqn in chosen:
@@ -649,23 +657,39 @@ class FP8Precision(_ScaledPrecision):
                 self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=_fp8._NEVER_RAN) if d.fqn in idle
                                         else d for d in self.layer_decisions]
                 _fp8._warn_never_ran(idle)
-            # MXFP8 layers that ran but never in MXFP8 (too few tokens for a block, every call): not fp8 either.
-            short = _fp8.mxfp8_after_first_step(watch.layers, self.compute_dtype, type(self).__name__)
-            if short:
-                self._short_mxfp8 = {d.fqn: d for d in self.layer_decisions if d.fqn in short}
-                self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=short[d.fqn]) if d.fqn in short
-                                        else d for d in self.layer_decisions]
+            self._judge_mxfp8(watch, [fqn for fqn in watch.layers if fqn not in idle])
         elif watch is not None:
             ran = watch.ran()
             if ran:
-                self.layer_decisions = [self._idle_decisions.pop(d.fqn, d) if d.fqn in ran else d
-                                        for d in self.layer_decisions]
+                self._count_again({fqn: self._idle_decisions.pop(fqn) for fqn in ran if fqn in self._idle_decisions})
+                # An MXFP8 expert's first step is judged as the others' was: every call short of a block is not fp8.
+                self._judge_mxfp8(watch, ran)
         if watch is not None:
             if not watch.watching:
                 self._forward_watch = None
             self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
         if self._short_mxfp8:
             self._recheck_short_mxfp8()
+
+    def _count_again(self, restored: Mapping[str, _fp8.LayerDecision]) -> None:
+        """Layers reported not fp8 for a while (an idle expert, an MXFP8 layer whose calls all fell back) that have run
+        in fp8: their decisions back. A plan ``demote`` took while they read "not fp8" (it keeps the plan from then on:
+        FP8Guard's file, checkpoints) says fp8 for them again: left stale, a run resumed from it demoted them."""
+        was = {d.fqn: d.reason for d in self.layer_decisions if d.fqn in restored}
+        self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
+        for fqn, decision in restored.items():
+            entry = self.plan.get(fqn) if self.plan is not None else None
+            if entry is not None and entry.precision == HIGH and entry.reason == was.get(fqn):
+                self.plan = self.plan.with_layer(fqn, FP8, decision.reason)
+
+    def _judge_mxfp8(self, watch: _fp8._ForwardWatch, ran: list[str]) -> None:
+        """MXFP8 layers among ``ran`` (each in the backward after its first call) that ran but never in MXFP8 (too few
+        tokens for a block, every call): not fp8 either, until a call runs in MXFP8 (``_recheck_short_mxfp8``)."""
+        short = _fp8.mxfp8_after_first_step(watch.layers, self.compute_dtype, type(self).__name__, ran=ran)
+        if short:
+            self._short_mxfp8.update({d.fqn: d for d in self.layer_decisions if d.fqn in short})
+            self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=short[d.fqn]) if d.fqn in short
+                                    else d for d in self.layer_decisions]
 
     def _recheck_short_mxfp8(self) -> None:
         """An MXFP8 layer reported not fp8 (every call fell back) that has since run a call in MXFP8 (sequences of
@@ -676,8 +700,7 @@ class FP8Precision(_ScaledPrecision):
         ran = [fqn for fqn in self._short_mxfp8 if getattr(module.get_submodule(fqn), "_mxfp8_ran", False)]
         if not ran:
             return
-        restored = {fqn: self._short_mxfp8.pop(fqn) for fqn in ran}
-        self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
+        self._count_again({fqn: self._short_mxfp8.pop(fqn) for fqn in ran})
         self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
         rank_zero_info(f"fp8: {', '.join(ran)}: a training call of a multiple of {_fp8.MXFP8_TOKENS} tokens ran in"
                        " MXFP8; counted as fp8 again.")
