@@ -5,21 +5,25 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from typing_extensions import override
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["console", "echo"]
+__all__ = ["console", "echo", "say"]
 
 
-def _silence_stdout() -> None:
-    """Point stdout at the null device: what is still buffered is lost with the reader, and Python's own writes and
-    its flush at exit go nowhere instead of failing."""
+def _silence(stream: TextIO) -> None:
+    """Point ``stream`` (stdout, stderr) at the null device: what is still buffered is lost with the reader, and
+    Python's own writes and its flush at exit go nowhere instead of failing."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file of the system (a test's capture): nothing to point
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, fd)
     os.close(devnull)
 
 
@@ -34,7 +38,16 @@ def _outliving() -> type[Console]:
         @override
         def on_broken_pipe(self) -> None:
             self.quiet = True
-            _silence_stdout()
+            _silence(sys.stdout)
+
+        @override
+        def _check_buffer(self) -> None:
+            # rich takes only EPIPE for a reader gone; a terminal that hung up (the ssh connection dropped, the window
+            # closed: SIGHUP) answers EIO, which would end the comparison before it writes its report.
+            try:
+                super()._check_buffer()
+            except OSError:
+                self.on_broken_pipe()
 
     return Outliving
 
@@ -48,6 +61,19 @@ def console(outlive_reader: bool = False) -> Console:
     return (_outliving() if outlive_reader else Console)(width=None if sys.stdout.isatty() else 150)
 
 
+def say(text: str) -> bool:
+    """Print ``text`` to standard error, flushed; False if nobody reads it any more (a closed pipe, a terminal that
+    hung up): stderr then goes nowhere, quietly, and the command carries on (its exit code stays its own)."""
+    if sys.stderr is None:  # started with stderr closed (`2>&-`): print would write to stdout instead
+        return False
+    try:
+        print(text, file=sys.stderr, flush=True)
+        return True
+    except OSError:
+        _silence(sys.stderr)
+        return False
+
+
 def echo(text: str) -> bool:
     """Print ``text`` to standard output, flushed; False if the reader has gone (``| head`` closed the pipe). The rest
     of the output then goes nowhere, quietly, as Unix tools do: no BrokenPipeError from this call, nor from Python's
@@ -55,6 +81,6 @@ def echo(text: str) -> bool:
     try:
         print(text, flush=True)
         return True
-    except BrokenPipeError:
-        _silence_stdout()
+    except OSError:  # BrokenPipeError; EIO from a terminal that hung up
+        _silence(sys.stdout)
         return False

@@ -112,6 +112,20 @@ def _held_above(folder: Path) -> Optional[tuple[Path, str]]:
     return None
 
 
+def _open_made(path: Path, tries: int = 100) -> int:
+    """Open (create) the file ``path``, making its folder and parents first. A run on a sibling folder that made the
+    same parents removes them as it leaves having written nothing (``claim_folder``), possibly between the making and
+    the opening: they are made again."""
+    for _ in range(tries - 1):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
 @contextlib.contextmanager
 def _lock(folder: Path, owner: str) -> Iterator[None]:
     """Hold ``.<name>.lock`` beside the folder (beside it, not in it: the folder itself is swapped). ``flock`` ends
@@ -124,8 +138,7 @@ def _lock(folder: Path, owner: str) -> Iterator[None]:
         fcntl = None  # type: ignore[assignment]
     while True:
         try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_made(path)
         except OSError as err:
             check_writable_dir(folder, owner)  # the words every writer uses when it is the folder that cannot be made
             raise ValueError(f"{owner}: cannot create the lock file {str(path)!r} beside the folder"

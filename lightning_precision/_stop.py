@@ -1,6 +1,7 @@
-"""SIGINT and SIGTERM while ``lightning-precision compare`` runs: recorded, and acted on where it is safe. Imports
-nothing heavy, so that the command line can take them before it imports torch and Lightning (seconds, during which a
-Ctrl-C used to print a traceback, or vanish where SIGINT was ignored at start, as in a job started with ``&``)."""
+"""SIGINT, SIGTERM and SIGHUP while ``lightning-precision compare`` runs: recorded, and acted on where it is safe.
+Imports nothing heavy, so that the command line can take them before it imports torch and Lightning (seconds, during
+which a Ctrl-C used to print a traceback, or vanish where SIGINT was ignored at start, as in a job started with
+``&``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from typing import Any, Optional
 
 __all__ = ["Interrupted", "STOP_SIGNALS", "Stop", "signal_name"]
 
-# What stops a comparison (the terminal's Ctrl-C; timeout, SLURM and Kubernetes send SIGTERM)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What stops a comparison: the terminal's Ctrl-C; SIGTERM from timeout, SLURM and Kubernetes; SIGHUP when the terminal
+# closes (an ssh connection that drops): its default ends the process at once, every finished step lost. Where SIGHUP
+# is ignored as the command starts (``nohup``) it stays ignored: the comparison runs on. (Windows has no SIGHUP.)
+_SIGHUP = getattr(signal, "SIGHUP", None)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((_SIGHUP,) if _SIGHUP is not None else ()))
 _NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
@@ -28,7 +32,7 @@ class Interrupted(BaseException):
 
 
 class Stop:
-    """SIGINT and SIGTERM from ``__enter__`` to ``__exit__`` (the previous handlers are restored then). The first signal
+    """``STOP_SIGNALS`` from ``__enter__`` to ``__exit__`` (the previous handlers are restored then). The first signal
     asks every run to stop at its next turn, and what finished is written; a second one kills what still runs at
     once. The handler only records: the loops look between messages (every 0.2 s at most), so no exception lands in
     the middle of a message or of the cleanup. In a ``raising`` block (work that can be abandoned at any point: imports,
@@ -43,6 +47,8 @@ class Stop:
     def __enter__(self) -> Stop:
         if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
             for signum in STOP_SIGNALS:
+                if signum == _SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:  # nohup: asked to run on
+                    continue
                 self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
@@ -83,8 +89,8 @@ class Stop:
         return len(self.received) > 1
 
     def exit_code(self, code: int) -> int:
-        """128 + the first signal, as a shell reports a command the signal stopped (130 for Ctrl-C, 143 for SIGTERM);
-        ``code`` if none came."""
+        """128 + the first signal, as a shell reports a command the signal stopped (130 for Ctrl-C, 143 for SIGTERM, 129
+        for SIGHUP); ``code`` if none came."""
         return 128 + self.signum if self.signum is not None else code
 
     def nothing_written(self, out: Optional[str] = None) -> str:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lightning_precision._console import say
+
 __all__ = ["main", "recipe_configs"]
 
 _USAGE = """usage: lightning-precision [--version] {fit,compare,doctor,plan} ...
@@ -219,8 +221,8 @@ def _fit(argv: list[str]) -> int:
                   save_config_kwargs={"overwrite": True})
     except (_ConfigError, ArgumentError) as err:
         message = str(err) if isinstance(err, _ConfigError) else _parser_error(str(err))
-        print(f"lightning-precision fit: error: {message.rstrip('.')}; `lightning-precision fit --help` lists the"
-              " options", file=sys.stderr)
+        say(f"lightning-precision fit: error: {message.rstrip('.')}; `lightning-precision fit --help` lists the"
+            " options")
         return 2
     finally:
         sys.argv = argv0
@@ -229,9 +231,9 @@ def _fit(argv: list[str]) -> int:
 
 
 def _compare(argv: list[str]) -> int:
-    """``compare``, with SIGINT and SIGTERM taken before the imports: torch and Lightning take seconds to import, and a
-    Ctrl-C then printed a traceback, or vanished where SIGINT was ignored at start (a job started with ``&``) and the
-    whole comparison ran."""
+    """``compare``, with SIGINT, SIGTERM and SIGHUP taken before the imports: torch and Lightning take seconds to
+    import, and a Ctrl-C then printed a traceback, or vanished where SIGINT was ignored at start (a job started with
+    ``&``) and the whole comparison ran."""
     from lightning_precision._spawn import exit_if_importing_main
     from lightning_precision._stop import Interrupted, Stop
 
@@ -242,12 +244,12 @@ def _compare(argv: list[str]) -> int:
                 from lightning_precision.compare import UsageError
                 from lightning_precision.compare import main as compare
         except Interrupted:
-            print(stop.nothing_written(), file=sys.stderr)
+            say(stop.nothing_written())
             return stop.exit_code(1)
         try:
             return compare(argv, stop)
         except UsageError as err:
-            print(f"lightning-precision compare: error: {err}", file=sys.stderr)
+            say(f"lightning-precision compare: error: {err}")
             return 2
 
 
@@ -275,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return plan(rest)
     except SystemExit as exit:  # argparse's --help (0) and usage errors (2): a code, also when called as a function
         return exit.code if isinstance(exit.code, int) else 1
-    print(f"lightning-precision: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
+    say(f"lightning-precision: unknown command {command!r}\n\n{_USAGE}")
     return 2
 
 

@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_precision._console import say
 from lightning_precision._outdir import claim_folder
 from lightning_precision._report import FILES, NOISY
 from lightning_precision._spawn import NO_MAIN_GUARD_EXIT, exit_if_importing_main, no_main_guard_message
@@ -504,7 +505,7 @@ def _stop_all(runs: list[_Run], stop: Stop, grace: float = _GRACE_S) -> None:
 
 @contextlib.contextmanager
 def _stop_signals_blocked() -> Any:
-    """SIGINT and SIGTERM held back in this thread (and in what it starts: the mask is inherited through fork and exec);
+    """``STOP_SIGNALS`` held back in this thread (and in what it starts: the mask is inherited through fork and exec);
     those that arrive meanwhile are delivered on leaving."""
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group receives them
         yield
@@ -768,7 +769,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         prog="lightning-precision compare", description=__doc__.splitlines()[0],
         epilog="Run `lightning-precision doctor` to see what this machine supports natively. Exit codes: 0 all ran, 1"
                " a precision failed or the report could not be written, 2 bad arguments or --out held by another"
-               " run, 130 interrupted by Ctrl-C, 143 by SIGTERM (what finished is written).")
+               " run, 130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (the terminal closed; not under"
+               " nohup): what finished is written.")
     parser.add_argument("--recipe", default="distilbert", help=f"the recipe: {', '.join(RECIPES)} (default: distilbert)")
     parser.add_argument("--precisions", default=None,
                         help="comma-separated, from 32-true, bf16-mixed, 16-mixed, fp8, fp8-auto (default: chosen"
@@ -847,9 +849,9 @@ def _check_accelerator(name: str) -> None:
 
 
 def main(argv: list[str], stop: Optional[Stop] = None) -> int:
-    """``lightning-precision compare``: the exit code. ``stop``: the recorder of SIGINT and SIGTERM that the command line
-    installed before importing this module (torch and Lightning take seconds to import); without one, one is installed
-    for the call."""
+    """``lightning-precision compare``: the exit code. ``stop``: the recorder of SIGINT, SIGTERM and SIGHUP that the
+    command line installed before importing this module (torch and Lightning take seconds to import); without one, one
+    is installed for the call."""
     exit_if_importing_main()  # a process of a comparison importing a script that lacks the __main__ guard: ends here
     with contextlib.ExitStack() as held:
         held.enter_context(_lightning_quieted())
@@ -859,7 +861,7 @@ def main(argv: list[str], stop: Optional[Stop] = None) -> int:
             with stop.raising():  # nothing is under way yet (--accelerator builds a Trainer): a signal ends it at once
                 args = _parse(argv)
         except Interrupted:
-            print(stop.nothing_written(), file=sys.stderr)
+            say(stop.nothing_written())
             return stop.exit_code(1)
         # Before any training (an output folder that cannot be written must not cost the whole comparison), and held
         # for the whole run, released on every way out: a second run on this folder is refused meanwhile.
@@ -908,7 +910,7 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
         with stop.raising():  # nothing runs yet (measuring the batch takes seconds): a signal ends it at once
             machine, meta, doomed, out = _prepare(args, argv)
     except Interrupted:
-        print(stop.nothing_written(args.out), file=sys.stderr)
+        say(stop.nothing_written(args.out))
         return 1
     runnable = [p for p in args.precisions if p not in doomed]
     runs: dict[str, _Run] = {}
@@ -935,19 +937,19 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
     _add_mfu(rows, meta, args)
     meta["verdict"] = _report.verdict(rows, meta)
     if meta["interrupted"] and not any(r.get("steps_done") for r in rows):  # a report of nothing replaces no report
-        print(stop.nothing_written(args.out), file=sys.stderr)
+        say(stop.nothing_written(args.out))
         return 1
     _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     try:  # whole or not at all, also when interrupted: written beside the folder, then swapped in
         where, names, note = _report.write_reports(rows, folder, meta)
     except OSError as err:
-        print(f"lightning-precision compare: could not write the report to {args.out!r} ({err}); the folder keeps what"
-              " it held.", file=sys.stderr)
+        say(f"lightning-precision compare: could not write the report to {args.out!r} ({err}); the folder keeps what"
+            " it held.")
         return 1
     if where != folder:
-        print(f"lightning-precision compare: could not write the report to {args.out!r}: {note}.", file=sys.stderr)
+        say(f"lightning-precision compare: could not write the report to {args.out!r}: {note}.")
     elif note:
-        print(f"lightning-precision compare: note: {note}.", file=sys.stderr)
+        say(f"lightning-precision compare: note: {note}.")
     shown = Path(args.out) if where == folder else where  # the folder as the user named it
     out.print("wrote " + ", ".join(str(shown / name) for name in names), highlight=False, markup=False, soft_wrap=True)
     return 1 if where != folder or any("error" in r for r in rows) else 0

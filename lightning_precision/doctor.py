@@ -125,7 +125,10 @@ def main(argv: list[str]) -> int:
     packages = [dict(zip(_PACKAGE_COLUMNS, row)) for row in _package_rows()]
     devices = [dict(zip(_DEVICE_COLUMNS, row)) for row in _device_rows()]
     if args.json:
-        print(json.dumps({"machine": machine_info(), "packages": packages, "devices": devices}, indent=2))
+        from lightning_precision._console import echo
+
+        # `doctor --json | jq ...` whose reader has gone: quiet, as Unix tools are (no BrokenPipeError at exit)
+        echo(json.dumps({"machine": machine_info(), "packages": packages, "devices": devices}, indent=2))
         return 0
     from rich.table import Table
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_precision import fp8 as _fp8
-from lightning_precision._console import echo
+from lightning_precision._console import echo, say
 from lightning_precision._io import atomic_write_text, check_writable_file, json_safe
 from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
 from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
@@ -549,17 +548,17 @@ def main(argv: list[str]) -> int:
     echo(plan.table())
     if not plan.measured and out.exists():
         # An earlier plan there was measured, perhaps for long; one that rests on no number must not replace it.
-        print(f"lightning-precision plan: error: nothing was measured (every batch had a non-finite value, or no"
-              f" eligible layer ran), so the plan is not written over the existing {str(out)!r}; it follows on"
-              " standard output.", file=sys.stderr)
+        say(f"lightning-precision plan: error: nothing was measured (every batch had a non-finite value, or no"
+            f" eligible layer ran), so the plan is not written over the existing {str(out)!r}; it follows on"
+            " standard output.")
         echo(_dump(plan.to_dict(), out).rstrip("\n"))
         return 1
     try:
         saved = plan.save(out)
     except (OSError, ValueError) as err:  # the disk filled up, or the folder changed, while measuring: keep it
         why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())
-        print(f"lightning-precision plan: error: could not write the plan to {str(out)!r} ({why});"
-              " it follows on standard output: save it as a file and pass that file to `layers=`.", file=sys.stderr)
+        say(f"lightning-precision plan: error: could not write the plan to {str(out)!r} ({why});"
+            " it follows on standard output: save it as a file and pass that file to `layers=`.")
         echo(_dump(plan.to_dict(), out).rstrip("\n"))
         return 1
     echo(f"wrote {saved}")
@@ -592,5 +591,5 @@ def _counted(items: Iterable[str]) -> dict[str, int]:
 
 def _usage_error(message: str) -> int:
     """Bad input, before anything is measured: one line, exit code 2 (as every command of ``lightning-precision``)."""
-    print(f"lightning-precision plan: error: {' '.join(message.split())}", file=sys.stderr)
+    say(f"lightning-precision plan: error: {' '.join(message.split())}")
     return 2

@@ -144,6 +144,24 @@ def test_doctor_json_is_the_machine_and_the_tables(capsys):
     assert found["devices"][0]["device"].startswith("cpu: ")
 
 
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "table"])
+def test_doctor_whose_reader_has_gone_ends_quietly(json_out, tmp_path):
+    """Issue 23 (CLI review): `doctor --json | some-script` where the script exits before reading: the JSON printed
+    into a closed pipe ended in a BrokenPipeError traceback on stderr. Now nothing is said (as Unix tools do when
+    their reader goes away), exit 0; the tables end as rich ends them, exit 1 without a traceback."""
+    run = subprocess.Popen([sys.executable, "-m", "lightning_precision.cli", "doctor", *(["--json"] * json_out)],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run.stdout.close()  # the reader has gone before anything is printed
+    try:
+        _, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert err == b"", err.decode()
+    assert run.returncode == (0 if json_out else 1)
+
+
 def _fit_quick(config, *extra):
     return cli.main(["fit", "--config", str(ROOT / "recipes" / config), *extra, *FEW_STEPS])
 
