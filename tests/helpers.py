@@ -173,6 +173,17 @@ class TwoOptimizers(L.LightningModule):
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
 
+
+def communicate(run: Any, timeout: float = 300) -> tuple[Any, Any]:
+    """``run.communicate(timeout=...)``, and the process killed and reaped on any way out (a timeout, a failed assert
+    in the caller's ``with``): no test leaves a process behind."""
+    try:
+        return run.communicate(timeout=timeout)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
 # ---- what the installed torchao can run on a CPU ------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightning_precision import cli
+from tests.helpers import communicate
 
 pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
@@ -152,12 +153,7 @@ def test_doctor_whose_reader_has_gone_ends_quietly(json_out, tmp_path):
     run = subprocess.Popen([sys.executable, "-m", "lightning_precision.cli", "doctor", *(["--json"] * json_out)],
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     run.stdout.close()  # the reader has gone before anything is printed
-    try:
-        _, err = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+    _, err = communicate(run)
     assert err == b"", err.decode()
     assert run.returncode == (0 if json_out else 1)
 

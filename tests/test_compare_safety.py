@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from lightning_precision import _outdir, _report, _stop, cli, compare
+from tests.helpers import communicate
 
 pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
@@ -723,12 +724,7 @@ def test_a_refusal_with_stderr_gone_still_exits_2(argv, stderr, tmp_path):
     else:
         run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         run.stderr.close()  # the reader goes away before the command says anything
-    try:
-        printed, _ = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+    printed, _ = communicate(run)
     assert run.returncode == 2 and printed == b"", printed
     assert os.listdir(tmp_path) == []
 
