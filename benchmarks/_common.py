@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_precision.recipes.vision import Bottleneck
+from lightning_precision.cli.recipes.vision import Bottleneck
 
 # Steps dropped from the start of every fit (allocator and thread-pool warm-up).
 WARMUP = 5

@@ -149,7 +149,7 @@ def main() -> None:
     if "RANK" in os.environ:
         return run_rank(args.config, args.out, args.steps)
 
-    from lightning_precision._machine import describe, machine_info
+    from lightning_precision.cli.machine import describe, machine_info
 
     info = machine_info()
     machine = (f"{describe(info)}, lightning {info['packages']['lightning']}, torchao {info['packages']['torchao']};"

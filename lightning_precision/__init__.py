@@ -5,7 +5,7 @@ Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric p
 
 Names load on first use (PEP 562): ``import lightning_precision`` alone imports neither torch nor Lightning, so the
 command line's ``--version`` and ``--help`` answer at once. The first name used (or an import of the ``fabric``,
-``plugins``, ``callbacks``, ``recipes`` or ``accelerators`` subpackage) registers ``accelerator="xpu"`` with Lightning.
+``plugins``, ``callbacks`` or ``accelerators`` subpackage) registers ``accelerator="xpu"`` with Lightning.
 """
 
 from __future__ import annotations

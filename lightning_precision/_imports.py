@@ -17,6 +17,7 @@ from types import ModuleType
 from lightning_utilities.core.imports import RequirementCache
 
 __all__ = [
+    "CLI_REQUIREMENTS",
     "IPEX",
     "_DATASETS_AVAILABLE",
     "_EXTRA_OF",
@@ -31,6 +32,7 @@ __all__ = [
     "installed_version",
     "ipex_status",
     "load_ipex",
+    "missing_cli_requirements",
     "quiet_known_noise",
     "require",
     "version_of",
@@ -40,16 +42,28 @@ __all__ = [
 _TORCHAO_AVAILABLE = RequirementCache("torchao>=0.11")
 _TRANSFORMER_ENGINE_AVAILABLE = RequirementCache("transformer-engine>=2.9")
 _DATASETS_AVAILABLE = RequirementCache("datasets>=2.14")
-# Core dependencies: missing only from a broken install.
-_TRANSFORMERS_AVAILABLE = RequirementCache("transformers")
-_MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
+_MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib>=3.7")
+# The command line's own needs (the `cli` extra), checked before a command runs.
+_TRANSFORMERS_AVAILABLE = RequirementCache("transformers>=4.40")
+CLI_REQUIREMENTS = (
+    RequirementCache("jsonargparse[signatures]>=4.27"),
+    RequirementCache("rich>=13"),
+    _MATPLOTLIB_AVAILABLE,
+    _TRANSFORMERS_AVAILABLE,
+    RequirementCache("torchmetrics>=1.4"),
+)
 
-# The pip extra of each optional package, as pyproject.toml's [project.optional-dependencies] lists it. Core
-# dependencies are in no extra and not here.
+# The pip extra of each optional package, as pyproject.toml's [project.optional-dependencies] lists it (matplotlib is
+# in `cli` too: the command line draws plots). Core dependencies are in no extra and not here.
 _EXTRA_OF = {
     "torchao": "fp8",
     "transformer-engine": "te",
     "datasets": "recipes",
+    "matplotlib": "plots",
+    "transformers": "cli",
+    "jsonargparse": "cli",
+    "rich": "cli",
+    "torchmetrics": "cli",
 }
 
 IPEX = "intel-extension-for-pytorch"
@@ -58,6 +72,12 @@ IPEX = "intel-extension-for-pytorch"
 def install_command(package: str) -> str:
     """The pip command that installs an optional package: ``pip install 'lightning-precision[fp8]'``."""
     return f"pip install 'lightning-precision[{_EXTRA_OF[package]}]'"
+
+
+def missing_cli_requirements() -> list[str]:
+    """The command line's requirements this install does not meet (``["rich>=13"]``), from package metadata: nothing
+    is imported."""
+    return [r.requirement for r in CLI_REQUIREMENTS if not r]
 
 
 def require(available: RequirementCache, package: str, feature: str) -> None:

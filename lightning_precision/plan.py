@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from lightning_precision import fp8 as _fp8
-from lightning_precision._console import echo, say
 from lightning_precision._io import atomic_write_text, check_writable_file, json_safe
 from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
 from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
@@ -34,7 +33,6 @@ __all__ = [
     "PlanRule",
     "PrecisionPlan",
     "demotions",
-    "main",
     "make_plan",
 ]
 
@@ -364,7 +362,7 @@ class PrecisionPlan:
         written is read back first: ``load`` reads whatever ``save`` writes."""
         path = Path(path)
         data = self.to_dict()
-        text = _dump(data, path)
+        text = dump_plan(data, path)
         if PrecisionPlan.from_dict(_parse(text, path), source=f"PrecisionPlan.save({str(path)!r})").to_dict() != data:
             raise ValueError(f"PrecisionPlan.save({str(path)!r}): the text would not read back as this plan; nothing"
                              " was written. Please report it, with the plan.")
@@ -404,15 +402,15 @@ def _number(value: Any) -> Any:
     return value
 
 
-def _suffix(path: Path) -> str:
+def plan_suffix(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"PrecisionPlan: {str(path)!r}: name a .yaml, .yml or .json file.")
     return suffix
 
 
-def _dump(data: dict[str, Any], path: Path) -> str:
-    if _suffix(path) == ".json":
+def dump_plan(data: dict[str, Any], path: Path) -> str:
+    if plan_suffix(path) == ".json":
         return json.dumps(data, indent=2, allow_nan=False) + "\n"
     import yaml
 
@@ -424,7 +422,7 @@ def _parse(text: str, path: Path, source: Optional[str] = None) -> Any:
     """The data in ``text`` (JSON or YAML by ``path``'s suffix). A syntax error, a repeated key (which either parser
     would resolve by keeping the last, silently) or a YAML tag is a ``ValueError`` naming ``source`` and the line."""
     source = source or f"plan file {str(path)!r}"
-    if _suffix(path) == ".json":
+    if plan_suffix(path) == ".json":
         def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
             _check_no_repeats(source, [k for k, _ in items], None)
             return dict(items)
@@ -504,92 +502,3 @@ def make_plan(
     decisions = _fp8.select_fp8_layers(model, scaling_family, module_filter, skip_small_layers, skip_first_last)
     sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8], autocast_dtype)
     return PrecisionPlan.decide(decisions, sensitivity, rule, scaling_family)
-
-
-# ---- `lightning-precision plan` ---------------------------------------------------------------------------------------
-
-
-def main(argv: list[str]) -> int:
-    """``lightning-precision plan --recipe vit|distilbert``: measure the recipe's embedded default, print the plan and
-    write it (YAML or JSON by ``--out``'s suffix)."""
-    import argparse
-
-    from lightning_precision.recipes import RECIPES
-
-    parser = argparse.ArgumentParser(
-        prog="lightning-precision plan",
-        description="Measure fp8 numerics per linear layer on a recipe's embedded default and write the plan.")
-    parser.add_argument("--recipe", choices=["vit", "distilbert"], required=True, help="the recipe to measure")
-    parser.add_argument("--batches", type=int, default=8, help="training batches to measure (default: 8)")
-    parser.add_argument("--recipe-fp8", dest="recipe_fp8", default="tensorwise", choices=["tensorwise", "rowwise"],
-                        help="torchao scaling recipe (default: tensorwise)")
-    parser.add_argument("--emulate", action="store_true",
-                        help="plan for emulated fp8 (as `fit --precision fp8-emulated`): layers too small to gain on an"
-                             " fp8 GPU are judged too, instead of kept in bf16")
-    parser.add_argument("--out", default=None, help="plan file, .yaml/.yml/.json (default: plan-<recipe>.yaml)")
-    args = parser.parse_args(argv)
-    if args.batches < 1:
-        return _usage_error(f"--batches {args.batches}: measure at least 1 batch")
-    out = Path(args.out) if args.out is not None else Path(f"plan-{args.recipe}.yaml")
-    try:  # a bad name or a place that cannot be written fails now, not after measuring
-        if args.out == "":
-            raise ValueError("--out '': an empty path names no file; name a .yaml, .yml or .json file.")
-        _suffix(out)
-        check_writable_file(out, "--out")
-    except ValueError as err:
-        return _usage_error(str(err))
-    model, batches = RECIPES[args.recipe].training_batches(args.batches)
-    nothing = _nothing_to_measure(model, args.recipe, args.recipe_fp8, args.emulate)
-    if nothing:  # refused before measuring: a plan of no fp8 layer is not worth the wait, nor a file
-        return _usage_error(nothing)
-    echo(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...")
-    plan = make_plan(model, batches, loss_fn=lambda m, b: m.training_loss(b), recipe=args.recipe_fp8,
-                     skip_small_layers=not args.emulate)
-    echo(plan.table())
-    if not plan.measured and out.exists():
-        # An earlier plan there was measured, perhaps for long; one that rests on no number must not replace it.
-        say(f"lightning-precision plan: error: nothing was measured (every batch had a non-finite value, or no"
-            f" eligible layer ran), so the plan is not written over the existing {str(out)!r}; it follows on"
-            " standard output.")
-        echo(_dump(plan.to_dict(), out).rstrip("\n"))
-        return 1
-    try:
-        saved = plan.save(out)
-    except (OSError, ValueError) as err:  # the disk filled up, or the folder changed, while measuring: keep it
-        why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())
-        say(f"lightning-precision plan: error: could not write the plan to {str(out)!r} ({why});"
-            " it follows on standard output: save it as a file and pass that file to `layers=`.")
-        echo(_dump(plan.to_dict(), out).rstrip("\n"))
-        return 1
-    echo(f"wrote {saved}")
-    return 0
-
-
-def _nothing_to_measure(model: nn.Module, recipe: str, scaling_family: str, emulate: bool) -> Optional[str]:
-    """Why no layer of ``model`` is left to measure, with the fix when there is one (``--emulate``); None if some is.
-    ``scaling_family``: the CLI's torchao recipes are their own scaling families (tensorwise, rowwise)."""
-    decisions = _fp8.select_fp8_layers(model, scaling_family, skip_small_layers=not emulate)
-    if any(d.fp8 for d in decisions):
-        return None
-    # Grouped by the rule (its details, such as each layer's dims, in parentheses left out): one readable line.
-    reasons = ", ".join(f"{n} {why}" for why, n in _counted(d.reason.split(" (")[0] for d in decisions).items())
-    head = (f"--recipe {recipe}: none of the {len(decisions)} linear layers of the embedded {recipe} default is left"
-            f" to measure ({reasons})")
-    if not emulate and any(d.fp8 for d in _fp8.select_fp8_layers(model, scaling_family, skip_small_layers=False)):
-        return (f"{head}. Without --emulate the plan is for an fp8 GPU, where layers this small run slower in fp8 than"
-                " in bf16 and stay in bf16. Pass --emulate to judge them too (the plan for `fit --precision"
-                " fp8-emulated`).")
-    return f"{head}: no layer of it can run in fp8, so there is no plan to make."
-
-
-def _counted(items: Iterable[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts
-
-
-def _usage_error(message: str) -> int:
-    """Bad input, before anything is measured: one line, exit code 2 (as every command of ``lightning-precision``)."""
-    say(f"lightning-precision plan: error: {' '.join(message.split())}")
-    return 2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_precision import cli
+import lightning_precision.cli as cli
 from tests.helpers import communicate
 
 pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
@@ -82,7 +82,7 @@ def test_version_and_help_import_neither_torch_nor_lightning():
     "lightning_precision.FP16MixedPrecision",
     "__import__('lightning_precision.fabric').fabric.BF16MixedPrecision",
     "__import__('lightning_precision.callbacks').callbacks.ChannelsLast",
-    "__import__('lightning_precision.recipes').recipes.RECIPES",
+    "__import__('lightning_precision.cli.recipes').cli.recipes.RECIPES",
 ])
 def test_the_first_use_of_the_package_registers_xpu(first_use):
     """`import lightning_precision` loads its names on first use (so `--version` imports no torch): the first name
@@ -98,7 +98,7 @@ def test_the_first_use_of_the_package_registers_xpu(first_use):
 
 @pytest.mark.parametrize("command", ["doctor", "compare", "fit", "plan"])
 def test_every_command_has_help_and_does_not_run(command, capsys, monkeypatch):
-    from lightning_precision import compare, doctor
+    from lightning_precision.cli import compare, doctor
 
     monkeypatch.setattr(doctor, "_package_rows", lambda: pytest.fail("doctor --help ran the doctor"))
     monkeypatch.setattr(compare, "_run_all", lambda *a: pytest.fail("compare --help ran a comparison"))
@@ -133,7 +133,7 @@ def test_doctor_runs(capsys):
 
 
 def test_doctor_json_is_the_machine_and_the_tables(capsys):
-    from lightning_precision._machine import cpu_info
+    from lightning_precision.cli.machine import cpu_info
 
     assert cli.main(["doctor", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
@@ -233,7 +233,7 @@ def _doctor_text_and_json(capsys):
 def test_doctor_says_what_its_cpu_advice_rests_on_and_where_speed_is_measured(capsys):
     """bf16-mixed measured 0.81x of fp32 on an AVX512-BF16 CPU where doctor said "BF16MixedPrecision" (issue 28, item
     4): the advice names its ground (the instruction sets) and the command that measures speed, in both outputs."""
-    from lightning_precision._machine import cpu_info
+    from lightning_precision.cli.machine import cpu_info
 
     text, cpu = _doctor_text_and_json(capsys)
     ground = "native bf16 instructions" if cpu_info()["native_bf16"] else "no native bf16 or fp16 instructions"
@@ -246,9 +246,9 @@ def test_doctor_says_what_its_cpu_advice_rests_on_and_where_speed_is_measured(ca
 def test_doctor_advice_on_either_kind_of_cpu(native_bf16, capsys, monkeypatch):
     """Both kinds of CPU, whichever this one is: only the CPU's flags are stood in for (a CPU of the other kind cannot
     be had here); the command runs for real."""
-    from lightning_precision import _machine, doctor
+    from lightning_precision.cli import machine as lp_machine, doctor
 
-    def flags(real=_machine.cpu_info):
+    def flags(real=lp_machine.cpu_info):
         isa = [name for name in real()["isa"] if "BF16" not in name] + (["AVX512-BF16"] if native_bf16 else [])
         return {**real(), "isa": isa, "native_bf16": native_bf16}
 
@@ -322,7 +322,7 @@ def test_every_config_the_docs_name_exists():
     import re
 
     texts = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "recipes").glob("*.yaml")),
-             ROOT / "lightning_precision" / "cli.py"]
+             ROOT / "lightning_precision" / "cli" / "__init__.py"]
     named = set()
     for path in texts:
         text = path.read_text()

@@ -10,7 +10,9 @@ import signal
 
 import pytest
 
-from lightning_precision import PrecisionPlan, _report, cli, compare
+from lightning_precision import PrecisionPlan
+import lightning_precision.cli as cli
+from lightning_precision.cli import report as lp_report, compare
 
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
 
@@ -182,7 +184,7 @@ def test_mfu_is_the_models_flops_over_the_step_time_against_the_peak_given(tmp_p
     """On a CPU there is no peak (n/a, and why); with --peak-tflops the MFU is achieved over that peak, and the FLOPs
     per step are those torch.utils.flop_counter counts for the recipe's model on one batch."""
     from lightning_precision.mfu import model_flops_per_step
-    from lightning_precision.recipes import RECIPES
+    from lightning_precision.cli.recipes import RECIPES
 
     out = tmp_path / "r"
     assert cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--out", str(out),
@@ -207,7 +209,7 @@ def test_mfu_is_the_models_flops_over_the_step_time_against_the_peak_given(tmp_p
 @pytest.mark.tool
 def test_text_throughput_counts_tokens():
     """DistilBERT's unit is the token: every position of the padded batch (what the model computes)."""
-    from lightning_precision.recipes import RECIPES
+    from lightning_precision.cli.recipes import RECIPES
 
     recipe = RECIPES["distilbert"]
     _, (batch,) = recipe.training_batches(1, {"batch_size": 4, "seed": 0})
@@ -376,17 +378,17 @@ META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes
 ])
 @pytest.mark.tool
 def test_the_verdict_claims_only_what_the_figures_resolve(rows, expected):
-    assert _report.verdict(rows, META) == expected
+    assert lp_report.verdict(rows, META) == expected
 
 
 @pytest.mark.tool
 def test_flags_explain_themselves_under_the_table():
     rows = [_row("32-true", 1.0), _row("bf16-mixed", 1.1, (0.8, 1.4), False, noisy=True, spread=0.6),
             _row("16-mixed", 0.2, (0.1, 0.3), True, emulated=True), {"precision": "fp8", "error": "x " * 80}]
-    cells = {r["precision"]: _report.cells(r) for r in rows}
+    cells = {r["precision"]: lp_report.cells(r) for r in rows}
     assert cells["bf16-mixed"][2] == "60% busy" and cells["bf16-mixed"][3] == "~1.10x [0.80-1.40]"
     assert cells["16-mixed"][3] == "0.20x [0.10-0.30] emulated" and cells["fp8"][1] == "failed (see notes)"
-    notes = _report.notes(rows, META)
+    notes = lp_report.notes(rows, META)
     assert any(n.startswith("busy: ") for n in notes) and any(n.startswith("~: ") for n in notes)
     assert any(n.startswith("emulated: no hardware arithmetic for 16-mixed") for n in notes)
     assert f"fp8 failed: {'x ' * 80}" in notes  # whole
@@ -465,7 +467,7 @@ def test_a_closed_pipe_does_not_end_the_comparison(tmp_path):
         run.kill()
         run.wait()
     assert head[-1].startswith("vit 32-true: 1/6 steps") and "Traceback" not in err and "Error" not in err, err
-    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    assert sorted(os.listdir(out)) == sorted(lp_report.FILES)
     assert [r["steps_done"] for r in json.loads((out / "report.json").read_text())["results"]] == [6]
 
 
@@ -476,7 +478,7 @@ def test_a_script_without_the_main_guard_is_told_so_in_one_line(tmp_path):
     folder's lock with a misleading line about another run, and the run ended "exit code 2" in a failed row; it is now
     one line that names the script and the guard, exit 2, nothing written, no traceback."""
     script = tmp_path / "my_compare.py"
-    script.write_text("import sys\nfrom lightning_precision import cli\n"
+    script.write_text("import sys\nimport lightning_precision.cli as cli\n"
                       f"sys.exit(cli.main(['compare', *{TINY!r}, '--precisions', '32-true,bf16-mixed', '--out', 'r']))\n")
     import subprocess
     import sys
@@ -531,7 +533,7 @@ def test_speedup_ms_per_step_and_throughput_rank_the_precisions_alike():
     by_speedup = sorted(rows, key=lambda p: -rows[p]["speedup"])
     assert by_speedup == sorted(rows, key=lambda p: rows[p]["median_step_ms"]) == \
         sorted(rows, key=lambda p: -rows[p]["samples_per_s"]) == ["16-mixed", "32-true", "bf16-mixed"]
-    assert _report.cells(bf16)[3] == f"~0.80x [{bf16['speedup_q1']:.2f}-{bf16['speedup_q3']:.2f}]"
+    assert lp_report.cells(bf16)[3] == f"~0.80x [{bf16['speedup_q1']:.2f}-{bf16['speedup_q3']:.2f}]"
 
 
 @pytest.mark.tool
@@ -543,13 +545,13 @@ def test_when_the_paired_turns_and_the_medians_disagree_the_report_says_why():
                      "bf16-mixed": _run_of("bf16-mixed", [39, 9, 45, 19, 9, 9])})
     bf16 = rows["bf16-mixed"]
     assert bf16["speedup_q1"] > 1 > bf16["speedup"] and bf16["speedup_drift"] is True
-    assert bf16["speedup_resolved"] is False and _report.cells(bf16)[3].startswith("~0.71x")
+    assert bf16["speedup_resolved"] is False and lp_report.cells(bf16)[3].startswith("~0.71x")
     meta = {**META, "schedule": "interleaved"}
-    note = next(n for n in _report.notes(list(rows.values()), meta) if n.startswith("bf16-mixed: the paired turns"))
+    note = next(n for n in lp_report.notes(list(rows.values()), meta) if n.startswith("bf16-mixed: the paired turns"))
     assert "they disagree on which is faster because the machine's speed changed during the run" in note
     assert "32-true's ms/step over this one's, so these columns and throughput.png rank the precisions alike" in \
-        " ".join(_report.notes(list(rows.values()), meta))
-    assert "faster" not in _report.verdict(list(rows.values()), meta).split("No precision was measurably faster")[1]
+        " ".join(lp_report.notes(list(rows.values()), meta))
+    assert "faster" not in lp_report.verdict(list(rows.values()), meta).split("No precision was measurably faster")[1]
 
 
 @pytest.mark.tool
@@ -560,8 +562,8 @@ def test_an_fp8_run_with_no_fp8_layer_is_bf16_not_emulated():
               "fp8_layers": 0, "linear_layers": 7, "fp8_plan": {}}
     rows = _rows_of({"32-true": _run_of("32-true", [10] * 6), "fp8-auto": _run_of("fp8-auto", [12] * 6, result)})
     auto = rows["fp8-auto"]
-    assert auto["emulated"] is False and auto["fp8_steps"] == 0 and "emulated" not in _report.cells(auto)[3]
-    notes = _report.notes(list(rows.values()), {**META, "schedule": "interleaved"})
+    assert auto["emulated"] is False and auto["fp8_steps"] == 0 and "emulated" not in lp_report.cells(auto)[3]
+    notes = lp_report.notes(list(rows.values()), {**META, "schedule": "interleaved"})
     assert "fp8-auto: 0 of 7 linear layers in fp8, chosen from measured numerics: every matmul ran in bf16, so its" \
            " figures are bf16-mixed's (not emulated)." in notes
     assert not any(n.startswith("emulated:") for n in notes)

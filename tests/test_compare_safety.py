@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_precision import _outdir, _report, _stop, cli, compare
+import lightning_precision.cli as cli
+from lightning_precision.cli import outdir as lp_outdir, report as lp_report, stop as lp_stop, compare
 from tests.helpers import communicate
 
 pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
@@ -44,7 +45,7 @@ def _report_of(loss: float, steps: int = 12) -> tuple[list, dict]:
 
 def _write(folder: Path, loss: float) -> tuple:
     rows, meta = _report_of(loss)
-    return _report.write_reports(rows, folder, meta)
+    return lp_report.write_reports(rows, folder, meta)
 
 
 def _contents(folder: Path) -> dict:
@@ -62,21 +63,21 @@ def test_a_full_disk_mid_report_keeps_the_previous_report_whole(tmp_path, monkey
     """The disk fills while loss.png is written (our plot writer stands in for the disk: it writes a cut-short PNG
     and raises ENOSPC, as savefig does): the folder keeps the previous report byte for byte (not the new JSON and CSV
     beside a truncated plot and the old report.md), and no temporary folder is left."""
-    from lightning_precision import plotting
+    from lightning_precision.cli import plots as lp_plots
 
     out = tmp_path / "report"
     _write(out, loss=1.0)
     before = _contents(out)
-    assert set(before) == set(_report.FILES)
+    assert set(before) == set(lp_report.FILES)
 
     def full_disk(rows, folder, meta):
         (Path(folder) / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(folder) / "loss.png"))
 
-    monkeypatch.setattr(plotting, "plot_compare", full_disk)
+    monkeypatch.setattr(lp_plots, "plot_compare", full_disk)
     rows, meta = _report_of(loss=2.0)
     with pytest.raises(OSError, match="No space left on device"):
-        _report.write_reports(rows, out, meta)
+        lp_report.write_reports(rows, out, meta)
     assert _contents(out) == before
     assert os.listdir(tmp_path) == ["report"]
 
@@ -89,17 +90,17 @@ def test_a_real_write_failure_mid_report_keeps_the_previous_report_whole(tmp_pat
     script = textwrap.dedent(f"""
         import errno, resource, signal, sys
         from pathlib import Path
-        from lightning_precision import _report
+        from lightning_precision.cli import report as lp_report
         from tests.test_compare_safety import _report_of
         out = Path({str(out)!r})
         rows, meta = _report_of(loss=1.0)
-        _report.write_reports(rows, out, meta)
+        lp_report.write_reports(rows, out, meta)
         print(max(p.stat().st_size for p in out.glob("*.json")), min(p.stat().st_size for p in out.glob("*.png")))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (12_000, 12_000))
         rows, meta = _report_of(loss=2.0)
         try:
-            _report.write_reports(rows, out, meta)
+            lp_report.write_reports(rows, out, meta)
         except OSError as err:
             sys.exit(0 if err.errno == errno.EFBIG else 3)
         sys.exit(4)
@@ -112,7 +113,7 @@ def test_a_real_write_failure_mid_report_keeps_the_previous_report_whole(tmp_pat
     report = json.loads((out / "report.json").read_text())
     assert report["results"][0]["final_loss"] == 1.0 and "final loss 1.000" not in (out / "report.md").read_text()
     assert all(r["losses"] == [1.0] * 12 for r in report["results"])  # the previous report, whole
-    assert sorted(os.listdir(out)) == sorted(_report.FILES) and os.listdir(tmp_path) == ["report"]
+    assert sorted(os.listdir(out)) == sorted(lp_report.FILES) and os.listdir(tmp_path) == ["report"]
 
 
 def test_a_folder_holding_files_not_of_the_report_is_refused_before_training(tmp_path, capsys, monkeypatch):
@@ -149,13 +150,13 @@ def test_compare_called_in_process_leaves_lightnings_loggers_and_warning_filters
 
 def test_a_file_that_appears_during_the_run_is_left_and_the_report_written_beside(tmp_path):
     out = tmp_path / "r"
-    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+    with lp_outdir.claim_folder(out, "--out", lp_report.FILES) as folder:
         _write(folder, loss=1.0)
         (out / "notes.txt").write_text("written during the run")
         where, names, note = _write(folder, loss=2.0)
     assert where != out and where.parent == tmp_path and where.name.startswith("r.new-")
     assert "notes.txt" in note and str(where) in note
-    assert sorted(os.listdir(where)) == sorted(_report.FILES) == sorted(names)
+    assert sorted(os.listdir(where)) == sorted(lp_report.FILES) == sorted(names)
     assert json.loads((where / "report.json").read_text())["results"][0]["final_loss"] == 2.0
     assert (out / "notes.txt").read_text() == "written during the run"  # the folder as it was, the old report too
     assert json.loads((out / "report.json").read_text())["results"][0]["final_loss"] == 1.0
@@ -168,7 +169,7 @@ def test_the_swap_in_two_steps_and_what_a_killed_run_left_behind(tmp_path, monke
     a run killed while writing are cleared."""
     monkeypatch.setattr(_outdir, "_exchange", lambda a, b: False)
     out = tmp_path / "r"
-    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+    with lp_outdir.claim_folder(out, "--out", lp_report.FILES) as folder:
         _write(folder, loss=1.0)
         _write(folder, loss=2.0)
     assert os.listdir(tmp_path) == ["r"]
@@ -180,7 +181,7 @@ def test_the_swap_in_two_steps_and_what_a_killed_run_left_behind(tmp_path, monke
     out.mkdir()
     (tmp_path / ".r.new-1badf00d").mkdir()
     (tmp_path / ".r.new-1badf00d" / "report.json").write_text("{")
-    with _outdir.claim_folder(out, "--out", _report.FILES):
+    with lp_outdir.claim_folder(out, "--out", lp_report.FILES):
         assert _contents(out) == report
     assert os.listdir(tmp_path) == ["r"]
 
@@ -190,10 +191,10 @@ def test_a_symbolic_link_to_the_folder_stays_a_link(tmp_path):
     real.mkdir(parents=True)
     link = tmp_path / "latest"
     link.symlink_to(real, target_is_directory=True)
-    with _outdir.claim_folder(link, "--out", _report.FILES) as folder:
+    with lp_outdir.claim_folder(link, "--out", lp_report.FILES) as folder:
         assert folder == real
         _write(folder, loss=1.0)
-    assert link.is_symlink() and sorted(os.listdir(link)) == sorted(_report.FILES)
+    assert link.is_symlink() and sorted(os.listdir(link)) == sorted(lp_report.FILES)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX permissions")
@@ -201,7 +202,7 @@ def test_a_private_folder_stays_private(tmp_path):
     out = tmp_path / "r"
     _write(out, loss=1.0)
     out.chmod(0o700)
-    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+    with lp_outdir.claim_folder(out, "--out", lp_report.FILES) as folder:
         _write(folder, loss=2.0)
     assert out.stat().st_mode & 0o777 == 0o700
     assert json.loads((out / "report.json").read_text())["results"][0]["final_loss"] == 2.0
@@ -225,7 +226,7 @@ def test_a_folder_another_run_holds_is_refused(tmp_path, capsys, monkeypatch):
     one line that names the folder, the holder and the fix, and the first run's folder is untouched."""
     out = tmp_path / "r"
     _fail_if_trained(monkeypatch)
-    with _outdir.claim_folder(out, "--out", _report.FILES):
+    with lp_outdir.claim_folder(out, "--out", lp_report.FILES):
         assert cli.main(["compare", *TINY, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
@@ -240,10 +241,10 @@ def test_a_folder_inside_one_another_run_holds_is_refused(tmp_path, capsys, monk
     itself is; a folder beside it is not."""
     out = tmp_path / "r"
     _fail_if_trained(monkeypatch)
-    with _outdir.claim_folder(out, "--out", _report.FILES):
+    with lp_outdir.claim_folder(out, "--out", lp_report.FILES):
         assert cli.main(["compare", *TINY, "--out", str(out / "sub" / "deeper")]) == 2
         assert os.listdir(out) == []  # nothing written into the folder held
-        with _outdir.claim_folder(tmp_path / "beside", "--out", _report.FILES):
+        with lp_outdir.claim_folder(tmp_path / "beside", "--out", lp_report.FILES):
             pass
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
@@ -255,20 +256,20 @@ def test_a_killed_runs_lock_does_not_block(tmp_path):
     block the next run."""
     out = tmp_path / "r"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom lightning_precision import _outdir\n"
-         f"with _outdir.claim_folder({str(out)!r}, '--out', ['report.md']):\n"
+        [sys.executable, "-c", "import sys, time\nfrom lightning_precision.cli import outdir as lp_outdir\n"
+         f"with lp_outdir.claim_folder({str(out)!r}, '--out', ['report.md']):\n"
          "    print('held', flush=True)\n    time.sleep(600)"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ValueError, match=rf"in use by another run \(pid {holder.pid}\)"):
-            with _outdir.claim_folder(out, "--out", _report.FILES):
+            with lp_outdir.claim_folder(out, "--out", lp_report.FILES):
                 pass
     finally:
         holder.kill()
         holder.wait(timeout=60)
     assert (tmp_path / ".r.lock").exists()  # left behind by the killed run
-    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+    with lp_outdir.claim_folder(out, "--out", lp_report.FILES) as folder:
         assert folder == out
 
 
@@ -303,7 +304,7 @@ def test_report_json_is_strict_json_and_says_nan_as_the_csv_does(tmp_path):
     rows[1].update(final_loss=math.nan, grad_underflow_fp16=math.inf, losses=[1.0, math.inf, math.nan, -math.inf],
                    speedup=math.nan)
     meta["model_flops_per_step"] = math.inf
-    _report.write_reports(rows, tmp_path / "r", meta)
+    lp_report.write_reports(rows, tmp_path / "r", meta)
     text = (tmp_path / "r" / "report.json").read_text()
 
     def refuse(constant):
@@ -346,7 +347,8 @@ def _gone(pid: int) -> bool:
 DRIVER = """
 import sys
 from pathlib import Path
-from lightning_precision import cli, compare
+import lightning_precision.cli as cli
+from lightning_precision.cli import compare
 
 ready, real = Path(sys.argv[1]), compare._advance
 
@@ -415,7 +417,7 @@ def test_signals_end_the_run_with_what_finished_written_and_no_process_left(sign
         assert row["error"] == f"interrupted ({name}) after {row['steps_done']} of 100 steps"
         assert 10 <= row["steps_done"] < 100 and len(row["losses"]) == row["steps_done"]
     assert "INTERRUPTED" in (tmp_path / "log.txt").read_text() and "wrote " in (tmp_path / "log.txt").read_text()
-    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    assert sorted(os.listdir(out)) == sorted(lp_report.FILES)
     assert sorted(os.listdir(tmp_path)) == ["log.txt", "r", "ready"]  # no lock, no temporary folder
 
 
@@ -455,7 +457,7 @@ def test_a_process_that_does_not_answer_is_killed_after_the_grace_period():
     process = context.Process(target=_stubborn, daemon=True)
     process.start()
     run = compare._Run("32-true", process, parent)
-    compare._stop_all([run], _stop.Stop(), grace=1.0)
+    compare._stop_all([run], lp_stop.Stop(), grace=1.0)
     assert not process.is_alive() and process.exitcode == -signal.SIGKILL
 
 
@@ -481,16 +483,16 @@ def send():
 if when == "import":
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "lightning_precision.compare":
+            if name == "lightning_precision.cli.compare":
                 sys.meta_path.remove(self)
                 send()
             return None
     sys.meta_path.insert(0, Finder())
 
-from lightning_precision import cli
+import lightning_precision.cli as cli
 
 if when == "start":
-    from lightning_precision import compare
+    from lightning_precision.cli import compare
     real_start = compare._start
 
     def start(*args):
@@ -499,8 +501,8 @@ if when == "start":
         return run
     compare._start = start
 elif when == "write":
-    from lightning_precision import plotting
-    real_plot = plotting.plot_compare
+    from lightning_precision.cli import plots as lp_plots
+    real_plot = lp_plots.plot_compare
 
     def plot(*args):
         (state / "ready").write_text("")
@@ -508,7 +510,7 @@ elif when == "write":
         while not (state / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return real_plot(*args)
-    plotting.plot_compare = plot
+    lp_plots.plot_compare = plot
 sys.exit(cli.main(sys.argv[5:]))
 """
 
@@ -618,7 +620,7 @@ def test_a_signal_while_the_report_is_written_leaves_the_new_report_whole(signal
     finally:
         code_seen = _finish(run)
     assert code_seen == code, stdout.read_text() + stderr.read_text()
-    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    assert sorted(os.listdir(out)) == sorted(lp_report.FILES)
     report = json.loads((out / "report.json").read_text())
     assert report["meta"]["interrupted"] is False and all(r["steps_done"] == 6 for r in report["results"])
     assert all("error" not in r for r in report["results"]) and report["results"][0]["final_loss"] != 1.0
@@ -688,7 +690,7 @@ def test_a_terminal_that_closes_stops_the_run_with_what_finished_written(tmp_pat
     for row in report["results"]:
         assert row["error"] == f"interrupted (SIGHUP) after {row['steps_done']} of 100 steps"
         assert 10 <= row["steps_done"] < 100 and len(row["losses"]) == row["steps_done"]
-    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    assert sorted(os.listdir(out)) == sorted(lp_report.FILES)
     assert sorted(os.listdir(tmp_path)) == ["r", "ready"]  # no lock, no temporary folder
 
 
@@ -697,7 +699,7 @@ def test_nohup_keeps_sighup_ignored():
     compare runs, and SIGINT and SIGTERM are taken as always."""
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with _stop.Stop() as stop:
+        with lp_stop.Stop() as stop:
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) == stop._on_signal
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
@@ -735,7 +737,8 @@ def test_a_refusal_with_stderr_gone_still_exits_2(argv, stderr, tmp_path):
 # changed): a refused argument must cost no run.
 TRIPWIRE = """
 import sys
-from lightning_precision import cli, compare
+import lightning_precision.cli as cli
+from lightning_precision.cli import compare
 
 def start(*args):
     print("a precision's process was started", file=sys.stderr)
@@ -783,9 +786,9 @@ def test_a_report_where_no_precision_reported_a_step_draws_without_warnings(tmp_
              "losses": []} for r in rows]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _report.write_reports(rows, tmp_path / "r", meta)
+        lp_report.write_reports(rows, tmp_path / "r", meta)
     assert [str(w.message) for w in caught] == []
-    assert sorted(os.listdir(tmp_path / "r")) == sorted(_report.FILES)
+    assert sorted(os.listdir(tmp_path / "r")) == sorted(lp_report.FILES)
 
 
 def test_a_claim_that_writes_nothing_leaves_no_folder_it_made(tmp_path):
@@ -793,15 +796,15 @@ def test_a_claim_that_writes_nothing_leaves_no_folder_it_made(tmp_path):
     written, they are removed again; a folder that held a report, or that existed before, stays."""
     out = tmp_path / "a" / "b" / "r"
     with pytest.raises(RuntimeError):
-        with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+        with lp_outdir.claim_folder(out, "--out", lp_report.FILES) as folder:
             assert folder.is_dir()
             raise RuntimeError("refused after the claim")
     assert os.listdir(tmp_path) == []
-    with _outdir.claim_folder(out, "--out", _report.FILES) as folder:
+    with lp_outdir.claim_folder(out, "--out", lp_report.FILES) as folder:
         _write(folder, loss=1.0)
-    assert sorted(os.listdir(out)) == sorted(_report.FILES)
+    assert sorted(os.listdir(out)) == sorted(lp_report.FILES)
     (tmp_path / "empty").mkdir()
-    with _outdir.claim_folder(tmp_path / "empty", "--out", _report.FILES):
+    with lp_outdir.claim_folder(tmp_path / "empty", "--out", lp_report.FILES):
         pass
     assert sorted(os.listdir(tmp_path)) == ["a", "empty"]
 
@@ -817,7 +820,7 @@ def _when_opening(monkeypatch, name: str, then) -> None:
             then()
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(_outdir.os, "open", open_)
+    monkeypatch.setattr(lp_outdir.os, "open", open_)
 
 
 def test_a_run_leaving_the_parents_it_made_does_not_refuse_a_run_beside_it(tmp_path, monkeypatch):
@@ -826,14 +829,14 @@ def test_a_run_leaving_the_parents_it_made_does_not_refuse_a_run_beside_it(tmp_p
     file beside `d`, the second was refused ("cannot create the lock file ... No such file or directory") though
     nothing held its folder. Now the parents are made again and the second run goes on; leaving with nothing written,
     it too leaves nothing behind."""
-    first = _outdir.claim_folder(tmp_path / "a" / "b" / "c", "--out", _report.FILES)
+    first = lp_outdir.claim_folder(tmp_path / "a" / "b" / "c", "--out", lp_report.FILES)
     first.__enter__()
     _when_opening(monkeypatch, ".d.lock", lambda: first.__exit__(None, None, None))
-    with _outdir.claim_folder(tmp_path / "a" / "b" / "d", "--out", _report.FILES) as folder:
+    with lp_outdir.claim_folder(tmp_path / "a" / "b" / "d", "--out", lp_report.FILES) as folder:
         assert folder.is_dir() and not (tmp_path / "a" / "b" / "c").exists()
         _write(folder, loss=1.0)
     assert sorted(os.listdir(tmp_path / "a" / "b")) == ["d"]
-    with _outdir.claim_folder(tmp_path / "a" / "b" / "e", "--out", _report.FILES):
+    with lp_outdir.claim_folder(tmp_path / "a" / "b" / "e", "--out", lp_report.FILES):
         pass
     assert sorted(os.listdir(tmp_path / "a" / "b")) == ["d"]
 
@@ -843,12 +846,12 @@ def test_a_run_refused_for_a_held_folder_removes_nothing_the_other_run_made(tmp_
     as it began); the first claimed them meanwhile. The second is refused, and removes nothing: the first run's folder
     and lock stay, and its report is written."""
     out = tmp_path / "a" / "b" / "c"
-    first = _outdir.claim_folder(out, "--out", _report.FILES)
+    first = lp_outdir.claim_folder(out, "--out", lp_report.FILES)
     _when_opening(monkeypatch, ".c.lock", first.__enter__)
     with pytest.raises(ValueError, match=r"is in use by another run \(pid \d+\)"):
-        with _outdir.claim_folder(out, "--out", _report.FILES):
+        with lp_outdir.claim_folder(out, "--out", lp_report.FILES):
             pass
     assert out.is_dir() and (tmp_path / "a" / "b" / ".c.lock").exists()
     _write(out, loss=1.0)
     first.__exit__(None, None, None)
-    assert sorted(os.listdir(out)) == sorted(_report.FILES) and os.listdir(tmp_path / "a" / "b") == ["c"]
+    assert sorted(os.listdir(out)) == sorted(lp_report.FILES) and os.listdir(tmp_path / "a" / "b") == ["c"]

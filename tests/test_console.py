@@ -31,7 +31,7 @@ NOISE = ("Failed to load", "_C_mxfp8", "_C_cutlass", "Skipping import of cpp ext
     [
         "from lightning_precision import FP8Precision; FP8Precision(emulate=True)",  # through `import_quietly`
         pytest.param(
-            "from lightning_precision.recipes import DistilBertClassifier; DistilBertClassifier()",  # via transformers
+            "from lightning_precision.cli.recipes import DistilBertClassifier; DistilBertClassifier()",  # via transformers
             marks=pytest.mark.skipif(not _imports._TRANSFORMERS_AVAILABLE, reason="needs transformers (core)"),
         ),
     ],

@@ -14,7 +14,8 @@ from lightning_utilities.core.imports import RequirementCache
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from lightning_precision import _imports, doctor
+from lightning_precision import _imports
+from lightning_precision.cli import doctor
 from lightning_precision.fabric import bf16_mixed
 
 if sys.version_info >= (3, 11):
@@ -38,7 +39,8 @@ def _requirements(lines: list[str]) -> dict[str, Requirement]:
 
 def _runtime_requirements() -> dict[str, Requirement]:
     """The requirements ``_imports`` checks at run time, by normalised name."""
-    checks = [v.requirement for v in vars(_imports).values() if isinstance(v, RequirementCache)]
+    caches = [v for v in vars(_imports).values() if isinstance(v, RequirementCache)] + list(_imports.CLI_REQUIREMENTS)
+    checks = [v.requirement for v in caches]
     return _requirements(checks)
 
 
@@ -71,8 +73,10 @@ def test_require_says_how_to_get_the_package():
     missing = type("Missing", (), {"message": "not found", "__bool__": lambda self: False})()
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightning-precision\[fp8\]'"):
         _imports.require(missing, "torchao", "FP8Precision")
-    with pytest.raises(ModuleNotFoundError, match=r"matplotlib.*broken: reinstall lightning-precision"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightning-precision\[plots\]'"):
         _imports.require(missing, "matplotlib", "Plotting")
+    with pytest.raises(ModuleNotFoundError, match=r"PyYAML.*broken: reinstall lightning-precision"):
+        _imports.require(missing, "PyYAML", "Plan files")
 
 
 # A fact, and the one file that may write it. Searched in the package's sources, comments and docstrings included.

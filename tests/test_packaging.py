@@ -79,7 +79,7 @@ def test_fit_runs_a_shipped_config_from_the_installed_wheel(wheel, tmp_path):
     run.mkdir()
     script = (
         "import sys, lightning_precision\n"
-        "from lightning_precision import cli\n"
+        "import lightning_precision.cli as cli\n"
         f"assert lightning_precision.__file__.startswith({str(site)!r}), lightning_precision.__file__\n"
         f"assert str(cli.recipe_configs()['vit']) == {str(site / 'lightning_precision/recipe_configs/vit.yaml')!r}\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"

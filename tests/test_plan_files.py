@@ -154,7 +154,8 @@ def test_two_processes_saving_one_path_never_fail_and_it_always_loads_whole(tmp_
 
 
 def test_plan_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
-    from lightning_precision import cli, plan
+    from lightning_precision import plan
+    import lightning_precision.cli as cli
 
     monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))
     (tmp_path / "file.txt").write_text("a file, not a folder")
@@ -437,8 +438,8 @@ def test_a_plan_that_measured_nothing_is_not_written_over_an_existing_one(tmp_pa
     """Every batch's loss is NaN (a fault injected in the recipe's own loss): every batch is dropped, nothing is
     measured, and that plan (0 fp8 layers, resting on no number) must not replace the measured plan already there. It
     is printed instead, exit 1; with no file there it is written (it replaces nothing)."""
-    from lightning_precision import cli
-    from lightning_precision.recipes.vision import ViTClassifier
+    import lightning_precision.cli as cli
+    from lightning_precision.cli.recipes.vision import ViTClassifier
 
     real = ViTClassifier.training_loss
     monkeypatch.setattr(ViTClassifier, "training_loss", lambda self, batch: real(self, batch) * math.nan)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from matplotlib.colors import to_hex
 
-from lightning_precision import plotting
+from lightning_precision import _plots
+from lightning_precision.cli import plots as lp_plots
 from lightning_precision.functional import exponent_histogram
 
 matplotlib.use("Agg")
@@ -18,7 +19,7 @@ matplotlib.use("Agg")
 @pytest.fixture
 def figures(monkeypatch):
     saved, drawn = {}, []
-    real, real_write = matplotlib.figure.Figure.savefig, plotting.atomic_write_bytes
+    real, real_write = matplotlib.figure.Figure.savefig, _plots.atomic_write_bytes
 
     def capture(fig, target, *args, **kwargs):
         if isinstance(target, (str, os.PathLike)):
@@ -32,7 +33,7 @@ def figures(monkeypatch):
         return real_write(path, data)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
-    monkeypatch.setattr(plotting, "atomic_write_bytes", write)
+    monkeypatch.setattr(_plots, "atomic_write_bytes", write)
     return saved
 
 
@@ -50,7 +51,7 @@ def _lines(ax):
 
 def test_compare_plots_have_titles_units_and_fixed_colours(figures, tmp_path):
     rows = [_row("32-true", [1.0, 0.9, 0.8, 0.7]), _row("bf16-mixed", [1.0, 0.91, 0.79, 0.7])]
-    plotting.plot_compare(rows, tmp_path, META)
+    lp_plots.plot_compare(rows, tmp_path, META)
     loss, diff = figures["loss.png"].axes
     assert "vit on cpu" in loss.get_title() and "4 steps" in loss.get_title()
     assert loss.get_ylabel() and diff.get_ylabel() == "loss minus 32-true's loss" and diff.get_xlabel()
@@ -62,14 +63,14 @@ def test_compare_plots_have_titles_units_and_fixed_colours(figures, tmp_path):
     assert "(MiB)" in figures["memory.png"].axes[0].get_ylabel()
 
     figures.clear()  # another report, other order: the same colour per precision
-    plotting.plot_compare(list(reversed(rows)), tmp_path, META)
+    lp_plots.plot_compare(list(reversed(rows)), tmp_path, META)
     assert _lines(figures["loss.png"].axes[0]) == first == {"32-true": to_hex("tab:gray"), "bf16-mixed": to_hex("tab:blue")}
 
 
 def test_a_failed_precision_stays_in_the_plots(figures, tmp_path):
     rows = [_row("32-true", [1.0, 0.9, 0.8, 0.7]),
             {"precision": "fp8", "error": "boom", "losses": [1.0, 0.95], "steps_done": 2}]
-    plotting.plot_compare(rows, tmp_path, META)
+    lp_plots.plot_compare(rows, tmp_path, META)
     assert "fp8 (failed after 2 steps)" in _lines(figures["loss.png"].axes[0])
     labels = [t.get_text() for t in figures["throughput.png"].axes[0].texts]
     assert "failed" in labels
@@ -77,7 +78,7 @@ def test_a_failed_precision_stays_in_the_plots(figures, tmp_path):
 
 def test_amax_plot_has_a_y_label_and_zeros_do_not_stretch_it(figures, tmp_path):
     history = torch.tensor([[[0.0, 2.0, 1e-3]], [[4.0, 3.0, 2e-3]], [[5.0, 0.0, 0.0]]])  # (steps, layers, tensors)
-    plotting.plot_amax_history(history, ["fc1"], ["input", "weight", "grad_output"], {}, str(tmp_path / "a.png"))
+    _plots.plot_amax_history(history, ["fc1"], ["input", "weight", "grad_output"], {}, str(tmp_path / "a.png"))
     axes = figures["a.png"].axes
     for ax in axes[:3]:
         assert ax.get_ylabel().startswith("amax")
@@ -86,7 +87,7 @@ def test_amax_plot_has_a_y_label_and_zeros_do_not_stretch_it(figures, tmp_path):
 
 def test_histogram_says_values_are_unscaled_and_states_the_rounding_rule(figures, tmp_path):
     hist = exponent_histogram(torch.tensor([1e-8, 1e-3, 0.5]), 1.0)
-    plotting.plot_exponent_histogram({"activation gradients": hist}, str(tmp_path / "h.png"))
+    _plots.plot_exponent_histogram({"activation gradients": hist}, str(tmp_path / "h.png"))
     ax = figures["h.png"].axes[0]
     assert "unscaled" in ax.get_xlabel() and "below half of it" in ax.get_xlabel()
     assert "unscaled" in ax.get_legend().get_title().get_text()
@@ -114,7 +115,7 @@ def test_amax_plot_names_every_layer_and_cuts_no_text(figures, tmp_path):
     history = torch.rand(8, len(layers), 3) + 1e-3
     what_if = {f"precision/fp8_whatif/{t}/{k}/{s}": torch.tensor(0.01) for t in tensors
                for k in ("delayed", "current", "mxfp8", "nvfp4") for s in ("underflow", "overflow")}
-    plotting.plot_amax_history(history, layers, tensors, what_if, str(tmp_path / "a.png"))
+    _plots.plot_amax_history(history, layers, tensors, what_if, str(tmp_path / "a.png"))
     fig = figures["a.png"]
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == layers

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
-from lightning_precision.recipes import RECIPES, DistilBertClassifier, ImageClassificationData, TextClassificationData
-from lightning_precision.recipes.data import _build_tokenizer, _synthetic_reviews
+from lightning_precision.cli.recipes import RECIPES, DistilBertClassifier, ImageClassificationData, TextClassificationData
+from lightning_precision.cli.recipes.data import _build_tokenizer, _synthetic_reviews
 
 SMALL = {"distilbert": {"num_samples": 256}, "vit": {"num_samples": 256}, "resnet50": {"num_samples": 256}}
 

@@ -388,7 +388,7 @@ class AmaxHistoryLogger(Callback):
 
     def save(self, directory: str) -> tuple[str, str]:
         """Write ``amax_history.pt`` (layers, history oldest first, scales) and ``amax_history.png`` (layers that ran)."""
-        from lightning_precision.plotting import plot_amax_history
+        from lightning_precision._plots import plot_amax_history
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)

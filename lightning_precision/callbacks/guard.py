@@ -22,7 +22,7 @@ from lightning_precision._io import check_writable_dir, check_writable_file, cre
 from lightning_precision._checks import is_positive_int
 from lightning_precision._lightning import batches_that_stepped, should_update_logs
 from lightning_precision.callbacks._cadence import on_cadence
-from lightning_precision.plan import PlanRule, _measured_numbers, _suffix, demotions
+from lightning_precision.plan import PlanRule, _measured_numbers, demotions, plan_suffix
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision.warnings import NoEffectWarning, warn
 
@@ -88,7 +88,7 @@ class FP8Guard(Callback):
         if rule is not None and not isinstance(rule, PlanRule):
             raise ValueError(f"`FP8Guard(rule={rule!r})`: pass a `lightning_precision.PlanRule`.")
         if plan_path is not None:
-            _suffix(Path(plan_path))  # a bad name fails now, not at the first demotion
+            plan_suffix(Path(plan_path))  # a bad name fails now, not at the first demotion
         self.every_n_steps = every_n_steps
         self.rule = rule
         self.plan_path = None if plan_path is None else Path(plan_path)

@@ -31,7 +31,7 @@ from lightning_precision.functional import (
     LossScaleAdvice,
     recommend_loss_scale,
 )
-from lightning_precision.plotting import check_plot_path
+from lightning_precision._plots import check_plot_path
 from lightning_precision.warnings import warn
 
 __all__ = ["DYNAMIC", "FP8_SCALINGS", "GradientUnderflowMonitor", "Reduce"]
@@ -488,7 +488,7 @@ class GradientUnderflowMonitor(Callback):
         return recommend_loss_scale(hist, self.target_underflow)
 
     def save_plot(self, path: str) -> str:
-        from lightning_precision.plotting import plot_exponent_histogram
+        from lightning_precision._plots import plot_exponent_histogram
 
         hists = {"parameter gradients": self.histogram}
         if int(self.activation_histogram.sum()):

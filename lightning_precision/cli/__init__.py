@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lightning_precision._console import say
+from lightning_precision.cli.console import say
 
 __all__ = ["main", "recipe_configs"]
 
@@ -230,19 +230,34 @@ def _fit(argv: list[str]) -> int:
     return 0
 
 
+_COMMANDS = ("fit", "compare", "doctor", "plan")
+
+
+def _missing_extra(command: str) -> Optional[str]:
+    """One line naming what this install lacks for ``command`` and the one install line that adds it; None when the
+    `cli` extra is installed. A plugin or callback user installs the package without it."""
+    from lightning_precision._imports import install_command, missing_cli_requirements
+
+    missing = missing_cli_requirements()
+    if not missing:
+        return None
+    return (f"lightning-precision {command}: the command line needs {', '.join(missing)}, not installed here."
+            f" Install it with `{install_command('rich')}`.")
+
+
 def _compare(argv: list[str]) -> int:
     """``compare``, with SIGINT, SIGTERM and SIGHUP taken before the imports: torch and Lightning take seconds to
     import, and a Ctrl-C then printed a traceback, or vanished where SIGINT was ignored at start (a job started with
     ``&``) and the whole comparison ran."""
-    from lightning_precision._spawn import exit_if_importing_main
-    from lightning_precision._stop import Interrupted, Stop
+    from lightning_precision.cli.spawn import exit_if_importing_main
+    from lightning_precision.cli.stop import Interrupted, Stop
 
     exit_if_importing_main()  # a process of a comparison importing a script that lacks the __main__ guard: ends here
     with Stop() as stop:
         try:
             with stop.raising():
-                from lightning_precision.compare import UsageError
-                from lightning_precision.compare import main as compare
+                from lightning_precision.cli.compare import UsageError
+                from lightning_precision.cli.compare import main as compare
         except Interrupted:
             say(stop.nothing_written())
             return stop.exit_code(1)
@@ -262,17 +277,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(_version_line())
         return 0
     command, rest = argv[0], argv[1:]
+    if command in _COMMANDS and (missing := _missing_extra(command)):
+        say(missing)
+        return 1
     try:
         if command == "fit":
             return _fit(rest)
         if command == "compare":
             return _compare(rest)
         if command == "doctor":
-            from lightning_precision.doctor import main as doctor
+            from lightning_precision.cli.doctor import main as doctor
 
             return doctor(rest)
         if command == "plan":
-            from lightning_precision.plan import main as plan
+            from lightning_precision.cli.plan import main as plan
 
             return plan(rest)
     except SystemExit as exit:  # argparse's --help (0) and usage errors (2): a code, also when called as a function
@@ -281,5 +299,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,9 +13,9 @@ from typing import Any
 import lightning as L
 
 import lightning_precision.accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
-from lightning_precision.recipes.data import ImageClassificationData, TextClassificationData
-from lightning_precision.recipes.text import DistilBertClassifier
-from lightning_precision.recipes.vision import ResNet50Classifier, ViTClassifier
+from lightning_precision.cli.recipes.data import ImageClassificationData, TextClassificationData
+from lightning_precision.cli.recipes.text import DistilBertClassifier
+from lightning_precision.cli.recipes.vision import ResNet50Classifier, ViTClassifier
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from lightning_precision import _imports
 from lightning_precision._imports import installed_version as _version
-from lightning_precision._machine import cpu_info, describe_cpu, machine_info
+from lightning_precision.cli.machine import cpu_info, describe_cpu, machine_info
 from lightning_precision.fabric.bf16_mixed import bf16_capable
 from lightning_precision.fp8 import FP8_MIN_CAPABILITY, MXFP8_MIN_CAPABILITY, fp8_capable
 
@@ -125,14 +125,14 @@ def main(argv: list[str]) -> int:
     packages = [dict(zip(_PACKAGE_COLUMNS, row)) for row in _package_rows()]
     devices = [dict(zip(_DEVICE_COLUMNS, row)) for row in _device_rows()]
     if args.json:
-        from lightning_precision._console import echo
+        from lightning_precision.cli.console import echo
 
         # `doctor --json | jq ...` whose reader has gone: quiet, as Unix tools are (no BrokenPipeError at exit)
         echo(json.dumps({"machine": machine_info(), "packages": packages, "devices": devices}, indent=2))
         return 0
     from rich.table import Table
 
-    from lightning_precision._console import console as make_console
+    from lightning_precision.cli.console import console as make_console
 
     console = make_console()
     for title, rows in (("packages", packages), ("devices", devices)):

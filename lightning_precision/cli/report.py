@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_precision._io import json_safe
-from lightning_precision._outdir import replace_folder
+from lightning_precision.cli.outdir import replace_folder
 from lightning_precision.warnings import warn
 
 __all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"]
 
-# Every file a report writes: the report folder holds these and nothing else (``lightning_precision._outdir``).
+# Every file a report writes: the report folder holds these and nothing else (``lightning_precision.cli.outdir``).
 FILES = ("report.md", "report.json", "report.csv", "loss.png", "throughput.png", "memory.png")
 
 COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "final loss",
@@ -264,7 +264,7 @@ def _write_files(rows: list[dict[str, Any]], folder: Path, meta: dict[str, Any])
         writer.writerows(rows)
     images: list[str] = []
     try:
-        from lightning_precision.plotting import plot_compare
+        from lightning_precision.cli.plots import plot_compare
 
         images = [Path(p).name for p in plot_compare(rows, folder, meta)]
     except ModuleNotFoundError as err:  # matplotlib missing: the table, JSON and CSV still stand

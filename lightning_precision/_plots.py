@@ -1,4 +1,5 @@
-"""Plots (matplotlib)."""
+"""The callbacks' plots (matplotlib, an optional dependency): exponent histograms and amax histories, each file
+written whole or not at all."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from lightning_precision._io import atomic_write_bytes, check_writable_file
 from lightning_precision.formats import BlockFormat, get_format
 from lightning_precision.functional import HIST_MIN
 
-__all__ = ["check_plot_path", "plot_amax_history", "plot_compare", "plot_exponent_histogram"]
+__all__ = ["check_plot_path", "image_format", "plot_amax_history", "plot_exponent_histogram", "save_figure"]
 
 _COLORS = {"fp16": "tab:red", "bf16": "tab:blue", "e4m3fn": "tab:green", "e5m2": "tab:purple", "tf32": "tab:orange"}
 
 
-def _image_format(path: "str | os.PathLike[str]") -> str:
+def image_format(path: "str | os.PathLike[str]") -> str:
     """The format matplotlib writes for ``path``'s suffix (PNG without one)."""
     return Path(path).suffix.lower().lstrip(".") or "png"
 
@@ -33,17 +34,17 @@ def check_plot_path(path: "str | os.PathLike[str]", owner: str) -> Path:
     from matplotlib.backend_bases import FigureCanvasBase
 
     supported = FigureCanvasBase.get_supported_filetypes()
-    if _image_format(path) not in supported:
-        raise ValueError(f"{owner}: {str(path)!r}: matplotlib writes no {_image_format(path)!r} images; name a"
+    if image_format(path) not in supported:
+        raise ValueError(f"{owner}: {str(path)!r}: matplotlib writes no {image_format(path)!r} images; name a"
                          f" {', '.join('.' + s for s in sorted(supported))} file (.png is usual).")
     return check_writable_file(path, owner)
 
 
-def _save(fig: Any, path: "str | os.PathLike[str]", dpi: int) -> str:
+def save_figure(fig: Any, path: "str | os.PathLike[str]", dpi: int) -> str:
     """Write the figure to ``path`` whole or not at all (``atomic_write_bytes``): a full disk or a kill mid-write
     leaves the previous plot, never a truncated one. Without a suffix, PNG."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format=_image_format(path), dpi=dpi)
+    fig.savefig(buffer, format=image_format(path), dpi=dpi)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, buffer.getvalue())
     return str(path)
@@ -99,7 +100,7 @@ def plot_exponent_histogram(
     ax.legend(loc="upper left", fontsize=8, title="gradients, unscaled (activation gradients too)", title_fontsize=8)
     fig.tight_layout()
     try:
-        return _save(fig, path, dpi=110)
+        return save_figure(fig, path, dpi=110)
     finally:
         plt.close(fig)
 
@@ -179,98 +180,6 @@ def plot_amax_history(
     axes[-1].axis("off")
     axes[-1].text(0, 1, "\n".join(table), va="top", family="monospace", fontsize=8, transform=axes[-1].transAxes)
     try:
-        return _save(fig, path, dpi=100)
+        return save_figure(fig, path, dpi=100)
     finally:
         plt.close(fig)
-
-
-_PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "16-mixed": "tab:red", "fp8": "tab:green",
-                    "fp8-auto": "tab:olive"}
-
-
-def _precision_color(precision: str) -> str:
-    """The same colour for a precision in every report."""
-    return _PRECISION_COLORS.get(precision, "tab:purple")
-
-
-def _title(meta: Mapping, what: str) -> str:
-    return f"{meta['recipe']} on {meta['device']}: {what} ({meta['steps']} steps, batch {meta['batch_size']})"
-
-
-def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]:
-    """``loss.png`` (training loss per precision, and its difference from 32-true, where overlapping curves part),
-    ``throughput.png`` (samples/s from the table's ms/step, with the interquartile range over turns and the table's
-    speedup) and ``memory.png``; failed and interrupted precisions are drawn with what they reached and marked, not
-    dropped."""
-    require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def label(r: Mapping) -> str:
-        status = "interrupted" if r.get("interrupted") else "failed" if "error" in r else ""
-        return r["precision"] + (f" ({status} after {r.get('steps_done', 0)} steps)" if status else "")
-
-    files = []
-    base = next((r for r in rows if r["precision"] == "32-true" and r.get("losses")), None)
-    fig, axes = plt.subplots(2 if base else 1, 1, figsize=(8, 6.4 if base else 4), sharex=True, squeeze=False)
-    ax = axes[0, 0]
-    for r in rows:
-        if r.get("losses"):
-            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label(r), lw=1.2,
-                    color=_precision_color(r["precision"]), ls="--" if "error" in r else "-")
-    ax.set_ylabel("training loss (cross-entropy)")
-    ax.set_title(_title(meta, "training loss"))
-    if ax.lines:  # no precision reported a step (every one failed as it started): no legend of nothing, no warning
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no precision reported a training step", ha="center", va="center", transform=ax.transAxes)
-    if base:
-        diff = axes[1, 0]
-        diff.axhline(0, color=_precision_color("32-true"), lw=1)
-        for r in rows:
-            if r is not base and r.get("losses"):
-                n = min(len(r["losses"]), len(base["losses"]))
-                diff.plot(range(1, n + 1), [a - b for a, b in zip(r["losses"][:n], base["losses"][:n])],
-                          label=label(r), lw=1.2, color=_precision_color(r["precision"]))
-        diff.set_ylabel("loss minus 32-true's loss")
-        diff.set_title("difference from 32-true at the same step (same seed, same batches)", fontsize=9)
-    axes[-1, 0].set_xlabel("optimizer step")
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=100)
-    plt.close(fig)
-    files.append(str(out / "loss.png"))
-
-    memory = ("peak resident memory gained in training (MiB)" if meta["device"] == "cpu"
-              else "peak GPU memory allocated (MiB)")
-    throughput = "samples / s (batch / ms/step)"
-    for key, name, ylabel, what in (
-        ("samples_per_s", "throughput.png", throughput, "throughput"),
-        ("peak_memory_mb", "memory.png", memory, "memory, each precision in its own process"),
-    ):
-        fig, ax = plt.subplots(figsize=(7, 4.4))
-        names = [r["precision"] for r in rows]
-        values = [r.get(key) or 0.0 for r in rows]
-        errors = None
-        labels = ["failed" if "error" in r and not r.get("interrupted") and not r.get(key) else
-                  "interrupted" if r.get("interrupted") and not r.get(key) else f"{v:.0f}" for r, v in zip(rows, values)]
-        if key == "samples_per_s":
-            # the turn medians' quartiles turned into samples/s (the slower quartile gives the lower bound): the same
-            # statistic as the bar, and as the table's ms/step
-            errors = [[max(0.0, v - meta["batch_size"] * 1e3 / r["turn_ms_q3"]) if "turn_ms_q3" in r else 0.0
-                       for v, r in zip(values, rows)],
-                      [max(0.0, meta["batch_size"] * 1e3 / r["turn_ms_q1"] - v) if "turn_ms_q1" in r else 0.0
-                       for v, r in zip(values, rows)]]
-            names = [n + (f"\n{r['speedup']:.2f}x" if r.get("speedup") is not None else "") for n, r in zip(names, rows)]
-            ax.set_xlabel("under each name its speedup: 32-true's ms/step over its own, as in the table\nms/step: the"
-                          " median of the turns' median step times; whiskers: the middle half of the turns", fontsize=8)
-        bars = ax.bar(names, values, yerr=errors, capsize=4, color=[_precision_color(r["precision"]) for r in rows])
-        ax.bar_label(bars, label_type="center", labels=labels)
-        ax.set_ylabel(ylabel, fontsize=9)
-        ax.set_title(_title(meta, what), fontsize=10)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        files.append(str(out / name))
-    return files

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_precision import _imports
-from lightning_precision.recipes._base import ClassificationRecipe
+from lightning_precision.cli.recipes._base import ClassificationRecipe
 
 __all__ = ["Bottleneck", "ImageClassifier", "ResNet50Classifier", "VIT_SIZES", "ViT", "ViTClassifier", "resnet50"]
 

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from torch import Tensor
 
 from lightning_precision import _imports
-from lightning_precision.recipes._base import ClassificationRecipe
+from lightning_precision.cli.recipes._base import ClassificationRecipe
 
 __all__ = ["DistilBertClassifier", "SIZES"]
 

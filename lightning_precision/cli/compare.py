@@ -38,11 +38,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_precision._console import say
-from lightning_precision._outdir import claim_folder
-from lightning_precision._report import FILES, NOISY
-from lightning_precision._spawn import NO_MAIN_GUARD_EXIT, exit_if_importing_main, no_main_guard_message
-from lightning_precision._stop import STOP_SIGNALS, Interrupted, Stop, signal_name
+from lightning_precision.cli.console import say
+from lightning_precision.cli.outdir import claim_folder
+from lightning_precision.cli.report import FILES, NOISY
+from lightning_precision.cli.spawn import NO_MAIN_GUARD_EXIT, exit_if_importing_main, no_main_guard_message
+from lightning_precision.cli.stop import STOP_SIGNALS, Interrupted, Stop, signal_name
 from lightning_precision.mfu import (
     choose_peak,
     compute_kind,
@@ -51,7 +51,7 @@ from lightning_precision.mfu import (
     parse_peak_override,
     plugin_compute_dtype,
 )
-from lightning_precision.recipes import RECIPES
+from lightning_precision.cli.recipes import RECIPES
 
 __all__ = ["PRECISIONS", "main"]
 
@@ -876,8 +876,8 @@ def main(argv: list[str], stop: Optional[Stop] = None) -> int:
 def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], Any]:
     """Before any process starts: the machine, the report's meta (with the batch measured once), the precisions that
     cannot run here and why, and the console (its first lines printed)."""
-    from lightning_precision._console import console
-    from lightning_precision._machine import describe, machine_info
+    from lightning_precision.cli.console import console
+    from lightning_precision.cli.machine import describe, machine_info
 
     machine = machine_info()
     notes: list[str] = []
@@ -904,7 +904,7 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
 def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from lightning_precision import _report
+    from lightning_precision.cli import report
 
     try:
         with stop.raising():  # nothing runs yet (measuring the batch takes seconds): a signal ends it at once
@@ -935,13 +935,13 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
     meta["schedule"] = _schedule(rows, args)
     _add_speedups(rows, runs, args.steps)
     _add_mfu(rows, meta, args)
-    meta["verdict"] = _report.verdict(rows, meta)
+    meta["verdict"] = report.verdict(rows, meta)
     if meta["interrupted"] and not any(r.get("steps_done") for r in rows):  # a report of nothing replaces no report
         say(stop.nothing_written(args.out))
         return 1
-    _report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
+    report.print_table(rows, meta, out)  # first: whatever happens to the files, the results are on the screen
     try:  # whole or not at all, also when interrupted: written beside the folder, then swapped in
-        where, names, note = _report.write_reports(rows, folder, meta)
+        where, names, note = report.write_reports(rows, folder, meta)
     except OSError as err:
         say(f"lightning-precision compare: could not write the report to {args.out!r} ({err}); the folder keeps what"
             " it held.")

@@ -1,0 +1,103 @@
+"""``lightning-precision plan``: measure a recipe's embedded default and write the fp8 plan."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Optional
+
+from torch import nn
+
+from lightning_precision._io import check_writable_file
+from lightning_precision.cli.console import echo, say
+from lightning_precision.fp8 import select_fp8_layers
+from lightning_precision.plan import dump_plan, make_plan, plan_suffix
+
+__all__ = ["main"]
+
+
+
+def main(argv: list[str]) -> int:
+    """``lightning-precision plan --recipe vit|distilbert``: measure the recipe's embedded default, print the plan and
+    write it (YAML or JSON by ``--out``'s suffix)."""
+    import argparse
+
+    from lightning_precision.cli.recipes import RECIPES
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-precision plan",
+        description="Measure fp8 numerics per linear layer on a recipe's embedded default and write the plan.")
+    parser.add_argument("--recipe", choices=["vit", "distilbert"], required=True, help="the recipe to measure")
+    parser.add_argument("--batches", type=int, default=8, help="training batches to measure (default: 8)")
+    parser.add_argument("--recipe-fp8", dest="recipe_fp8", default="tensorwise", choices=["tensorwise", "rowwise"],
+                        help="torchao scaling recipe (default: tensorwise)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="plan for emulated fp8 (as `fit --precision fp8-emulated`): layers too small to gain on an"
+                             " fp8 GPU are judged too, instead of kept in bf16")
+    parser.add_argument("--out", default=None, help="plan file, .yaml/.yml/.json (default: plan-<recipe>.yaml)")
+    args = parser.parse_args(argv)
+    if args.batches < 1:
+        return _usage_error(f"--batches {args.batches}: measure at least 1 batch")
+    out = Path(args.out) if args.out is not None else Path(f"plan-{args.recipe}.yaml")
+    try:  # a bad name or a place that cannot be written fails now, not after measuring
+        if args.out == "":
+            raise ValueError("--out '': an empty path names no file; name a .yaml, .yml or .json file.")
+        plan_suffix(out)
+        check_writable_file(out, "--out")
+    except ValueError as err:
+        return _usage_error(str(err))
+    model, batches = RECIPES[args.recipe].training_batches(args.batches)
+    nothing = _nothing_to_measure(model, args.recipe, args.recipe_fp8, args.emulate)
+    if nothing:  # refused before measuring: a plan of no fp8 layer is not worth the wait, nor a file
+        return _usage_error(nothing)
+    echo(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...")
+    plan = make_plan(model, batches, loss_fn=lambda m, b: m.training_loss(b), recipe=args.recipe_fp8,
+                     skip_small_layers=not args.emulate)
+    echo(plan.table())
+    if not plan.measured and out.exists():
+        # An earlier plan there was measured, perhaps for long; one that rests on no number must not replace it.
+        say(f"lightning-precision plan: error: nothing was measured (every batch had a non-finite value, or no"
+            f" eligible layer ran), so the plan is not written over the existing {str(out)!r}; it follows on"
+            " standard output.")
+        echo(dump_plan(plan.to_dict(), out).rstrip("\n"))
+        return 1
+    try:
+        saved = plan.save(out)
+    except (OSError, ValueError) as err:  # the disk filled up, or the folder changed, while measuring: keep it
+        why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())
+        say(f"lightning-precision plan: error: could not write the plan to {str(out)!r} ({why});"
+            " it follows on standard output: save it as a file and pass that file to `layers=`.")
+        echo(dump_plan(plan.to_dict(), out).rstrip("\n"))
+        return 1
+    echo(f"wrote {saved}")
+    return 0
+
+
+def _nothing_to_measure(model: nn.Module, recipe: str, scaling_family: str, emulate: bool) -> Optional[str]:
+    """Why no layer of ``model`` is left to measure, with the fix when there is one (``--emulate``); None if some is.
+    ``scaling_family``: the CLI's torchao recipes are their own scaling families (tensorwise, rowwise)."""
+    decisions = select_fp8_layers(model, scaling_family, skip_small_layers=not emulate)
+    if any(d.fp8 for d in decisions):
+        return None
+    # Grouped by the rule (its details, such as each layer's dims, in parentheses left out): one readable line.
+    reasons = ", ".join(f"{n} {why}" for why, n in _counted(d.reason.split(" (")[0] for d in decisions).items())
+    head = (f"--recipe {recipe}: none of the {len(decisions)} linear layers of the embedded {recipe} default is left"
+            f" to measure ({reasons})")
+    if not emulate and any(d.fp8 for d in select_fp8_layers(model, scaling_family, skip_small_layers=False)):
+        return (f"{head}. Without --emulate the plan is for an fp8 GPU, where layers this small run slower in fp8 than"
+                " in bf16 and stay in bf16. Pass --emulate to judge them too (the plan for `fit --precision"
+                " fp8-emulated`).")
+    return f"{head}: no layer of it can run in fp8, so there is no plan to make."
+
+
+def _counted(items: Iterable[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
+
+
+def _usage_error(message: str) -> int:
+    """Bad input, before anything is measured: one line, exit code 2 (as every command of ``lightning-precision``)."""
+    say(f"lightning-precision plan: error: {' '.join(message.split())}")
+    return 2
