@@ -11,7 +11,7 @@ the end of every step, so a step is the interval between step ends (forward, bac
 loader); the first ``--warmup`` steps of a fit (``--compile-warmup`` when compiled: the first steps compile) are
 dropped. Per run it reports the median ms/step, the speedup over the row's baseline (``vs``), MFU and peak allocated
 memory (``torch.cuda.max_memory_allocated``, reset per fit). MFU divides the FLOPs of one step (forward and backward,
-counted once per model and shape with ``lightning_precision.mfu.model_flops_per_step``) by the dense peak that
+counted once per model and shape with ``lightning_precision._mfu.model_flops_per_step``) by the dense peak that
 ``choose_peak`` gives for the device and the kind the plugin computes in (``peak_flops_dtype``; fp32 without one), or
 by ``--peak-tflops`` (one number, or ``bf16=989,fp8=1979``). 32-true runs with torch's defaults (fp32 matmuls, and
 TF32 cuDNN convolutions), counted against the fp32 peak: the header line records both settings.
@@ -89,7 +89,7 @@ from torch.nn import functional as F
 from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
 from lightning_precision.callbacks import AmaxHistoryLogger, ChannelsLast, GradientUnderflowMonitor
 from lightning_precision.fp8 import FP8_MIN_CAPABILITY
-from lightning_precision.mfu import PeakChoice, choose_peak, compute_kind, model_flops_per_step, parse_peak_override
+from lightning_precision._mfu import PeakChoice, choose_peak, compute_kind, model_flops_per_step, parse_peak_override
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import resnet50  # noqa: E402

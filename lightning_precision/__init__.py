@@ -5,7 +5,7 @@ Trainer plugins live here (``lightning_precision.FP16MixedPrecision``); Fabric p
 
 Names load on first use (PEP 562): ``import lightning_precision`` alone imports neither torch nor Lightning, so the
 command line's ``--version`` and ``--help`` answer at once. The first name used (or an import of the ``fabric``,
-``plugins``, ``callbacks`` or ``accelerators`` subpackage) registers ``accelerator="xpu"`` with Lightning.
+``callbacks`` subpackage) registers ``accelerator="xpu"`` with Lightning.
 """
 
 from __future__ import annotations
@@ -18,17 +18,19 @@ __version__ = "0.1.0"
 
 # Each public name and the module that defines it.
 _SOURCE = {
-    "BF16MixedPrecision": "lightning_precision.plugins",
-    "FP16MixedPrecision": "lightning_precision.plugins",
+    "BF16MixedPrecision": "lightning_precision._plugins",
+    "FP16MixedPrecision": "lightning_precision._plugins",
     "FP8LayerPolicy": "lightning_precision.fp8",
-    "FP8Precision": "lightning_precision.plugins",
-    "NVFP4Precision": "lightning_precision.plugins",
-    "NoEffectWarning": "lightning_precision.warnings",
+    "FP8Precision": "lightning_precision._plugins",
+    "NVFP4Precision": "lightning_precision._plugins",
+    "NoEffectWarning": "lightning_precision._warnings",
     "PlanRule": "lightning_precision.plan",
     "PrecisionPlan": "lightning_precision.plan",
     "ScalerConfig": "lightning_precision.fabric._scaler",
     "SkippedStepsError": "lightning_precision.fabric._scaler",
-    "XPUPrecision": "lightning_precision.plugins",
+    "TrainerXPUAccelerator": "lightning_precision._accelerators",
+    "XPUAccelerator": "lightning_precision._accelerators",
+    "XPUPrecision": "lightning_precision._plugins",
 }
 
 __all__ = [*_SOURCE, "__version__"]
@@ -37,19 +39,20 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
     from lightning_precision.fp8 import FP8LayerPolicy
     from lightning_precision.plan import PlanRule, PrecisionPlan
-    from lightning_precision.plugins import (
+    from lightning_precision._plugins import (
         BF16MixedPrecision,
         FP8Precision,
         FP16MixedPrecision,
         NVFP4Precision,
         XPUPrecision,
     )
-    from lightning_precision.warnings import NoEffectWarning
+    from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
+    from lightning_precision._warnings import NoEffectWarning
 
 
 def __getattr__(name: str) -> Any:
     if name in _SOURCE:
-        import lightning_precision.accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
+        import lightning_precision._accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
 
         value = getattr(importlib.import_module(_SOURCE[name]), name)
         globals()[name] = value  # loaded once

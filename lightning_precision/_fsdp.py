@@ -116,7 +116,7 @@ def install_byte_all_gather(module: nn.Module) -> int:
 def check_gather_dtype(owner: str, module: nn.Module, compute_dtype: torch.dtype) -> None:
     """Warn when FSDP2 all-gathers parameters in a dtype other than the plugin's compute dtype: in fp32, autocast
     casts after the all-gather, so communication and the unsharded copies stay fp32 and the plugin saves neither."""
-    from lightning_precision.warnings import NoEffectWarning, warn
+    from lightning_precision._warnings import NoEffectWarning, warn
 
     off = [(name, dtype) for name, dtype in gather_dtypes(module) if dtype != compute_dtype]
     if not off:

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_precision import _fsdp, _imports
 from lightning_precision._checks import one_config
-from lightning_precision.warnings import NoEffectWarning, _deprecated_alias, deprecated, warn
+from lightning_precision._warnings import NoEffectWarning, _deprecated_alias, deprecated, warn
 
 __all__ = [
     "BACKENDS",

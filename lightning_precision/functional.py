@@ -6,7 +6,7 @@ Defined here: the cast statistics (``underflow_stats`` and the counts beneath it
 channels-last conversion (``apply_channels_last``, ``to_channels_last``). Re-exported from their modules: fp8 layer
 selection (``select_fp8_layers`` and its rules, from ``lightning_precision.fp8``), ``fp8_sensitivity`` (from
 ``lightning_precision.sensitivity``) and model FLOPs utilisation (``mfu``, ``choose_peak``, ``model_flops_per_step``,
-from ``lightning_precision.mfu``).
+from ``lightning_precision._mfu``).
 
 Every count is a tensor on the input's device, so callers can accumulate without synchronising and read only when they
 log.
@@ -35,9 +35,9 @@ from lightning_precision.fp8 import (
     gemm_divisor,
     select_fp8_layers,
 )
-from lightning_precision.mfu import choose_peak, mfu, model_flops_per_step
+from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
 from lightning_precision.sensitivity import fp8_sensitivity, torchao_scale
-from lightning_precision.warnings import NoEffectWarning, warn
+from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = [
     # cast statistics
@@ -76,7 +76,7 @@ __all__ = [
     "select_fp8_layers",
     # re-exported: fp8 numerics per layer (lightning_precision.sensitivity)
     "fp8_sensitivity",
-    # re-exported: model FLOPs utilisation (lightning_precision.mfu)
+    # re-exported: model FLOPs utilisation (lightning_precision._mfu)
     "choose_peak",
     "mfu",
     "model_flops_per_step",

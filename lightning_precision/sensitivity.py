@@ -25,7 +25,7 @@ from lightning_precision import _imports
 from lightning_precision import fp8 as _fp8
 from lightning_precision.formats import get_format
 from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS
-from lightning_precision.warnings import warn
+from lightning_precision._warnings import warn
 
 __all__ = [
     "CastSpec",

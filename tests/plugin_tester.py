@@ -2,7 +2,7 @@
 ``MetricTester`` style): parity with a hand-written PyTorch loop, ``state_dict`` round-trip, pickling, a ``no_grad``
 forward before the training forward, and the optimizer holding the model's own Parameters after setup.
 
-Plugins are discovered from ``lightning_precision.fabric`` and ``lightning_precision.plugins``; each class name needs a
+Plugins are discovered from ``lightning_precision.fabric`` and ``lightning_precision._plugins``; each class name needs a
 spec in ``SPECS`` below (how to build it runnably on a CPU, and its reference loop). A new plugin without one fails
 ``tests/test_plugin_tester.py`` with a message saying to add it: that is how new plugins get these checks.
 
@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
 
 import lightning_precision.fabric
-import lightning_precision.plugins
+import lightning_precision._plugins
 from lightning_precision import ScalerConfig
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
@@ -51,7 +51,7 @@ def discover(module: Any, base: type) -> list[type]:
 
 
 FABRIC_PLUGINS = discover(lightning_precision.fabric, FabricPrecision)
-TRAINER_PLUGINS = discover(lightning_precision.plugins, TrainerPrecision)
+TRAINER_PLUGINS = discover(lightning_precision._plugins, TrainerPrecision)
 
 
 def is_trainer_plugin(cls: type) -> bool:

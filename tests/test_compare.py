@@ -183,7 +183,7 @@ def test_fp8_auto_runs_beside_fp8_and_says_which_layers_it_chose(tmp_path, capsy
 def test_mfu_is_the_models_flops_over_the_step_time_against_the_peak_given(tmp_path, capsys):
     """On a CPU there is no peak (n/a, and why); with --peak-tflops the MFU is achieved over that peak, and the FLOPs
     per step are those torch.utils.flop_counter counts for the recipe's model on one batch."""
-    from lightning_precision.mfu import model_flops_per_step
+    from lightning_precision._mfu import model_flops_per_step
     from lightning_precision.cli.recipes import RECIPES
 
     out = tmp_path / "r"

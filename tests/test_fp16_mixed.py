@@ -239,7 +239,7 @@ def test_a_held_scheduler_copies_and_pickles_like_the_scheduler():
     import copy
     import pickle
 
-    from lightning_precision.plugins._schedulers import HeldScheduler
+    from lightning_precision._plugins._schedulers import HeldScheduler
 
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     held = HeldScheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1), lambda o: False)

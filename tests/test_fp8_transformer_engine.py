@@ -177,7 +177,7 @@ def test_nvfp4_has_its_own_plugin_with_block_rules_and_a_blackwell_check(te, mon
 
 def test_nvfp4_says_its_own_name_when_no_layer_converts():
     from lightning_precision.fp8 import _warn_if_no_fp8
-    from lightning_precision.warnings import NoEffectWarning
+    from lightning_precision._warnings import NoEffectWarning
 
     with pytest.warns(NoEffectWarning, match=r"^NVFP4Precision: no linear layer runs in NVFP4"):
         _warn_if_no_fp8([], "NVFP4Precision", "NVFP4")

@@ -11,7 +11,7 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 
 import lightning_precision
 import lightning_precision.fabric
-import lightning_precision.plugins
+import lightning_precision._plugins
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 from tests.plugin_tester import FABRIC_PLUGINS, TRAINER_PLUGINS, default_spec, discover, make_runnable, plugin_id
 

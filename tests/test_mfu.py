@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_precision.mfu import (
+from lightning_precision._mfu import (
     choose_peak,
     compute_kind,
     device_peak,

@@ -17,8 +17,8 @@ from torch.utils.data import TensorDataset
 import lightning_precision.callbacks.mfu as mfu_module
 from lightning_precision import BF16MixedPrecision
 from lightning_precision.callbacks import MFUMonitor
-from lightning_precision.mfu import choose_peak, mfu, model_flops_per_step, peak_device_name, plugin_compute_dtype
-from lightning_precision.warnings import NoEffectWarning
+from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step, peak_device_name, plugin_compute_dtype
+from lightning_precision._warnings import NoEffectWarning
 from tests.helpers import IN, OUT, LitNet, loader, make_data, trainer
 
 FLOPS = 5_000_000  # per micro-batch, as a user would pass it

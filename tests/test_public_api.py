@@ -41,7 +41,7 @@ def test_api_index_in_the_docs_is_current():
 
 
 def test_functional_gathers_the_pure_functions():
-    from lightning_precision import callbacks, fp8, functional, mfu, sensitivity
+    from lightning_precision import _mfu, callbacks, fp8, functional, sensitivity
     from lightning_precision.callbacks import channels_last
 
     for name in ("apply_channels_last", "to_channels_last", "select_fp8_layers", "fp8_sensitivity", "underflow_stats",
@@ -51,6 +51,6 @@ def test_functional_gathers_the_pure_functions():
     assert functional.select_fp8_layers is fp8.select_fp8_layers
     assert functional.fp8_sensitivity is sensitivity.fp8_sensitivity
     assert (functional.mfu, functional.choose_peak, functional.model_flops_per_step) == (
-        mfu.mfu, mfu.choose_peak, mfu.model_flops_per_step)
+        _mfu.mfu, _mfu.choose_peak, _mfu.model_flops_per_step)
     for name in ("apply_channels_last", "to_channels_last"):  # public in callbacks before functional held them
         assert getattr(callbacks, name) is getattr(channels_last, name) is getattr(functional, name)

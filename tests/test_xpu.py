@@ -21,8 +21,8 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 import lightning_precision
 from lightning_precision import ScalerConfig, XPUPrecision
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.accelerators import TrainerXPUAccelerator, XPUAccelerator
-from lightning_precision.accelerators.xpu import parse_xpu_devices
+from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
+from lightning_precision._accelerators.xpu import parse_xpu_devices
 from lightning_precision.fabric.xpu import check_fp64
 from tests.helpers import LitNet, loader, make_data, params, trainer
 

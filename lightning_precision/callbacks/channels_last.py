@@ -18,7 +18,7 @@ from lightning_precision.functional import (
     is_channels_last,
     to_channels_last,
 )
-from lightning_precision.warnings import NoEffectWarning, warn
+from lightning_precision._warnings import NoEffectWarning, warn
 
 # The pure functions live in `lightning_precision.functional`; re-exported here, where they were first public.
 __all__ = ["ChannelsLast", "apply_channels_last", "to_channels_last"]

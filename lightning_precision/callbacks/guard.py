@@ -24,7 +24,7 @@ from lightning_precision._lightning import batches_that_stepped, should_update_l
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.plan import PlanRule, _measured_numbers, demotions, plan_suffix
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
-from lightning_precision.warnings import NoEffectWarning, warn
+from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["DEFAULT_PLAN_FILE", "FP8Guard", "GuardEvent"]
 
@@ -214,7 +214,7 @@ class FP8Guard(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        from lightning_precision.plugins.fp8 import FP8Precision
+        from lightning_precision._plugins.fp8 import FP8Precision
 
         if stage != "fit":
             return

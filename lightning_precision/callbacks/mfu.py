@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_precision._lightning import batches_that_stepped
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
-from lightning_precision.mfu import (
+from lightning_precision._mfu import (
     KINDS,
     PeakChoice,
     choose_peak,
@@ -30,7 +30,7 @@ from lightning_precision.mfu import (
     peak_device_name,
     plugin_compute_dtype,
 )
-from lightning_precision.warnings import NoEffectWarning, warn
+from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["FlopsPerBatch", "LossFn", "MFUMonitor", "MFUWindow"]
 
@@ -141,7 +141,7 @@ class MFUMonitor(Callback):
     logged: it holds the warm-up (CUDA context, kernel autotuning, ``torch.compile``) and the FLOP count itself.
 
     The peak is the device's dense peak for the kind the precision plugin's matmuls run in
-    (``lightning_precision.mfu.choose_peak``): this package's plugins name it (``peak_flops_dtype``; read again at
+    (``lightning_precision._mfu.choose_peak``): this package's plugins name it (``peak_flops_dtype``; read again at
     every log, so an fp8 plugin's peak follows ``layers="auto"``), Lightning's own plugins by their precision string,
     fp32 (tf32 when torch allows it) otherwise. Without a peak (a CPU, a GPU not in the table) a ``NoEffectWarning``
     says why, once, and only achieved TFLOP/s is logged.
@@ -154,7 +154,7 @@ class MFUMonitor(Callback):
         flops_per_batch: the model's training FLOPs (forward and backward) of one micro-batch, or a function
             ``(batch) -> FLOPs`` for batches that differ (a shorter last batch, variable sequence lengths).
         loss_fn: instead of ``flops_per_batch``, ``(module, batch) -> loss``: the FLOPs are counted once, on the first
-            training batch, with ``lightning_precision.mfu.model_flops_per_step`` (``torch.utils.flop_counter``:
+            training batch, with ``lightning_precision._mfu.model_flops_per_step`` (``torch.utils.flop_counter``:
             matmuls, convolutions, attention). ``training_step`` is never called for it: it logs and may have other
             side effects.
         peak_tflops: the device's dense peak in TFLOP/s instead of the built-in table: one number for every kind,

@@ -32,7 +32,7 @@ from lightning_precision.functional import (
     recommend_loss_scale,
 )
 from lightning_precision._plots import check_plot_path
-from lightning_precision.warnings import warn
+from lightning_precision._warnings import warn
 
 __all__ = ["DYNAMIC", "FP8_SCALINGS", "GradientUnderflowMonitor", "Reduce"]
 

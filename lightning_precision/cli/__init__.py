@@ -184,7 +184,7 @@ def _fit(argv: list[str]) -> int:
 
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_precision.warnings import _ignore_known_harmless
+    from lightning_precision._warnings import _ignore_known_harmless
 
     _ignore_known_harmless()
 

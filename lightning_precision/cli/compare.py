@@ -43,7 +43,7 @@ from lightning_precision.cli.outdir import claim_folder
 from lightning_precision.cli.report import FILES, NOISY
 from lightning_precision.cli.spawn import NO_MAIN_GUARD_EXIT, exit_if_importing_main, no_main_guard_message
 from lightning_precision.cli.stop import STOP_SIGNALS, Interrupted, Stop, signal_name
-from lightning_precision.mfu import (
+from lightning_precision._mfu import (
     choose_peak,
     compute_kind,
     mfu,
@@ -272,7 +272,7 @@ _LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric
 
 def _quiet_lightning() -> None:
     """One table, not a Trainer banner and hints per precision; Lightning's known-harmless notices go too."""
-    from lightning_precision.warnings import _ignore_known_harmless
+    from lightning_precision._warnings import _ignore_known_harmless
 
     _ignore_known_harmless()
     for pattern in (".*does not have many workers.*", ".*GPU available but not used.*"):
@@ -713,7 +713,7 @@ def _check_one_step(model: Any, batch: Any, given: str) -> None:
 
 def _add_mfu(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
     """Achieved TFLOP/s (the model's FLOPs per step over the median step time) and MFU against the device's dense
-    peak for the run's compute kind (``lightning_precision.mfu``), with the peak's source or why there is none."""
+    peak for the run's compute kind (``lightning_precision._mfu``), with the peak's source or why there is none."""
     flops, units = meta.get("model_flops_per_step"), meta.get("units_per_batch")
     for row in rows:
         if "median_step_ms" not in row:

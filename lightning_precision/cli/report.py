@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from lightning_precision._io import json_safe
 from lightning_precision.cli.outdir import replace_folder
-from lightning_precision.warnings import warn
+from lightning_precision._warnings import warn
 
 __all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"]
 

@@ -1,6 +1,6 @@
 """Precision plugins for Lightning Fabric: ``Fabric(plugins=[BF16MixedPrecision()])``."""
 
-import lightning_precision.accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
+import lightning_precision._accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
 from lightning_precision.fabric._scaler import ScalerConfig
 from lightning_precision.fabric.bf16_mixed import BF16MixedPrecision
 from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision

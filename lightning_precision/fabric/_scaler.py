@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
 from lightning_precision._lightning import optimizer_handles_unscaling
-from lightning_precision.warnings import warn
+from lightning_precision._warnings import warn
 
 __all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "_NonFiniteGuard", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
 

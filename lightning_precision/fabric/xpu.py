@@ -15,7 +15,7 @@ from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision.warnings import NoEffectWarning, deprecated, warn
+from lightning_precision._warnings import NoEffectWarning, deprecated, warn
 
 __all__ = ["XPUPrecision", "check_fp64"]
 

@@ -70,7 +70,7 @@ def parse_xpu_devices(devices: Union[int, str, list[int]]) -> list[int]:
 def _fix(cls: type) -> str:
     trainer = issubclass(cls, TrainerAccelerator)
     return (f"`{'L.Trainer' if trainer else 'L.Fabric'}(strategy={cls.__name__}.strategy(devices=...))`, from"
-            " `lightning_precision.accelerators`")
+            " `lightning_precision._accelerators`")
 
 
 class XPUAccelerator(FabricAccelerator):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricFP16MixedPrecision
-from lightning_precision.plugins._scaled import _TrainerScaledPrecision
+from lightning_precision._plugins._scaled import _TrainerScaledPrecision
 
 __all__ = ["FP16MixedPrecision"]
 

@@ -9,7 +9,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_precision.fabric.xpu import XPUPrecision as _FabricXPUPrecision
-from lightning_precision.plugins._scaled import _TrainerScaledPrecision
+from lightning_precision._plugins._scaled import _TrainerScaledPrecision
 
 __all__ = ["XPUPrecision"]
 
