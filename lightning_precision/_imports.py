@@ -19,12 +19,12 @@ from lightning_utilities.core.imports import RequirementCache
 __all__ = [
     "CLI_REQUIREMENTS",
     "IPEX",
-    "_DATASETS_AVAILABLE",
-    "_EXTRA_OF",
-    "_MATPLOTLIB_AVAILABLE",
-    "_TORCHAO_AVAILABLE",
-    "_TRANSFORMERS_AVAILABLE",
-    "_TRANSFORMER_ENGINE_AVAILABLE",
+    "DATASETS_AVAILABLE",
+    "EXTRA_OF",
+    "MATPLOTLIB_AVAILABLE",
+    "TORCHAO_AVAILABLE",
+    "TRANSFORMERS_AVAILABLE",
+    "TRANSFORMER_ENGINE_AVAILABLE",
     "import_quietly",
     "import_torchvision",
     "imports_cleanly",
@@ -39,23 +39,23 @@ __all__ = [
 ]
 
 # The minimums repeat pyproject.toml's extras (tests/test_one_table.py checks that they agree).
-_TORCHAO_AVAILABLE = RequirementCache("torchao>=0.11")
-_TRANSFORMER_ENGINE_AVAILABLE = RequirementCache("transformer-engine>=2.9")
-_DATASETS_AVAILABLE = RequirementCache("datasets>=2.14")
-_MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib>=3.7")
+TORCHAO_AVAILABLE = RequirementCache("torchao>=0.11")
+TRANSFORMER_ENGINE_AVAILABLE = RequirementCache("transformer-engine>=2.9")
+DATASETS_AVAILABLE = RequirementCache("datasets>=2.14")
+MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib>=3.7")
 # The command line's own needs (the `cli` extra), checked before a command runs.
-_TRANSFORMERS_AVAILABLE = RequirementCache("transformers>=4.40")
+TRANSFORMERS_AVAILABLE = RequirementCache("transformers>=4.40")
 CLI_REQUIREMENTS = (
     RequirementCache("jsonargparse[signatures]>=4.27"),
     RequirementCache("rich>=13"),
-    _MATPLOTLIB_AVAILABLE,
-    _TRANSFORMERS_AVAILABLE,
+    MATPLOTLIB_AVAILABLE,
+    TRANSFORMERS_AVAILABLE,
     RequirementCache("torchmetrics>=1.4"),
 )
 
 # The pip extra of each optional package, as pyproject.toml's [project.optional-dependencies] lists it (matplotlib is
 # in `cli` too: the command line draws plots). Core dependencies are in no extra and not here.
-_EXTRA_OF = {
+EXTRA_OF = {
     "torchao": "fp8",
     "transformer-engine": "te",
     "datasets": "recipes",
@@ -71,7 +71,7 @@ IPEX = "intel-extension-for-pytorch"
 
 def install_command(package: str) -> str:
     """The pip command that installs an optional package: ``pip install 'lightning-precision[fp8]'``."""
-    return f"pip install 'lightning-precision[{_EXTRA_OF[package]}]'"
+    return f"pip install 'lightning-precision[{EXTRA_OF[package]}]'"
 
 
 def missing_cli_requirements() -> list[str]:
@@ -84,7 +84,7 @@ def require(available: RequirementCache, package: str, feature: str) -> None:
     """Raise a ``ModuleNotFoundError`` saying how to install ``package`` when ``available`` is false: its extra, or a
     reinstall for a core dependency (whose absence means a broken install)."""
     if not available:
-        remedy = (f"Install it with `{install_command(package)}`." if package in _EXTRA_OF else
+        remedy = (f"Install it with `{install_command(package)}`." if package in EXTRA_OF else
                   "lightning-precision depends on it, so this install is broken: reinstall lightning-precision.")
         raise ModuleNotFoundError(f"{feature} needs `{package}`, which is not installed ({available.message})."
                                   f" {remedy}")

@@ -63,11 +63,11 @@ def install_throughput_dtype() -> None:
 
 
 def _wrap(original: Callable[[Any], torch.dtype]) -> Callable[[Any], torch.dtype]:
-    from lightning_precision.fabric._autocast import _AutocastPrecision
+    from lightning_precision.fabric._autocast import AutocastPrecision
 
     @functools.wraps(original)
     def plugin_to_compute_dtype(plugin: Any) -> torch.dtype:
-        if isinstance(plugin, _AutocastPrecision):
+        if isinstance(plugin, AutocastPrecision):
             return plugin.peak_flops_dtype
         return original(plugin)
 

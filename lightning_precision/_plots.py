@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_precision._imports import _MATPLOTLIB_AVAILABLE, require
+from lightning_precision._imports import MATPLOTLIB_AVAILABLE, require
 from lightning_precision._io import atomic_write_bytes, check_writable_file
 from lightning_precision.formats import BlockFormat, get_format
 from lightning_precision.functional import HIST_MIN
@@ -30,7 +30,7 @@ def check_plot_path(path: "str | os.PathLike[str]", owner: str) -> Path:
     """Prove, before the work whose plot it is, that a plot can be written at ``path``: matplotlib is installed, it
     writes the suffix's format, and the file can be written (``_io.check_writable_file``). A ``ValueError`` (or the
     ImportError naming the extra) otherwise."""
-    require(_MATPLOTLIB_AVAILABLE, "matplotlib", owner)
+    require(MATPLOTLIB_AVAILABLE, "matplotlib", owner)
     from matplotlib.backend_bases import FigureCanvasBase
 
     supported = FigureCanvasBase.get_supported_filetypes()
@@ -56,7 +56,7 @@ def plot_exponent_histogram(
     """The distribution of log2|g|, with each format's representable range marked, as in the figure of the 2018
     mixed-precision paper (Micikevicius et al.). Values are unscaled; round-to-nearest sends those below half of a
     format's smallest subnormal to zero (between half and it they round up to it)."""
-    require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
+    require(MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,7 +143,7 @@ def plot_amax_history(
     """amax over the recorded steps, one panel per tensor (input, weight, output gradient), one line per layer (named
     in the legend under the panels), and the what-if table of the last logging step: fp8 underflow/overflow with the
     delayed scale versus the current one. The figure grows with the legend and the table, so no text is cut off."""
-    require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
+    require(MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
     matplotlib.use("Agg")

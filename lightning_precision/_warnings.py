@@ -81,7 +81,7 @@ def _deprecated_alias(function: Callable[..., Any], old: str) -> Callable[..., A
 _KNOWN_HARMLESS = (r".*isinstance\(treespec, LeafSpec\).*is deprecated.*",)
 
 
-def _ignore_known_harmless() -> None:
+def ignore_known_harmless() -> None:
     """For the command line's own process: hide ``_KNOWN_HARMLESS`` (a library calling the code must decide itself)."""
     for pattern in _KNOWN_HARMLESS:
         warnings.filterwarnings("ignore", pattern)

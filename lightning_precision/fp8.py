@@ -458,7 +458,7 @@ def demote_torchao_layer(layer: nn.Module) -> None:
 
 def torchao_config(recipe: Any, emulate: bool) -> Any:
     """A ``Float8LinearConfig`` from a recipe name or a config, with ``emulate`` applied."""
-    _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", "FP8Precision(backend='torchao')")
+    _imports.require(_imports.TORCHAO_AVAILABLE, "torchao", "FP8Precision(backend='torchao')")
     try:
         Float8LinearConfig = _imports.import_quietly("torchao.float8").Float8LinearConfig
     except Exception as err:  # a torchao built for another torch fails in many ways (AttributeError, OSError, ...)
@@ -565,7 +565,7 @@ MXFP8_TOKENS = 32  # the backward casts the tokens (batch x sequence) in blocks 
 def _mxfp8_linear() -> Any:
     """torchao's MXFP8 training layer, or an error naming what this torchao lacks. It moved between torchao releases
     (``mx_formats.mx_linear.MXLinear`` up to 0.11); one API is supported, the current one."""
-    _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", "FP8Precision(recipe='mxfp8')")
+    _imports.require(_imports.TORCHAO_AVAILABLE, "torchao", "FP8Precision(recipe='mxfp8')")
     try:
         return _imports.import_quietly("torchao.prototype.moe_training.mxfp8_linear")
     except Exception as err:
@@ -722,7 +722,7 @@ def float8_all_gather_possible(scaling_family: str) -> Optional[str]:
 
 def _te():
     """``(transformer_engine.pytorch, transformer_engine.common.recipe)``, or an error naming the extra."""
-    _imports.require(_imports._TRANSFORMER_ENGINE_AVAILABLE, "transformer-engine", "FP8Precision(backend='transformer_engine')")
+    _imports.require(_imports.TRANSFORMER_ENGINE_AVAILABLE, "transformer-engine", "FP8Precision(backend='transformer_engine')")
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
 

@@ -138,6 +138,6 @@ def install(monkeypatch) -> types.ModuleType:
     for name, mod in [("transformer_engine", root), ("transformer_engine.pytorch", pytorch),
                       ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)]:
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(_imports, "_TRANSFORMER_ENGINE_AVAILABLE", True)
+    monkeypatch.setattr(_imports, "TRANSFORMER_ENGINE_AVAILABLE", True)
     AUTOCAST_CALLS.clear()
     return pytorch

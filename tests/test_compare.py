@@ -148,7 +148,7 @@ def test_a_doomed_precision_fails_before_any_precision_starts(tmp_path, monkeypa
     started = []
     real = compare._start
     monkeypatch.setattr(compare, "_start", lambda recipe, p, args: started.append(p) or real(recipe, p, args))
-    monkeypatch.setattr(_imports, "_TORCHAO_AVAILABLE", False)
+    monkeypatch.setattr(_imports, "TORCHAO_AVAILABLE", False)
     out = tmp_path / "r"
     code = cli.main(["compare", *TINY, "--precisions", "32-true,fp8", "--emulate", "--val-batches", "0",
                      "--out", str(out)])

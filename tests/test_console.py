@@ -18,7 +18,7 @@ from lightning_precision.callbacks import ChannelsLast
 from lightning_precision._warnings import warn
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
-_TORCHAO = pytest.mark.skipif(not _imports._TORCHAO_AVAILABLE, reason="needs torchao (the [fp8] extra)")
+_TORCHAO = pytest.mark.skipif(not _imports.TORCHAO_AVAILABLE, reason="needs torchao (the [fp8] extra)")
 _NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA torchao's kernel-load messages are kept")
 NOISE = ("Failed to load", "_C_mxfp8", "_C_cutlass", "Skipping import of cpp extensions", "register_constant")
 
@@ -32,7 +32,7 @@ NOISE = ("Failed to load", "_C_mxfp8", "_C_cutlass", "Skipping import of cpp ext
         "from lightning_precision import FP8Precision; FP8Precision(emulate=True)",  # through `import_quietly`
         pytest.param(
             "from lightning_precision.cli.recipes import DistilBertClassifier; DistilBertClassifier()",  # via transformers
-            marks=pytest.mark.skipif(not _imports._TRANSFORMERS_AVAILABLE, reason="needs transformers (core)"),
+            marks=pytest.mark.skipif(not _imports.TRANSFORMERS_AVAILABLE, reason="needs transformers (core)"),
         ),
     ],
     ids=["fp8", "distilbert"],

@@ -236,9 +236,9 @@ def test_lightnings_plugin_resumes_our_checkpoint_with_its_scale(tmp_path):
 def test_the_scaler_overrides_no_private_method_of_torchs():
     """Issue 14: whether a step ran is seen through the optimizer's public step post-hook, not by overriding
     ``GradScaler._maybe_opt_step``; this fails if a private override comes back."""
-    from lightning_precision.fabric._scaler import _TrackingGradScaler
+    from lightning_precision.fabric._scaler import TrackingGradScaler
 
-    overridden = {name for name in vars(_TrackingGradScaler) if name.startswith("_") and not name.startswith("__")
+    overridden = {name for name in vars(TrackingGradScaler) if name.startswith("_") and not name.startswith("__")
                   and hasattr(torch.amp.GradScaler, name)}
     assert overridden == set()
 

@@ -97,7 +97,7 @@ def test_missing_transformer_engine_names_the_extra(monkeypatch):
         def __bool__(self):
             return False
 
-    monkeypatch.setattr(_imports, "_TRANSFORMER_ENGINE_AVAILABLE", Missing())
+    monkeypatch.setattr(_imports, "TRANSFORMER_ENGINE_AVAILABLE", Missing())
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightning-precision\[te\]'"):
         FP8Precision(backend="transformer_engine")
 

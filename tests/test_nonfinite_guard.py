@@ -22,7 +22,7 @@ from lightning_precision import fabric as lp_fabric
 from tests import helpers
 from tests.helpers import LitNet, device_reads_per_step, loader, make_data, make_net, params, trainer
 
-_FP8 = pytest.mark.skipif(not _imports._TORCHAO_AVAILABLE, reason="FP8Precision needs torchao (the [fp8] extra)")
+_FP8 = pytest.mark.skipif(not _imports.TORCHAO_AVAILABLE, reason="FP8Precision needs torchao (the [fp8] extra)")
 # Each plugin without loss scaling, built to run here: fp8 emulated on the 32x32 layer, XPU's logic for the CPU.
 GUARDED = [
     pytest.param("BF16MixedPrecision", {"skip_nonfinite": True}, id="bf16"),

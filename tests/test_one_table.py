@@ -46,8 +46,8 @@ def _runtime_requirements() -> dict[str, Requirement]:
 
 def test_every_package_of_extra_of_is_in_the_extra_it_names():
     extras = {extra: _requirements(lines) for extra, lines in _project()["optional-dependencies"].items()}
-    for package, extra in _imports._EXTRA_OF.items():
-        assert extra in extras, f"_EXTRA_OF[{package!r}] names extra {extra!r}, which pyproject.toml does not define"
+    for package, extra in _imports.EXTRA_OF.items():
+        assert extra in extras, f"EXTRA_OF[{package!r}] names extra {extra!r}, which pyproject.toml does not define"
         assert canonicalize_name(package) in extras[extra], f"extra {extra!r} does not hold {package!r}"
 
 
@@ -55,7 +55,7 @@ def test_no_core_dependency_is_in_an_extra():
     """A core dependency missing is a broken install (reinstall), never an extra to add; and an extra that repeats a
     core dependency only says the same thing twice."""
     core = set(_requirements(_project()["dependencies"]))
-    assert core.isdisjoint(map(canonicalize_name, _imports._EXTRA_OF))
+    assert core.isdisjoint(map(canonicalize_name, _imports.EXTRA_OF))
     for extra, lines in _project()["optional-dependencies"].items():
         assert core.isdisjoint(_requirements(lines)), f"extra {extra!r} repeats a core dependency"
 
@@ -63,7 +63,7 @@ def test_no_core_dependency_is_in_an_extra():
 def test_runtime_minimums_are_the_extras_minimums():
     extras = _project()["optional-dependencies"]
     runtime = _runtime_requirements()
-    for package, extra in _imports._EXTRA_OF.items():
+    for package, extra in _imports.EXTRA_OF.items():
         name = canonicalize_name(package)
         assert name in runtime, f"{package!r} has an extra but no check in _imports"
         assert runtime[name].specifier == _requirements(extras[extra])[name].specifier, package
@@ -104,7 +104,7 @@ def test_each_fact_is_written_in_one_file(pattern):
 
 
 def test_extra_names_are_written_only_in_imports():
-    """Messages name an extra through ``_imports.install_command`` or ``_EXTRA_OF``, never as a literal."""
+    """Messages name an extra through ``_imports.install_command`` or ``EXTRA_OF``, never as a literal."""
     found = {name for name, text in _sources().items() if re.search(r"lightning-precision\[\w", text)}
     assert found <= {"_imports.py"}
 

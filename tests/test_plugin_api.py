@@ -15,7 +15,7 @@ from lightning_precision import fabric as lp_fabric
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
 STEPS = 4
-_FP8 = pytest.mark.skipif(not _imports._TORCHAO_AVAILABLE, reason="FP8Precision needs torchao (the [fp8] extra)")
+_FP8 = pytest.mark.skipif(not _imports.TORCHAO_AVAILABLE, reason="FP8Precision needs torchao (the [fp8] extra)")
 # FP8 on make_net: skip_first_last leaves the 32 -> 32 layer alone in fp8 (emulated on the CPU).
 PLUGINS = [
     pytest.param("BF16MixedPrecision", {}, id="bf16"),

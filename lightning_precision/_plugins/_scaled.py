@@ -30,13 +30,13 @@ from typing_extensions import override
 from lightning_precision._lightning import optimizer_handles_unscaling, should_update_logs
 from lightning_precision.fabric._scaled import check_optimizer, closure_driven
 from lightning_precision._plugins._schedulers import hold_step_schedulers
-from lightning_precision._plugins._trainer import LIGHTNING_AMP_KEY, _TrainerPrecision
+from lightning_precision._plugins._trainer import LIGHTNING_AMP_KEY, TrainerHooks
 
-__all__ = ["_TrainerScaledPrecision"]
+__all__ = ["TrainerScaledPrecision"]
 
 
-class _TrainerScaledPrecision(_TrainerPrecision):
-    """Mixed into ``class X(_TrainerScaledPrecision, FabricX)`` where ``FabricX`` is a ``_ScaledPrecision``.
+class TrainerScaledPrecision(TrainerHooks):
+    """Mixed into ``class X(TrainerScaledPrecision, FabricX)`` where ``FabricX`` is a ``ScaledPrecision``.
 
     The scale is updated after the optimizer step with automatic optimization (one optimizer per backward), and at the
     end of ``training_step`` with manual optimization, so that several optimizers stepped after one backward are all

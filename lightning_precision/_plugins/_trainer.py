@@ -12,15 +12,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-__all__ = ["LIGHTNING_AMP_KEY", "_TrainerPrecision"]
+__all__ = ["LIGHTNING_AMP_KEY", "TrainerHooks"]
 
 # Keys under which Lightning's own plugin saves the scaler: its class name, and the pre-1.6 name.
 LIGHTNING_AMP_KEY = "MixedPrecision"
 _LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")
 
 
-class _TrainerPrecision(TrainerPrecision):
-    """Mixed into ``class X(_TrainerPrecision, FabricX)``: Trainer hooks first, Fabric behaviour after (see MRO)."""
+class TrainerHooks(TrainerPrecision):
+    """Mixed into ``class X(TrainerHooks, FabricX)``: Trainer hooks first, Fabric behaviour after (see MRO)."""
 
     @override
     def connect(

@@ -7,12 +7,12 @@ from typing_extensions import override
 
 from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
 from lightning_precision.fabric.fp8 import NVFP4Precision as _FabricNVFP4Precision
-from lightning_precision._plugins._scaled import _TrainerScaledPrecision
+from lightning_precision._plugins._scaled import TrainerScaledPrecision
 
 __all__ = ["FP8Precision", "NVFP4Precision"]
 
 
-class FP8Precision(_TrainerScaledPrecision, _FabricFP8Precision):
+class FP8Precision(TrainerScaledPrecision, _FabricFP8Precision):
     """fp8 linear layers inside bf16 autocast for the Trainer: ``Trainer(plugins=[FP8Precision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.FP8Precision`. With fp16 compute the loss scaler behaves as in

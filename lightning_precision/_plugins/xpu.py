@@ -9,12 +9,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_precision.fabric.xpu import XPUPrecision as _FabricXPUPrecision
-from lightning_precision._plugins._scaled import _TrainerScaledPrecision
+from lightning_precision._plugins._scaled import TrainerScaledPrecision
 
 __all__ = ["XPUPrecision"]
 
 
-class XPUPrecision(_TrainerScaledPrecision, _FabricXPUPrecision):
+class XPUPrecision(TrainerScaledPrecision, _FabricXPUPrecision):
     """bf16 (default) or fp16 autocast on Intel GPUs for the Trainer:
     ``Trainer(strategy=TrainerXPUAccelerator.strategy(devices=1), plugins=[XPUPrecision()])``.
 

@@ -184,9 +184,9 @@ def _fit(argv: list[str]) -> int:
 
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_precision._warnings import _ignore_known_harmless
+    from lightning_precision._warnings import ignore_known_harmless
 
-    _ignore_known_harmless()
+    ignore_known_harmless()
 
     class CLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]

@@ -136,7 +136,7 @@ def _default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tu
         notes.append("16-mixed left out: this CPU has no fp16 arithmetic (torch emulates it, several times slower than"
                      " 32-true). Add it with --precisions 32-true,bf16-mixed,16-mixed to check its numerics.")
     if fp8_gpu_available() or args.emulate:
-        if _imports._TORCHAO_AVAILABLE:
+        if _imports.TORCHAO_AVAILABLE:
             chosen.append("fp8")
         else:
             notes.append(f"fp8 left out: torchao is not installed ({_imports.install_command('torchao')}).")
@@ -147,7 +147,7 @@ def _precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
     """Why this precision cannot run here, found before any precision starts; None if it can."""
     from lightning_precision import _imports
 
-    if precision in _FP8_PRECISIONS and not _imports._TORCHAO_AVAILABLE:
+    if precision in _FP8_PRECISIONS and not _imports.TORCHAO_AVAILABLE:
         return f"{precision} needs torchao, which is not installed: {_imports.install_command('torchao')}"
     if precision == "bf16-mixed" and _on_gpu(args):
         from lightning_precision.fabric.bf16_mixed import _check_bf16_supported
@@ -272,9 +272,9 @@ _LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric
 
 def _quiet_lightning() -> None:
     """One table, not a Trainer banner and hints per precision; Lightning's known-harmless notices go too."""
-    from lightning_precision._warnings import _ignore_known_harmless
+    from lightning_precision._warnings import ignore_known_harmless
 
-    _ignore_known_harmless()
+    ignore_known_harmless()
     for pattern in (".*does not have many workers.*", ".*GPU available but not used.*"):
         warnings.filterwarnings("ignore", pattern)
     for name in _LIGHTNING_LOGGERS:

@@ -40,10 +40,10 @@ def _package_rows() -> list[tuple[str, str, str]]:
     for dist in ("lightning", "torchmetrics", "transformers"):
         v = _version(dist)
         rows.append((dist, v or "not installed", "ok" if v else "-"))
-    rows.append(_optional_row("torchao", _imports._TORCHAO_AVAILABLE, "ok (fp8 backend)",
+    rows.append(_optional_row("torchao", _imports.TORCHAO_AVAILABLE, "ok (fp8 backend)",
                               _imports.install_command("torchao")))
-    rows.append(_optional_row("transformer-engine", _imports._TRANSFORMER_ENGINE_AVAILABLE, "ok",
-                              f"CUDA only: lightning-precision[{_imports._EXTRA_OF['transformer-engine']}]"))
+    rows.append(_optional_row("transformer-engine", _imports.TRANSFORMER_ENGINE_AVAILABLE, "ok",
+                              f"CUDA only: lightning-precision[{_imports.EXTRA_OF['transformer-engine']}]"))
     rows.append(_ipex_row())
     tv = _version("torchvision")
     if tv is None:

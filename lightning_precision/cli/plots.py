@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lightning_precision._imports import _MATPLOTLIB_AVAILABLE, require
+from lightning_precision._imports import MATPLOTLIB_AVAILABLE, require
 from lightning_precision._plots import save_figure
 
 __all__ = ["plot_compare"]
@@ -28,7 +28,7 @@ def plot_compare(rows: Sequence[Mapping], out: Path, meta: Mapping) -> list[str]
     ``throughput.png`` (samples/s from the table's ms/step, with the interquartile range over turns and the table's
     speedup) and ``memory.png``; failed and interrupted precisions are drawn with what they reached and marked, not
     dropped."""
-    require(_MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
+    require(MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
     matplotlib.use("Agg")

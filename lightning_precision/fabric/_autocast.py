@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_precision import _fsdp
 from lightning_precision._lightning import convert_fp_tensor, install_throughput_dtype
 
-__all__ = ["MatmulPrecision", "_AutocastPrecision"]
+__all__ = ["MatmulPrecision", "AutocastPrecision"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -67,7 +67,7 @@ def _validate_matmul_precision(owner: str, matmul_precision: Optional[str]) -> N
         )
 
 
-class _AutocastPrecision(FabricPrecision):
+class AutocastPrecision(FabricPrecision):
     """Fabric base of every autocast plugin: ``torch.autocast(device_type, dtype)`` with both always explicit.
 
     Subclasses set ``precision`` and pass ``compute_dtype``; the device type is resolved once, from the model, the first

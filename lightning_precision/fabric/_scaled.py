@@ -20,10 +20,10 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_precision._lightning import optimizer_handles_unscaling
-from lightning_precision.fabric._autocast import MatmulPrecision, _AutocastPrecision
-from lightning_precision.fabric._scaler import ScalerConfig, _NonFiniteGuard, _TrackingGradScaler
+from lightning_precision.fabric._autocast import MatmulPrecision, AutocastPrecision
+from lightning_precision.fabric._scaler import ScalerConfig, NonFiniteGuard, TrackingGradScaler
 
-__all__ = ["SKIP_NONFINITE_DEFAULT", "_ScaledPrecision", "check_optimizer", "closure_driven"]
+__all__ = ["SKIP_NONFINITE_DEFAULT", "ScaledPrecision", "check_optimizer", "closure_driven"]
 
 # Whether plugins without loss scaling skip steps with inf/nan gradients unless told: off, because the check costs more
 # than the 2% of a step issue 23 allowed a default (3-7% on benchmarks/plugin_overhead.py's MLP, docs/benchmarks.md).
@@ -55,7 +55,7 @@ def check_optimizer(owner: str, optimizer: Any) -> None:
         )
 
 
-class _ScaledPrecision(_AutocastPrecision):
+class ScaledPrecision(AutocastPrecision):
     """Autocast in ``compute_dtype`` with a loss scaler built from ``scaler``; without one (``None``), the non-finite
     guard when ``skip_nonfinite``, else nothing.
 
@@ -93,16 +93,16 @@ class _ScaledPrecision(_AutocastPrecision):
                                  " `skip_nonfinite=True` too, or leave `max_consecutive_skips` out.")
         # What scales and skips: the loss scaler, or the guard (a scaler at a fixed scale of 1). Built for cpu until the
         # model's device is known, then rebuilt there with its state.
-        self._scaler: Optional[_TrackingGradScaler] = None
+        self._scaler: Optional[TrackingGradScaler] = None
         if scaler is not None:
-            self._scaler = _TrackingGradScaler(device or "cpu", scaler, owner=owner)
+            self._scaler = TrackingGradScaler(device or "cpu", scaler, owner=owner)
         elif skip_nonfinite:
-            self._scaler = _NonFiniteGuard(device or "cpu", max_consecutive_skips, owner=owner)
+            self._scaler = NonFiniteGuard(device or "cpu", max_consecutive_skips, owner=owner)
         self.step_was_skipped = False
         self._update_pending = False
 
     @property
-    def scaler(self) -> Optional[_TrackingGradScaler]:
+    def scaler(self) -> Optional[TrackingGradScaler]:
         """The loss scaler (a ``torch.amp.GradScaler``); ``None`` without loss scaling, as for Lightning's bf16 plugin
         (``trainer.scaler`` reads it), also where the non-finite guard skips steps."""
         return self._scaler if self.scaler_config is not None else None
@@ -112,8 +112,8 @@ class _ScaledPrecision(_AutocastPrecision):
         if self._scaler is not None and self._scaler.device_type != device_type:
             state = self._scaler.state_dict()
             owner = type(self).__name__
-            self._scaler = (_TrackingGradScaler(device_type, self._scaler.config, owner=owner) if self.scaler_config
-                           else _NonFiniteGuard(device_type, self._scaler.config.max_consecutive_skips, owner=owner))
+            self._scaler = (TrackingGradScaler(device_type, self._scaler.config, owner=owner) if self.scaler_config
+                           else NonFiniteGuard(device_type, self._scaler.config.max_consecutive_skips, owner=owner))
             self._scaler.load_state_dict(state)
 
     @property
@@ -195,7 +195,7 @@ class _ScaledPrecision(_AutocastPrecision):
             check_optimizer(type(self).__name__, optimizer)
             output = self._scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         elif closure_step is not None or "closure" in kwargs:
-            assert isinstance(self._scaler, _NonFiniteGuard)
+            assert isinstance(self._scaler, NonFiniteGuard)
             output = self._scaler.step_undoing_nonfinite(optimizer,  # type: ignore[arg-type]
                                                         closure_step or functools.partial(optimizer.step, **kwargs))
         else:

@@ -36,7 +36,7 @@ from lightning_precision._checks import is_positive_int, one_config
 from lightning_precision._lightning import optimizer_handles_unscaling
 from lightning_precision._warnings import warn
 
-__all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "_NonFiniteGuard", "_TrackingGradScaler", "resolve_scaler_config", "scale_of"]
+__all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "NonFiniteGuard", "TrackingGradScaler", "resolve_scaler_config", "scale_of"]
 
 
 class SkippedStepsError(RuntimeError):
@@ -129,7 +129,7 @@ def resolve_scaler_config(owner: str, scaler: Optional[ScalerConfig], **flat: An
     return config
 
 
-class _TrackingGradScaler(torch.amp.GradScaler):
+class TrackingGradScaler(torch.amp.GradScaler):
     def __init__(self, device: str, config: ScalerConfig, enabled: bool = True, owner: str = "GradScaler") -> None:
         super().__init__(
             device,
@@ -359,7 +359,7 @@ class _TrackingGradScaler(torch.amp.GradScaler):
         self._unread_updates = 0
 
 
-class _NonFiniteGuard(_TrackingGradScaler):
+class NonFiniteGuard(TrackingGradScaler):
     """The scaler of a plugin that scales no loss (bf16, fp8 in bf16, XPU in bf16), kept for its guarantee: a step whose
     gradients hold inf or nan is skipped instead of written into every weight, counted, and a run that skips
     ``max_consecutive_skips`` in a row stops. The scale is fixed at 1 (no growth, no backoff): the loss goes to backward

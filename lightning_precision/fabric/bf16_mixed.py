@@ -9,7 +9,7 @@ import torch
 from typing_extensions import override
 
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
+from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig
 
 __all__ = ["BF16_MIN_CAPABILITY", "BF16MixedPrecision", "bf16_capable"]
@@ -38,7 +38,7 @@ def _check_bf16_supported(device_type: str) -> None:
         )
 
 
-class BF16MixedPrecision(_ScaledPrecision):
+class BF16MixedPrecision(ScaledPrecision):
     """bf16 autocast: ``Fabric(plugins=[BF16MixedPrecision()])``.
 
     Every argument is keyword-only.

@@ -7,13 +7,13 @@ from typing import Optional
 import torch
 
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import _ScaledPrecision
+from lightning_precision.fabric._scaled import ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 
 __all__ = ["FP16MixedPrecision"]
 
 
-class FP16MixedPrecision(_ScaledPrecision):
+class FP16MixedPrecision(ScaledPrecision):
     """fp16 autocast with a ``torch.amp.GradScaler``: ``Fabric(plugins=[FP16MixedPrecision()])``.
 
     Unlike Lightning's ``precision="16-mixed"``, which becomes bf16 on CPU, this runs fp16 autocast and a CPU

@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_precision import _fsdp, _imports
 from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
+from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.plan import FP8, HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
 from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
@@ -121,7 +121,7 @@ class _Calibration:
                                " precision, then the plan decides)")
 
 
-class FP8Precision(_ScaledPrecision):
+class FP8Precision(ScaledPrecision):
     """fp8 linear layers inside high-precision autocast: ``Fabric(plugins=[FP8Precision()])``.
 
     Args:
@@ -266,7 +266,7 @@ class FP8Precision(_ScaledPrecision):
         if layers is None:
             return None
         if auto:
-            _imports.require(_imports._TORCHAO_AVAILABLE, "torchao", f"{owner}(layers='auto'), which measures with torchao,")
+            _imports.require(_imports.TORCHAO_AVAILABLE, "torchao", f"{owner}(layers='auto'), which measures with torchao,")
             if self.scaling_family in _fp8.BLOCK_SCALED:
                 raise ValueError(f"`{owner}(layers='auto', recipe={self.scaling_family!r})`: the measurement casts per tensor"
                                  " or per row, not in blocks; choose the layers with a plan, `module_filter`, or the"

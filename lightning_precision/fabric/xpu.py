@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, _ScaledPrecision
+from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision._warnings import NoEffectWarning, deprecated, warn
 
@@ -32,7 +32,7 @@ def check_fp64(props: Any) -> None:
         )
 
 
-class XPUPrecision(_ScaledPrecision):
+class XPUPrecision(ScaledPrecision):
     """Mixed precision on Intel GPUs: ``Fabric(strategy=XPUAccelerator.strategy(devices=1), plugins=[XPUPrecision()])``.
 
     Not an ``FP16MixedPrecision``: in bf16 (the default) it scales no loss (``loss_scale`` is ``None``). Every argument

@@ -43,7 +43,7 @@ def _synthetic_reviews(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
 
 def _build_tokenizer(texts: list[str], max_vocab: int = 30522) -> Any:
     """A word-level tokenizer trained here on ``texts`` (no hub download), as a transformers tokenizer."""
-    _imports.require(_imports._TRANSFORMERS_AVAILABLE, "transformers", "The text recipe's tokenizer")
+    _imports.require(_imports.TRANSFORMERS_AVAILABLE, "transformers", "The text recipe's tokenizer")
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -106,7 +106,7 @@ class TextClassificationData(_TensorData):
         if h.data_dir is not None:
             return _read_aclimdb(h.data_dir, "train"), _read_aclimdb(h.data_dir, "test")
         if h.hf_dataset is not None:
-            _imports.require(_imports._DATASETS_AVAILABLE, "datasets", "`TextClassificationData(hf_dataset=...)`")
+            _imports.require(_imports.DATASETS_AVAILABLE, "datasets", "`TextClassificationData(hf_dataset=...)`")
             import datasets
 
             ds = datasets.load_dataset(h.hf_dataset)

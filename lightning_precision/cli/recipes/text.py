@@ -41,7 +41,7 @@ class DistilBertClassifier(ClassificationRecipe):
     ) -> None:
         super().__init__(num_labels, lr)
         self.save_hyperparameters()
-        _imports.require(_imports._TRANSFORMERS_AVAILABLE, "transformers", "The DistilBERT recipe")
+        _imports.require(_imports.TRANSFORMERS_AVAILABLE, "transformers", "The DistilBERT recipe")
         with _imports.quiet_known_noise():  # transformers imports torchao (its quantizer) whenever it is installed
             from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
