@@ -432,7 +432,7 @@ class PluginTester:
         assert len(checked) == 2
 
     # (4)
-    def run_no_grad_forward_first(self) -> None:
+    def run_no_grad_forward(self) -> None:
         """A no_grad forward inside the plugin's forward context before the training forward leaves the gradients
         exactly as without it. Before pytorch#165068 (torch < 2.10 or so), autocast's weight cache kept the no_grad
         forward's casts, without grad history, for the rest of the autocast region: the next backward failed ("element
@@ -452,7 +452,7 @@ class PluginTester:
         assert_same_params(with_teacher.net, without.net, "weights")
 
     # (5)
-    def run_optimizer_holds_model_params(self) -> None:
+    def run_optimizer_params(self) -> None:
         """After setup (and the fp8 conversion it does) the optimizer's parameters are the very objects the model
         trains: Fabric builds the optimizer before `setup` converts the model, so a conversion that made new
         Parameters would leave the converted layers untrained. One step then changes every parameter."""

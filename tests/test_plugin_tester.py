@@ -33,26 +33,12 @@ def test_specs_name_only_discovered_plugins_and_only_nvfp4_may_not_run():
     assert keys <= {f"{kind}.{check}" for kind in ("fabric", "plugins") for check in CHECKS}, keys
 
 
-@pytest.mark.parametrize(("cls", "spec"), cases(PLUGINS, "parity"))
-def test_parity_with_the_hand_written_loop(cls, spec):
-    PluginTester(cls, spec).run_parity()
-
-
-@pytest.mark.parametrize(("cls", "spec"), cases(PLUGINS, "state_round_trip"))
-def test_state_dict_round_trips_after_steps(cls, spec):
-    PluginTester(cls, spec).run_state_round_trip()
-
-
-@pytest.mark.parametrize(("cls", "spec"), cases(PLUGINS, "pickling"))
-def test_pickles_after_setup_and_after_steps(cls, spec):
-    PluginTester(cls, spec).run_pickling()
-
-
-@pytest.mark.parametrize(("cls", "spec"), cases(PLUGINS, "no_grad_forward"))
-def test_a_no_grad_forward_first_leaves_the_gradients_unchanged(cls, spec):
-    PluginTester(cls, spec).run_no_grad_forward_first()
-
-
-@pytest.mark.parametrize(("cls", "spec"), cases(PLUGINS, "optimizer_params"))
-def test_the_optimizer_holds_the_model_parameters_after_setup(cls, spec):
-    PluginTester(cls, spec).run_optimizer_holds_model_params()
+# Each check of PluginTester (its `run_<check>` method): parity with the hand-written loop, the state_dict round trip
+# after steps, pickling after setup and after steps, a no_grad forward first leaving the gradients unchanged, and the
+# optimizer holding the model's parameters after setup.
+@pytest.mark.parametrize(("check", "cls", "spec"), [
+    pytest.param(check, *case.values, id=f"{check}-{case.id}", marks=case.marks)
+    for check in CHECKS for case in cases(PLUGINS, check)
+])
+def test_each_plugin_passes_each_shared_check(check, cls, spec):
+    getattr(PluginTester(cls, spec), f"run_{check}")()
