@@ -36,9 +36,7 @@ _SOURCE = {
 __all__ = [*_SOURCE, "__version__"]
 
 if TYPE_CHECKING:  # what type checkers and editors see
-    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
-    from lightning_precision.fp8 import FP8LayerPolicy
-    from lightning_precision.plan import PlanRule, PrecisionPlan
+    from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
     from lightning_precision._plugins import (
         BF16MixedPrecision,
         FP8Precision,
@@ -46,8 +44,10 @@ if TYPE_CHECKING:  # what type checkers and editors see
         NVFP4Precision,
         XPUPrecision,
     )
-    from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
     from lightning_precision._warnings import NoEffectWarning
+    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
+    from lightning_precision.fp8 import FP8LayerPolicy
+    from lightning_precision.plan import PlanRule, PrecisionPlan
 
 
 def __getattr__(name: str) -> Any:

@@ -8,7 +8,8 @@ import importlib.util
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -25,7 +26,7 @@ _FRAMEWORKS = ("lightning_precision", "lightning", "lightning_fabric", "pytorch_
                "torch", "torchao", "jsonargparse")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _internal_prefixes() -> tuple[str, ...]:
     # `find_spec` of a top-level name locates the package without importing it (torchao's import is slow and noisy).
     # The separator keeps `torch` from matching `torchvision`, and `lightning` from matching the user's `lightning_app`.
