@@ -33,7 +33,22 @@ _SOURCE = {
     "XPUPrecision": "lightning_precision._plugins",
 }
 
-__all__ = [*_SOURCE, "__version__"]
+__all__ = [
+    "BF16MixedPrecision",
+    "FP16MixedPrecision",
+    "FP8LayerPolicy",
+    "FP8Precision",
+    "NVFP4Precision",
+    "NoEffectWarning",
+    "PlanRule",
+    "PrecisionPlan",
+    "ScalerConfig",
+    "SkippedStepsError",
+    "TrainerXPUAccelerator",
+    "XPUAccelerator",
+    "XPUPrecision",
+    "__version__",
+]  # written out (not `[*_SOURCE, ...]`) so that linters and editors read it; tests/test_public_api.py checks both agree
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator

@@ -19,7 +19,7 @@ _FORMAT_OF_DIM = {4: torch.channels_last, 5: torch.channels_last_3d}
 _CONVS = (nn.modules.conv._ConvNd,)
 
 
-def convolutions(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def convolutions(module: nn.Module) -> list[tuple[str, nn.modules.conv._ConvNd]]:
     return [(n, m) for n, m in module.named_modules() if isinstance(m, _CONVS) and m.weight.dim() in _FORMAT_OF_DIM]
 
 
@@ -51,7 +51,7 @@ def convert_convolutions(module: nn.Module, caller: str, fix: str, weights: bool
     ``weights=False`` only counts the convolutions."""
     convs = convolutions(module)
     for _, conv in convs if weights else ():
-        conv.to(memory_format=_FORMAT_OF_DIM[conv.weight.dim()])
+        conv.to(memory_format=_FORMAT_OF_DIM[conv.weight.dim()])  # type: ignore[call-overload]  # stubs omit it
     if not convs:
         warn(
             f"{caller}: `{type(module).__name__}` has no 2-d or 3-d convolution, so channels-last changes nothing."

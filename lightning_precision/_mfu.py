@@ -201,6 +201,6 @@ def model_flops_per_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Mod
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         del grads
     finally:
-        for p, g in zip(params, saved):
+        for p, g in zip(params, saved, strict=True):
             p.grad = g
     return int(counter.get_total_flops())

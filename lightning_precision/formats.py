@@ -11,7 +11,6 @@ what it flushes or saturates depends on the block's largest value, not on one sc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -149,7 +148,8 @@ def _from_bits(name: str, exponent_bits: int, mantissa_bits: int, has_inf: bool 
     )
 
 
-def _from_finfo(name: str, dtype: torch.dtype, exponent_bits: int, mantissa_bits: int, has_inf: bool = True) -> NumberFormat:
+def _from_finfo(name: str, dtype: torch.dtype, exponent_bits: int, mantissa_bits: int,
+                has_inf: bool = True) -> NumberFormat:
     info = torch.finfo(dtype)
     return NumberFormat(
         name=name,
@@ -286,7 +286,7 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {
     "nvfp4": BlockFormat("nvfp4", FORMATS["e2m1"], 16, "e4m3fn", "nearest", tensor_scale=True),
 }
 
-AnyFormat = Union[NumberFormat, BlockFormat]
+AnyFormat = NumberFormat | BlockFormat
 
 
 def get_format(fmt: str | torch.dtype | NumberFormat | BlockFormat) -> AnyFormat:
@@ -307,7 +307,8 @@ def get_format(fmt: str | torch.dtype | NumberFormat | BlockFormat) -> AnyFormat
         for candidate in FORMATS.values():
             if candidate.dtype == fmt:
                 return candidate
-        raise ValueError(f"No number format for dtype {fmt}. Known dtypes: {[f.dtype for f in FORMATS.values() if f.dtype]}.")
+        known = [f.dtype for f in FORMATS.values() if f.dtype]
+        raise ValueError(f"No number format for dtype {fmt}. Known dtypes: {known}.")
     name = _ALIASES.get(str(fmt).lower(), str(fmt).lower())
     if name in BLOCK_FORMATS:
         return BLOCK_FORMATS[name]

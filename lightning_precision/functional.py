@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,8 +56,8 @@ __all__ = [
     "model_flops_per_step",
 ]
 
-TensorsLike = Union[Tensor, Iterable[Tensor], Mapping[str, Tensor]]
-FormatLike = Union[str, torch.dtype, NumberFormat, BlockFormat]
+TensorsLike = Tensor | Iterable[Tensor] | Mapping[str, Tensor]
+FormatLike = str | torch.dtype | NumberFormat | BlockFormat
 
 
 @dataclass
@@ -86,7 +86,7 @@ class CastStats:
     nonfinite: Tensor
 
     def __add__(self, other: CastStats) -> CastStats:
-        return CastStats(*(a + b for a, b in zip(self._fields(), other._fields())))
+        return CastStats(*(a + b for a, b in zip(self._fields(), other._fields(), strict=True)))
 
     def _fields(self) -> tuple[Tensor, ...]:
         return (self.numel, self.exact_zero, self.underflow, self.overflow, self.nonfinite)
@@ -119,7 +119,7 @@ class UnderflowReport:
         (1, 1)
     """
 
-    format: NumberFormat
+    format: NumberFormat | BlockFormat
     scale: float | Tensor
     per_tensor: dict[str, CastStats] = field(default_factory=dict)
     total: CastStats | None = None
@@ -160,7 +160,7 @@ def measurable_values(tensor: Tensor) -> Tensor:
         raise TypeError(f"cast statistics need a floating-point tensor, got {x.dtype}.")
     if not x.is_contiguous():
         # A dense layout in another order (channels-last, a transpose): permute to it for a view; counts ignore order.
-        order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+        order = sorted(range(x.dim()), key=lambda d: -x.stride()[d])
         permuted = x.permute(order)
         x = permuted if permuted.is_contiguous() else x.contiguous()
     return x.view(-1)
@@ -302,7 +302,7 @@ def multi_format_stats(
     numel = torch.zeros((), dtype=torch.int64, device=flat.device) + flat.numel()
     if total is None:
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=flat.device)
-    return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
+    return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)), strict=True)}
 
 
 def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[float | Tensor]) -> list[CastStats]:
@@ -347,13 +347,13 @@ DYNAMIC_SCALINGS = ("tensorwise", "rowwise", "mxfp8")
 def dynamic_scale_stats(
     tensor: Tensor, formats: Iterable[FormatLike], scaling: str = "tensorwise", pow2: bool = False
 ) -> dict[str, CastStats]:
-    """What casting ``tensor`` to each fp8 format flushes or overflows when it is first scaled as fp8 training scales it:
-    the largest finite magnitude (of the tensor, of each row of its last dim, or of each block of 32 consecutive values,
-    by ``scaling``, one of ``DYNAMIC_SCALINGS``) lands on the format's max. The scale is torchao's
-    (``sensitivity.torchao_scale``: fp64 then fp32, rounded down to a power of two when ``pow2``, as its rowwise recipes
-    do); MXFP8's is the block's e8m0 scale, rounded up (``"rceil"``). A finite value never overflows at such a scale; what
-    flushes is what the real cast loses: small values beside the tensor's (row's, block's) largest. Counted in chunks,
-    as ``multi_format_stats``; a tensor that is not dense and real is scaled as a whole for ``"rowwise"``.
+    """What casting ``tensor`` to each fp8 format flushes or overflows when it is first scaled as fp8 training scales
+    it: the largest finite magnitude (of the tensor, of each row of its last dim, or of each block of 32 consecutive
+    values, by ``scaling``: ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``) lands on the format's max. The scale is
+    torchao's (fp64 then fp32, rounded down to a power of two when ``pow2``, as its rowwise recipes do); MXFP8's is the
+    block's e8m0 scale, rounded up (``"rceil"``). A finite value never overflows at such a scale; what flushes is what
+    the real cast loses: small values beside the tensor's (row's, block's) largest. Counted in chunks, as
+    ``multi_format_stats``; a tensor that is not dense and real is scaled as a whole for ``"rowwise"``.
 
     Example:
         Unscaled, e4m3fn flushes both small values; scaled so that 1.0 lands on 448, it keeps 1e-4 and still flushes
@@ -386,12 +386,13 @@ def dynamic_scale_stats(
         if chunk.dim() > 1:  # rowwise
             amax = torch.where(a <= torch.finfo(a.dtype).max, a, 0.0).amax(dim=-1, keepdim=True)
         # zeros, finite and inf once (a scaled zero stays zero, inf stays inf), then each format at its own scale
+        assert amax is not None  # the tensor's, or this chunk's rows'
         parts = [_counts(a, ())] + [_counts((a * torchao_scale(amax, f.max, pow2)).view(-1), (f,))[3:] for f in fmts]
         total = torch.cat(parts) if total is None else total + torch.cat(parts)
     numel = torch.zeros((), dtype=torch.int64, device=x.device) + n
     if total is None:  # an empty tensor
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=x.device)
-    return {f.name: st for f, st in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
+    return {f.name: st for f, st in zip(fmts, _stats_from_counts(numel, total, len(fmts)), strict=True)}
 
 
 def gradient_stats(
@@ -425,7 +426,7 @@ def gradient_stats(
     if total is None or hist is None:  # an empty tensor
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=device)
         hist = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64, device=device)
-    per_format = {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
+    per_format = {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)), strict=True)}
     scaled_stats = _stats_from_counts(numel, scaled_total, 1)[0] if scaled_total is not None else None
     first = next(iter(per_format.values()))
     return per_format, scaled_stats, _histogram_finish(hist, first.exact_zero + first.nonfinite)
@@ -503,7 +504,8 @@ class LossScaleAdvice(NamedTuple):
 
     - ``scale``: the loss scale to use, a power of two (1.0 when the histogram is empty).
     - ``underflow``: the fraction of the histogrammed values that still flush to zero in the format at ``scale``.
-    - ``overflow``: the fraction that overflows at ``scale``; always 0 (no scale is advised that overflows a value seen).
+    - ``overflow``: the fraction that overflows at ``scale``; always 0 (no scale is advised that overflows a value
+      seen).
 
     Example:
         >>> scale, underflow, overflow = recommend_loss_scale(exponent_histogram(torch.tensor([2.0**-40, 2.0**-10])))
@@ -541,13 +543,14 @@ def recommend_loss_scale(
     f = _elementwise(fmt, "recommend_loss_scale")
     if isinstance(target_underflow, bool) or not isinstance(target_underflow, (int, float)) \
             or not 0 <= target_underflow <= 1:
-        raise ValueError(f"`recommend_loss_scale(target_underflow={target_underflow!r})`: the fraction of values allowed"
-                         " to flush, a number in [0, 1], e.g. 1e-3 (the default).")
+        raise ValueError(f"`recommend_loss_scale(target_underflow={target_underflow!r})`: the fraction of values"
+                         " allowed to flush, a number in [0, 1], e.g. 1e-3 (the default).")
     if isinstance(max_log2_scale, bool) or not isinstance(max_log2_scale, int) \
             or not 0 <= max_log2_scale <= MAX_LOG2_SCALE:
         raise ValueError(f"`recommend_loss_scale(max_log2_scale={max_log2_scale!r})`: scales from 2**-k to 2**k are"
-                         f" tried, and the loss scaler accepts scales within 2**-{MAX_LOG2_SCALE} .. 2**{MAX_LOG2_SCALE}:"
-                         f" pass an int k in [0, {MAX_LOG2_SCALE}], e.g. 24 (the default, the scaler's default bounds).")
+                         f" tried, and the loss scaler accepts scales within 2**-{MAX_LOG2_SCALE} .."
+                         f" 2**{MAX_LOG2_SCALE}: pass an int k in [0, {MAX_LOG2_SCALE}], e.g. 24 (the default, the"
+                         " scaler's default bounds).")
     hist = histogram.detach().double().cpu()
     total = hist.sum().item()
     if total == 0:

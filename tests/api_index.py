@@ -11,8 +11,8 @@ A name several public packages export (the same object) is listed in full once, 
 defining module lies in (``fp8.select_fp8_layers``, ``fabric.ScalerConfig``), else the first of ``PUBLIC`` that exports
 it; the others point there.
 
-``python -m tests.api_index`` rewrites the section of docs/index.md between the api markers; ``tests/test_public_api.py``
-fails when that section differs from what ``render()`` gives.
+``python -m tests.api_index`` rewrites the section of docs/index.md between the api markers;
+``tests/test_public_api.py`` fails when that section differs from what ``render()`` gives.
 
 The rendering depends on the package's own source only, never on the installed torch or Lightning: annotations are
 written as the source spells them (every module uses ``from __future__ import annotations``), a default that would
@@ -80,7 +80,7 @@ def _source_defines(module: ModuleType, name: str) -> bool:
     return False
 
 
-# ---- one entry --------------------------------------------------------------------------------------------------------
+# ---- one entry -------------------------------------------------------------------------------------------------------
 
 
 def _annotation(annotation: Any) -> str:
@@ -112,7 +112,8 @@ def _parameters(signature: inspect.Signature, skip_first: bool) -> str:
         if p.kind is p.KEYWORD_ONLY and not star:
             out.append("*")
         star = star or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
-        text = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        stars: dict[Any, str] = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}
+        text = stars.get(p.kind, "") + p.name
         if p.annotation is not p.empty:
             text += f": {_annotation(p.annotation)}"
         if p.default is not p.empty:
@@ -154,7 +155,7 @@ def describe(name: str, obj: Any) -> str:
     return f"`{name}`"
 
 
-# ---- the index --------------------------------------------------------------------------------------------------------
+# ---- the index -------------------------------------------------------------------------------------------------------
 
 
 def _public_modules() -> dict[str, ModuleType]:

@@ -79,3 +79,9 @@ def test_functional_gathers_the_pure_functions():
         _mfu.mfu, _mfu.choose_peak, _mfu.model_flops_per_step)
     assert (functional.apply_channels_last, functional.to_channels_last) == (
         _channels_last.apply_channels_last, _channels_last.to_channels_last)
+
+
+def test_top_level_all_is_what_loads_lazily():
+    import lightning_precision
+
+    assert set(lightning_precision.__all__) == {*lightning_precision._SOURCE, "__version__"}

@@ -64,9 +64,9 @@ class ChannelsLast(Callback):
         )
         if not self.converted:
             return
-        for owner in (pl_module, trainer.datamodule):
+        for owner in (pl_module, getattr(trainer, "datamodule", None)):
             if owner is not None and "on_after_batch_transfer" not in vars(owner):
-                owner.on_after_batch_transfer = _ConvertAfter(owner.on_after_batch_transfer)
+                owner.on_after_batch_transfer = _ConvertAfter(owner.on_after_batch_transfer)  # type: ignore[method-assign]
                 self._wrapped.append(owner)
         name, first = convolutions(pl_module)[0]
         self._probe = first.register_forward_pre_hook(self._check_first_input(name))

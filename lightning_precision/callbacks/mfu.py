@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -34,7 +34,7 @@ from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 
 __all__ = ["FlopsPerBatch", "LossFn", "MFUMonitor", "MFUWindow"]
 
-FlopsPerBatch = Union[int, float, Callable[[Any], int | float]]
+FlopsPerBatch = int | float | Callable[[Any], int | float]
 LossFn = Callable[[nn.Module, Any], Tensor]
 _OWNER = "MFUMonitor"
 _OPTION = "MFUMonitor(peak_tflops=...)"
@@ -77,7 +77,7 @@ class _Open:
 
 
 def _positive(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < value < math.inf
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < float(value) < math.inf
 
 
 def _peak_overrides(peak_tflops: Any) -> dict[str, float] | None:
@@ -163,6 +163,8 @@ class MFUMonitor(Callback):
         log_every_n_steps: the window, in optimizer steps; ``None`` follows ``Trainer(log_every_n_steps=...)``.
         keep_windows: how many of the most recent ``MFUWindow`` records ``windows`` keeps.
     """
+
+    log_every_n_steps: int | None  # set by `set_cadence`, which checks it
 
     def __init__(
         self,
@@ -261,7 +263,8 @@ class MFUMonitor(Callback):
         self._check_peak(self.peak(trainer.precision_plugin))
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if self.loss_fn is not None and self.measured_flops is None and not self._failed:
             self._measure(pl_module, batch)  # before the clock starts: it is not training
         self._step_at_start = trainer.global_step
