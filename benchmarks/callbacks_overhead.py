@@ -27,13 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, WARMUP, ResNet18Module, StepTimer, image_data  # noqa: E402
 
-from lightning_precision.callbacks import (
-    AmaxHistoryLogger,
-    ChannelsLast,
-    GradientUnderflowMonitor,
-    apply_channels_last,
-    to_channels_last,
-)
+from lightning_precision.callbacks import AmaxHistoryLogger, ChannelsLast, GradientUnderflowMonitor
+from lightning_precision.functional import apply_channels_last, to_channels_last
 
 
 

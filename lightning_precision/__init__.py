@@ -33,12 +33,25 @@ _SOURCE = {
     "XPUPrecision": "lightning_precision._plugins",
 }
 
-__all__ = [*_SOURCE, "__version__"]
+__all__ = [
+    "BF16MixedPrecision",
+    "FP16MixedPrecision",
+    "FP8LayerPolicy",
+    "FP8Precision",
+    "NVFP4Precision",
+    "NoEffectWarning",
+    "PlanRule",
+    "PrecisionPlan",
+    "ScalerConfig",
+    "SkippedStepsError",
+    "TrainerXPUAccelerator",
+    "XPUAccelerator",
+    "XPUPrecision",
+    "__version__",
+]  # written out (not `[*_SOURCE, ...]`) so that linters and editors read it; tests/test_public_api.py checks both agree
 
 if TYPE_CHECKING:  # what type checkers and editors see
-    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
-    from lightning_precision.fp8 import FP8LayerPolicy
-    from lightning_precision.plan import PlanRule, PrecisionPlan
+    from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
     from lightning_precision._plugins import (
         BF16MixedPrecision,
         FP8Precision,
@@ -46,8 +59,10 @@ if TYPE_CHECKING:  # what type checkers and editors see
         NVFP4Precision,
         XPUPrecision,
     )
-    from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
     from lightning_precision._warnings import NoEffectWarning
+    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
+    from lightning_precision.fp8 import FP8LayerPolicy
+    from lightning_precision.plan import PlanRule, PrecisionPlan
 
 
 def __getattr__(name: str) -> Any:

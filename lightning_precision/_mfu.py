@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ class DevicePeak:
         return all(p in name for p in self.patterns) and not any(e in name for e in self.excludes)
 
 
-def _peak(name: str, fp32: float, tf32: float, half: float, fp8: Optional[float], patterns: tuple[str, ...],
+def _peak(name: str, fp32: float, tf32: float, half: float, fp8: float | None, patterns: tuple[str, ...],
           excludes: tuple[str, ...] = (), source: str = "") -> DevicePeak:
     tflops = {"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half}
     if fp8 is not None:
@@ -74,7 +74,7 @@ PEAKS: tuple[DevicePeak, ...] = (
 )
 
 
-def device_peak(device_name: str) -> Optional[DevicePeak]:
+def device_peak(device_name: str) -> DevicePeak | None:
     """The table's entry for a device name (``torch.cuda.get_device_name()``), or None."""
     return next((p for p in PEAKS if p.matches(device_name)), None)
 
@@ -82,7 +82,7 @@ def device_peak(device_name: str) -> Optional[DevicePeak]:
 _KIND_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "int8": "fp8"}
 
 
-def compute_kind(dtype: Union[torch.dtype, str]) -> str:
+def compute_kind(dtype: torch.dtype | str) -> str:
     """The peak a run's matmuls count against, from the dtype its precision plugin names for it (``peak_flops_dtype``
     of this package's plugins: an fp8 plugin names Lightning's fp8 key ``torch.int8`` only when its layers really run
     in fp8, not emulated; fp32 for no plugin). fp32 counts as tf32 when torch lets matmuls use it."""
@@ -98,7 +98,7 @@ def compute_kind(dtype: Union[torch.dtype, str]) -> str:
 class PeakChoice:
     """The peak a run is measured against, or why there is none."""
 
-    tflops: Optional[float]
+    tflops: float | None
     source: str
     kind: str = ""
     overrides: Mapping[str, float] = field(default_factory=dict)
@@ -128,7 +128,7 @@ def parse_peak_override(text: str) -> dict[str, float]:
     return pairs
 
 
-def choose_peak(device: str, kind: str, overrides: Optional[Mapping[str, float]] = None,
+def choose_peak(device: str, kind: str, overrides: Mapping[str, float] | None = None,
                 option: str = "--peak-tflops") -> PeakChoice:
     """The peak for ``kind`` on ``device`` ("cpu" or a CUDA device name): the override, else the table, else None with
     why. ``option`` is how the caller's user gives an override (the command line's flag, a callback's argument)."""
@@ -173,7 +173,7 @@ def plugin_compute_dtype(plugin: Any) -> torch.dtype:
     return next((d for prefix, d in _DTYPE_OF_PRECISION if precision.startswith(prefix)), torch.float32)
 
 
-def mfu(flops_per_step: float, seconds_per_step: float, peak_tflops: Optional[float]) -> tuple[float, Optional[float]]:
+def mfu(flops_per_step: float, seconds_per_step: float, peak_tflops: float | None) -> tuple[float, float | None]:
     """``(achieved TFLOP/s, MFU)`` of a step of ``flops_per_step`` FLOPs taking ``seconds_per_step``: MFU is the
     fraction of ``peak_tflops`` achieved, None without a peak. Per device: pass one device's FLOPs, time and peak."""
     for name, value in (("flops_per_step", flops_per_step), ("seconds_per_step", seconds_per_step)):
@@ -201,6 +201,6 @@ def model_flops_per_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Mod
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         del grads
     finally:
-        for p, g in zip(params, saved):
+        for p, g in zip(params, saved, strict=True):
             p.grad = g
     return int(counter.get_total_flops())

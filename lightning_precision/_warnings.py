@@ -8,7 +8,9 @@ import importlib.util
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -25,7 +27,7 @@ _FRAMEWORKS = ("lightning_precision", "lightning", "lightning_fabric", "pytorch_
                "torch", "torchao", "jsonargparse")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _internal_prefixes() -> tuple[str, ...]:
     # `find_spec` of a top-level name locates the package without importing it (torchao's import is slow and noisy).
     # The separator keeps `torch` from matching `torchvision`, and `lightning` from matching the user's `lightning_app`.
@@ -41,6 +43,7 @@ def _user_stacklevel() -> int:
     """The ``stacklevel`` that makes a ``warnings.warn`` called from ``warn`` point at the first frame outside the
     package and the frameworks it runs inside; the direct caller of ``warn`` when the whole stack is theirs."""
     prefixes = _internal_prefixes()
+    frame: FrameType | None
     frame, level = sys._getframe(2), 2  # the caller of `warn`, as `warnings.warn(stacklevel=2)` from `warn` sees it
     while frame is not None:
         if not frame.f_code.co_filename.startswith(prefixes):
@@ -60,7 +63,7 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 
 
 def deprecated(old: str, new: str) -> None:
-    """Say once per call site that ``old`` is now ``new`` (issue 14's renames keep the old public names working)."""
+    """Say once per call site that ``old`` is now ``new``."""
     warn(f"`{old}` is deprecated and will be removed after 0.2: use `{new}`.", DeprecationWarning)
 
 

@@ -11,11 +11,10 @@ what it flushes or saturates depends on the block's largest value, not on one sc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 
-__all__ = ["AnyFormat", "BLOCK_FORMATS", "BlockFormat", "FORMATS", "NumberFormat", "format_table", "get_format"]
+__all__ = ["BLOCK_FORMATS", "BlockFormat", "FORMATS", "NumberFormat", "format_table", "get_format"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class NumberFormat(_Format):
         (16, 65504.0, -24, 15)
     """
 
-    dtype: Optional[torch.dtype]
+    dtype: torch.dtype | None
     exponent_bits: int
     mantissa_bits: int
     max: float
@@ -149,7 +148,8 @@ def _from_bits(name: str, exponent_bits: int, mantissa_bits: int, has_inf: bool 
     )
 
 
-def _from_finfo(name: str, dtype: torch.dtype, exponent_bits: int, mantissa_bits: int, has_inf: bool = True) -> NumberFormat:
+def _from_finfo(name: str, dtype: torch.dtype, exponent_bits: int, mantissa_bits: int,
+                has_inf: bool = True) -> NumberFormat:
     info = torch.finfo(dtype)
     return NumberFormat(
         name=name,
@@ -214,7 +214,7 @@ class BlockFormat(_Format):
     scale_rounding: str
     tensor_scale: bool = False
 
-    def block_multipliers(self, block_amax: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def block_multipliers(self, block_amax: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
         """What each block's elements are multiplied by before the element cast (saturating at ``element.max``), from
         the blocks' largest finite magnitudes (fp32). The operations are torchao's reference casts', in their order
         (``to_mx`` and ``nvfp4_quantize``), so the products round identically; tested against them.
@@ -241,7 +241,7 @@ class BlockFormat(_Format):
         block = (amax / self.element.max / tensor).clamp(_E4M3_TINY, FORMATS["e4m3fn"].max)
         return (1.0 / tensor) / block.to(torch.float8_e4m3fn).float()
 
-    def cast(self, x: torch.Tensor, tensor_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def cast(self, x: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` cast to this format and back (blocks along the last dimension, which ``block_size`` must divide): the
         real rounding and saturation of each element at its block's scale. For tests and the docs; the statistics count
         the same without building it.
@@ -286,10 +286,10 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {
     "nvfp4": BlockFormat("nvfp4", FORMATS["e2m1"], 16, "e4m3fn", "nearest", tensor_scale=True),
 }
 
-AnyFormat = Union[NumberFormat, BlockFormat]
+AnyFormat = NumberFormat | BlockFormat
 
 
-def get_format(fmt: Union[str, torch.dtype, NumberFormat, BlockFormat]) -> AnyFormat:
+def get_format(fmt: str | torch.dtype | NumberFormat | BlockFormat) -> AnyFormat:
     """Look a format up by name (``"fp16"``, ``"e4m3fn"``, ``"mxfp8"``, ``"nvfp4"``, aliases such as ``"half"``),
     dtype, or pass one through.
 
@@ -307,7 +307,8 @@ def get_format(fmt: Union[str, torch.dtype, NumberFormat, BlockFormat]) -> AnyFo
         for candidate in FORMATS.values():
             if candidate.dtype == fmt:
                 return candidate
-        raise ValueError(f"No number format for dtype {fmt}. Known dtypes: {[f.dtype for f in FORMATS.values() if f.dtype]}.")
+        known = [f.dtype for f in FORMATS.values() if f.dtype]
+        raise ValueError(f"No number format for dtype {fmt}. Known dtypes: {known}.")
     name = _ALIASES.get(str(fmt).lower(), str(fmt).lower())
     if name in BLOCK_FORMATS:
         return BLOCK_FORMATS[name]

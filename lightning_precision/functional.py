@@ -2,11 +2,10 @@
 and what the callbacks are thin layers over.
 
 Defined here: the cast statistics (``underflow_stats`` and the counts beneath it, ``exponent_histogram``,
-``recommend_loss_scale``), Transformer Engine's amax-history arithmetic (``roll_amax_history``, ``delayed_scale``) and
-channels-last conversion (``apply_channels_last``, ``to_channels_last``). Re-exported from their modules: fp8 layer
-selection (``select_fp8_layers`` and its rules, from ``lightning_precision.fp8``), ``fp8_sensitivity`` (from
-``lightning_precision.sensitivity``) and model FLOPs utilisation (``mfu``, ``choose_peak``, ``model_flops_per_step``,
-from ``lightning_precision._mfu``).
+``recommend_loss_scale``) and Transformer Engine's amax-history arithmetic (``roll_amax_history``, ``delayed_scale``).
+Re-exported from the modules that define them: channels-last conversion (``apply_channels_last``,
+``to_channels_last``), fp8 layer selection and numerics per layer (``select_fp8_layers``, ``fp8_sensitivity``, from
+``lightning_precision.fp8``) and model FLOPs utilisation (``mfu``, ``choose_peak``, ``model_flops_per_step``).
 
 Every count is a tensor on the input's device, so callers can accumulate without synchronising and read only when they
 log.
@@ -17,44 +16,27 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_precision._fsdp import is_sharded
+from lightning_precision._channels_last import apply_channels_last, to_channels_last
+from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
 from lightning_precision.fabric._scaler import MAX_LOG2_SCALE
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format
-from lightning_precision.fp8 import (
-    FP8LayerPolicy,
-    LayerDecision,
-    ModuleFilter,
-    format_summary,
-    functional_linears,
-    gemm_divisor,
-    select_fp8_layers,
-)
-from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
+from lightning_precision.fp8 import select_fp8_layers
 from lightning_precision.sensitivity import fp8_sensitivity, torchao_scale
-from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = [
     # cast statistics
-    "CHUNK",
-    "HIST_MAX",
-    "HIST_MIN",
     "CastStats",
-    "DYNAMIC_SCALINGS",
-    "FormatLike",
     "LossScaleAdvice",
-    "TensorsLike",
     "UnderflowReport",
     "cast_stats",
     "dynamic_scale_stats",
     "exponent_histogram",
     "gradient_stats",
-    "measurable_values",
     "multi_format_stats",
     "multi_scale_stats",
     "recommend_loss_scale",
@@ -62,28 +44,20 @@ __all__ = [
     # Transformer Engine's delayed scaling
     "delayed_scale",
     "roll_amax_history",
-    # channels-last
+    # re-exported: channels-last (lightning_precision._channels_last)
     "apply_channels_last",
-    "is_channels_last",
     "to_channels_last",
-    # re-exported: fp8 layer selection (lightning_precision.fp8)
-    "FP8LayerPolicy",
-    "LayerDecision",
-    "ModuleFilter",
-    "format_summary",
-    "functional_linears",
-    "gemm_divisor",
-    "select_fp8_layers",
-    # re-exported: fp8 numerics per layer (lightning_precision.sensitivity)
+    # re-exported: fp8 layer selection and numerics per layer (lightning_precision.fp8)
     "fp8_sensitivity",
+    "select_fp8_layers",
     # re-exported: model FLOPs utilisation (lightning_precision._mfu)
     "choose_peak",
     "mfu",
     "model_flops_per_step",
 ]
 
-TensorsLike = Union[Tensor, Iterable[Tensor], Mapping[str, Tensor]]
-FormatLike = Union[str, torch.dtype, NumberFormat, BlockFormat]
+TensorsLike = Tensor | Iterable[Tensor] | Mapping[str, Tensor]
+FormatLike = str | torch.dtype | NumberFormat | BlockFormat
 
 
 @dataclass
@@ -112,7 +86,7 @@ class CastStats:
     nonfinite: Tensor
 
     def __add__(self, other: CastStats) -> CastStats:
-        return CastStats(*(a + b for a, b in zip(self._fields(), other._fields())))
+        return CastStats(*(a + b for a, b in zip(self._fields(), other._fields(), strict=True)))
 
     def _fields(self) -> tuple[Tensor, ...]:
         return (self.numel, self.exact_zero, self.underflow, self.overflow, self.nonfinite)
@@ -145,8 +119,8 @@ class UnderflowReport:
         (1, 1)
     """
 
-    format: NumberFormat
-    scale: Union[float, Tensor]
+    format: NumberFormat | BlockFormat
+    scale: float | Tensor
     per_tensor: dict[str, CastStats] = field(default_factory=dict)
     total: CastStats | None = None
 
@@ -186,7 +160,7 @@ def measurable_values(tensor: Tensor) -> Tensor:
         raise TypeError(f"cast statistics need a floating-point tensor, got {x.dtype}.")
     if not x.is_contiguous():
         # A dense layout in another order (channels-last, a transpose): permute to it for a view; counts ignore order.
-        order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+        order = sorted(range(x.dim()), key=lambda d: -x.stride()[d])
         permuted = x.permute(order)
         x = permuted if permuted.is_contiguous() else x.contiguous()
     return x.view(-1)
@@ -202,7 +176,7 @@ def _magnitudes(chunk: Tensor) -> Tensor:
     return chunk.float().abs() if chunk.element_size() < 4 else chunk.abs()
 
 
-def _counts(a: Tensor, formats: Sequence[AnyFormat], tensor_amax: Optional[Tensor] = None) -> Tensor:
+def _counts(a: Tensor, formats: Sequence[AnyFormat], tensor_amax: Tensor | None = None) -> Tensor:
     """For |x| values ``a``: [zeros, finite, inf, then (at most flush bound, at least overflow bound) per format],
     as one int64 tensor on the device. Each count is one compare-and-count pass (the cheapest on CPU and GPU alike).
     A block format compares each element scaled by its block's multiplier with the element format's bounds (a scaled
@@ -218,7 +192,7 @@ def _counts(a: Tensor, formats: Sequence[AnyFormat], tensor_amax: Optional[Tenso
     return torch.stack(passes)
 
 
-def _block_scaled(a: Tensor, f: BlockFormat, tensor_amax: Optional[Tensor]) -> Tensor:
+def _block_scaled(a: Tensor, f: BlockFormat, tensor_amax: Tensor | None) -> Tensor:
     """|x| values ``a`` (fp32, one chunk: a whole number of blocks but for the tensor's tail) times their blocks'
     multipliers. Blocks are consecutive elements in memory order: for a row-major matrix whose rows are a multiple of
     the block (every layer MX and NVFP4 can run), exactly the row blocks the real casts use. Non-finite values are
@@ -237,7 +211,7 @@ def _elementwise(fmt: FormatLike, caller: str) -> NumberFormat:
     return f
 
 
-def _tensor_amax(flat: Tensor, formats: Sequence[AnyFormat]) -> Optional[Tensor]:
+def _tensor_amax(flat: Tensor, formats: Sequence[AnyFormat]) -> Tensor | None:
     """The largest finite magnitude of the tensor, when a format has a per-tensor scale (NVFP4): one more pass."""
     if not any(isinstance(f, BlockFormat) and f.tensor_scale for f in formats):
         return None
@@ -265,7 +239,7 @@ def _stats_from_counts(numel: Tensor, counts: Tensor, n_formats: int) -> list[Ca
     return out
 
 
-def _histogram_add(hist: Optional[Tensor], a: Tensor) -> Tensor:
+def _histogram_add(hist: Tensor | None, a: Tensor) -> Tensor:
     """Add the exponent histogram of |x| values ``a`` to ``hist``. frexp's exponent e gives floor(log2) = e - 1 for
     every finite non-zero fp32 value, subnormals included; zero, inf and nan get e = 0 and land in the bin of [0.5, 1),
     from which ``_histogram_finish`` removes them."""
@@ -282,7 +256,7 @@ def _histogram_finish(hist: Tensor, not_counted: Tensor) -> Tensor:
     return hist
 
 
-def cast_stats(tensor: Tensor, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> CastStats:
+def cast_stats(tensor: Tensor, fmt: FormatLike, scale: float | Tensor = 1.0) -> CastStats:
     """Counts for one tensor: what casting ``tensor * scale`` to ``fmt`` flushes to zero or overflows.
 
     Example:
@@ -300,8 +274,8 @@ def cast_stats(tensor: Tensor, fmt: FormatLike, scale: Union[float, Tensor] = 1.
 
 
 def multi_format_stats(
-    tensor: Tensor, formats: Iterable[FormatLike], scale: Union[float, Tensor] = 1.0,
-    tensor_amax: Optional[Tensor] = None,
+    tensor: Tensor, formats: Iterable[FormatLike], scale: float | Tensor = 1.0,
+    tensor_amax: Tensor | None = None,
 ) -> dict[str, CastStats]:
     """``cast_stats`` for several formats at once: one compare-and-count pass per count over each chunk, temporaries
     bounded by the chunk (see ``CHUNK``), nothing read from the device. ``tensor_amax`` sets NVFP4's tensor scale when
@@ -328,10 +302,10 @@ def multi_format_stats(
     numel = torch.zeros((), dtype=torch.int64, device=flat.device) + flat.numel()
     if total is None:
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=flat.device)
-    return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
+    return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)), strict=True)}
 
 
-def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[Union[float, Tensor]]) -> list[CastStats]:
+def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[float | Tensor]) -> list[CastStats]:
     """``cast_stats`` of one tensor at several scales (per-element scale tensors allowed): |x| and the counts of zeros
     and of non-finite values are computed once, then two compare-and-count passes per scale.
 
@@ -373,13 +347,13 @@ DYNAMIC_SCALINGS = ("tensorwise", "rowwise", "mxfp8")
 def dynamic_scale_stats(
     tensor: Tensor, formats: Iterable[FormatLike], scaling: str = "tensorwise", pow2: bool = False
 ) -> dict[str, CastStats]:
-    """What casting ``tensor`` to each fp8 format flushes or overflows when it is first scaled as fp8 training scales it:
-    the largest finite magnitude (of the tensor, of each row of its last dim, or of each block of 32 consecutive values,
-    by ``scaling``, one of ``DYNAMIC_SCALINGS``) lands on the format's max. The scale is torchao's
-    (``sensitivity.torchao_scale``: fp64 then fp32, rounded down to a power of two when ``pow2``, as its rowwise recipes
-    do); MXFP8's is the block's e8m0 scale, rounded up (``"rceil"``). A finite value never overflows at such a scale; what
-    flushes is what the real cast loses: small values beside the tensor's (row's, block's) largest. Counted in chunks,
-    as ``multi_format_stats``; a tensor that is not dense and real is scaled as a whole for ``"rowwise"``.
+    """What casting ``tensor`` to each fp8 format flushes or overflows when it is first scaled as fp8 training scales
+    it: the largest finite magnitude (of the tensor, of each row of its last dim, or of each block of 32 consecutive
+    values, by ``scaling``: ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"``) lands on the format's max. The scale is
+    torchao's (fp64 then fp32, rounded down to a power of two when ``pow2``, as its rowwise recipes do); MXFP8's is the
+    block's e8m0 scale, rounded up (``"rceil"``). A finite value never overflows at such a scale; what flushes is what
+    the real cast loses: small values beside the tensor's (row's, block's) largest. Counted in chunks, as
+    ``multi_format_stats``; a tensor that is not dense and real is scaled as a whole for ``"rowwise"``.
 
     Example:
         Unscaled, e4m3fn flushes both small values; scaled so that 1.0 lands on 448, it keeps 1e-4 and still flushes
@@ -412,17 +386,18 @@ def dynamic_scale_stats(
         if chunk.dim() > 1:  # rowwise
             amax = torch.where(a <= torch.finfo(a.dtype).max, a, 0.0).amax(dim=-1, keepdim=True)
         # zeros, finite and inf once (a scaled zero stays zero, inf stays inf), then each format at its own scale
+        assert amax is not None  # the tensor's, or this chunk's rows'
         parts = [_counts(a, ())] + [_counts((a * torchao_scale(amax, f.max, pow2)).view(-1), (f,))[3:] for f in fmts]
         total = torch.cat(parts) if total is None else total + torch.cat(parts)
     numel = torch.zeros((), dtype=torch.int64, device=x.device) + n
     if total is None:  # an empty tensor
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=x.device)
-    return {f.name: st for f, st in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
+    return {f.name: st for f, st in zip(fmts, _stats_from_counts(numel, total, len(fmts)), strict=True)}
 
 
 def gradient_stats(
-    tensor: Tensor, formats: Sequence[FormatLike], scale: Union[float, Tensor, None] = None
-) -> tuple[dict[str, CastStats], Optional[CastStats], Tensor]:
+    tensor: Tensor, formats: Sequence[FormatLike], scale: float | Tensor | None = None
+) -> tuple[dict[str, CastStats], CastStats | None, Tensor]:
     """Everything the monitor measures on one gradient, in one sweep of its chunks: the unscaled counts per format, the
     fp16 counts of ``tensor * scale`` when a scale is given, and the exponent histogram of the unscaled values.
 
@@ -451,13 +426,13 @@ def gradient_stats(
     if total is None or hist is None:  # an empty tensor
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=device)
         hist = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64, device=device)
-    per_format = {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)))}
+    per_format = {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)), strict=True)}
     scaled_stats = _stats_from_counts(numel, scaled_total, 1)[0] if scaled_total is not None else None
     first = next(iter(per_format.values()))
     return per_format, scaled_stats, _histogram_finish(hist, first.exact_zero + first.nonfinite)
 
 
-def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, Tensor] = 1.0) -> UnderflowReport:
+def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: float | Tensor = 1.0) -> UnderflowReport:
     """Per tensor and in total: how many values of ``tensors * scale`` the cast to ``fmt`` flushes to zero or overflows.
 
     Underflow is decided by the real cast (``(x != 0) & (cast(x * scale) == 0)``), not a ``|x| < 2**-24`` threshold,
@@ -499,7 +474,7 @@ def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: Union[float, T
     return report
 
 
-def exponent_histogram(tensors: TensorsLike, scale: Union[float, Tensor] = 1.0) -> Tensor:
+def exponent_histogram(tensors: TensorsLike, scale: float | Tensor = 1.0) -> Tensor:
     """Counts of non-zero finite values by ``floor(log2|x * scale|)``, bins ``HIST_MIN .. HIST_MAX - 1`` (on device),
     computed chunk by chunk (bounded memory, no host read).
 
@@ -529,7 +504,8 @@ class LossScaleAdvice(NamedTuple):
 
     - ``scale``: the loss scale to use, a power of two (1.0 when the histogram is empty).
     - ``underflow``: the fraction of the histogrammed values that still flush to zero in the format at ``scale``.
-    - ``overflow``: the fraction that overflows at ``scale``; always 0 (no scale is advised that overflows a value seen).
+    - ``overflow``: the fraction that overflows at ``scale``; always 0 (no scale is advised that overflows a value
+      seen).
 
     Example:
         >>> scale, underflow, overflow = recommend_loss_scale(exponent_histogram(torch.tensor([2.0**-40, 2.0**-10])))
@@ -567,13 +543,14 @@ def recommend_loss_scale(
     f = _elementwise(fmt, "recommend_loss_scale")
     if isinstance(target_underflow, bool) or not isinstance(target_underflow, (int, float)) \
             or not 0 <= target_underflow <= 1:
-        raise ValueError(f"`recommend_loss_scale(target_underflow={target_underflow!r})`: the fraction of values allowed"
-                         " to flush, a number in [0, 1], e.g. 1e-3 (the default).")
+        raise ValueError(f"`recommend_loss_scale(target_underflow={target_underflow!r})`: the fraction of values"
+                         " allowed to flush, a number in [0, 1], e.g. 1e-3 (the default).")
     if isinstance(max_log2_scale, bool) or not isinstance(max_log2_scale, int) \
             or not 0 <= max_log2_scale <= MAX_LOG2_SCALE:
         raise ValueError(f"`recommend_loss_scale(max_log2_scale={max_log2_scale!r})`: scales from 2**-k to 2**k are"
-                         f" tried, and the loss scaler accepts scales within 2**-{MAX_LOG2_SCALE} .. 2**{MAX_LOG2_SCALE}:"
-                         f" pass an int k in [0, {MAX_LOG2_SCALE}], e.g. 24 (the default, the scaler's default bounds).")
+                         f" tried, and the loss scaler accepts scales within 2**-{MAX_LOG2_SCALE} .."
+                         f" 2**{MAX_LOG2_SCALE}: pass an int k in [0, {MAX_LOG2_SCALE}], e.g. 24 (the default, the"
+                         " scaler's default bounds).")
     hist = histogram.detach().double().cpu()
     total = hist.sum().item()
     if total == 0:
@@ -622,7 +599,7 @@ def roll_amax_history(history: Tensor, algo: str = "max") -> tuple[Tensor, Tenso
     return rolled, amax
 
 
-def delayed_scale(amax: Tensor, fp8_max: Union[float, Tensor], margin: int = 0, previous: Optional[Tensor] = None) -> Tensor:
+def delayed_scale(amax: Tensor, fp8_max: float | Tensor, margin: int = 0, previous: Tensor | None = None) -> Tensor:
     """``(fp8_max / amax) / 2**margin``, as Transformer Engine computes it; where amax is 0 (nothing seen, or all
     zeros) or the scale would not be finite, the previous scale is kept (1.0 if none). Five small ops, no host read.
     ``margin`` is a finite number >= 0 (a negative one would scale past ``fp8_max`` and saturate the amax itself).
@@ -639,77 +616,3 @@ def delayed_scale(amax: Tensor, fp8_max: Union[float, Tensor], margin: int = 0, 
     scale = (fp8_max / 2.0**margin) / amax
     keep = previous if previous is not None else torch.ones_like(scale)
     return torch.where((amax > 0) & torch.isfinite(scale), scale, keep)
-
-
-# ---- channels-last ---------------------------------------------------------------------------------------------------
-
-_FORMAT_OF_DIM = {4: torch.channels_last, 5: torch.channels_last_3d}
-_CONVS = (nn.modules.conv._ConvNd,)
-
-
-def _convs(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in module.named_modules() if isinstance(m, _CONVS) and m.weight.dim() in _FORMAT_OF_DIM]
-
-
-def apply_channels_last(module: nn.Module) -> int:
-    """Convert every 2-d convolution's weight to ``channels_last`` and every 3-d one's to ``channels_last_3d``.
-
-    Per module, because ``model.to(memory_format=torch.channels_last)`` raises on a Conv3d; a mixed 2-d/3-d model
-    works. Returns how many convolutions were converted; warns ``NoEffectWarning`` when there are none.
-
-    Not for a model FSDP2 shards: ``fully_shard`` refuses non-contiguous parameters, before or after. There, convert
-    the batches only (``to_channels_last``): convolutions given channels-last input compute and return channels-last.
-
-    Example:
-        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv3d(8, 8, 1))
-        >>> apply_channels_last(model)
-        2
-        >>> model[0].weight.is_contiguous(memory_format=torch.channels_last)
-        True
-    """
-    if is_sharded(module):
-        raise ValueError(f"apply_channels_last: `{type(module).__name__}` is sharded by FSDP2, which keeps parameters"
-                         " contiguous. Convert only the batches (`to_channels_last(batch)`): convolutions given"
-                         " channels-last input compute and return channels-last.")
-    return _apply_channels_last(module, "apply_channels_last", "Remove the `apply_channels_last` call.")
-
-
-def _apply_channels_last(module: nn.Module, caller: str, fix: str, weights: bool = True) -> int:
-    """``apply_channels_last``, with a no-effect warning that names the API the user called (function or callback).
-    ``weights=False`` only counts the convolutions."""
-    convs = _convs(module)
-    for _, conv in convs if weights else ():
-        conv.to(memory_format=_FORMAT_OF_DIM[conv.weight.dim()])
-    if not convs:
-        warn(
-            f"{caller}: `{type(module).__name__}` has no 2-d or 3-d convolution, so channels-last changes nothing."
-            f" {fix}",
-            NoEffectWarning,
-        )
-    return len(convs)
-
-
-def _to_channels_last(x: Tensor) -> Tensor:
-    return x.contiguous(memory_format=_FORMAT_OF_DIM[x.dim()]) if x.dim() in _FORMAT_OF_DIM else x
-
-
-def to_channels_last(batch: Any) -> Any:
-    """Every 4-d (``channels_last``) and 5-d (``channels_last_3d``) floating-point tensor in a nested batch.
-
-    Example:
-        >>> x, y = to_channels_last((torch.randn(2, 3, 8, 8), torch.tensor([0, 1])))
-        >>> is_channels_last(x), y.tolist()
-        (True, [0, 1])
-    """
-    return apply_to_collection(batch, Tensor, lambda t: _to_channels_last(t) if t.is_floating_point() else t)
-
-
-def is_channels_last(x: Tensor) -> bool:
-    """Whether a 4-d or 5-d tensor is laid out channels-last (``channels_last`` or ``channels_last_3d``).
-
-    Example:
-        >>> x = torch.randn(2, 3, 8, 8)
-        >>> is_channels_last(x), is_channels_last(x.contiguous(memory_format=torch.channels_last))
-        (False, True)
-    """
-    return x.dim() in _FORMAT_OF_DIM and x.is_contiguous(memory_format=_FORMAT_OF_DIM[x.dim()])

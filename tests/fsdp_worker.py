@@ -267,7 +267,7 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
     if "monitor" in cfg.get("callbacks", ()):
         logged["histogram"] = monitor.histogram.tolist()
     if "channels_last" in cfg.get("callbacks", ()):
-        from lightning_precision.callbacks import apply_channels_last
+        from lightning_precision.functional import apply_channels_last
 
         logged.update(weights_channels_last=channels_last.weights_channels_last, converted=channels_last.converted,
                       first_conv_input_channels_last=channels_last.first_conv_input_channels_last,

@@ -7,10 +7,10 @@ import inspect
 import pytest
 import torch
 
-from lightning_precision import formats, fp8, functional
+from lightning_precision import _channels_last, formats, fp8, functional
 
 # The fewest examples each module must run: the count written, so that losing examples fails here.
-EXAMPLES = {functional: 37, formats: 20, fp8: 7}
+EXAMPLES = {functional: 40, _channels_last: 7, formats: 20, fp8: 7}
 
 
 @pytest.mark.parametrize("module", list(EXAMPLES), ids=lambda m: m.__name__)

@@ -20,7 +20,8 @@ from torch import nn
 
 from lightning_precision import BF16MixedPrecision, FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.callbacks import FP8Guard, GuardEvent
+from lightning_precision.callbacks import FP8Guard
+from lightning_precision.callbacks.guard import GuardEvent
 
 pytest.importorskip("torchao")
 

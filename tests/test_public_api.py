@@ -1,9 +1,11 @@
-"""Every module declares its public API in ``__all__``, every name there exists, the API index in docs/index.md is the
-one ``tests/api_index.py`` renders, and ``lightning_precision.functional`` is the one namespace of pure functions."""
+"""Every module declares ``__all__`` and every name there exists; the public API is the six public packages' ``__all__``
+(at most 80 names), the API index in docs/index.md is the one ``tests/api_index.py`` renders, and
+``lightning_precision.functional`` is the one namespace of pure functions."""
 
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 
@@ -40,9 +42,32 @@ def test_api_index_in_the_docs_is_current():
     )
 
 
+def test_public_api_is_the_six_packages():
+    assert api_index.PUBLIC == ("lightning_precision", "lightning_precision.fabric", "lightning_precision.callbacks",
+                                "lightning_precision.functional", "lightning_precision.fp8",
+                                "lightning_precision.formats")
+    private = [m for m in MODULES if not api_index.is_public(m)]
+    # the tool, underscore modules, and the implementation modules beneath a public package
+    for name in ("lightning_precision.cli", "lightning_precision.cli.compare", "lightning_precision._mfu",
+                 "lightning_precision.callbacks.amax", "lightning_precision.fabric.bf16_mixed"):
+        assert name in private, name
+    section = api_index.render()
+    headings = [line for line in section.splitlines() if line.startswith("### ")]
+    assert headings == [f"### `{m}`" for m in api_index.PUBLIC]
+    assert "callbacks.amax" not in section and "lightning_precision.cli" not in section
+
+
+def test_at_most_80_public_names_each_in_the_index():
+    names = api_index.public_names()
+    assert len(names) <= 80, f"{len(names)} public names: the API is meant to stay within 80"
+    section = api_index.current_section()
+    listed = {m.group(1) for m in re.finditer(r"^- `(?:class )?(\w+)", section, re.MULTILINE)}
+    missing = sorted(names - listed)
+    assert not missing, f"public names not in docs/index.md: {missing}"
+
+
 def test_functional_gathers_the_pure_functions():
-    from lightning_precision import _mfu, callbacks, fp8, functional, sensitivity
-    from lightning_precision.callbacks import channels_last
+    from lightning_precision import _channels_last, _mfu, fp8, functional, sensitivity
 
     for name in ("apply_channels_last", "to_channels_last", "select_fp8_layers", "fp8_sensitivity", "underflow_stats",
                  "mfu", "choose_peak", "model_flops_per_step"):
@@ -52,5 +77,11 @@ def test_functional_gathers_the_pure_functions():
     assert functional.fp8_sensitivity is sensitivity.fp8_sensitivity
     assert (functional.mfu, functional.choose_peak, functional.model_flops_per_step) == (
         _mfu.mfu, _mfu.choose_peak, _mfu.model_flops_per_step)
-    for name in ("apply_channels_last", "to_channels_last"):  # public in callbacks before functional held them
-        assert getattr(callbacks, name) is getattr(channels_last, name) is getattr(functional, name)
+    assert (functional.apply_channels_last, functional.to_channels_last) == (
+        _channels_last.apply_channels_last, _channels_last.to_channels_last)
+
+
+def test_top_level_all_is_what_loads_lazily():
+    import lightning_precision
+
+    assert set(lightning_precision.__all__) == {*lightning_precision._SOURCE, "__version__"}

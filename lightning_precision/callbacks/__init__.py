@@ -1,9 +1,12 @@
-"""Callbacks; each is a thin layer over a pure function in ``lightning_precision.functional`` or beside it."""
+"""Callbacks; each is a thin layer over pure functions of ``lightning_precision.functional`` or ``.fp8``.
+
+The modules beneath (``amax``, ``channels_last``, ``guard``, ``mfu``, ``underflow``) are the implementation: import
+from here."""
 
 import lightning_precision._accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
 from lightning_precision.callbacks.amax import AmaxHistoryLogger
-from lightning_precision.callbacks.channels_last import ChannelsLast, apply_channels_last, to_channels_last
-from lightning_precision.callbacks.guard import FP8Guard, GuardEvent
+from lightning_precision.callbacks.channels_last import ChannelsLast
+from lightning_precision.callbacks.guard import FP8Guard
 from lightning_precision.callbacks.mfu import MFUMonitor, MFUWindow
 from lightning_precision.callbacks.underflow import GradientUnderflowMonitor
 
@@ -12,9 +15,6 @@ __all__ = [
     "ChannelsLast",
     "FP8Guard",
     "GradientUnderflowMonitor",
-    "GuardEvent",
     "MFUMonitor",
     "MFUWindow",
-    "apply_channels_last",
-    "to_channels_last",
 ]

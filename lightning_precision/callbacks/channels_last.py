@@ -3,25 +3,18 @@ callback over ``functional.apply_channels_last`` and ``functional.to_channels_la
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision._channels_last import convert_convolutions, convolutions, is_channels_last, to_channels_last
 from lightning_precision._fsdp import is_sharded
-from lightning_precision.functional import (
-    _apply_channels_last,
-    _convs,
-    apply_channels_last,
-    is_channels_last,
-    to_channels_last,
-)
 from lightning_precision._warnings import NoEffectWarning, warn
 
-# The pure functions live in `lightning_precision.functional`; re-exported here, where they were first public.
-__all__ = ["ChannelsLast", "apply_channels_last", "to_channels_last"]
+__all__ = ["ChannelsLast"]
 
 
 def _shards_parameters(strategy: Any) -> bool:
@@ -58,24 +51,24 @@ class ChannelsLast(Callback):
     def __init__(self) -> None:
         self.converted = 0
         self.weights_channels_last = False
-        self.first_conv_input_channels_last: Optional[bool] = None
+        self.first_conv_input_channels_last: bool | None = None
         self._wrapped: list[Any] = []
-        self._probe: Optional[Any] = None
+        self._probe: Any | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.weights_channels_last = not (_shards_parameters(trainer.strategy) or is_sharded(pl_module))
-        self.converted = _apply_channels_last(
+        self.converted = convert_convolutions(
             pl_module, "ChannelsLast", "Remove the `ChannelsLast()` callback from the Trainer's `callbacks`.",
             weights=self.weights_channels_last,
         )
         if not self.converted:
             return
-        for owner in (pl_module, trainer.datamodule):
+        for owner in (pl_module, getattr(trainer, "datamodule", None)):
             if owner is not None and "on_after_batch_transfer" not in vars(owner):
-                owner.on_after_batch_transfer = _ConvertAfter(owner.on_after_batch_transfer)
+                owner.on_after_batch_transfer = _ConvertAfter(owner.on_after_batch_transfer)  # type: ignore[method-assign]
                 self._wrapped.append(owner)
-        name, first = _convs(pl_module)[0]
+        name, first = convolutions(pl_module)[0]
         self._probe = first.register_forward_pre_hook(self._check_first_input(name))
 
     def _check_first_input(self, name: str) -> Any:

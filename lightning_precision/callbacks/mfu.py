@@ -6,10 +6,10 @@ import contextlib
 import math
 import numbers
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision._lightning import batches_that_stepped
-from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision._mfu import (
     KINDS,
     PeakChoice,
@@ -31,10 +30,11 @@ from lightning_precision._mfu import (
     plugin_compute_dtype,
 )
 from lightning_precision._warnings import NoEffectWarning, warn
+from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 
 __all__ = ["FlopsPerBatch", "LossFn", "MFUMonitor", "MFUWindow"]
 
-FlopsPerBatch = Union[int, float, Callable[[Any], Union[int, float]]]
+FlopsPerBatch = int | float | Callable[[Any], int | float]
 LossFn = Callable[[nn.Module, Any], Tensor]
 _OWNER = "MFUMonitor"
 _OPTION = "MFUMonitor(peak_tflops=...)"
@@ -57,7 +57,7 @@ class MFUWindow:
     flops: float
     peak: PeakChoice
     achieved_tflops: float
-    mfu: Optional[float]
+    mfu: float | None
 
     @property
     def seconds(self) -> float:
@@ -70,17 +70,17 @@ class _Open:
 
     start: float
     paused: float = 0.0
-    pause_start: Optional[float] = None
+    pause_start: float | None = None
     batches: int = 0
     steps: int = 0
     flops: float = 0.0
 
 
 def _positive(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < value < math.inf
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < float(value) < math.inf
 
 
-def _peak_overrides(peak_tflops: Any) -> Optional[dict[str, float]]:
+def _peak_overrides(peak_tflops: Any) -> dict[str, float] | None:
     """``peak_tflops`` as ``choose_peak``'s overrides: one number for every kind, kind -> number, or the command line's
     text (``parse_peak_override``)."""
     if peak_tflops is None:
@@ -164,12 +164,14 @@ class MFUMonitor(Callback):
         keep_windows: how many of the most recent ``MFUWindow`` records ``windows`` keeps.
     """
 
+    log_every_n_steps: int | None  # set by `set_cadence`, which checks it
+
     def __init__(
         self,
-        flops_per_batch: Optional[FlopsPerBatch] = None,
-        loss_fn: Optional[LossFn] = None,
-        peak_tflops: Union[float, Mapping[str, float], str, None] = None,
-        log_every_n_steps: Optional[int] = None,
+        flops_per_batch: FlopsPerBatch | None = None,
+        loss_fn: LossFn | None = None,
+        peak_tflops: float | Mapping[str, float] | str | None = None,
+        log_every_n_steps: int | None = None,
         keep_windows: int = 100,
     ) -> None:
         if flops_per_batch is None and loss_fn is None:
@@ -191,15 +193,15 @@ class MFUMonitor(Callback):
         self.flops_per_batch = flops_per_batch
         self.loss_fn = loss_fn
         self.peak_overrides = _peak_overrides(peak_tflops)
-        self.measured_flops: Optional[int] = None  # loss_fn's count, per micro-batch
+        self.measured_flops: int | None = None  # loss_fn's count, per micro-batch
         self.windows: deque[MFUWindow] = deque(maxlen=keep_windows)
         self.last_metrics: dict[str, float] = {}
         self._device = torch.device("cpu")
         self._device_name = "cpu"
-        self._open: Optional[_Open] = None
+        self._open: _Open | None = None
         self._warmup = True
         self._step_at_start = 0
-        self._logged_peak: Optional[float] = None
+        self._logged_peak: float | None = None
         self._warned: set[str] = set()
         self._failed = False
 
@@ -226,7 +228,7 @@ class MFUMonitor(Callback):
 
     # ---- FLOPs ------------------------------------------------------------------------------------------------------
 
-    def _batch_flops(self, batch: Any) -> Optional[float]:
+    def _batch_flops(self, batch: Any) -> float | None:
         if self.flops_per_batch is None:
             return self.measured_flops
         flops = self.flops_per_batch(batch) if callable(self.flops_per_batch) else self.flops_per_batch
@@ -261,7 +263,8 @@ class MFUMonitor(Callback):
         self._check_peak(self.peak(trainer.precision_plugin))
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if self.loss_fn is not None and self.measured_flops is None and not self._failed:
             self._measure(pl_module, batch)  # before the clock starts: it is not training
         self._step_at_start = trainer.global_step
