@@ -5,7 +5,6 @@ from torch import nn
 
 from lightning_precision import fabric as lp_fabric
 from lightning_precision import fp8
-from lightning_precision.callbacks import AmaxHistoryLogger
 
 
 def test_recipe_name_is_now_scaling_family():
@@ -26,12 +25,3 @@ def test_recipe_name_is_now_scaling_family():
     with pytest.raises(ValueError, match="pass one"), pytest.warns(DeprecationWarning):
         fp8.select_fp8_layers(net, "rowwise", recipe_name="mxfp8")  # two families: neither wins silently
 
-
-def test_amax_logger_step_is_now_end_step():
-    logger = AmaxHistoryLogger(history_len=4, what_if=False)
-    logger.attach(nn.Sequential(nn.Linear(8, 8)))
-    with pytest.warns(DeprecationWarning, match=r"AmaxHistoryLogger.step\(\).*end_step\(\)"):
-        logger.step(log=False)
-    assert logger.steps == 1
-    logger.end_step(log=False)
-    assert logger.steps == 2

@@ -196,8 +196,8 @@ class RecordingMonitor(GradientUnderflowMonitor):
     """Keeps the local (pre-all-reduce) counts of the logging step, to compare with the global fraction logged."""
 
     def compute(self, reduce=None):
-        s = self._counts.stats["act/fp16"]
-        self._last_local = [int(s.underflow), int(s.numel)]
+        numel, _, underflow, _, _ = self.state["count/act/fp16"].tolist()  # CastStats' fields, in order
+        self._last_local = [underflow, numel]
         return super().compute(reduce)
 
 
@@ -313,7 +313,7 @@ class OddGradients(LitNet):
 
 class CountingMonitor(GradientUnderflowMonitor):
     def compute(self, reduce=None):
-        self.numel = int(self._counts.stats["param/fp16"].numel)
+        self.numel = int(self.state["count/param/fp16"][0])  # CastStats' first field
         return super().compute(reduce)
 
 
