@@ -65,7 +65,7 @@ def _sum(stats: Iterable[CastStats]) -> CastStats:
     return total
 
 
-def _values(weight: Tensor) -> Tensor:
+def _values(weight: Any) -> Tensor:
     """A weight as numbers. Under FSDP2 with torchao's float8 all-gather, a layer's forward sees its weight already
     gathered in fp8 (a ``Float8TrainingTensor``, which has no reductions): its values are the fp8 data times the scale,
     whose amax is the full weight's amax (the scale maps it to the format's max, which fp8 holds exactly)."""
@@ -105,11 +105,12 @@ class AmaxHistoryLogger(Callback):
     At the logging cadence it writes to the Trainer's loggers (and ``last_metrics``)
     ``precision/amax/<tensor>/<layer>``, ``precision/fp8_scale/<tensor>/<layer>`` and, with ``what_if=True``, the
     underflow and overflow fractions of each tensor cast to fp8 (e4m3fn for input and weight, e5m2 for gradients) with
-    the delayed scale versus the current (just-in-time) scale: ``precision/fp8_whatif/<tensor>/<delayed|current>/<underflow|overflow>``, and of the same
-    tensors cast to each block-scaled format in ``block_formats`` (each block at its own scale, NVFP4's tensor scale
-    from the tensor's amax): ``precision/fp8_whatif/<tensor>/<mxfp8|nvfp4>/<underflow|overflow>``. Nothing is read from
-    the device on other steps. Layers whose forward never ran (``nn.MultiheadAttention.out_proj``, whose weight the
-    attention uses directly, or a layer the model skips) are left out of the logs and the plot: they have no amax.
+    the delayed scale versus the current (just-in-time) scale:
+    ``precision/fp8_whatif/<tensor>/<delayed|current>/<underflow|overflow>``, and of the same tensors cast to each
+    block-scaled format in ``block_formats`` (each block at its own scale, NVFP4's tensor scale from the tensor's amax):
+    ``precision/fp8_whatif/<tensor>/<mxfp8|nvfp4>/<underflow|overflow>``. Nothing is read from the device on other
+    steps. Layers whose forward never ran (``nn.MultiheadAttention.out_proj``, whose weight the attention uses directly,
+    or a layer the model skips) are left out of the logs and the plot: they have no amax.
 
     Args:
         history_len: steps in the window (TE's ``amax_history_len``; TE defaults to 1024), at most 65536.
@@ -127,6 +128,7 @@ class AmaxHistoryLogger(Callback):
     """
 
     MAX_HISTORY_LEN = 2**16
+    log_every_n_steps: int | None  # set by `set_cadence`
 
     def __init__(
         self,
@@ -335,14 +337,15 @@ class AmaxHistoryLogger(Callback):
             if te_state is None:
                 continue
             history, scale = te_state
+            ring = self.state["ring"]
             n = min(self.history_len, history.shape[0])
-            rows = history[:n].to(self._ring)
+            rows = history[:n].to(ring)
             # TE's row r is our ring slot (_pos + r) % history_len: two slices, no index tensor (which would be a
             # host-to-device copy every step)
             head = min(n, self.history_len - self._pos)
-            self._ring[self._pos : self._pos + head, i] = rows[:head]
-            self._ring[: n - head, i] = rows[head:]
-            self._te_scale[i] = scale.to(self._ring)
+            ring[self._pos : self._pos + head, i] = rows[:head]
+            ring[: n - head, i] = rows[head:]
+            self._te_scale[i] = scale.to(ring)
             self._ran[i] = True
 
     def _record(self, i: int, k: int, t: Tensor) -> None:
@@ -354,7 +357,7 @@ class AmaxHistoryLogger(Callback):
     def _flush(self) -> None:
         """Write this step's recorded amaxes into its ring slot (max over repeated calls: accumulation, re-used
         layers), in place, and remember each entry's last non-zero amax."""
-        slot = self._ring[self._pos].view(-1)
+        slot = self.state["ring"][self._pos].view(-1)
         if self._stale_slot:
             slot.zero_()
             self._stale_slot = False
@@ -363,10 +366,10 @@ class AmaxHistoryLogger(Callback):
         key = tuple(j for j, _ in self._records)
         index = self._index_cache.get(key)
         if index is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern, not per step
-            index = self._index_cache[key] = torch.tensor(key, device=self._ring.device)
+            index = self._index_cache[key] = torch.tensor(key, device=slot.device)
         extremes = torch.stack([v for _, pair in self._records for v in pair]).view(-1, 2)
         slot.scatter_reduce_(0, index, extremes.abs().amax(dim=1).to(slot), reduce="amax")
-        last = self._last_nonzero.view(-1)
+        last = self.state["last_nonzero"].view(-1)
         last.copy_(torch.where(slot > 0, slot, last))
         self._records.clear()
         self._weights_seen.clear()
@@ -414,9 +417,10 @@ class AmaxHistoryLogger(Callback):
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        chronological = self.chronological_history()
+        chronological, scale = self.chronological_history(), self.scale
+        assert scale is not None  # there is a history
         torch.save(
-            {"layers": self.layers, "tensors": TENSORS, "history": chronological.cpu(), "scale": self.scale.cpu(),
+            {"layers": self.layers, "tensors": TENSORS, "history": chronological.cpu(), "scale": scale.cpu(),
              "steps": self.steps, "what_if": {k: float(v) for k, v in self._last_whatif.items()},
              "ran": list(self._ran)},
             out / "amax_history.pt",

@@ -144,7 +144,7 @@ def _across_processes(trainer: pl.Trainer) -> Reduce | None:
 
 
 def _check_fraction(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) <= 1:
         raise ValueError(f"`GradientUnderflowMonitor({name}={value!r})`: a fraction, in [0, 1], e.g. 0.01.")
 
 
@@ -200,6 +200,9 @@ class GradientUnderflowMonitor(Callback):
             ``scaling_family`` (``"tensorwise"``, ``"rowwise"``, ``"mxfp8"``, ...): with Fabric, pass
             ``plugin.scaling_family``.
     """
+
+    measure_every_n_steps: int | None  # set by `set_cadence`
+    log_every_n_steps: int | None
 
     def __init__(
         self,
@@ -351,7 +354,7 @@ class GradientUnderflowMonitor(Callback):
             self._add_histogram(1, self._probe.real_activations)
             self._probe.real_activations = None
 
-    def measure_gradients(self, named_grads: Mapping[str, Tensor], loss_scale: Tensor | float | None = None,
+    def measure_gradients(self, named_grads: Mapping[str, Tensor | None], loss_scale: Tensor | float | None = None,
                           histogram: bool = True) -> None:
         """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question,
         and a probe run before this step's backward (``probe_backward``) adds what fp16 already flushed.
@@ -560,6 +563,8 @@ class GradientUnderflowMonitor(Callback):
         self._probe_due = False  # the first micro-batch of the step
         plugin = trainer.precision_plugin
         scale = _loss_scale_of(plugin)
+        if scale is None:  # not an fp16 backward after all (`_probe_due` says it is)
+            return
         real_loss = loss / scale if _hooks_see_scaled_loss(plugin) else loss
         try:
             self.probe_backward(real_loss, pl_module.named_parameters(), scale)
