@@ -7,7 +7,6 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_precision.callbacks import AmaxHistoryLogger
-from lightning_precision.callbacks.amax import _te_amax_history
 from lightning_precision.functional import roll_amax_history, underflow_stats
 from tests.helpers import LitNet, loader, make_data, trainer
 
@@ -161,14 +160,13 @@ def test_reads_transformer_engines_own_delayed_scaling_state(monkeypatch):
     layer.fp8_meta["scaling_bwd"].amax_history[0] = torch.tensor([0.25, 9.0])  # grad_output, grad_input
     layer.fp8_meta["scaling_fwd"].scale[:] = torch.tensor([10.0, 20.0, 30.0])
     layer.fp8_meta["scaling_bwd"].scale[:] = torch.tensor([40.0, 50.0])
-    history, scale = _te_amax_history(layer)
-    assert history[0].tolist() == [3.0, 0.5, 0.25] and scale.tolist() == [10.0, 20.0, 40.0]
-
     logger = AmaxHistoryLogger(history_len=8)
     logger.attach(nn.Sequential(layer))
     metrics = logger.end_step()
-    assert float(metrics["precision/amax/grad_output/0"]) == 0.25
-    assert float(metrics["precision/fp8_scale/weight/0"]) == 20.0
+    # TE's (input, weight, grad_output): the forward's input and weight, the backward's grad_output
+    assert [float(metrics[f"precision/amax/{t}/0"]) for t in ("input", "weight", "grad_output")] == [3.0, 0.5, 0.25]
+    assert [float(metrics[f"precision/fp8_scale/{t}/0"]) for t in ("input", "weight", "grad_output")] == \
+        [10.0, 20.0, 40.0]
     # TE's rows land in the ring in TE's order at any ring position (here the copy wraps around its end): after a
     # step, TE's row 0 (the step just done) is the newest completed row, its rows 2.. come before it
     layer.fp8_meta["scaling_fwd"].amax_history[:, 0] = torch.arange(8.0) + 1  # TE's input amax rows: 1, 2, ..., 8

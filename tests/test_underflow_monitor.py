@@ -13,7 +13,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import GradientUnderflowMonitor
-from lightning_precision.callbacks.underflow import _loss_scale_of
 from lightning_precision.functional import exponent_histogram, recommend_loss_scale, underflow_stats
 from tests.distributed import fit_spawned
 from tests.helpers import LitNet, fp8_recipe, loader, make_data, make_net, trainer
@@ -27,8 +26,8 @@ class GradCapture(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
-        scale = _loss_scale_of(trainer.precision_plugin)
-        self.scales.append(None if scale is None else float(scale))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # the plugin's GradScaler, if it scales the loss
+        self.scales.append(None if scaler is None else scaler.get_scale())
 
 
 class TinyGrads(LitNet):
@@ -138,7 +137,7 @@ def test_fabric_loop_uses_the_same_methods():
 
 
 def _fabric_first_step(monitor):
-    """The card's Fabric loop on the issue's case (loss x 1e-5 at loss scale 1, first step): the probe runs through
+    """The card's Fabric loop on the card's case (loss x 1e-5 at loss scale 1, first step): the probe runs through
     ``fabric.backward``, the only backward Fabric lets through its model's outputs when the plugin scales the loss."""
     plugin = lp_fabric.FP16MixedPrecision(init_scale=1.0)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -225,7 +224,7 @@ def test_writes_to_a_real_logger(tmp_path):
 
 
 class TinyLoss(LitNet):
-    """The issue's case: a loss scaled by 1e-5 under fp16 at loss scale 1, so the fp16 backward flushes gradients."""
+    """The card's case: a loss scaled by 1e-5 under fp16 at loss scale 1, so the fp16 backward flushes gradients."""
 
     def training_step(self, batch, batch_idx):
         return super().training_step(batch, batch_idx) * 1e-5
@@ -381,7 +380,7 @@ def test_a_probe_that_saw_other_values_costs_only_the_lost_count():
 def test_activation_gradients_are_counted_once_and_the_probe_feeds_their_histogram():
     """With ``activations=True`` the activation hooks also fire in the probe's backward. They used to count the step
     twice, putting the probe's gradients (scaled by loss scale x probe factor) in the histogram as if scaled by the
-    loss scale alone, beside the real backward's flushed ones: the issue's case advised a scale of 0.5. Now the
+    loss scale alone, beside the real backward's flushed ones: the card's case was advised a scale of 0.5. Now the
     histogram holds one backward's values, the probe's (it holds what fp16 flushed), and the advice matches an fp32
     run's to one power of two."""
     def first_step(plugin):
@@ -406,7 +405,7 @@ class CountSteps(LitNet):
 
 
 def test_a_plot_path_that_cannot_be_written_fails_at_setup_before_any_step(tmp_path):
-    """Issue 23, item 14: a bad ``plot_path`` used to surface when the plot was drawn, after the whole fit."""
+    """A bad ``plot_path`` used to surface when the plot was drawn, after the whole fit."""
     (tmp_path / "a_file").write_text("")
     for path, why in [(tmp_path / "a_file" / "hist.png", "not a folder"), (tmp_path, "is a folder"),
                       (tmp_path / "hist.xyz", "matplotlib writes no 'xyz' images")]:
@@ -448,7 +447,7 @@ def test_the_plot_replaces_the_previous_one_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hist.png", "real.png"]
 
 
-# ---- issue 28, item 2: under an fp8 plugin, fp8 is measured at the scale the plugin casts at --------------------------
+# ---- under an fp8 plugin, fp8 is measured at the scale the plugin casts at --------------------------
 
 
 def _torchao_underflow(grads: dict, dtype: torch.dtype, rowwise: bool = False) -> float:
@@ -469,7 +468,7 @@ def _torchao_underflow(grads: dict, dtype: torch.dtype, rowwise: bool = False) -
 
 @pytest.mark.parametrize("recipe", [fp8_recipe(r) for r in ("tensorwise", "rowwise")])
 def test_under_an_fp8_plugin_fp8_is_measured_at_the_plugins_dynamic_scale(recipe):
-    """Unscaled, e4m3fn flushed most of these gradients (the issue's 0.63-0.82 on real models): no fp8 cast of the run
+    """Unscaled, e4m3fn flushed most of these gradients (0.63-0.82 on real models): no fp8 cast of the run
     does that, since torchao scales each tensor first. Under FP8Precision the fp8 figures are taken at the plugin's
     scale and keyed `/dynamic`, equal to what torchao's own cast flushes; the unscaled fp8 keys are not logged; fp16 and
     bf16 are as before."""
