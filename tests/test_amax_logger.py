@@ -16,7 +16,7 @@ E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 def test_roll_amax_history_keeps_the_last_len_steps_like_te():
     history = torch.zeros(3)
     seen = []
-    for step, a in enumerate([5.0, 1.0, 2.0, 3.0, 0.5]):
+    for a in [5.0, 1.0, 2.0, 3.0, 0.5]:
         history[0] = a
         history, amax = roll_amax_history(history, "max")
         seen.append(float(amax))
@@ -95,8 +95,10 @@ def test_what_if_fractions_equal_underflow_stats():
     for tensor, fmt, fp8_max in [("input", "e4m3fn", E4M3_MAX), ("grad_output", "e5m2", E5M2_MAX)]:
         k = 0 if tensor == "input" else 2
         captured = {n: ref.tensors[n][tensor] for n in logger.layers}
-        delayed = sum_stats([underflow_stats(captured[n], fmt, scales[i, k]).total for i, n in enumerate(logger.layers)])
-        current = sum_stats([underflow_stats(captured[n], fmt, fp8_max / captured[n].abs().max()).total for n in logger.layers])
+        delayed = sum_stats([underflow_stats(captured[n], fmt, scales[i, k]).total
+                             for i, n in enumerate(logger.layers)])
+        current = sum_stats([underflow_stats(captured[n], fmt, fp8_max / captured[n].abs().max()).total
+                             for n in logger.layers])
         for kind, stats in (("delayed", delayed), ("current", current)):
             key = f"precision/fp8_whatif/{tensor}/{kind}"
             assert float(logged[f"{key}/underflow"]) == pytest.approx(float(stats.underflow_fraction))
@@ -191,9 +193,10 @@ def test_writes_to_a_real_logger(tmp_path):
     logger = AmaxHistoryLogger(history_len=4)
     t = trainer(None, max_steps=4, log_every_n_steps=2, logger=CSVLogger(tmp_path, name="run"), callbacks=[logger])
     t.fit(LitNet(), loader(make_data(4)))
-    rows = [r for r in csv.DictReader(open(t.logger.experiment.metrics_file_path)) if r.get("precision/amax/input/net.0")]
+    key = "precision/amax/input/net.0"
+    rows = [r for r in csv.DictReader(open(t.logger.experiment.metrics_file_path)) if r.get(key)]
     assert [int(r["step"]) for r in rows] == [1, 3]
-    assert float(rows[-1]["precision/amax/input/net.0"]) == pytest.approx(logger.last_metrics["precision/amax/input/net.0"])
+    assert float(rows[-1][key]) == pytest.approx(logger.last_metrics[key])
 
 
 @pytest.mark.parametrize(

@@ -57,11 +57,13 @@ def test_logged_fractions_equal_a_direct_computation(plugin):
         direct = underflow_stats(grads, "fp16", scale).total
         assert float(logged["precision/underflow/fp16/scaled"]) == pytest.approx(float(direct.underflow_fraction))
         assert float(logged["precision/underflow/fp16/scaled"]) < float(logged["precision/underflow/fp16"])
-    per_layer = {k for k in logged if k.startswith("precision/underflow/fp16/") and k.split("/")[-1] not in ("scaled", "lost")}
+    per_layer = {k for k in logged
+                 if k.startswith("precision/underflow/fp16/") and k.split("/")[-1] not in ("scaled", "lost")}
     assert len(per_layer) == 2  # top_k
     worst = max(
         ("net.0", "net.2", "net.4"),
-        key=lambda m: float(underflow_stats({n: g for n, g in grads.items() if n.startswith(m + ".")}, "fp16").total.underflow_fraction),
+        key=lambda m: float(underflow_stats({n: g for n, g in grads.items() if n.startswith(m + ".")},
+                                            "fp16").total.underflow_fraction),
     )
     assert f"precision/underflow/fp16/{worst}" in per_layer
 
@@ -71,7 +73,8 @@ def test_measures_only_on_logging_steps_and_warns_once_with_advice():
     calls = []
     original = monitor.measure_gradients
     monitor.measure_gradients = lambda *a, **k: (calls.append(1), original(*a, **k))
-    with pytest.warns(UserWarning, match=r"flush to zero in fp16 without loss scaling.*FP16MixedPrecision\(init_scale="):
+    with pytest.warns(UserWarning,
+                      match=r"flush to zero in fp16 without loss scaling.*FP16MixedPrecision\(init_scale="):
         trainer(None, max_steps=6, log_every_n_steps=3, callbacks=[monitor]).fit(TinyGrads(), loader(make_data(6)))
     assert len(calls) == 2  # steps 3 and 6 only
     scale, under, over = advice = monitor.recommend_loss_scale()
@@ -131,7 +134,8 @@ def test_fabric_loop_uses_the_same_methods():
     monitor.measure_gradients(grads)
     metrics = monitor.compute(reduce=lambda t: fabric.all_reduce(t, reduce_op="sum"))
     fabric.log_dict(metrics)
-    assert float(metrics["precision/underflow/fp16"]) == pytest.approx(float(underflow_stats(grads, "fp16").total.underflow_fraction))
+    direct = underflow_stats(grads, "fp16").total
+    assert float(metrics["precision/underflow/fp16"]) == pytest.approx(float(direct.underflow_fraction))
     assert set(k.split("/")[2] for k in metrics if k.startswith("precision/underflow/")) == {"fp16", "e5m2"}
     assert monitor.compute() == {}  # compute() reset the counts
 
@@ -188,7 +192,8 @@ class RankActivations(TinyGrads):
         monitor = next(c for c in self.trainer.callbacks if isinstance(c, GradientUnderflowMonitor))
         local = monitor._last_local
         with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
-            json.dump({"local": local, "logged": float(self.trainer.callback_metrics["precision/act_underflow/fp16"])}, f)
+            logged = float(self.trainer.callback_metrics["precision/act_underflow/fp16"])
+            json.dump({"local": local, "logged": logged}, f)
 
 
 class RecordingMonitor(GradientUnderflowMonitor):
@@ -237,7 +242,8 @@ def _first_step_metrics(plugin, monitor):
 
 
 @pytest.mark.parametrize("make", [lambda: FP16MixedPrecision(init_scale=1.0),
-                                  lambda: MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1.0))],
+                                  lambda: MixedPrecision("16-mixed", "cpu",
+                                                         torch.amp.GradScaler("cpu", init_scale=1.0))],
                          ids=["ours", "lightning"])
 def test_what_fp16_already_flushed_is_underflow_not_exact_zero(make):
     """Parameter gradients are measured after the fp16 backward flushed them: without a reference, the loss reads as
@@ -307,7 +313,8 @@ class OddGradients(LitNet):
         self.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
 
     def forward(self, x):
-        return super().forward(x + self.emb(torch.arange(x.shape[0]) % 10)) + (self.phase * self.phase.conj()).real.sum()
+        phase = (self.phase * self.phase.conj()).real.sum()
+        return super().forward(x + self.emb(torch.arange(x.shape[0]) % 10)) + phase
 
 
 class CountingMonitor(GradientUnderflowMonitor):

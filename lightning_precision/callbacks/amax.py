@@ -272,8 +272,9 @@ class AmaxHistoryLogger(Callback):
 
     def end_step(self, log: bool = True, reduce_max: Reduce | None = None) -> dict[str, Tensor]:
         """End a step: with ``log``, the metrics (amax, delayed scale, what-if if capturing) as device tensors; then
-        the history moves on. ``reduce_max`` takes the max across processes for the logged values (as TE's
-        ``reduce_amax``). On other steps: three small device ops, no host read."""
+        the history moves on. ``reduce_max`` takes the max across processes for the logged values, which the window
+        then keeps in place of this process's own (as TE's ``reduce_amax``). On other steps: three small device ops,
+        no host read."""
         if self._ring is None or self._last_nonzero is None:
             raise RuntimeError("AmaxHistoryLogger.end_step() before attach(model): attach the model first.")
         scale = self.scale if log else None  # in effect for this step: from the window before its amax is written
@@ -289,6 +290,8 @@ class AmaxHistoryLogger(Callback):
             self.state.reset("amax")
             self.state.update("amax", current)
             logged = self.state.sync(as_reduce_op(reduce_max), ["amax"])["amax"]
+            if reduce_max is not None:
+                current.copy_(logged)  # the window holds the global amax: every rank's delayed scale is the same
             amax, scales = logged.unbind(0), scale.unbind(0)  # one split each, not an indexing op per key
             for i, layer in enumerate(self.layers):
                 if not self._ran[i]:
