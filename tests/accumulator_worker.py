@@ -84,7 +84,8 @@ def run_fit(rank: int, world: int) -> dict:
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(QuietNet(), loader(make_data(12)))
     return {"calls": calls, "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "amax": amax.last_metrics, "histogram": monitor.histogram.tolist()}
+            "amax": amax.last_metrics, "histogram": monitor.histogram.tolist(),
+            "amax_history": amax.chronological_history().tolist()}
 
 
 def main() -> None:

@@ -121,7 +121,11 @@ def test_under_ddp_the_callbacks_sync_only_on_logging_steps(tmp_path):
         assert ours == [2, 2, 5, 5, -1]
     assert r0["logged"] == r1["logged"] and r0["histogram"] == r1["histogram"]
     amax = [{k: v for k, v in r["amax"].items() if k.startswith("precision/amax/")} for r in (r0, r1)]
-    assert amax[0] == amax[1]  # the max across ranks (the delayed scales come from each rank's own window)
+    assert amax[0] == amax[1]  # the max across ranks
+    # The window keeps a logged step's global amax (steps 3, 4, 5 here: only step 5 logged), as TE's reduce_amax does;
+    # the other steps hold each rank's own (its own half of the data).
+    (h0, h1) = (r["amax_history"] for r in (r0, r1))
+    assert len(h0) == 3 and h0[-1] == h1[-1] and h0[:-1] != h1[:-1]
     assert "precision/underflow/fp16" in r0["logged"] and "precision/amax/input/net.0" in r0["amax"]
 
 
