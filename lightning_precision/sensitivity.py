@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from lightning_precision import _imports
 from lightning_precision import fp8 as _fp8
+from lightning_precision._accumulator import Accumulator, Reduce, as_reduce_op
+from lightning_precision._warnings import warn
 from lightning_precision.formats import get_format
 from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS
-from lightning_precision._warnings import warn
 
 __all__ = [
     "CastSpec",
@@ -46,7 +47,6 @@ __all__ = [
 # a tensor whose amax is below it gets a capped scale, and its values may flush to zero.
 TORCHAO_EPS = 1e-12
 
-Reduce = Callable[[Tensor], Tensor]
 # Per tensor, accumulated over batches: signal power, noise power, non-zero values, underflows, non-finite, elements.
 _NUMERIC_FIELDS = 6
 # Per layer: three tensors' fields, then the output's and the input gradient's (error power, reference power).
@@ -152,16 +152,6 @@ def _relative(err: float, ref: float) -> float:
     return math.sqrt(err / ref)
 
 
-def _sum_across_processes(t: Tensor) -> Tensor:
-    """All processes' sum (plain torch.distributed: Fabric and the Trainer alike), so every rank decides alike."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.clone()
-        dist.all_reduce(t)
-    return t
-
-
 class _Eager:
     """How many probes are open, and the compiler stance to restore when the last one closes."""
 
@@ -208,18 +198,19 @@ class SensitivityProbe:
             raise ValueError(f"SensitivityProbe: {config!r} is not a torchao `Float8LinearConfig`: the probe measures"
                              " torchao's per-tensor and per-row casts. Block-scaled casts (MXFP8, NVFP4) are measured"
                              " by `lightning_precision.functional.underflow_stats(x, 'mxfp8')`.")
-        config = dataclasses.replace(config, emulate=True, enable_fsdp_float8_all_gather=False)
+        config = dataclasses.replace(cast(Any, config), emulate=True, enable_fsdp_float8_all_gather=False)
         self.specs = cast_specs(config)
         self.config = config
         self.layers = dict(layers)
         self.batches = 0  # batches committed, summed across processes: known after `result()`
         self.dropped = 0  # batches left out for a non-finite value, likewise
         self._row = {fqn: i for i, fqn in enumerate(self.layers)}
-        # One row per layer: 3 tensors x _NUMERIC_FIELDS, then output error/ref powers and grad-input error/ref powers;
-        # one more row for the batch counts (committed, dropped). Allocated at the first measurement, on its device.
-        self._sums: Optional[Tensor] = None
-        self._staged: Optional[Tensor] = None
-        self._finite: Optional[Tensor] = None  # 1.0 while every tensor of the staged batch is finite, else 0.0
+        # Declared at the first measurement, on its device:
+        # - "sums" (summed across processes by `result`): one row per layer, 3 tensors x _NUMERIC_FIELDS, then output
+        #   error/ref powers and grad-input error/ref powers; one more row for the batch counts (committed, dropped).
+        # - "staged": this process's batch in progress, the same rows but the last (summed into "sums" by `commit`).
+        # - "finite": 1.0 while every tensor of the staged batch is finite, else 0.0 (the min of what was measured).
+        self.state = Accumulator()
         self._pending = False  # something is staged (host-side: no device read)
         self.ran = False  # a layer's forward ran with gradients on (on no tokens too): its hooks are seen
         self.keep_outputs = keep_outputs
@@ -250,16 +241,18 @@ class SensitivityProbe:
         _run_eagerly(False)
 
     def _allocate(self, device: torch.device) -> None:
-        self._sums = torch.zeros(len(self.layers) + 1, _WIDTH, dtype=torch.float64, device=device)
-        self._staged = torch.zeros_like(self._sums[:-1])
-        self._finite = torch.ones((), dtype=torch.float64, device=device)
+        sums = torch.zeros(len(self.layers) + 1, _WIDTH, dtype=torch.float64, device=device)
+        self.state.add_state("sums", sums, "sum")
+        self.state.add_state("staged", sums[:-1], "sum")
+        self.state.add_state("finite", torch.ones((), dtype=torch.float64, device=device), "min")
 
     def _add(self, fqn: str, index: slice, values: Tensor, finite: Tensor) -> None:
         """Stage ``values``; ``finite``: whether the tensors they were measured on were all finite."""
-        if self._staged is None:
+        if "staged" not in self.state:
             self._allocate(values.device)
-        self._staged[self._row[fqn], index] += values.to(self._staged.device)
-        self._finite.mul_(finite.to(self._finite))
+        staged = self.state["staged"]
+        staged[self._row[fqn], index] += values.to(staged.device)  # in place: this process's own, never shared
+        self.state.update("finite", finite.to(self.state["finite"]))
         self._pending = True
 
     def commit(self) -> None:
@@ -267,12 +260,11 @@ class SensitivityProbe:
         way. Device ops only; nothing when nothing was staged."""
         if not self._pending:
             return
+        finite = self.state["finite"]
+        counts = torch.cat([finite.view(1), (1 - finite).view(1), finite.new_zeros(_WIDTH - 2)]).view(1, _WIDTH)
         # `where`, not `staged * finite`: a dropped batch's staged numbers may be inf or nan, and inf * 0 is nan.
-        self._sums[:-1].add_(torch.where(self._finite > 0, self._staged, 0.0))
-        self._sums[-1, 0].add_(self._finite)
-        self._sums[-1, 1].add_(1 - self._finite)
-        self._staged.zero_()
-        self._finite.fill_(1.0)
+        self.state.update("sums", torch.cat([torch.where(finite > 0, self.state["staged"], 0.0), counts]))
+        self.state.reset("staged", "finite")
         self._pending = False
 
     def _fp8_copy(self, layer: nn.Linear) -> nn.Module:
@@ -327,7 +319,7 @@ class SensitivityProbe:
 
         return hook
 
-    def result(self, reduce: Optional[Reduce] = None) -> dict[str, LayerSensitivity]:
+    def result(self, reduce: Reduce | None = None) -> dict[str, LayerSensitivity]:
         """Per layer that ran (on any process): its ``LayerSensitivity`` over the committed batches (what is staged is
         committed first; one device read). ``reduce`` gets one row for every probed layer, ran or not, and one of batch
         counts, so the all-reduce has the same shape on every rank even when a layer runs on some ranks only
@@ -335,22 +327,19 @@ class SensitivityProbe:
         if not self.layers:
             return {}
         self.commit()
-        stacked = self._sums
-        if stacked is None:  # nothing measured here; other ranks may have: take part in the reduce all the same
-            stacked = torch.zeros(len(self.layers) + 1, _WIDTH, dtype=torch.float64,
-                                  device=next(iter(self.layers.values())).weight.device)
-        if reduce is not None:
-            stacked = reduce(stacked)
-        stacked = stacked.cpu()
+        # Nothing measured here? Other ranks may have: take part in the reduce all the same.
+        if "sums" not in self.state:
+            self._allocate(next(iter(self.layers.values())).weight.device)
+        stacked = self.state.sync(as_reduce_op(reduce), ["sums"])["sums"].cpu()
         self.batches, self.dropped = (int(v) for v in stacked[-1, :2].tolist())
         n = _NUMERIC_FIELDS
         out = {}
-        for (fqn, layer), row in zip(self.layers.items(), stacked[:-1]):
+        for (fqn, layer), row in zip(self.layers.items(), stacked[:-1], strict=True):
             if row[n - 1] == 0:  # the input's element count: the layer never ran (with tokens) in a committed batch
                 continue
-            numerics = [_numerics(row[i * n : (i + 1) * n]) for i in range(3)]
+            cast_x, cast_w, cast_g = (_numerics(row[i * n : (i + 1) * n]) for i in range(3))
             out_err, out_ref, gin_err, gin_ref = row[3 * n :].tolist()
-            out[fqn] = LayerSensitivity(fqn, layer.in_features, layer.out_features, *numerics,
+            out[fqn] = LayerSensitivity(fqn, layer.in_features, layer.out_features, cast_x, cast_w, cast_g,
                                         output_error=_relative(out_err, out_ref),
                                         grad_input_error=_relative(gin_err, gin_ref), batches=self.batches)
         return out
@@ -359,7 +348,7 @@ class SensitivityProbe:
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 
-def probe_config(recipe: Union[str, Any], owner: str = "fp8_sensitivity") -> Any:
+def probe_config(recipe: str | Any, owner: str = "fp8_sensitivity") -> Any:
     """The emulated torchao ``Float8LinearConfig`` that measures ``recipe`` (a torchao recipe name or config), or a
     ``ValueError`` naming ``owner``'s call: the probe casts per tensor or per row, as those recipes do, and MXFP8's
     blocks are another measurement."""
@@ -386,10 +375,10 @@ def _default_loss(model: nn.Module, batch: Any) -> Tensor:
 def fp8_sensitivity(
     model: nn.Module,
     batches: Iterable[Any],
-    recipe: Union[str, Any] = "tensorwise",
-    loss_fn: Optional[LossFn] = None,
-    layers: Optional[Iterable[str]] = None,
-    autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
+    recipe: str | Any = "tensorwise",
+    loss_fn: LossFn | None = None,
+    layers: Iterable[str] | None = None,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
 ) -> dict[str, LayerSensitivity]:
     """Measure, per linear layer, what fp8 under ``recipe`` would lose on these batches (see the module docstring).
 

@@ -219,19 +219,18 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
     counted: list[int] = []
     if "monitor" in cfg.get("callbacks", ()):
         from lightning_precision.callbacks import GradientUnderflowMonitor
-        from lightning_precision.callbacks import underflow
-
-        reduced = underflow._Counts.reduced
-
-        def count(self: Any, reduce: Any) -> Any:  # how many gradient elements the ranks counted together
-            stats = reduced(self, reduce)
-            counted.append(int(stats["param/fp16"].numel))
-            return stats
-
-        underflow._Counts.reduced = count
 
         monitor = GradientUnderflowMonitor(formats=("fp16", "e5m2"), log_every_n_steps=cfg.get("log_every", 1),
                                            measure_every_n_steps=1, top_k=2)
+        sync = monitor.state.sync
+
+        def count(reduce: Any, names: Any = None) -> Any:  # how many gradient elements the ranks counted together
+            synced = sync(reduce, names)
+            if "count/param/fp16" in synced:
+                counted.append(int(synced["count/param/fp16"][0]))  # CastStats' first field: numel
+            return synced
+
+        monitor.state.sync = count  # type: ignore[method-assign]
         callbacks.append(monitor)
     if "amax" in cfg.get("callbacks", ()):
         from lightning_precision.callbacks import AmaxHistoryLogger

@@ -94,9 +94,9 @@ def test_between_fits_the_model_carries_no_measuring_hooks_and_a_later_fit_measu
         fit(plugin, 2, module)
     assert all(not m._forward_hooks for m in module.net.children())
     torch.save(module.net, io.BytesIO())
-    staged = plugin._calibration.probe._staged.clone()
+    staged = plugin._calibration.probe.state["staged"].clone()
     module.net(torch.randn(4, 64)).sum().backward()  # the user's own forward and backward between fits
-    assert torch.equal(plugin._calibration.probe._staged, staged)
+    assert torch.equal(plugin._calibration.probe.state["staged"], staged)
     fit(plugin, 4, module)
     assert plugin.plan.batches == 4 and plugin.plan.fp8_layers == MEASURED
     assert fp8_now(module.net) == MEASURED

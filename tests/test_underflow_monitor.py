@@ -13,7 +13,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import GradientUnderflowMonitor
-from lightning_precision.callbacks.underflow import _loss_scale_of
 from lightning_precision.functional import exponent_histogram, recommend_loss_scale, underflow_stats
 from tests.distributed import fit_spawned
 from tests.helpers import LitNet, fp8_recipe, loader, make_data, make_net, trainer
@@ -27,8 +26,8 @@ class GradCapture(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()})
-        scale = _loss_scale_of(trainer.precision_plugin)
-        self.scales.append(None if scale is None else float(scale))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # the plugin's GradScaler, if it scales the loss
+        self.scales.append(None if scaler is None else scaler.get_scale())
 
 
 class TinyGrads(LitNet):
@@ -58,11 +57,13 @@ def test_logged_fractions_equal_a_direct_computation(plugin):
         direct = underflow_stats(grads, "fp16", scale).total
         assert float(logged["precision/underflow/fp16/scaled"]) == pytest.approx(float(direct.underflow_fraction))
         assert float(logged["precision/underflow/fp16/scaled"]) < float(logged["precision/underflow/fp16"])
-    per_layer = {k for k in logged if k.startswith("precision/underflow/fp16/") and k.split("/")[-1] not in ("scaled", "lost")}
+    per_layer = {k for k in logged
+                 if k.startswith("precision/underflow/fp16/") and k.split("/")[-1] not in ("scaled", "lost")}
     assert len(per_layer) == 2  # top_k
     worst = max(
         ("net.0", "net.2", "net.4"),
-        key=lambda m: float(underflow_stats({n: g for n, g in grads.items() if n.startswith(m + ".")}, "fp16").total.underflow_fraction),
+        key=lambda m: float(underflow_stats({n: g for n, g in grads.items() if n.startswith(m + ".")},
+                                            "fp16").total.underflow_fraction),
     )
     assert f"precision/underflow/fp16/{worst}" in per_layer
 
@@ -72,7 +73,8 @@ def test_measures_only_on_logging_steps_and_warns_once_with_advice():
     calls = []
     original = monitor.measure_gradients
     monitor.measure_gradients = lambda *a, **k: (calls.append(1), original(*a, **k))
-    with pytest.warns(UserWarning, match=r"flush to zero in fp16 without loss scaling.*FP16MixedPrecision\(init_scale="):
+    with pytest.warns(UserWarning,
+                      match=r"flush to zero in fp16 without loss scaling.*FP16MixedPrecision\(init_scale="):
         trainer(None, max_steps=6, log_every_n_steps=3, callbacks=[monitor]).fit(TinyGrads(), loader(make_data(6)))
     assert len(calls) == 2  # steps 3 and 6 only
     scale, under, over = advice = monitor.recommend_loss_scale()
@@ -132,13 +134,14 @@ def test_fabric_loop_uses_the_same_methods():
     monitor.measure_gradients(grads)
     metrics = monitor.compute(reduce=lambda t: fabric.all_reduce(t, reduce_op="sum"))
     fabric.log_dict(metrics)
-    assert float(metrics["precision/underflow/fp16"]) == pytest.approx(float(underflow_stats(grads, "fp16").total.underflow_fraction))
+    direct = underflow_stats(grads, "fp16").total
+    assert float(metrics["precision/underflow/fp16"]) == pytest.approx(float(direct.underflow_fraction))
     assert set(k.split("/")[2] for k in metrics if k.startswith("precision/underflow/")) == {"fp16", "e5m2"}
     assert monitor.compute() == {}  # compute() reset the counts
 
 
 def _fabric_first_step(monitor):
-    """The card's Fabric loop on the issue's case (loss x 1e-5 at loss scale 1, first step): the probe runs through
+    """The card's Fabric loop on the card's case (loss x 1e-5 at loss scale 1, first step): the probe runs through
     ``fabric.backward``, the only backward Fabric lets through its model's outputs when the plugin scales the loss."""
     plugin = lp_fabric.FP16MixedPrecision(init_scale=1.0)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -189,15 +192,16 @@ class RankActivations(TinyGrads):
         monitor = next(c for c in self.trainer.callbacks if isinstance(c, GradientUnderflowMonitor))
         local = monitor._last_local
         with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
-            json.dump({"local": local, "logged": float(self.trainer.callback_metrics["precision/act_underflow/fp16"])}, f)
+            logged = float(self.trainer.callback_metrics["precision/act_underflow/fp16"])
+            json.dump({"local": local, "logged": logged}, f)
 
 
 class RecordingMonitor(GradientUnderflowMonitor):
     """Keeps the local (pre-all-reduce) counts of the logging step, to compare with the global fraction logged."""
 
     def compute(self, reduce=None):
-        s = self._counts.stats["act/fp16"]
-        self._last_local = [int(s.underflow), int(s.numel)]
+        numel, _, underflow, _, _ = self.state["count/act/fp16"].tolist()  # CastStats' fields, in order
+        self._last_local = [underflow, numel]
         return super().compute(reduce)
 
 
@@ -225,7 +229,7 @@ def test_writes_to_a_real_logger(tmp_path):
 
 
 class TinyLoss(LitNet):
-    """The issue's case: a loss scaled by 1e-5 under fp16 at loss scale 1, so the fp16 backward flushes gradients."""
+    """The card's case: a loss scaled by 1e-5 under fp16 at loss scale 1, so the fp16 backward flushes gradients."""
 
     def training_step(self, batch, batch_idx):
         return super().training_step(batch, batch_idx) * 1e-5
@@ -238,7 +242,8 @@ def _first_step_metrics(plugin, monitor):
 
 
 @pytest.mark.parametrize("make", [lambda: FP16MixedPrecision(init_scale=1.0),
-                                  lambda: MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1.0))],
+                                  lambda: MixedPrecision("16-mixed", "cpu",
+                                                         torch.amp.GradScaler("cpu", init_scale=1.0))],
                          ids=["ours", "lightning"])
 def test_what_fp16_already_flushed_is_underflow_not_exact_zero(make):
     """Parameter gradients are measured after the fp16 backward flushed them: without a reference, the loss reads as
@@ -308,12 +313,13 @@ class OddGradients(LitNet):
         self.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
 
     def forward(self, x):
-        return super().forward(x + self.emb(torch.arange(x.shape[0]) % 10)) + (self.phase * self.phase.conj()).real.sum()
+        phase = (self.phase * self.phase.conj()).real.sum()
+        return super().forward(x + self.emb(torch.arange(x.shape[0]) % 10)) + phase
 
 
 class CountingMonitor(GradientUnderflowMonitor):
     def compute(self, reduce=None):
-        self.numel = int(self._counts.stats["param/fp16"].numel)
+        self.numel = int(self.state["count/param/fp16"][0])  # CastStats' first field
         return super().compute(reduce)
 
 
@@ -381,7 +387,7 @@ def test_a_probe_that_saw_other_values_costs_only_the_lost_count():
 def test_activation_gradients_are_counted_once_and_the_probe_feeds_their_histogram():
     """With ``activations=True`` the activation hooks also fire in the probe's backward. They used to count the step
     twice, putting the probe's gradients (scaled by loss scale x probe factor) in the histogram as if scaled by the
-    loss scale alone, beside the real backward's flushed ones: the issue's case advised a scale of 0.5. Now the
+    loss scale alone, beside the real backward's flushed ones: the card's case was advised a scale of 0.5. Now the
     histogram holds one backward's values, the probe's (it holds what fp16 flushed), and the advice matches an fp32
     run's to one power of two."""
     def first_step(plugin):
@@ -406,7 +412,7 @@ class CountSteps(LitNet):
 
 
 def test_a_plot_path_that_cannot_be_written_fails_at_setup_before_any_step(tmp_path):
-    """Issue 23, item 14: a bad ``plot_path`` used to surface when the plot was drawn, after the whole fit."""
+    """A bad ``plot_path`` used to surface when the plot was drawn, after the whole fit."""
     (tmp_path / "a_file").write_text("")
     for path, why in [(tmp_path / "a_file" / "hist.png", "not a folder"), (tmp_path, "is a folder"),
                       (tmp_path / "hist.xyz", "matplotlib writes no 'xyz' images")]:
@@ -448,7 +454,7 @@ def test_the_plot_replaces_the_previous_one_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hist.png", "real.png"]
 
 
-# ---- issue 28, item 2: under an fp8 plugin, fp8 is measured at the scale the plugin casts at --------------------------
+# ---- under an fp8 plugin, fp8 is measured at the scale the plugin casts at --------------------------
 
 
 def _torchao_underflow(grads: dict, dtype: torch.dtype, rowwise: bool = False) -> float:
@@ -469,7 +475,7 @@ def _torchao_underflow(grads: dict, dtype: torch.dtype, rowwise: bool = False) -
 
 @pytest.mark.parametrize("recipe", [fp8_recipe(r) for r in ("tensorwise", "rowwise")])
 def test_under_an_fp8_plugin_fp8_is_measured_at_the_plugins_dynamic_scale(recipe):
-    """Unscaled, e4m3fn flushed most of these gradients (the issue's 0.63-0.82 on real models): no fp8 cast of the run
+    """Unscaled, e4m3fn flushed most of these gradients (0.63-0.82 on real models): no fp8 cast of the run
     does that, since torchao scales each tensor first. Under FP8Precision the fp8 figures are taken at the plugin's
     scale and keyed `/dynamic`, equal to what torchao's own cast flushes; the unscaled fp8 keys are not logged; fp16 and
     bf16 are as before."""

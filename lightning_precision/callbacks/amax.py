@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
-from pathlib import Path
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -13,14 +14,20 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
 from lightning_precision._checks import is_positive_int
 from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
 from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS, functional_linears
-from lightning_precision.functional import CastStats, delayed_scale, measurable_values, multi_format_stats, multi_scale_stats
-from lightning_precision._warnings import deprecated
+from lightning_precision.functional import (
+    CastStats,
+    delayed_scale,
+    measurable_values,
+    multi_format_stats,
+    multi_scale_stats,
+)
 
 __all__ = ["AmaxHistoryLogger", "block_sample"]
 
@@ -29,7 +36,7 @@ _BLOCK_ALIGN = 32  # a multiple of every block format's block size
 _FP8_MAX = torch.tensor([FORMATS[HYBRID_FORMAT[t]].max for t in TENSORS])
 
 
-def block_sample(t: Tensor, limit: Optional[int], block: int = 1024) -> Tensor:
+def block_sample(t: Tensor, limit: int | None, block: int = 1024) -> Tensor:
     """At most ``limit`` elements of ``t``: evenly spaced contiguous runs of ``block`` elements, copied into one
     contiguous tensor (deterministic). Whole runs keep cache lines and vector units full: an element-wise strided view
     of the same size was 45x slower to measure on a CPU."""
@@ -58,7 +65,7 @@ def _sum(stats: Iterable[CastStats]) -> CastStats:
     return total
 
 
-def _values(weight: Tensor) -> Tensor:
+def _values(weight: Any) -> Tensor:
     """A weight as numbers. Under FSDP2 with torchao's float8 all-gather, a layer's forward sees its weight already
     gathered in fp8 (a ``Float8TrainingTensor``, which has no reductions): its values are the fp8 data times the scale,
     whose amax is the full weight's amax (the scale maps it to the format's max, which fp8 holds exactly)."""
@@ -71,7 +78,7 @@ def _is_linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or (hasattr(module, "fp8_meta") and hasattr(module, "weight"))
 
 
-def _te_amax_history(module: nn.Module) -> Optional[tuple[Tensor, Tensor]]:
+def _te_amax_history(module: nn.Module) -> tuple[Tensor, Tensor] | None:
     """``(history [len, 3], scale [3])`` (input, weight, grad_output) from a Transformer Engine module's delayed
     scaling state: ``fp8_meta["scaling_fwd"]`` holds (input, weight, output) per GEMM, ``["scaling_bwd"]`` (grad_output,
     grad_input). None when the module keeps no amax (current scaling, MXFP8, block recipes)."""
@@ -95,14 +102,15 @@ class AmaxHistoryLogger(Callback):
     callback records it for both, so it is also an fp8-readiness report. With Transformer Engine's delayed scaling it
     reads TE's own ``fp8_meta`` history and scales instead.
 
-    At the logging cadence it writes to the Trainer's loggers (and ``last_metrics``) ``precision/amax/<tensor>/<layer>``,
-    ``precision/fp8_scale/<tensor>/<layer>`` and, with ``what_if=True``, the underflow and overflow fractions of each
-    tensor cast to fp8 (e4m3fn for input and weight, e5m2 for gradients) with the delayed scale versus the current
-    (just-in-time) scale: ``precision/fp8_whatif/<tensor>/<delayed|current>/<underflow|overflow>``, and of the same
-    tensors cast to each block-scaled format in ``block_formats`` (each block at its own scale, NVFP4's tensor scale
-    from the tensor's amax): ``precision/fp8_whatif/<tensor>/<mxfp8|nvfp4>/<underflow|overflow>``. Nothing is read from
-    the device on other steps. Layers whose forward never ran (``nn.MultiheadAttention.out_proj``, whose weight the
-    attention uses directly, or a layer the model skips) are left out of the logs and the plot: they have no amax.
+    At the logging cadence it writes to the Trainer's loggers (and ``last_metrics``)
+    ``precision/amax/<tensor>/<layer>``, ``precision/fp8_scale/<tensor>/<layer>`` and, with ``what_if=True``, the
+    underflow and overflow fractions of each tensor cast to fp8 (e4m3fn for input and weight, e5m2 for gradients) with
+    the delayed scale versus the current (just-in-time) scale:
+    ``precision/fp8_whatif/<tensor>/<delayed|current>/<underflow|overflow>``, and of the same tensors cast to each
+    block-scaled format in ``block_formats`` (each block at its own scale, NVFP4's tensor scale from the tensor's amax):
+    ``precision/fp8_whatif/<tensor>/<mxfp8|nvfp4>/<underflow|overflow>``. Nothing is read from the device on other
+    steps. Layers whose forward never ran (``nn.MultiheadAttention.out_proj``, whose weight the attention uses directly,
+    or a layer the model skips) are left out of the logs and the plot: they have no amax.
 
     Args:
         history_len: steps in the window (TE's ``amax_history_len``; TE defaults to 1024), at most 65536.
@@ -120,27 +128,28 @@ class AmaxHistoryLogger(Callback):
     """
 
     MAX_HISTORY_LEN = 2**16
+    log_every_n_steps: int | None  # set by `set_cadence`
 
     def __init__(
         self,
         history_len: int = 16,
         amax_compute_algo: str = "max",
         margin: int = 0,
-        log_every_n_steps: Optional[int] = None,
+        log_every_n_steps: int | None = None,
         what_if: bool = True,
-        what_if_sample: Optional[int] = 2**16,
-        save_dir: Optional[str] = None,
+        what_if_sample: int | None = 2**16,
+        save_dir: str | None = None,
         block_formats: Sequence[str] = ("mxfp8", "nvfp4"),
     ) -> None:
         owner = "AmaxHistoryLogger"
         if not is_positive_int(history_len) or history_len > self.MAX_HISTORY_LEN:
-            raise ValueError(f"`{owner}(history_len={history_len!r})`: a number of steps from 1 to {self.MAX_HISTORY_LEN},"
-                             " e.g. 16 (Transformer Engine's default is 1024).")
+            raise ValueError(f"`{owner}(history_len={history_len!r})`: a number of steps from 1 to"
+                             f" {self.MAX_HISTORY_LEN}, e.g. 16 (Transformer Engine's default is 1024).")
         if amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"`{owner}(amax_compute_algo={amax_compute_algo!r})`: use 'max' or 'most_recent'.")
         if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-            raise ValueError(f"`{owner}(margin={margin!r})`: Transformer Engine's margin, a whole number of powers of two"
-                             " >= 0, e.g. 0.")
+            raise ValueError(f"`{owner}(margin={margin!r})`: Transformer Engine's margin, a whole number of powers of"
+                             " two >= 0, e.g. 0.")
         set_cadence(self, owner, log_every_n_steps=log_every_n_steps)
         if not isinstance(what_if, bool):
             raise ValueError(f"`{owner}(what_if={what_if!r})`: pass True or False.")
@@ -161,22 +170,24 @@ class AmaxHistoryLogger(Callback):
         self.block_formats = tuple(get_format(f).name for f in block_formats)
         self.save_dir = save_dir
         self.layers: list[str] = []
-        # A ring of history_len rows [layers, 3]; `_pos` is the slot of the step in progress, so the history in
-        # Transformer Engine's order (row 0 the step in progress, then the completed steps oldest first) is the ring
-        # rolled by -_pos. Writing a slot and moving `_pos` replaces TE's per-step roll, which allocates.
-        self._ring: Optional[Tensor] = None
+        # Declared at `attach` (or restored), on the model's device:
+        # - "ring": history_len rows [layers, 3], this process's own ("last": never combined). `_pos` is the slot of the
+        #   step in progress, so the history in Transformer Engine's order (row 0 the step in progress, then the
+        #   completed steps oldest first) is the ring rolled by -_pos. Writing a slot and moving `_pos` replaces TE's
+        #   per-step roll, which allocates.
+        # - "last_nonzero" [layers, 3]: the last non-zero amax of each entry. With it the delayed scale is computed only
+        #   when read, and exactly: where the window saw nothing, TE keeps the scale of the last window that saw
+        #   something, which is fp8_max / (that last non-zero amax) / 2**margin.
+        # - "amax" [layers, 3]: the logged step's amax, the max across processes (TE's ``reduce_amax``).
+        self.state = Accumulator()
         self._pos = 0
         self._stale_slot = False  # slot `_pos` still holds the oldest step of the window until this step writes it
-        # [layers, 3]: the last non-zero amax of each entry. With it the delayed scale is computed only when read, and
-        # exactly: where the window saw nothing, TE keeps the scale of the last window that saw something, which is
-        # fp8_max / (that last non-zero amax) / 2**margin.
-        self._last_nonzero: Optional[Tensor] = None
         self._te_scale: dict[int, Tensor] = {}
         self.steps = 0
         self._modules: list[nn.Module] = []
         self._te_layers: list[int] = []
         self._handles: list[Any] = []
-        self._capture: Optional[list[dict[str, Tensor]]] = None
+        self._capture: list[dict[str, Tensor]] | None = None
         self._last_whatif: dict[str, Tensor] = {}
         self._copy_weights = False
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
@@ -187,7 +198,20 @@ class AmaxHistoryLogger(Callback):
         self._ran: list[bool] = []
 
     @property
-    def history(self) -> Optional[Tensor]:
+    def _ring(self) -> Tensor | None:
+        return self.state["ring"] if "ring" in self.state else None
+
+    @property
+    def _last_nonzero(self) -> Tensor | None:
+        return self.state["last_nonzero"] if "last_nonzero" in self.state else None
+
+    def _declare(self, ring: Tensor, last_nonzero: Tensor) -> None:
+        self.state.add_state("ring", ring, "last")
+        self.state.add_state("last_nonzero", last_nonzero, "last")
+        self.state.add_state("amax", torch.zeros_like(last_nonzero), "max")
+
+    @property
+    def history(self) -> Tensor | None:
         """``[history_len, layers, 3]`` in Transformer Engine's order: row 0 is the step in progress."""
         if self._ring is None:
             return None
@@ -197,7 +221,7 @@ class AmaxHistoryLogger(Callback):
         return history
 
     @property
-    def scale(self) -> Optional[Tensor]:
+    def scale(self) -> Tensor | None:
         """``[layers, 3]``: the delayed scale in effect for the step in progress (TE's ``fp8_max / amax / 2**margin``
         over the window; where the window saw nothing, the scale from the last amax seen; 1 where none was)."""
         if self._ring is None or self._last_nonzero is None:
@@ -220,11 +244,11 @@ class AmaxHistoryLogger(Callback):
         device = next((m.weight.device for _, m in found), torch.device("cpu"))
         if names != self.layers or self._ring is None or self._last_nonzero is None:
             self.layers = names
-            self._ring = torch.zeros(self.history_len, len(names), 3, device=device)
+            self._declare(torch.zeros(self.history_len, len(names), 3, device=device),
+                          torch.zeros(len(names), 3, device=device))
             self._pos, self._stale_slot = 0, False
-            self._last_nonzero = torch.zeros(len(names), 3, device=device)
         else:  # resumed: keep the restored state
-            self._ring, self._last_nonzero = self._ring.to(device), self._last_nonzero.to(device)
+            self._declare(self._ring.to(device), self._last_nonzero.to(device))
         self._modules = [m for _, m in found]
         # FSDP2 frees a gathered weight's storage after the forward: the what-if keeps a copy of its sample instead.
         self._copy_weights = is_sharded(model)
@@ -246,15 +270,11 @@ class AmaxHistoryLogger(Callback):
         """Keep this step's tensors for the what-if statistics (only on logging steps: it holds activations)."""
         self._capture = [{} for _ in self.layers] if on and self.what_if else None
 
-    def step(self, log: bool = True, reduce_max: Any = None) -> dict[str, Tensor]:
-        """Deprecated: ``end_step`` (``step`` read like the optimizer's)."""
-        deprecated("AmaxHistoryLogger.step()", "AmaxHistoryLogger.end_step()")
-        return self.end_step(log, reduce_max)
-
-    def end_step(self, log: bool = True, reduce_max: Any = None) -> dict[str, Tensor]:
+    def end_step(self, log: bool = True, reduce_max: Reduce | None = None) -> dict[str, Tensor]:
         """End a step: with ``log``, the metrics (amax, delayed scale, what-if if capturing) as device tensors; then
-        the history moves on. ``reduce_max`` takes the max across processes for the logged values (as TE's
-        ``reduce_amax``). On other steps: three small device ops, no host read."""
+        the history moves on. ``reduce_max`` takes the max across processes for the logged values, which the window
+        then keeps in place of this process's own (as TE's ``reduce_amax``). On other steps: three small device ops,
+        no host read."""
         if self._ring is None or self._last_nonzero is None:
             raise RuntimeError("AmaxHistoryLogger.end_step() before attach(model): attach the model first.")
         scale = self.scale if log else None  # in effect for this step: from the window before its amax is written
@@ -267,7 +287,11 @@ class AmaxHistoryLogger(Callback):
         current = self._ring[self._pos]
         metrics: dict[str, Tensor] = {}
         if log and scale is not None:
-            logged = current if reduce_max is None else reduce_max(current)
+            self.state.reset("amax")
+            self.state.update("amax", current)
+            logged = self.state.sync(as_reduce_op(reduce_max), ["amax"])["amax"]
+            if reduce_max is not None:
+                current.copy_(logged)  # the window holds the global amax: every rank's delayed scale is the same
             amax, scales = logged.unbind(0), scale.unbind(0)  # one split each, not an indexing op per key
             for i, layer in enumerate(self.layers):
                 if not self._ran[i]:
@@ -297,9 +321,11 @@ class AmaxHistoryLogger(Callback):
             lengths = torch.tensor([part.numel() for _, part in parts], device=sample.device)
             rows = torch.tensor([i for i, _ in parts], device=sample.device)
             scales = [s[rows, k].repeat_interleave(lengths) for s in (delayed, jit)]
-            per_kind = dict(zip(("delayed", "current"), multi_scale_stats(sample, HYBRID_FORMAT[tensor], scales)))
+            per_kind = dict(zip(("delayed", "current"), multi_scale_stats(sample, HYBRID_FORMAT[tensor], scales),
+                                strict=True))
             if self.block_formats:  # each layer's sample at its own blocks, NVFP4 scaled by that tensor's amax
-                per_layer = [multi_format_stats(part, self.block_formats, tensor_amax=current[i, k]) for i, part in parts]
+                per_layer = [multi_format_stats(part, self.block_formats, tensor_amax=current[i, k])
+                             for i, part in parts]
                 per_kind.update({f: _sum(layer[f] for layer in per_layer) for f in self.block_formats})
             for kind, stats in per_kind.items():
                 out[f"precision/fp8_whatif/{tensor}/{kind}/underflow"] = stats.underflow_fraction
@@ -314,14 +340,15 @@ class AmaxHistoryLogger(Callback):
             if te_state is None:
                 continue
             history, scale = te_state
+            ring = self.state["ring"]
             n = min(self.history_len, history.shape[0])
-            rows = history[:n].to(self._ring)
+            rows = history[:n].to(ring)
             # TE's row r is our ring slot (_pos + r) % history_len: two slices, no index tensor (which would be a
             # host-to-device copy every step)
             head = min(n, self.history_len - self._pos)
-            self._ring[self._pos : self._pos + head, i] = rows[:head]
-            self._ring[: n - head, i] = rows[head:]
-            self._te_scale[i] = scale.to(self._ring)
+            ring[self._pos : self._pos + head, i] = rows[:head]
+            ring[: n - head, i] = rows[head:]
+            self._te_scale[i] = scale.to(ring)
             self._ran[i] = True
 
     def _record(self, i: int, k: int, t: Tensor) -> None:
@@ -333,7 +360,7 @@ class AmaxHistoryLogger(Callback):
     def _flush(self) -> None:
         """Write this step's recorded amaxes into its ring slot (max over repeated calls: accumulation, re-used
         layers), in place, and remember each entry's last non-zero amax."""
-        slot = self._ring[self._pos].view(-1)
+        slot = self.state["ring"][self._pos].view(-1)
         if self._stale_slot:
             slot.zero_()
             self._stale_slot = False
@@ -342,10 +369,10 @@ class AmaxHistoryLogger(Callback):
         key = tuple(j for j, _ in self._records)
         index = self._index_cache.get(key)
         if index is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern, not per step
-            index = self._index_cache[key] = torch.tensor(key, device=self._ring.device)
+            index = self._index_cache[key] = torch.tensor(key, device=slot.device)
         extremes = torch.stack([v for _, pair in self._records for v in pair]).view(-1, 2)
         slot.scatter_reduce_(0, index, extremes.abs().amax(dim=1).to(slot), reduce="amax")
-        last = self._last_nonzero.view(-1)
+        last = self.state["last_nonzero"].view(-1)
         last.copy_(torch.where(slot > 0, slot, last))
         self._records.clear()
         self._weights_seen.clear()
@@ -387,14 +414,16 @@ class AmaxHistoryLogger(Callback):
             self._capture[i]["grad_output"] = g.detach()
 
     def save(self, directory: str) -> tuple[str, str]:
-        """Write ``amax_history.pt`` (layers, history oldest first, scales) and ``amax_history.png`` (layers that ran)."""
+        """Write ``amax_history.pt`` (layers, history oldest first, scales) and ``amax_history.png`` (layers that
+        ran)."""
         from lightning_precision._plots import plot_amax_history
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        chronological = self.chronological_history()
+        chronological, scale = self.chronological_history(), self.scale
+        assert scale is not None  # there is a history
         torch.save(
-            {"layers": self.layers, "tensors": TENSORS, "history": chronological.cpu(), "scale": self.scale.cpu(),
+            {"layers": self.layers, "tensors": TENSORS, "history": chronological.cpu(), "scale": scale.cpu(),
              "steps": self.steps, "what_if": {k: float(v) for k, v in self._last_whatif.items()},
              "ran": list(self._ran)},
             out / "amax_history.pt",
@@ -424,19 +453,20 @@ class AmaxHistoryLogger(Callback):
         self.attach(pl_module)  # after the strategy's setup: fp8 layers are already swapped in
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self.capturing(on_cadence(trainer, self.log_every_n_steps))
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         log = on_cadence(trainer, self.log_every_n_steps)
-        reduce_max = (lambda t: trainer.strategy.reduce(t, reduce_op="max")) if log and trainer.world_size > 1 else None
+        reduce_max = functools.partial(all_reduce, op="max") if log and trainer.world_size > 1 else None
         metrics = self.end_step(log, reduce_max)
         if log and metrics:
             # Straight to the loggers in one device read: per-layer keys are many, and `self.log` costs about a
             # millisecond per key on CPU (more than the statistics themselves).
             values = torch.stack([v.float() for v in metrics.values()]).tolist()
-            self.last_metrics = dict(zip(metrics, values))
+            self.last_metrics = dict(zip(metrics, values, strict=True))
             for logger in trainer.loggers:
                 logger.log_metrics(self.last_metrics, step=trainer.global_step)
 
@@ -460,7 +490,8 @@ class AmaxHistoryLogger(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.layers = list(state_dict["layers"])
-        self._ring, self._pos, self._stale_slot = state_dict["history"], 0, False
-        self._last_nonzero, self.steps = state_dict.get("last_nonzero"), state_dict["steps"]
-        if self._last_nonzero is None and self._ring is not None:  # a checkpoint of 0.1: the window's newest amax
-            self._last_nonzero = self._ring.amax(dim=0)
+        ring, last_nonzero = state_dict["history"], state_dict.get("last_nonzero")
+        self._pos, self._stale_slot, self.steps = 0, False, state_dict["steps"]
+        self.state = Accumulator()
+        if ring is not None:  # a checkpoint of 0.1 has no last_nonzero: the window's newest amax
+            self._declare(ring, last_nonzero if last_nonzero is not None else ring.amax(dim=0))

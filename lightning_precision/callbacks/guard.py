@@ -23,7 +23,8 @@ from lightning_precision._checks import is_positive_int
 from lightning_precision._lightning import batches_that_stepped, should_update_logs
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.plan import PlanRule, _measured_numbers, demotions, plan_suffix
-from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
+from lightning_precision._accumulator import all_reduce
+from lightning_precision.sensitivity import SensitivityProbe
 from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["DEFAULT_PLAN_FILE", "FP8Guard", "GuardEvent"]
@@ -144,7 +145,7 @@ class FP8Guard(Callback):
         if probe is None:
             return []
         probe.close()
-        sensitivity = probe.result(_sum_across_processes)  # the step's micro-batches, committed as one batch
+        sensitivity = probe.result(all_reduce)  # the step's micro-batches, committed as one batch
         if probe.dropped and rank_zero_only.rank == 0:
             judged = "not judged" if not probe.batches else \
                 f"judged on the {probe.batches} process(es) whose values were finite"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -14,8 +15,11 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
 from lightning_precision._fsdp import is_sharded, local_shard
 from lightning_precision._lightning import unwrapped_name
+from lightning_precision._plots import check_plot_path
+from lightning_precision._warnings import warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.fabric._scaler import ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format
@@ -23,20 +27,16 @@ from lightning_precision.functional import (
     HIST_MAX,
     HIST_MIN,
     CastStats,
+    LossScaleAdvice,
     dynamic_scale_stats,
     exponent_histogram,
     gradient_stats,
     measurable_values,
     multi_format_stats,
-    LossScaleAdvice,
     recommend_loss_scale,
 )
-from lightning_precision._plots import check_plot_path
-from lightning_precision._warnings import warn
 
 __all__ = ["DYNAMIC", "FP8_SCALINGS", "GradientUnderflowMonitor", "Reduce"]
-
-Reduce = Callable[[Tensor], Tensor]
 
 
 def _fp16_backward(plugin: Any) -> bool:
@@ -53,7 +53,7 @@ def _hooks_see_scaled_loss(plugin: Any) -> bool:
     return isinstance(plugin, MixedPrecision)
 
 
-def _loss_scale_of(plugin: Any) -> Optional[Tensor]:
+def _loss_scale_of(plugin: Any) -> Tensor | None:
     """The loss scale of a precision plugin with an enabled ``GradScaler`` (ours or Lightning's), as a device tensor
     (no synchronisation), or None when gradients are not scaled."""
     scaler = getattr(plugin, "scaler", None)
@@ -71,7 +71,7 @@ _DYNAMIC = {"rowwise": ("rowwise", True), "mxfp8": ("mxfp8", False)}
 DYNAMIC = "dynamic"  # the key segment of a figure taken at the dynamic scale: precision/underflow/e4m3fn/dynamic
 
 
-def _plugin_scaling(plugin: Any) -> Optional[tuple[str, bool]]:
+def _plugin_scaling(plugin: Any) -> tuple[str, bool] | None:
     """How the fp8 plugin scales what it casts to fp8, as ``(scaling, pow2)`` for ``dynamic_scale_stats``; None for a
     plugin that casts nothing to fp8."""
     family = getattr(plugin, "scaling_family", None)  # lightning_precision's FP8Precision
@@ -90,21 +90,16 @@ def _module_path(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
 
-class _Counts:
-    """Accumulated ``CastStats`` per key, flattened into one tensor so one all-reduce syncs them all."""
+_COUNT = "count/"  # the accumulator's per-window CastStats, one int64 [5] state per key ("count/param/fp16")
+# Row 0 parameter gradients, row 1 activation gradients: the global totals ("last": already summed across processes)
+# and this process's part since the last sync ("sum").
+_TOTALS = ("histogram/param", "histogram/activation")
+_PENDING = ("pending/param", "pending/activation")
 
-    def __init__(self) -> None:
-        self.stats: dict[str, CastStats] = {}
 
-    def add(self, key: str, stats: CastStats) -> None:
-        self.stats[key] = stats if key not in self.stats else self.stats[key] + stats
-
-    def reduced(self, reduce: Optional[Reduce]) -> dict[str, CastStats]:
-        if not self.stats or reduce is None:
-            return self.stats
-        keys = list(self.stats)
-        flat = reduce(torch.stack([torch.stack(self.stats[k]._fields()) for k in keys]))
-        return {k: CastStats(*row) for k, row in zip(keys, flat)}
+def _stacked(stats: CastStats) -> Tensor:
+    fields = [getattr(stats, f.name) for f in dataclasses.fields(stats)]
+    return torch.stack([f.to(fields[0].device) for f in fields])
 
 
 class _Probe:
@@ -114,10 +109,10 @@ class _Probe:
     one of which joins the monitor's histogram once the probe is judged."""
 
     def __init__(self, nonzero: dict[str, Tensor], histogram: Tensor, finite: Tensor,
-                 activation_histogram: Optional[Tensor] = None) -> None:
+                 activation_histogram: Tensor | None = None) -> None:
         self.nonzero, self.histogram, self.finite = nonzero, histogram, finite
         self.activation_histogram = activation_histogram
-        self.real_activations: Optional[Tensor] = None
+        self.real_activations: Tensor | None = None
 
 
 class _RunInBackward(torch.autograd.Function):
@@ -143,16 +138,13 @@ def _run_in_backward(fn: Callable[[], Any], device: torch.device, backward: Call
     return result[0]
 
 
-def _sum_across(trainer: pl.Trainer) -> Optional[Reduce]:
-    """The strategy's all-reduce sum, on its device (NCCL reduces only CUDA tensors; a histogram nothing was added
-    to since the last call is still on the CPU)."""
-    if trainer.world_size == 1:
-        return None
-    return lambda t: trainer.strategy.reduce(t.to(trainer.strategy.root_device), reduce_op="sum")
+def _across_processes(trainer: pl.Trainer) -> Reduce | None:
+    """The Trainer's ranks' sum (``all_reduce``); None on one process."""
+    return all_reduce if trainer.world_size > 1 else None
 
 
 def _check_fraction(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) <= 1:
         raise ValueError(f"`GradientUnderflowMonitor({name}={value!r})`: a fraction, in [0, 1], e.g. 0.01.")
 
 
@@ -169,8 +161,8 @@ class GradientUnderflowMonitor(Callback):
     so that its largest value lands on the format's max (per tensor, per row, or per block of 32 for MXFP8). Under an
     fp8 plugin (``fp8_scaling="auto"``, the Trainer's ``FP8Precision``) the fp8 formats (e4m3fn, e5m2) are therefore
     measured at that dynamic scale, each gradient tensor with its own, and keyed ``precision/underflow/<fmt>/dynamic``
-    (likewise ``overflow``, ``act_underflow``, the per-module keys); their unscaled figures, which no fp8 cast of the run
-    resembles, are not logged. Elsewhere (``fp8_scaling=None``, or any other plugin) they are unscaled: what a cast
+    (likewise ``overflow``, ``act_underflow``, the per-module keys); their unscaled figures, which no fp8 cast of the
+    run resembles, are not logged. Elsewhere (``fp8_scaling=None``, or any other plugin) they are unscaled: what a cast
     with no scale at all would flush. fp16 and bf16 figures are unscaled (or loss-scaled) as they always were.
 
     **What fp16 already flushed.** Under fp16 autocast the activation gradients are fp16, so a gradient that underflowed
@@ -209,19 +201,22 @@ class GradientUnderflowMonitor(Callback):
             ``plugin.scaling_family``.
     """
 
+    measure_every_n_steps: int | None  # set by `set_cadence`
+    log_every_n_steps: int | None
+
     def __init__(
         self,
-        formats: Union[str, torch.dtype, NumberFormat, Sequence[Union[str, torch.dtype, NumberFormat]]] = (
+        formats: str | torch.dtype | NumberFormat | Sequence[str | torch.dtype | NumberFormat] = (
             "fp16", "bf16", "e4m3fn", "e5m2"),
         activations: bool = False,
         top_k: int = 5,
-        measure_every_n_steps: Optional[int] = None,
-        log_every_n_steps: Optional[int] = None,
+        measure_every_n_steps: int | None = None,
+        log_every_n_steps: int | None = None,
         warn_threshold: float = 0.01,
         target_underflow: float = 1e-3,
-        plot_path: Optional[str] = None,
-        probe_factor: Optional[float] = 2.0**16,
-        fp8_scaling: Optional[str] = "auto",
+        plot_path: str | None = None,
+        probe_factor: float | None = 2.0**16,
+        fp8_scaling: str | None = "auto",
     ) -> None:
         owner = "GradientUnderflowMonitor"
         if isinstance(formats, (str, torch.dtype, NumberFormat)):
@@ -245,7 +240,7 @@ class GradientUnderflowMonitor(Callback):
                              f" None (unscaled), or a plugin's `scaling_family`: one of {FP8_SCALINGS}.")
         self.fp8_scaling = fp8_scaling
         # (scaling, pow2) the fp8 formats are measured at; None: unscaled. "auto" is resolved at the Trainer's setup.
-        self._dynamic: Optional[tuple[str, bool]] = None if fp8_scaling in (None, "auto") else \
+        self._dynamic: tuple[str, bool] | None = None if fp8_scaling in (None, "auto") else \
             _DYNAMIC.get(fp8_scaling, ("tensorwise", False))
         self.activations = activations
         self.top_k = top_k
@@ -253,46 +248,60 @@ class GradientUnderflowMonitor(Callback):
         self.target_underflow = target_underflow
         self.plot_path = plot_path
         self.probe_factor = probe_factor
-        # Totals, summed across processes at each `compute(reduce)`; `_pending` holds this process's part since then
-        # (row 0 parameter gradients, row 1 activation gradients).
-        self._totals = torch.zeros(2, HIST_MAX - HIST_MIN, dtype=torch.int64)
-        self._pending = torch.zeros(2, HIST_MAX - HIST_MIN, dtype=torch.int64)
-        self._counts = _Counts()
+        # Histograms: totals summed across processes at each `compute(reduce)`, and this process's part since then;
+        # the window's counts join as "count/<key>" states when first measured.
+        self.state = Accumulator()
+        for totals, pending in zip(_TOTALS, _PENDING, strict=True):
+            self.state.add_state(totals, torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64), "last")
+            self.state.add_state(pending, torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64), "sum")
         self._capturing = False
         self._hooks: list[Any] = []
         self._warned = False
-        self._act_scale: Optional[Tensor] = None
-        self._probe: Optional[_Probe] = None
+        self._act_scale: Tensor | None = None
+        self._probe: _Probe | None = None
         # While the probe's backward runs: its effective scale, and the activation gradients its hooks saw.
-        self._probe_scale: Optional[Tensor] = None
-        self._probe_activations: Optional[Tensor] = None
+        self._probe_scale: Tensor | None = None
+        self._probe_activations: Tensor | None = None
         self._probe_due = False
         self._failed: set[str] = set()
 
     @property
     def histogram(self) -> Tensor:
         """Counts of log2|g| of parameter gradients (unscaled), one bin per power of two from ``HIST_MIN``."""
-        return self._totals[0] + self._pending[0].to(self._totals.device)
+        return self._histogram(0)
 
     @property
     def activation_histogram(self) -> Tensor:
         """The same for activation gradients (``activations=True``)."""
-        return self._totals[1] + self._pending[1].to(self._totals.device)
+        return self._histogram(1)
 
-    # Never in place on the histograms: under `ddp_spawn` the callback reaches every rank pickled by
-    # torch.multiprocessing, whose tensors then share memory across the ranks (and the all-reduce writes in place).
+    def _histogram(self, row: int) -> Tensor:
+        totals = self.state[_TOTALS[row]]
+        return totals + self.state[_PENDING[row]].to(totals.device)
 
     def _add_histogram(self, row: int, hist: Tensor) -> None:
-        pending = self._pending.to(hist.device, copy=True)
-        pending[row] += hist
-        self._pending = pending
+        self.state.update(_PENDING[row], hist)
 
-    def _commit_histograms(self, reduce: Optional[Reduce]) -> None:
-        """Add this process's histograms since the last call to the totals, summed across processes by ``reduce``
-        (the same all-reduce every process runs in ``compute``), so every process holds the same global histogram."""
-        pending = self._pending if reduce is None else reduce(self._pending.clone())
-        self._totals = self._totals.to(pending.device) + pending
-        self._pending = torch.zeros_like(self._pending)
+    def _count(self, key: str, stats: CastStats) -> None:
+        name = _COUNT + key
+        if name not in self.state:
+            self.state.add_state(name, torch.zeros(5, dtype=torch.int64), "sum")
+        self.state.update(name, _stacked(stats))
+
+    def _sync(self, reduce: Reduce | None, counts: bool) -> dict[str, CastStats]:
+        """One sync: the window's counts (``counts``) and this process's histograms since the last sync, summed across
+        processes by ``reduce`` in one call; the histograms join the totals, so every process holds the same global
+        histogram. Returns the counts per key, and forgets them."""
+        names = [*(self.state.names(_COUNT) if counts else []), *_PENDING]
+        synced = self.state.sync(as_reduce_op(reduce), names)
+        for totals, pending in zip(_TOTALS, _PENDING, strict=True):
+            self.state.set(totals, self.state[totals].to(synced[pending].device) + synced[pending])
+        self.state.reset(*_PENDING)
+        if not counts:
+            return {}
+        stats = {name[len(_COUNT):]: CastStats(*synced[name].unbind()) for name in names if name.startswith(_COUNT)}
+        self.state.remove_state(*self.state.names(_COUNT))
+        return stats
 
     # ---- the part Fabric and plain PyTorch use directly -------------------------------------------------------------
 
@@ -300,8 +309,8 @@ class GradientUnderflowMonitor(Callback):
         self,
         loss: Tensor,
         named_params: Iterable[tuple[str, Tensor]],
-        loss_scale: Union[Tensor, float],
-        backward: Optional[Callable[[Tensor], None]] = None,
+        loss_scale: Tensor | float,
+        backward: Callable[[Tensor], None] | None = None,
     ) -> None:
         """Before the real backward of an fp16 step, with ``loss`` unscaled and still holding its graph: run the probe
         backward (see the class docstring); the next ``measure_gradients`` compares it with the real gradients.
@@ -324,7 +333,7 @@ class GradientUnderflowMonitor(Callback):
             grads = probe() if backward is None else _run_in_backward(probe, loss.device, backward)
         finally:
             probe_activations, self._probe_scale, self._probe_activations = self._probe_activations, None, None
-        present = {n: g for n, g in zip(params, grads) if g is not None}
+        present = {n: g for n, g in zip(params, grads, strict=True) if g is not None}
         if params and not present:
             # FSDP2 computes gradients of its unsharded copies, not of the (sharded) parameters the module lists, and
             # reduces them into `.grad` in its own hooks: a probe w.r.t. the parameters sees nothing there.
@@ -345,7 +354,7 @@ class GradientUnderflowMonitor(Callback):
             self._add_histogram(1, self._probe.real_activations)
             self._probe.real_activations = None
 
-    def measure_gradients(self, named_grads: Mapping[str, Tensor], loss_scale: Union[Tensor, float, None] = None,
+    def measure_gradients(self, named_grads: Mapping[str, Tensor | None], loss_scale: Tensor | float | None = None,
                           histogram: bool = True) -> None:
         """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question,
         and a probe run before this step's backward (``probe_backward``) adds what fp16 already flushed.
@@ -374,18 +383,18 @@ class GradientUnderflowMonitor(Callback):
                 n = torch.zeros((), dtype=torch.int64, device=flushed.device) + probed.numel()
                 compared = n if compared is None else compared + n
             for fmt, stats in per_format.items():
-                self._counts.add(f"param/{fmt}", stats)
+                self._count(f"param/{fmt}", stats)
             if self.top_k:
-                self._counts.add(f"layer/{_module_path(name)}", per_format[self._label(self.formats[0])])
+                self._count(f"layer/{_module_path(name)}", per_format[self._label(self.formats[0])])
             if scaled is not None:
-                self._counts.add("param_scaled/fp16", scaled)
+                self._count("param_scaled/fp16", scaled)
             hist = h if hist is None else hist + h
         if lost is not None and compared is not None and probe is not None:
             # A probe that overflowed says nothing: it adds neither losses nor elements (decided on the device), and
             # its overflow is remembered so that the next probe is smaller.
             zero = torch.zeros_like(lost)
             lost, compared = torch.where(probe.finite, lost, zero), torch.where(probe.finite, compared, zero)
-            self._counts.add("lost/fp16", CastStats(numel=compared, exact_zero=zero, underflow=lost, overflow=zero,
+            self._count("lost/fp16", CastStats(numel=compared, exact_zero=zero, underflow=lost, overflow=zero,
                                                     nonfinite=(~probe.finite).to(torch.int64)))
             hist = torch.where(probe.finite, probe.histogram.to(hist.device), hist) if hist is not None else hist
         if hist is not None and histogram:
@@ -427,7 +436,7 @@ class GradientUnderflowMonitor(Callback):
 
     def attach(self, module: nn.Module) -> None:
         """Hook every leaf module's output so its gradient is measured while ``capturing(True)``."""
-        for name, sub in module.named_modules():
+        for sub in module.modules():
             if next(sub.children(), None) is None:
                 self._hooks.append(sub.register_forward_hook(self._forward_hook))
 
@@ -436,20 +445,18 @@ class GradientUnderflowMonitor(Callback):
             handle.remove()
         self._hooks.clear()
 
-    def capturing(self, on: bool, loss_scale: Union[Tensor, float, None] = None) -> None:
+    def capturing(self, on: bool, loss_scale: Tensor | float | None = None) -> None:
         """Measure activation gradients of the coming backward passes (``loss_scale``: the scale they carry)."""
         self._capturing = on
         self._act_scale = torch.as_tensor(loss_scale) if loss_scale is not None else None
 
-    def compute(self, reduce: Optional[Reduce] = None) -> dict[str, Tensor]:
+    def compute(self, reduce: Reduce | None = None) -> dict[str, Tensor]:
         """The metrics accumulated since the last call, as 0-d tensors; resets the counts (not the histograms).
 
         ``reduce`` sums a tensor across processes (``fabric.all_reduce(t, reduce_op="sum")``); the Trainer glue passes
         the strategy's.
         """
-        stats = self._counts.reduced(reduce)
-        self._counts = _Counts()
-        self._commit_histograms(reduce)
+        stats = self._sync(reduce, counts=True)
         lost = stats.get("lost/fp16")
         overflowed = lost is not None and int(lost.nonfinite) > 0  # read here, on a logging step
         if lost is not None and int(lost.numel) == 0:
@@ -518,7 +525,7 @@ class GradientUnderflowMonitor(Callback):
             self._skip("activation gradients", err)
             return
         for fmt, stats in per_format.items():
-            self._counts.add(f"{kind}/{fmt}", stats)
+            self._count(f"{kind}/{fmt}", stats)
         probe = self._probe
         if probe is not None and probe.activation_histogram is not None:  # judged with the probe, at measure time
             probe.real_activations = hist if probe.real_activations is None else probe.real_activations + hist
@@ -542,7 +549,8 @@ class GradientUnderflowMonitor(Callback):
         self._probe = None
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         measure = on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps)
         self._probe_due = measure and self.probe_factor is not None and _fp16_backward(trainer.precision_plugin)
         if self.activations:
@@ -555,6 +563,8 @@ class GradientUnderflowMonitor(Callback):
         self._probe_due = False  # the first micro-batch of the step
         plugin = trainer.precision_plugin
         scale = _loss_scale_of(plugin)
+        if scale is None:  # not an fp16 backward after all (`_probe_due` says it is)
+            return
         real_loss = loss / scale if _hooks_see_scaled_loss(plugin) else loss
         try:
             self.probe_backward(real_loss, pl_module.named_parameters(), scale)
@@ -574,7 +584,7 @@ class GradientUnderflowMonitor(Callback):
                                    histogram=trainer.is_global_zero or is_sharded(pl_module))
         if not on_cadence(trainer, self.log_every_n_steps):
             return
-        metrics = self.compute(_sum_across(trainer))
+        metrics = self.compute(_across_processes(trainer))
         if not metrics:
             return
         for name, value in metrics.items():
@@ -593,8 +603,8 @@ class GradientUnderflowMonitor(Callback):
         current = _loss_scale_of(trainer.precision_plugin)
         at = f"at loss scale {float(current):g}" if current is not None else "without loss scaling"
         if not ScalerConfig.min_scale <= scale <= ScalerConfig.max_scale:
-            advice = (f"No loss scale within [{ScalerConfig.min_scale:g}, {ScalerConfig.max_scale:g}] keeps them without"
-                      f" overflow (it would take {scale:g}): train in bf16 (BF16MixedPrecision).")
+            advice = (f"No loss scale within [{ScalerConfig.min_scale:g}, {ScalerConfig.max_scale:g}] keeps them"
+                      f" without overflow (it would take {scale:g}): train in bf16 (BF16MixedPrecision).")
         else:
             advice = (f"A loss scale of {scale:g} would leave {under:.3%}: `FP16MixedPrecision(init_scale={scale:g})`,"
                       " or train in bf16.")
@@ -603,7 +613,7 @@ class GradientUnderflowMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Every rank is here: sum what was measured since the last logging step, so the plot and the state are global.
-        self._commit_histograms(_sum_across(trainer))
+        self._sync(_across_processes(trainer), counts=False)
         if self.plot_path is not None and trainer.is_global_zero:
             self.save_plot(self.plot_path)
 
@@ -618,7 +628,8 @@ class GradientUnderflowMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._totals = torch.stack([state_dict["histogram"], state_dict["activation_histogram"]]).to(torch.int64)
-        self._pending = torch.zeros_like(self._totals)
+        for totals, key in zip(_TOTALS, ("histogram", "activation_histogram"), strict=True):
+            self.state.set(totals, state_dict[key].to(torch.int64))
+        self.state.reset(*_PENDING)
         self._warned = state_dict["warned"]
         self.probe_factor = state_dict.get("probe_factor", self.probe_factor)

@@ -20,7 +20,8 @@ from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.plan import FP8, HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
-from lightning_precision.sensitivity import SensitivityProbe, _sum_across_processes
+from lightning_precision._accumulator import all_reduce
+from lightning_precision.sensitivity import SensitivityProbe
 from lightning_precision._warnings import NoEffectWarning, deprecated, warn
 
 __all__ = ["FP8Precision", "NVFP4Precision"]
@@ -386,7 +387,7 @@ class FP8Precision(ScaledPrecision):
         assert calibration is not None
         probe = calibration.probe
         probe.close()
-        sensitivity = probe.result(_sum_across_processes)  # every rank at the same step: the sums are all-reduced
+        sensitivity = probe.result(all_reduce)  # every rank at the same step: the sums are all-reduced
         owner = f"{type(self).__name__}(layers='auto')"
         # Batches of skipped steps were measured again: non-finite, they are the loss scale's overflows (at most one
         # per process each), not the data's.
