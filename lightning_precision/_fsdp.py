@@ -1,19 +1,11 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``), as the plugins meet it: is a model sharded, with which policy.
 
-Public torch is used where it exists (``FSDPModule``, ``MixedPrecisionPolicy``, ``set_custom_all_gather``). Two private
-torch names are unavoidable and live here alone, each checked by ``tests/test_fsdp_private.py`` against the installed
-torch so that an upstream change fails loudly there:
-
-- ``FSDPModule._get_fsdp_state()._mp_policy``: torch has no getter for the policy a module was sharded with, and the
-  plugins must tell a model that all-gathers in fp32 from one that all-gathers in the compute dtype before the first
-  step, not after it.
-- ``_fsdp_collectives.DefaultAllGather``: gloo has no float8 dtype, so fp8 all-gathers (torchao's) on CPU go through
-  the default all-gather with the bytes viewed as uint8 (NCCL needs nothing of this).
-
-``Float8ScalePrecompute`` reads what torchao's own ``precompute_float8_dynamic_scale_for_fsdp`` reads and writes: a
-DTensor's ``_local_tensor`` and torchao's ``WeightWithDynamicFloat8CastTensor._precomputed_scale`` (pinned by the same
-test), plus ``Tensor._version``, autograd's in-place counter. torch and torchao offer no public way
-to ask whether a precomputed scale still fits its weight.
+Public torch is used where it exists (``FSDPModule``, ``MixedPrecisionPolicy``, ``set_custom_all_gather``); the private
+names it needs (the policy a module was sharded with, the default all-gather, a DTensor's own local tensor, autograd's
+version counter) are in ``_upstream/torch.py`` with their canary. ``Float8ScalePrecompute`` also reads and writes
+torchao's ``WeightWithDynamicFloat8CastTensor._precomputed_scale``, where torchao's own
+``precompute_float8_dynamic_scale_for_fsdp`` writes it: torch and torchao offer no public way to ask whether a
+precomputed scale still fits its weight.
 """
 
 from __future__ import annotations
@@ -25,6 +17,12 @@ import torch
 from torch import nn
 
 from lightning_precision import _imports
+from lightning_precision._upstream.torch import (
+    byte_all_gather_base,
+    dtensor_local_tensor,
+    fsdp_mp_policy,
+    version_counter,
+)
 
 __all__ = [
     "Float8ScalePrecompute",
@@ -51,8 +49,7 @@ def is_sharded(module: nn.Module) -> bool:
 
 def mp_policy_of(fsdp_module: nn.Module) -> Optional[Any]:
     """The ``MixedPrecisionPolicy`` a module was sharded with; None if torch no longer keeps it where we read it."""
-    state = fsdp_module._get_fsdp_state()  # private: see the module docstring
-    return getattr(state, "_mp_policy", None)
+    return fsdp_mp_policy(fsdp_module)
 
 
 def own_floating_dtypes(fsdp_module: nn.Module) -> set[torch.dtype]:
@@ -92,9 +89,7 @@ def custom_all_gather_supported() -> bool:
 
 def byte_all_gather() -> Any:
     """An FSDP2 all-gather that moves 1-byte dtypes (float8) as uint8, for process groups without float8 (gloo)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather  # private: see above
-
-    class _ByteAllGather(DefaultAllGather):
+    class _ByteAllGather(byte_all_gather_base()):  # type: ignore[misc]
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:
             if output_tensor.element_size() == 1 and output_tensor.dtype != torch.uint8:
@@ -189,22 +184,22 @@ class Float8ScalePrecompute:
         from torch.distributed.tensor import DTensor
 
         return [m.weight for m in self._layers
-                if isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, self._weight_type)]
+                if isinstance(m.weight, DTensor) and isinstance(dtensor_local_tensor(m.weight), self._weight_type)]
 
     def after_optimizer_step(self) -> None:
         weights = self._weights()
         if weights:
             self._precompute(self._module)
             # The parameter's own counter: in-place updates reach the local tensors below autograd, uncounted there.
-            self._versions = [w._version for w in weights]
+            self._versions = [version_counter(w) for w in weights]
 
     def before_forward(self) -> None:
         if not self._versions:
             return
         weights = self._weights()
-        if self._versions != [w._version for w in weights]:
+        if self._versions != [version_counter(w) for w in weights]:
             # The scale lives on the weight's own local tensor (``to_local()`` returns a view), where torchao's
             # precompute puts it.
             for w in weights:
-                w._local_tensor._precomputed_scale = None
+                dtensor_local_tensor(w)._precomputed_scale = None
             self._versions = []

@@ -9,6 +9,7 @@ import math
 import re
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -23,7 +24,7 @@ from lightning_precision import ScalerConfig, XPUPrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
 from lightning_precision._accelerators.xpu import parse_xpu_devices
-from lightning_precision.fabric.xpu import check_fp64
+from lightning_precision.fabric._devices import check_fp64
 from tests.helpers import LitNet, loader, make_data, params, trainer
 
 
@@ -272,6 +273,10 @@ def test_the_guard_on_an_xpu_without_fp64_stands_aside_and_says_so(monkeypatch):
     monkeypatch.setattr(torch.xpu, "get_device_properties",
                         lambda *a: types.SimpleNamespace(name="Intel Arc A770", has_fp64=False))
     plugin = lp_fabric.XPUPrecision(skip_nonfinite=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plugin.device_type == "xpu"  # a property read asks no hardware
+    assert plugin.skip_nonfinite
     with pytest.warns(lightning_precision.NoEffectWarning, match=r"'Intel Arc A770' has no fp64.*not skipped"):
-        assert plugin.device_type == "xpu"
+        plugin.resolve_device()  # the explicit step (Fabric's first forward, the Trainer's connect)
     assert (plugin.skip_nonfinite, plugin.metrics()) == (False, {})

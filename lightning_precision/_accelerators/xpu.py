@@ -18,11 +18,11 @@ import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
-from lightning.pytorch.accelerators import Accelerator as TrainerAccelerator
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-__all__ = ["XPU_BACKEND", "TrainerXPUAccelerator", "XPUAccelerator", "describe_missing_xpu", "parse_xpu_devices",
+from lightning_precision._upstream.torch import xpu_is_compiled
+
+__all__ = ["XPU_BACKEND", "XPUAccelerator", "describe_missing_xpu", "parse_xpu_devices", "strategy_fix",
            "xpu_available", "xpu_device_count"]
 
 XPU_BACKEND = "xccl"
@@ -40,7 +40,7 @@ def describe_missing_xpu() -> str:
     """What was found instead of an XPU, for the error."""
     if not hasattr(torch, "xpu"):
         why = f"torch {torch.__version__} has no torch.xpu (torch >= 2.5 with XPU support is needed)"
-    elif not torch.xpu._is_compiled():
+    elif not xpu_is_compiled():
         why = f"torch {torch.__version__} was built without XPU support (install PyTorch's XPU build)"
     else:
         why = "torch.xpu.device_count() is 0 (no Intel GPU visible: check the driver and ZE_AFFINITY_MASK)"
@@ -67,10 +67,10 @@ def parse_xpu_devices(devices: Union[int, str, list[int]]) -> list[int]:
     return list(devices)
 
 
-def _fix(cls: type) -> str:
-    trainer = issubclass(cls, TrainerAccelerator)
-    return (f"`{'L.Trainer' if trainer else 'L.Fabric'}(strategy={cls.__name__}.strategy(devices=...))`, from"
-            " `lightning_precision._accelerators`")
+def strategy_fix(cls: Any) -> str:
+    """The call that picks the right strategy, for the errors of ``cls`` (Fabric's accelerator or the Trainer's)."""
+    return (f"`{cls.entry_point}(strategy={cls.__name__}.strategy(devices=...))`, from"
+            " `lightning_precision`")
 
 
 class XPUAccelerator(FabricAccelerator):
@@ -83,6 +83,7 @@ class XPUAccelerator(FabricAccelerator):
 
     _single_strategy: Any = FabricSingleDeviceStrategy
     _ddp_strategy: Any = FabricDDPStrategy
+    entry_point = "L.Fabric"  # named in the errors' fix
 
     def __init__(self) -> None:
         if not xpu_available():
@@ -105,7 +106,7 @@ class XPUAccelerator(FabricAccelerator):
         if device.type != "xpu":
             raise ValueError(
                 f"{type(self).__name__} was given the strategy's device {device}: Lightning picks a CPU strategy for"
-                f" accelerators it does not know. Pass the XPU strategy: {_fix(type(self))}."
+                f" accelerators it does not know. Pass the XPU strategy: {strategy_fix(type(self))}."
             )
         torch.xpu.set_device(device)
 
@@ -144,28 +145,3 @@ class XPUAccelerator(FabricAccelerator):
         # Never replace a registration: an "xpu" Lightning (or another package) registered first is left in place.
         if "xpu" not in accelerator_registry:
             accelerator_registry.register("xpu", cls, description=cls.__name__)
-
-
-class TrainerXPUAccelerator(TrainerAccelerator, XPUAccelerator):
-    """Intel XPU accelerator for the Trainer: ``Trainer(strategy=TrainerXPUAccelerator.strategy(devices=4))``; device
-    stats from ``torch.xpu.memory_stats``."""
-
-    _single_strategy = SingleDeviceStrategy
-    _ddp_strategy = DDPStrategy
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        # Fabric has no such hook; the Trainer's stops DDP over gloo here, before the first step.
-        # Only Lightning's own choice is stopped: gloo, or None (resolved to gloo for a device it does not know). An
-        # explicit backend is the user's (oneCCL's "ccl" from the IPEX workflow reduces XPU tensors too).
-        strategy = trainer.strategy
-        if hasattr(strategy, "process_group_backend") and strategy.process_group_backend in (None, "gloo"):
-            backend = "gloo"
-            raise ValueError(
-                f"`{type(strategy).__name__}` reduces over {backend!r}, which cannot reduce XPU tensors. Pass the XPU"
-                f" strategy: {_fix(type(self))} (DDP over {XPU_BACKEND!r})."
-            )
-
-    @override
-    def get_device_stats(self, device: Any) -> dict[str, Any]:
-        return dict(torch.xpu.memory_stats(device)) if xpu_available() else {}

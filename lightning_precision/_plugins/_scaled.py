@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_precision._lightning import optimizer_handles_unscaling, should_update_logs
+from lightning_precision._upstream.lightning import optimizer_handles_unscaling, should_update_logs
 from lightning_precision.fabric._scaled import check_optimizer, closure_driven
 from lightning_precision._plugins._schedulers import hold_step_schedulers
 from lightning_precision._plugins._trainer import LIGHTNING_AMP_KEY, TrainerHooks

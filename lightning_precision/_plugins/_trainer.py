@@ -1,4 +1,5 @@
-"""What every Trainer plugin adds to its Fabric class: device resolution at ``connect`` and checkpoint compatibility."""
+"""What every Trainer plugin adds to its Fabric class: device resolution at ``connect``, the Trainer's ThroughputMonitor
+taught the plugin's compute dtype, and checkpoint compatibility."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_precision._upstream.lightning import TRAINER_THROUGHPUT_MODULE, install_throughput_dtype
+from lightning_precision.fabric._autocast import AutocastPrecision
 
 __all__ = ["LIGHTNING_AMP_KEY", "TrainerHooks"]
 
@@ -26,10 +30,15 @@ class TrainerHooks(TrainerPrecision):
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
-        # Strategies call this after moving the model: the first moment its device is known.
+        # Strategies call this after moving the model: the first moment its device is known, and the one step that
+        # resolves it (hardware checks, FSDP2's checks).
         self._module_ref = weakref.ref(model)
-        _ = self.device_type  # type: ignore[attr-defined]
+        self.resolve_device()  # type: ignore[attr-defined]
         return super().connect(model, optimizers, lr_schedulers)
+
+    def _install_throughput_dtype(self) -> None:
+        super()._install_throughput_dtype()  # type: ignore[misc]
+        install_throughput_dtype(TRAINER_THROUGHPUT_MODULE, AutocastPrecision)
 
     @override
     def backward(  # type: ignore[override]

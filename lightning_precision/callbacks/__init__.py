@@ -1,6 +1,6 @@
 """Callbacks; each is a thin layer over a pure function in ``lightning_precision.functional`` or beside it."""
 
-import lightning_precision._accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
+import lightning_precision._accelerators.trainer  # noqa: F401  (registers accelerator="xpu" where the name is free)
 from lightning_precision.callbacks.amax import AmaxHistoryLogger
 from lightning_precision.callbacks.channels_last import ChannelsLast, apply_channels_last, to_channels_last
 from lightning_precision.callbacks.guard import FP8Guard, GuardEvent

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision._fsdp import is_sharded, local_shard
-from lightning_precision._lightning import unwrapped_name
+from lightning_precision._upstream.lightning import unwrapped_name
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.fabric._scaler import ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format

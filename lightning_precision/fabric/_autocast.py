@@ -21,7 +21,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision import _fsdp
-from lightning_precision._lightning import convert_fp_tensor, install_throughput_dtype
+from lightning_precision._upstream.lightning import FABRIC_THROUGHPUT_MODULE, convert_fp_tensor, install_throughput_dtype
 
 __all__ = ["MatmulPrecision", "AutocastPrecision"]
 
@@ -70,8 +70,10 @@ def _validate_matmul_precision(owner: str, matmul_precision: Optional[str]) -> N
 class AutocastPrecision(FabricPrecision):
     """Fabric base of every autocast plugin: ``torch.autocast(device_type, dtype)`` with both always explicit.
 
-    Subclasses set ``precision`` and pass ``compute_dtype``; the device type is resolved once, from the model, the first
-    time it is needed after the model has been moved (Fabric and the Trainer both move it after ``convert_module``).
+    Subclasses set ``precision`` and pass ``compute_dtype``. The device type is resolved once, from the model, in one
+    explicit step (``resolve_device``) after the model has been moved (Fabric and the Trainer both move it after
+    ``convert_module``): the Trainer at ``connect``, Fabric at the first forward. That step runs the hardware checks and,
+    for a sharded model, FSDP2's checks (one collective); no property read runs either.
     """
 
     def __init__(
@@ -92,7 +94,12 @@ class AutocastPrecision(FabricPrecision):
         self._device_type: Optional[str] = None
         self._checked_device: Optional[str] = None
         self._module_ref: Optional[weakref.ref] = None
-        install_throughput_dtype()
+        self._install_throughput_dtype()
+
+    def _install_throughput_dtype(self) -> None:
+        """Teach Lightning's ThroughputMonitor this plugin's ``peak_flops_dtype`` (the Trainer classes add the Trainer's
+        monitor)."""
+        install_throughput_dtype(FABRIC_THROUGHPUT_MODULE, AutocastPrecision)
 
     @property
     def peak_flops_dtype(self) -> torch.dtype:
@@ -131,32 +138,49 @@ class AutocastPrecision(FabricPrecision):
 
     @property
     def device_type(self) -> str:
-        """The device type autocast runs for: where the model lives (the explicit ``device`` must be one of those
-        places); before a model with real tensors is known, the explicit ``device``, else cpu (not remembered)."""
-        if self._device_type is None:
-            module = self._module_ref() if self._module_ref is not None else None
-            found = _module_device_types(module)
-            if not found:
-                # Nothing to look at yet (no model set up, a model without tensors, or one on meta): do not remember.
-                if self.device is not None and self._checked_device != self.device:
-                    self._on_device_resolved(self.device)  # an explicit device is checked right away
-                    self._checked_device = self.device
-                return self.device or ("meta" if module is not None and next(module.parameters(), None) is not None
-                                       else "cpu")
-            if self.device is not None and self.device not in found:
-                raise ValueError(
-                    f"`{type(self).__name__}(device={self.device!r})` autocasts for {self.device!r}, but the model lives"
-                    f" on {' and '.join(map(repr, found))}: autocast would not touch its operations, and it would train"
-                    f" in fp32 while reporting precision={self.precision!r}. Move the model to {self.device!r} (the"
-                    f" Trainer's or Fabric's `accelerator`), or pass the device it lives on."
-                )
-            # Several device types (layers offloaded to the CPU): autocast for the accelerator.
-            resolved = self.device or next((t for t in found if t != "cpu"), found[0])
-            self._on_device_resolved(resolved)  # may raise (unsupported hardware): then nothing is remembered
-            if _fsdp.is_sharded(module):  # sharded by now: the Trainer resolves at `connect`, Fabric at first forward
-                self._on_sharded(module)  # may raise too (a gloo that sums): asked again at the next use
-            self._device_type = resolved
-        return self._device_type
+        """The device type autocast runs for, as resolved (see ``resolve_device``); before that, where the model lives
+        (the explicit ``device`` if given, cpu without a model), unchecked and not remembered. Reads no hardware."""
+        if self._device_type is not None:
+            return self._device_type
+        module = self._module_ref() if self._module_ref is not None else None
+        found = _module_device_types(module)
+        if self.device is not None:
+            return self.device
+        if found:
+            return next((t for t in found if t != "cpu"), found[0])
+        return "meta" if module is not None and next(module.parameters(), None) is not None else "cpu"
+
+    def resolve_device(self) -> str:
+        """Resolve the autocast device from where the model lives, once, and check it: the explicit ``device`` must be
+        one of those places, the hardware must support the plugin (``_on_device_resolved``), and a model FSDP2 has
+        sharded passes ``_on_sharded`` (one collective). Called by the Trainer at ``connect`` and by Fabric's first
+        forward (or backward); a check that raises leaves nothing remembered, so it is asked again at the next use.
+        Before a model with real tensors is known, the explicit ``device`` is checked (once) and nothing is
+        remembered."""
+        if self._device_type is not None:
+            return self._device_type
+        module = self._module_ref() if self._module_ref is not None else None
+        found = _module_device_types(module)
+        if not found:
+            # Nothing to look at yet (no model set up, a model without tensors, or one on meta): do not remember.
+            if self.device is not None and self._checked_device != self.device:
+                self._on_device_resolved(self.device)  # an explicit device is checked right away
+                self._checked_device = self.device
+            return self.device_type
+        if self.device is not None and self.device not in found:
+            raise ValueError(
+                f"`{type(self).__name__}(device={self.device!r})` autocasts for {self.device!r}, but the model lives"
+                f" on {' and '.join(map(repr, found))}: autocast would not touch its operations, and it would train"
+                f" in fp32 while reporting precision={self.precision!r}. Move the model to {self.device!r} (the"
+                f" Trainer's or Fabric's `accelerator`), or pass the device it lives on."
+            )
+        # Several device types (layers offloaded to the CPU): autocast for the accelerator.
+        resolved = self.device or next((t for t in found if t != "cpu"), found[0])
+        self._on_device_resolved(resolved)  # may raise (unsupported hardware): then nothing is remembered
+        if module is not None and _fsdp.is_sharded(module):  # sharded by now: the Trainer resolves at `connect`
+            self._on_sharded(module)  # may raise too (a gloo that sums): asked again at the next use
+        self._device_type = resolved
+        return resolved
 
     def _on_device_resolved(self, device_type: str) -> None:
         """Hook for subclasses that hold device-bound state (the fp16 scaler) or must check the hardware."""
@@ -190,6 +214,7 @@ class AutocastPrecision(FabricPrecision):
     @contextmanager
     def _backward_scope(self) -> Generator[None, None, None]:
         """Around every backward pass, Trainer and Fabric alike."""
+        self.resolve_device()  # a backward without a forward through the plugin (Fabric): resolved here
         with self._matmul_precision_scope():
             yield
         self._after_backward()
@@ -201,7 +226,7 @@ class AutocastPrecision(FabricPrecision):
         # No weight cache: before pytorch#165068 (torch < 2.10 or so), a `no_grad` forward inside the autocast region
         # cached casts without grad history, and the next forward's backward failed (Lightning #20644). Lightning makes
         # the same choice; the cache only saves re-casting weights used twice in one forward.
-        return torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False)
+        return torch.autocast(self.resolve_device(), dtype=self.compute_dtype, cache_enabled=False)
 
     @override
     @contextmanager

@@ -19,7 +19,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_precision._lightning import optimizer_handles_unscaling
+from lightning_precision._upstream.lightning import optimizer_handles_unscaling
 from lightning_precision.fabric._autocast import MatmulPrecision, AutocastPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, NonFiniteGuard, TrackingGradScaler
 

@@ -14,11 +14,10 @@ Three holes of torch's scaler are closed here:
   them, and the host-side answer torch already computed for ordinary optimizers is kept, so that "was this step
   skipped?" is free there.
 
-It reads torch's ``_per_optimizer_states``, ``_scale`` and ``_init_scale`` (stable since torch 1.6) and overrides no
-private method; whether a step ran is seen through the optimizer's public step post-hook. The non-finite guard (the
-scaler of plugins without loss scaling) records its check where ``unscale_`` does, with torch's own kernel
-(``torch._amp_foreach_non_finite_check_and_unscale_``, the op ``unscale_`` calls). The tests of this module fail if torch
-changes them.
+It uses its base's own state (``_per_optimizer_states``, ``_scale``, ...) and torch's check-and-unscale kernel, all
+listed in ``_upstream/torch.py`` with their canary, and overrides no private method; whether a step ran is seen through
+the optimizer's public step post-hook. The non-finite guard (the scaler of plugins without loss scaling) records its
+check where ``unscale_`` does, with torch's own kernel.
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
-from lightning_precision._lightning import optimizer_handles_unscaling
+from lightning_precision._upstream.lightning import optimizer_handles_unscaling
+from lightning_precision._upstream.torch import grad_scaler_scale, non_finite_check_and_unscale_, sparse_values
 from lightning_precision._warnings import warn
 
 __all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "NonFiniteGuard", "TrackingGradScaler", "resolve_scaler_config", "scale_of"]
@@ -414,7 +414,7 @@ class NonFiniteGuard(TrackingGradScaler):
                 if grad is None:
                     continue
                 if grad.is_sparse:
-                    grad = grad._values()
+                    grad = sparse_values(grad)
                 elif grad.is_complex():
                     grad = torch.view_as_real(grad)
                 groups.setdefault((grad.device, grad.dtype), []).append(grad)
@@ -422,7 +422,7 @@ class NonFiniteGuard(TrackingGradScaler):
         for (device, _), grads in groups.items():
             if device not in found_per_device:
                 found_per_device[device] = torch.zeros((), device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
+            non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
         state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED
 
@@ -542,7 +542,5 @@ class _CheckedState:
 
 def scale_of(scaler: torch.amp.GradScaler) -> torch.Tensor:
     """The current scale of any ``GradScaler`` (ours or Lightning's) as a tensor on its device, without synchronising:
-    torch's public ``get_scale()`` reads the host, so this reads ``_scale`` (``_init_scale`` before the first step)."""
-    if scaler._scale is None:
-        return torch.tensor(float(scaler._init_scale))
-    return scaler._scale.detach().clone()
+    torch's public ``get_scale()`` reads the host."""
+    return grad_scaler_scale(scaler)

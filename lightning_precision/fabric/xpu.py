@@ -13,23 +13,14 @@ from typing_extensions import override
 
 from lightning_precision import _imports
 from lightning_precision.fabric._autocast import MatmulPrecision
+from lightning_precision.fabric._devices import check_fp64
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision._warnings import NoEffectWarning, deprecated, warn
 
-__all__ = ["XPUPrecision", "check_fp64"]
+__all__ = ["XPUPrecision"]
 
 _DTYPES = {"bf16": (torch.bfloat16, "bf16-mixed"), "fp16": (torch.float16, "16-mixed")}
-
-
-def check_fp64(props: Any) -> None:
-    """GradScaler keeps its inf checks in fp64; XPUs without fp64 (Arc A-series) cannot run it."""
-    if not getattr(props, "has_fp64", True):
-        raise RuntimeError(
-            f"`XPUPrecision(dtype='fp16')` needs a loss scaler, and torch's GradScaler needs fp64, which"
-            f" {getattr(props, 'name', 'this XPU')!r} does not have. Use `XPUPrecision(dtype='bf16')`: bf16 needs no"
-            " scaler."
-        )
 
 
 class XPUPrecision(ScaledPrecision):
