@@ -11,7 +11,7 @@ precomputed scale still fits its weight.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ def is_sharded(module: nn.Module) -> bool:
     return bool(fsdp_modules(module))
 
 
-def mp_policy_of(fsdp_module: nn.Module) -> Optional[Any]:
+def mp_policy_of(fsdp_module: nn.Module) -> Any | None:
     """The ``MixedPrecisionPolicy`` a module was sharded with; None if torch no longer keeps it where we read it."""
     return fsdp_mp_policy(fsdp_module)
 
@@ -60,7 +60,8 @@ def own_floating_dtypes(fsdp_module: nn.Module) -> set[torch.dtype]:
 
 def gather_dtypes(module: nn.Module) -> Iterator[tuple[str, torch.dtype]]:
     """``(path, dtype)`` per FSDP module: the dtype its parameters are all-gathered and computed in. That is the
-    policy's ``param_dtype``, or the parameters' own dtype without one. Modules that manage no parameter are left out."""
+    policy's ``param_dtype``, or the parameters' own dtype without one. Modules that manage no parameter are left
+    out."""
     from torch.distributed.fsdp import FSDPModule
 
     for name, m in module.named_modules():
@@ -74,7 +75,7 @@ def gather_dtypes(module: nn.Module) -> Iterator[tuple[str, torch.dtype]]:
         yield name or "<root>", param_dtype if param_dtype is not None else max(own, key=lambda d: d.itemsize)
 
 
-def process_group_backend() -> Optional[str]:
+def process_group_backend() -> str | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_backend()
     return None
@@ -128,7 +129,7 @@ def check_gather_dtype(owner: str, module: nn.Module, compute_dtype: torch.dtype
     )
 
 
-def local_shard(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's part of a tensor FSDP2 shards (a ``DTensor``); any other tensor as it is. Counting local shards and
     summing across ranks counts every element of a sharded gradient once."""
     from torch.distributed.tensor import DTensor
@@ -136,7 +137,7 @@ def local_shard(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-_GLOO_AVERAGES: Optional[bool] = None  # asked once per process
+_GLOO_AVERAGES: bool | None = None  # asked once per process
 
 
 def check_gloo_averages() -> None:
@@ -156,7 +157,8 @@ def check_gloo_averages() -> None:
     if not _GLOO_AVERAGES:  # every time it is asked: a caught error must not let the run go on
         raise RuntimeError(
             f"FSDP2 on gloo with torch {torch.__version__}: gloo's reduce-scatter sums where FSDP2 asks it to average,"
-            f" so every gradient would be {world} times too large. Use a newer torch for FSDP2 on CPU (2.13 averages correctly); NCCL on GPUs"
+            f" so every gradient would be {world} times too large. Use a newer torch for FSDP2 on CPU (2.13 averages"
+            " correctly); NCCL on GPUs"
             " is not affected."
         )
 

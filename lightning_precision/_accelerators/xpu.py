@@ -1,6 +1,6 @@
 """XPUAccelerator: Intel GPUs through upstream torch's ``torch.xpu`` (no IPEX needed), for Fabric and the Trainer.
 
-Lightning 2.6 rejects ``accelerator="xpu"`` (#20848). Importing ``lightning_precision`` registers this accelerator
+Lightning 2.6 rejects ``accelerator="xpu"`` (Lightning #20848). Importing ``lightning_precision`` registers this accelerator
 under ``"xpu"`` in both registries, unless the name is taken (a Lightning that ships its own XPU accelerator keeps it).
 
 For an accelerator they do not know, Lightning's connectors pick the wrong strategy: single-device on ``cpu``, and DDP
@@ -12,7 +12,7 @@ Not run on real Intel hardware here: no XPU exists on this project's machines.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
@@ -50,7 +50,7 @@ def describe_missing_xpu() -> str:
     return f"{why}; found instead: {', '.join(others + ['cpu'])}"
 
 
-def parse_xpu_devices(devices: Union[int, str, list[int]]) -> list[int]:
+def parse_xpu_devices(devices: int | str | list[int]) -> list[int]:
     """``devices`` as XPU indices: an int n (the first n; -1 or "auto" for all), "0,2", or a list of indices."""
     count = xpu_device_count()
     if devices in ("auto", -1, "-1"):
@@ -87,17 +87,20 @@ class XPUAccelerator(FabricAccelerator):
 
     def __init__(self) -> None:
         if not xpu_available():
-            raise RuntimeError(f"`accelerator='xpu'` was asked for, but no Intel XPU is available: {describe_missing_xpu()}.")
+            raise RuntimeError(
+                f"`accelerator='xpu'` was asked for, but no Intel XPU is available: {describe_missing_xpu()}."
+            )
         super().__init__()
 
     @classmethod
-    def strategy(cls, devices: Union[int, str, list[int]] = "auto", num_nodes: int = 1) -> Any:
+    def strategy(cls, devices: int | str | list[int] = "auto", num_nodes: int = 1) -> Any:
         """The strategy for ``devices`` XPUs, with this accelerator: one device gives a single-device strategy on it,
         several (or several nodes) DDP over XCCL. Lightning would pick ``cpu`` and ``gloo``."""
         accelerator = cls()
         indices = parse_xpu_devices(devices)
         if num_nodes <= 1 and len(indices) <= 1:
-            return cls._single_strategy(device=torch.device("xpu", indices[0] if indices else 0), accelerator=accelerator)
+            device = torch.device("xpu", indices[0] if indices else 0)
+            return cls._single_strategy(device=device, accelerator=accelerator)
         return cls._ddp_strategy(accelerator=accelerator, parallel_devices=[torch.device("xpu", i) for i in indices],
                                  process_group_backend=XPU_BACKEND)
 
@@ -117,7 +120,7 @@ class XPUAccelerator(FabricAccelerator):
 
     @staticmethod
     @override
-    def parse_devices(devices: Union[int, str, list[int]]) -> list[int]:
+    def parse_devices(devices: int | str | list[int]) -> list[int]:
         return parse_xpu_devices(devices)
 
     @staticmethod

@@ -1,7 +1,7 @@
 """bf16 mixed precision for the Trainer."""
 
-from lightning_precision.fabric.bf16_mixed import BF16MixedPrecision as _FabricBF16MixedPrecision
 from lightning_precision._plugins._scaled import TrainerScaledPrecision
+from lightning_precision.fabric.bf16_mixed import BF16MixedPrecision as _FabricBF16MixedPrecision
 
 __all__ = ["BF16MixedPrecision"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricFP16MixedPrecision
 from lightning_precision._plugins._scaled import TrainerScaledPrecision
+from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricFP16MixedPrecision
 
 __all__ = ["FP16MixedPrecision"]
 

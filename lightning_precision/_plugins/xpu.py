@@ -8,8 +8,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_precision.fabric.xpu import XPUPrecision as _FabricXPUPrecision
 from lightning_precision._plugins._scaled import TrainerScaledPrecision
+from lightning_precision.fabric.xpu import XPUPrecision as _FabricXPUPrecision
 
 __all__ = ["XPUPrecision"]
 

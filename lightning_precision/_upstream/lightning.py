@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-
-# Casting a floating-point output to the default dtype, exactly as Lightning's own precision plugins do it; no public
-# function does the same cast (floating tensors only, integer and bool left alone).
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
 
 # Whether an optimizer unscales inside `step()` (fused optimizers); Lightning's MixedPrecision asks the same, and no
 # public API of torch or Lightning answers it.
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling as optimizer_handles_unscaling
+
+# Casting a floating-point output to the default dtype, exactly as Lightning's own precision plugins do it; no public
+# function does the same cast (floating tensors only, integer and bool left alone).
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -61,7 +62,7 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
-# ---- ThroughputMonitor (see the module docstring) ---------------------------------------------------------------------
+# ---- ThroughputMonitor (see the module docstring) --------------------------------------------------------------------
 
 FABRIC_THROUGHPUT_MODULE = "lightning.fabric.utilities.throughput"
 # The Trainer's monitor has its own dispatch, which calls the Fabric one bound at its import: both are wrapped.

@@ -11,7 +11,7 @@ A subclass's use of its base's state cannot move here; the canary pins each of t
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 
-def fsdp_mp_policy(fsdp_module: Any) -> Optional[Any]:
+def fsdp_mp_policy(fsdp_module: Any) -> Any | None:
     """The ``MixedPrecisionPolicy`` a module was sharded with (``_get_fsdp_state()._mp_policy``); None if torch no
     longer keeps it there. torch has no getter, and the plugins must tell a model that all-gathers in fp32 from one
     that all-gathers in the compute dtype before the first step, not after it."""

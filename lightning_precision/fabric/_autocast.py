@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -21,7 +21,11 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision import _fsdp
-from lightning_precision._upstream.lightning import FABRIC_THROUGHPUT_MODULE, convert_fp_tensor, install_throughput_dtype
+from lightning_precision._upstream.lightning import (
+    FABRIC_THROUGHPUT_MODULE,
+    convert_fp_tensor,
+    install_throughput_dtype,
+)
 
 __all__ = ["MatmulPrecision", "AutocastPrecision"]
 
@@ -30,7 +34,7 @@ _MATMUL_PRECISIONS = ("highest", "high", "medium")
 MatmulPrecision = Literal["highest", "high", "medium"]
 
 
-def _module_device_types(module: Optional[Module]) -> list[str]:
+def _module_device_types(module: Module | None) -> list[str]:
     """The device types the module's parameters and buffers live on, in order of first appearance (meta excluded)."""
     if module is None:
         return []
@@ -40,7 +44,7 @@ def _module_device_types(module: Optional[Module]) -> list[str]:
     return [t for t in seen if t != "meta"]
 
 
-def _validate_device(owner: str, device: Optional[str]) -> None:
+def _validate_device(owner: str, device: str | None) -> None:
     if device is not None and device not in _AUTOCAST_DEVICES:
         raise ValueError(
             f"`{owner}(device={device!r})` is not an autocast device. Use one of {_AUTOCAST_DEVICES}, or leave"
@@ -59,7 +63,7 @@ def _validate_reduce_dtype(owner: str, reduce_dtype: Any) -> None:
         )
 
 
-def _validate_matmul_precision(owner: str, matmul_precision: Optional[str]) -> None:
+def _validate_matmul_precision(owner: str, matmul_precision: str | None) -> None:
     if matmul_precision is not None and matmul_precision not in _MATMUL_PRECISIONS:
         raise ValueError(
             f"`{owner}(matmul_precision={matmul_precision!r})` is not a float32 matmul precision. Use one of"
@@ -72,15 +76,15 @@ class AutocastPrecision(FabricPrecision):
 
     Subclasses set ``precision`` and pass ``compute_dtype``. The device type is resolved once, from the model, in one
     explicit step (``resolve_device``) after the model has been moved (Fabric and the Trainer both move it after
-    ``convert_module``): the Trainer at ``connect``, Fabric at the first forward. That step runs the hardware checks and,
-    for a sharded model, FSDP2's checks (one collective); no property read runs either.
+    ``convert_module``): the Trainer at ``connect``, Fabric at the first forward. That step runs the hardware checks
+    and, for a sharded model, FSDP2's checks (one collective); no property read runs either.
     """
 
     def __init__(
         self,
         compute_dtype: torch.dtype,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         owner = type(self).__name__
@@ -91,9 +95,9 @@ class AutocastPrecision(FabricPrecision):
         self.device = device
         self.matmul_precision = matmul_precision
         self.reduce_dtype = reduce_dtype
-        self._device_type: Optional[str] = None
-        self._checked_device: Optional[str] = None
-        self._module_ref: Optional[weakref.ref] = None
+        self._device_type: str | None = None
+        self._checked_device: str | None = None
+        self._module_ref: weakref.ref | None = None
         self._install_throughput_dtype()
 
     def _install_throughput_dtype(self) -> None:
@@ -122,7 +126,7 @@ class AutocastPrecision(FabricPrecision):
     # plugins without a loss scaler, and overridden by the one that has it (FP16MixedPrecision).
 
     @property
-    def loss_scale(self) -> Optional[float]:
+    def loss_scale(self) -> float | None:
         """The current loss scale; ``None``: this plugin does no loss scaling."""
         return None
 
@@ -235,7 +239,7 @@ class AutocastPrecision(FabricPrecision):
             yield
 
     @override
-    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         with self._backward_scope():
             super().backward(tensor, model, *args, **kwargs)
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from typing_extensions import override
@@ -41,12 +41,12 @@ class BF16MixedPrecision(ScaledPrecision):
     def __init__(
         self,
         *,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         scaler: Any = None,
         reduce_dtype: torch.dtype = torch.float32,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         if scaler is not None:
             raise ValueError(
