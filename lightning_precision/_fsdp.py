@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+def fsdp_modules(module: nn.Module) -> list[Any]:
     """The modules ``fully_shard`` was applied to (FSDP2 swaps their class to a subclass of ``FSDPModule``)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -47,12 +47,12 @@ def is_sharded(module: nn.Module) -> bool:
     return bool(fsdp_modules(module))
 
 
-def mp_policy_of(fsdp_module: nn.Module) -> Any | None:
+def mp_policy_of(fsdp_module: Any) -> Any | None:
     """The ``MixedPrecisionPolicy`` a module was sharded with; None if torch no longer keeps it where we read it."""
     return fsdp_mp_policy(fsdp_module)
 
 
-def own_floating_dtypes(fsdp_module: nn.Module) -> set[torch.dtype]:
+def own_floating_dtypes(fsdp_module: Any) -> set[torch.dtype]:
     """The dtypes of the floating parameters this FSDP module manages itself (not those of nested FSDP modules)."""
     nested = {id(p) for m in fsdp_modules(fsdp_module) if m is not fsdp_module for p in m.parameters()}
     return {p.dtype for p in fsdp_module.parameters() if id(p) not in nested and p.is_floating_point()}

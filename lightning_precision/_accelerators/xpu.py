@@ -1,7 +1,8 @@
-"""XPUAccelerator: Intel GPUs through upstream torch's ``torch.xpu`` (no IPEX needed), for Fabric and the Trainer.
+"""XPUAccelerator: Intel GPUs through upstream torch's ``torch.xpu`` (no IPEX needed), for Fabric (the Trainer's
+subclass is in ``trainer.py``).
 
-Lightning 2.6 rejects ``accelerator="xpu"`` (Lightning #20848). Importing ``lightning_precision`` registers this accelerator
-under ``"xpu"`` in both registries, unless the name is taken (a Lightning that ships its own XPU accelerator keeps it).
+Lightning 2.6 rejects ``accelerator="xpu"`` (Lightning #20848). Importing ``lightning_precision`` registers this
+accelerator under ``"xpu"``, unless the name is taken (a Lightning that ships its own XPU accelerator keeps it).
 
 For an accelerator they do not know, Lightning's connectors pick the wrong strategy: single-device on ``cpu``, and DDP
 over ``gloo``, which cannot reduce XPU tensors (torch's backend for XPU is ``xccl``). Nothing here patches them: the

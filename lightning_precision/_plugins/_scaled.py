@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import Optimizable
@@ -30,12 +30,17 @@ from typing_extensions import override
 from lightning_precision._plugins._schedulers import hold_step_schedulers
 from lightning_precision._plugins._trainer import LIGHTNING_AMP_KEY, TrainerHooks
 from lightning_precision._upstream.lightning import optimizer_handles_unscaling, should_update_logs
-from lightning_precision.fabric._scaled import check_optimizer, closure_driven
+from lightning_precision.fabric._scaled import ScaledPrecision, check_optimizer, closure_driven
+
+if TYPE_CHECKING:  # what the mixin is always mixed with, for the type checker
+    FabricCore = ScaledPrecision
+else:
+    FabricCore = object
 
 __all__ = ["TrainerScaledPrecision"]
 
 
-class TrainerScaledPrecision(TrainerHooks):
+class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  # Trainer and Fabric hooks differ
     """Mixed into ``class X(TrainerScaledPrecision, FabricX)`` where ``FabricX`` is a ``ScaledPrecision``.
 
     The scale is updated after the optimizer step with automatic optimization (one optimizer per backward), and at the

@@ -4,7 +4,7 @@ taught the plugin's compute dtype, and checkpoint compatibility."""
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
@@ -16,6 +16,11 @@ from typing_extensions import override
 from lightning_precision._upstream.lightning import TRAINER_THROUGHPUT_MODULE, install_throughput_dtype
 from lightning_precision.fabric._autocast import AutocastPrecision
 
+if TYPE_CHECKING:  # what the mixin is always mixed with, for the type checker
+    FabricCore = AutocastPrecision
+else:
+    FabricCore = object
+
 __all__ = ["LIGHTNING_AMP_KEY", "TrainerHooks"]
 
 # Keys under which Lightning's own plugin saves the scaler: its class name, and the pre-1.6 name.
@@ -23,7 +28,7 @@ LIGHTNING_AMP_KEY = "MixedPrecision"
 _LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")
 
 
-class TrainerHooks(TrainerPrecision):
+class TrainerHooks(TrainerPrecision, FabricCore):  # type: ignore[misc]  # Trainer and Fabric hooks differ
     """Mixed into ``class X(TrainerHooks, FabricX)``: Trainer hooks first, Fabric behaviour after (see MRO)."""
 
     @override

@@ -70,16 +70,16 @@ TRAINER_THROUGHPUT_MODULE = "lightning.pytorch.callbacks.throughput_monitor"
 _MARK = "_lightning_precision_wrapped"
 
 
-def install_throughput_dtype(module_name: str, plugin_class: type) -> None:
+def install_throughput_dtype(module_name: str, plugin_class: type[Any]) -> None:
     """Teach the ThroughputMonitor of ``module_name`` the ``peak_flops_dtype`` of every ``plugin_class`` instance.
     Idempotent; the Fabric core installs it in Fabric's monitor, the Trainer classes in the Trainer's too."""
-    module = importlib.import_module(module_name)
+    module: Any = importlib.import_module(module_name)
     original = module._plugin_to_compute_dtype
     if not getattr(original, _MARK, False):
         module._plugin_to_compute_dtype = _wrap(original, plugin_class)
 
 
-def _wrap(original: Callable[[Any], torch.dtype], plugin_class: type) -> Callable[[Any], torch.dtype]:
+def _wrap(original: Callable[[Any], torch.dtype], plugin_class: type[Any]) -> Callable[[Any], torch.dtype]:
     @functools.wraps(original)
     def plugin_to_compute_dtype(plugin: Any) -> torch.dtype:
         if isinstance(plugin, plugin_class):

@@ -43,7 +43,7 @@ def byte_all_gather_base() -> type:
     return DefaultAllGather
 
 
-def dtensor_local_tensor(tensor: Any) -> torch.Tensor:
+def dtensor_local_tensor(tensor: Any) -> Any:
     """A DTensor's own local tensor (``_local_tensor``), the object torchao keeps a precomputed fp8 scale on:
     ``to_local()`` returns a new view each call, on which an attribute set would be lost."""
     return tensor._local_tensor

@@ -35,11 +35,12 @@ SKIP_NONFINITE_DEFAULT = False
 def closure_driven(optimizer: Any) -> bool:
     """Whether ``optimizer`` evaluates its closure inside ``step`` (its gradients do not exist before it): LBFGS, or any
     optimizer whose ``step`` requires a closure."""
-    return _requires_closure(type(optimizer))
+    cls: Any = type(optimizer)
+    return _requires_closure(cls)
 
 
 @functools.cache
-def _requires_closure(cls: type) -> bool:
+def _requires_closure(cls: Any) -> bool:
     if issubclass(cls, LBFGS):
         return True
     try:
@@ -122,8 +123,8 @@ class ScaledPrecision(AutocastPrecision):
     @property
     @override
     def loss_scale(self) -> float | None:
-        """The current loss scale (reads the device); ``None`` without loss scaling (the guard's scale is no loss
-        scale)."""
+        """The current loss scale: applies the scale update pending since the last optimizer step (a write), then
+        reads the device; ``None`` without loss scaling (the guard's scale is no loss scale)."""
         if self._scaler is None or self.scaler_config is None:
             return None
         self.apply_pending_update()
@@ -132,7 +133,8 @@ class ScaledPrecision(AutocastPrecision):
     @property
     @override
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because gradients had inf/nan (reads the device); 0 when nothing is skipped."""
+        """Optimizer steps skipped because gradients had inf/nan: applies the pending scale update (a write), then
+        reads the device; 0 when nothing is skipped."""
         if self._scaler is None:
             return 0
         self.apply_pending_update()
@@ -190,7 +192,8 @@ class ScaledPrecision(AutocastPrecision):
         if self._scaler is None:
             self.step_was_skipped = False
             return optimizer.step(**kwargs) if closure_step is None else closure_step()
-        if self._update_pending and self.scaler_config is None and self._scaler.has_stepped(optimizer):
+        if (self._update_pending and isinstance(self._scaler, NonFiniteGuard)
+                and self._scaler.has_stepped(optimizer)):  # type: ignore[arg-type]
             # The guard, and a new iteration whose backward did not come through the plugin (`loss.backward()` by
             # hand): at a scale of 1 nothing was missed but the update, applied now.
             self.update_after_every_step()

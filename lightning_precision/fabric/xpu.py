@@ -19,7 +19,11 @@ from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_conf
 
 __all__ = ["XPUPrecision"]
 
-_DTYPES = {"bf16": (torch.bfloat16, "bf16-mixed"), "fp16": (torch.float16, "16-mixed")}
+# The compute dtype and Lightning's precision label of each `dtype=`.
+_DTYPES: dict[str, tuple[torch.dtype, Any]] = {
+    "bf16": (torch.bfloat16, "bf16-mixed"),
+    "fp16": (torch.float16, "16-mixed"),
+}
 
 
 class XPUPrecision(ScaledPrecision):
@@ -80,7 +84,7 @@ class XPUPrecision(ScaledPrecision):
                          max_consecutive_skips=max_consecutive_skips)
         self.dtype = dtype
         self.ipex = ipex
-        self._ipex_module = _imports.load_ipex(ipex)
+        self._ipex_module: Any = _imports.load_ipex(ipex)
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
