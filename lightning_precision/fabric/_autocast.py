@@ -158,7 +158,7 @@ class AutocastPrecision(FabricPrecision):
         """Resolve the autocast device from where the model lives, once, and check it: the explicit ``device`` must be
         one of those places, the hardware must support the plugin (``_on_device_resolved``), and a model FSDP2 has
         sharded passes ``_on_sharded`` (one collective). Called by the Trainer at ``connect`` and by Fabric's first
-        forward (or backward); a check that raises leaves nothing remembered, so it is asked again at the next use.
+        forward; a check that raises leaves nothing remembered, so it is asked again at the next use.
         Before a model with real tensors is known, the explicit ``device`` is checked (once) and nothing is
         remembered."""
         if self._device_type is not None:
@@ -218,7 +218,6 @@ class AutocastPrecision(FabricPrecision):
     @contextmanager
     def _backward_scope(self) -> Generator[None, None, None]:
         """Around every backward pass, Trainer and Fabric alike."""
-        self.resolve_device()  # a backward without a forward through the plugin (Fabric): resolved here
         with self._matmul_precision_scope():
             yield
         self._after_backward()
