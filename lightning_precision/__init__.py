@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
 
 def __getattr__(name: str) -> Any:
     if name in _SOURCE:
-        import lightning_precision._accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
+        import lightning_precision._accelerators.trainer  # noqa: F401  (registers accelerator="xpu" where the name is free)
 
         value = getattr(importlib.import_module(_SOURCE[name]), name)
         globals()[name] = value  # loaded once

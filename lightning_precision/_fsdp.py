@@ -1,30 +1,28 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``), as the plugins meet it: is a model sharded, with which policy.
 
-Public torch is used where it exists (``FSDPModule``, ``MixedPrecisionPolicy``, ``set_custom_all_gather``). Two private
-torch names are unavoidable and live here alone, each checked by ``tests/test_fsdp_private.py`` against the installed
-torch so that an upstream change fails loudly there:
-
-- ``FSDPModule._get_fsdp_state()._mp_policy``: torch has no getter for the policy a module was sharded with, and the
-  plugins must tell a model that all-gathers in fp32 from one that all-gathers in the compute dtype before the first
-  step, not after it.
-- ``_fsdp_collectives.DefaultAllGather``: gloo has no float8 dtype, so fp8 all-gathers (torchao's) on CPU go through
-  the default all-gather with the bytes viewed as uint8 (NCCL needs nothing of this).
-
-``Float8ScalePrecompute`` reads what torchao's own ``precompute_float8_dynamic_scale_for_fsdp`` reads and writes: a
-DTensor's ``_local_tensor`` and torchao's ``WeightWithDynamicFloat8CastTensor._precomputed_scale`` (pinned by the same
-test), plus ``Tensor._version``, autograd's in-place counter. torch and torchao offer no public way
-to ask whether a precomputed scale still fits its weight.
+Public torch is used where it exists (``FSDPModule``, ``MixedPrecisionPolicy``, ``set_custom_all_gather``); the private
+names it needs (the policy a module was sharded with, the default all-gather, a DTensor's own local tensor, autograd's
+version counter) are in ``_upstream/torch.py`` with their canary. ``Float8ScalePrecompute`` also reads and writes
+torchao's ``WeightWithDynamicFloat8CastTensor._precomputed_scale``, where torchao's own
+``precompute_float8_dynamic_scale_for_fsdp`` writes it: torch and torchao offer no public way to ask whether a
+precomputed scale still fits its weight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_precision import _imports
+from lightning_precision._upstream.torch import (
+    byte_all_gather_base,
+    dtensor_local_tensor,
+    fsdp_mp_policy,
+    version_counter,
+)
 
 __all__ = [
     "Float8ScalePrecompute",
@@ -38,7 +36,7 @@ __all__ = [
 ]
 
 
-def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+def fsdp_modules(module: nn.Module) -> list[Any]:
     """The modules ``fully_shard`` was applied to (FSDP2 swaps their class to a subclass of ``FSDPModule``)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -49,13 +47,12 @@ def is_sharded(module: nn.Module) -> bool:
     return bool(fsdp_modules(module))
 
 
-def mp_policy_of(fsdp_module: nn.Module) -> Optional[Any]:
+def mp_policy_of(fsdp_module: Any) -> Any | None:
     """The ``MixedPrecisionPolicy`` a module was sharded with; None if torch no longer keeps it where we read it."""
-    state = fsdp_module._get_fsdp_state()  # private: see the module docstring
-    return getattr(state, "_mp_policy", None)
+    return fsdp_mp_policy(fsdp_module)
 
 
-def own_floating_dtypes(fsdp_module: nn.Module) -> set[torch.dtype]:
+def own_floating_dtypes(fsdp_module: Any) -> set[torch.dtype]:
     """The dtypes of the floating parameters this FSDP module manages itself (not those of nested FSDP modules)."""
     nested = {id(p) for m in fsdp_modules(fsdp_module) if m is not fsdp_module for p in m.parameters()}
     return {p.dtype for p in fsdp_module.parameters() if id(p) not in nested and p.is_floating_point()}
@@ -63,7 +60,8 @@ def own_floating_dtypes(fsdp_module: nn.Module) -> set[torch.dtype]:
 
 def gather_dtypes(module: nn.Module) -> Iterator[tuple[str, torch.dtype]]:
     """``(path, dtype)`` per FSDP module: the dtype its parameters are all-gathered and computed in. That is the
-    policy's ``param_dtype``, or the parameters' own dtype without one. Modules that manage no parameter are left out."""
+    policy's ``param_dtype``, or the parameters' own dtype without one. Modules that manage no parameter are left
+    out."""
     from torch.distributed.fsdp import FSDPModule
 
     for name, m in module.named_modules():
@@ -77,7 +75,7 @@ def gather_dtypes(module: nn.Module) -> Iterator[tuple[str, torch.dtype]]:
         yield name or "<root>", param_dtype if param_dtype is not None else max(own, key=lambda d: d.itemsize)
 
 
-def process_group_backend() -> Optional[str]:
+def process_group_backend() -> str | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_backend()
     return None
@@ -92,9 +90,7 @@ def custom_all_gather_supported() -> bool:
 
 def byte_all_gather() -> Any:
     """An FSDP2 all-gather that moves 1-byte dtypes (float8) as uint8, for process groups without float8 (gloo)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather  # private: see above
-
-    class _ByteAllGather(DefaultAllGather):
+    class _ByteAllGather(byte_all_gather_base()):  # type: ignore[misc]
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:
             if output_tensor.element_size() == 1 and output_tensor.dtype != torch.uint8:
@@ -133,7 +129,7 @@ def check_gather_dtype(owner: str, module: nn.Module, compute_dtype: torch.dtype
     )
 
 
-def local_shard(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's part of a tensor FSDP2 shards (a ``DTensor``); any other tensor as it is. Counting local shards and
     summing across ranks counts every element of a sharded gradient once."""
     from torch.distributed.tensor import DTensor
@@ -141,7 +137,7 @@ def local_shard(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-_GLOO_AVERAGES: Optional[bool] = None  # asked once per process
+_GLOO_AVERAGES: bool | None = None  # asked once per process
 
 
 def check_gloo_averages() -> None:
@@ -161,7 +157,8 @@ def check_gloo_averages() -> None:
     if not _GLOO_AVERAGES:  # every time it is asked: a caught error must not let the run go on
         raise RuntimeError(
             f"FSDP2 on gloo with torch {torch.__version__}: gloo's reduce-scatter sums where FSDP2 asks it to average,"
-            f" so every gradient would be {world} times too large. Use a newer torch for FSDP2 on CPU (2.13 averages correctly); NCCL on GPUs"
+            f" so every gradient would be {world} times too large. Use a newer torch for FSDP2 on CPU (2.13 averages"
+            " correctly); NCCL on GPUs"
             " is not affected."
         )
 
@@ -189,22 +186,22 @@ class Float8ScalePrecompute:
         from torch.distributed.tensor import DTensor
 
         return [m.weight for m in self._layers
-                if isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, self._weight_type)]
+                if isinstance(m.weight, DTensor) and isinstance(dtensor_local_tensor(m.weight), self._weight_type)]
 
     def after_optimizer_step(self) -> None:
         weights = self._weights()
         if weights:
             self._precompute(self._module)
             # The parameter's own counter: in-place updates reach the local tensors below autograd, uncounted there.
-            self._versions = [w._version for w in weights]
+            self._versions = [version_counter(w) for w in weights]
 
     def before_forward(self) -> None:
         if not self._versions:
             return
         weights = self._weights()
-        if self._versions != [w._version for w in weights]:
+        if self._versions != [version_counter(w) for w in weights]:
             # The scale lives on the weight's own local tensor (``to_local()`` returns a view), where torchao's
             # precompute puts it.
             for w in weights:
-                w._local_tensor._precomputed_scale = None
+                dtensor_local_tensor(w)._precomputed_scale = None
             self._versions = []

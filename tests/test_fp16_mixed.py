@@ -8,7 +8,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_precision import FP16MixedPrecision
+import lightning_precision
+from lightning_precision import FP16MixedPrecision, ScalerConfig
 from lightning_precision import fabric as lp_fabric
 from tests.helpers import (
     LitNet,
@@ -264,3 +265,17 @@ def test_a_trainer_connected_plugins_held_schedulers_pickle_and_still_hold(tmp_p
     held.step()  # the copy's own plugin is not holding (its last step was not skipped)
     assert held.last_epoch == 3
     assert pickle.loads(pickle.dumps(plugin)).skipped_steps == 1
+
+
+@pytest.mark.parametrize("module", [lightning_precision, lp_fabric], ids=["trainer", "fabric"])
+def test_flat_scaler_arguments_are_the_shorthand_and_never_beside_the_config(module):
+    """The flat arguments are FP16MixedPrecision's documented shorthand for one ``ScalerConfig``; given with
+    ``scaler=`` too, one of them would be silently overridden, so it is a ValueError naming both."""
+    assert module.FP16MixedPrecision(init_scale=1024.0, growth_interval=3).scaler_config == ScalerConfig(
+        init_scale=1024.0, growth_interval=3)
+    for name, value in (("init_scale", 1024.0), ("growth_factor", 4.0), ("backoff_factor", 0.25),
+                        ("growth_interval", 3), ("min_scale", 1.0), ("max_scale", 2.0**20),
+                        ("max_consecutive_skips", 5)):
+        with pytest.raises(ValueError, match=rf"FP16MixedPrecision\(scaler=ScalerConfig\(\.\.\.\), {name}={value!r}\)"
+                                            r".*one place.*dataclasses\.replace"):
+            module.FP16MixedPrecision(scaler=ScalerConfig(), **{name: value})

@@ -210,3 +210,73 @@ def test_every_callback_fits_and_round_trips_its_state(cls, tmp_path):
     other = cls(**kwargs)
     other.load_state_dict(state)
     assert repr(other.state_dict()) == repr(state)
+
+
+_NO_TRAINER_PROBE = r"""
+import builtins, importlib, pkgutil, sys
+
+asked = []
+real_import, real_import_module = builtins.__import__, importlib.import_module
+
+
+def record(importer, name):
+    if importer.startswith("lightning_precision") and (name == "lightning.pytorch" or name.startswith("lightning.pytorch.")):
+        asked.append(f"{importer} imports {name}")
+
+
+def traced_import(name, globals=None, locals=None, fromlist=(), level=0):
+    record((globals or {}).get("__name__", ""), name)
+    return real_import(name, globals, locals, fromlist, level)
+
+
+def traced_import_module(name, package=None):
+    record(sys._getframe(1).f_globals.get("__name__", ""), name)
+    return real_import_module(name, package)
+
+
+builtins.__import__, importlib.import_module = traced_import, traced_import_module
+import torch
+import lightning as L
+import lightning_precision.fabric as fabric
+
+for info in pkgutil.walk_packages(fabric.__path__, "lightning_precision.fabric."):
+    importlib.import_module(info.name)
+plugins = [fabric.BF16MixedPrecision(skip_nonfinite=True), fabric.FP16MixedPrecision(),
+           fabric.XPUPrecision(dtype="fp16", device="cpu")]
+for plugin in plugins:  # a real Fabric step with each: setup, forward, backward, optimizer step, state
+    f = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = torch.nn.Linear(4, 4)
+    model, optimizer = f.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    f.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    plugin.metrics(), plugin.state_dict()
+print("\n".join(sorted(set(asked))))
+"""
+
+
+def test_the_fabric_plugins_import_nothing_of_lightning_pytorch():
+    """``lightning_precision.fabric`` and every module under it, imported and run in a fresh process, never import
+    ``lightning.pytorch`` themselves. (``import lightning`` loads it anyway, through Lightning's own ``__init__``,
+    so what is checked is which module asks for it.)"""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _NO_TRAINER_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", f"Fabric modules that import lightning.pytorch:\n{result.stdout}"
+
+
+def test_reading_the_device_type_runs_no_hardware_check(monkeypatch):
+    """No GPU exists here: torch.cuda answers as a T4 (no bf16) and counts its questions. A property read asks the
+    hardware nothing; the explicit resolution (Fabric's first forward, the Trainer's connect) raises as before."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: asked.append("capability") or (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    plugin = lightning_precision.fabric.BF16MixedPrecision(device="cuda")
+    assert plugin.device_type == "cuda" and asked == []
+    with pytest.raises(RuntimeError, match=r"found 'Tesla T4'"):
+        with plugin.forward_context():
+            pass
+    assert asked == ["capability"]
+    with pytest.raises(RuntimeError, match=r"found 'Tesla T4'"):
+        plugin.resolve_device()  # nothing was remembered: asked again

@@ -16,7 +16,7 @@ from packaging.utils import canonicalize_name
 
 from lightning_precision import _imports
 from lightning_precision.cli import doctor
-from lightning_precision.fabric import bf16_mixed
+from lightning_precision.fabric import _devices
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -81,7 +81,7 @@ def test_require_says_how_to_get_the_package():
 
 # A fact, and the one file that may write it. Searched in the package's sources, comments and docstrings included.
 FACTS = {
-    r"\(8,\s*0\)": "fabric/bf16_mixed.py",  # bf16's compute capability
+    r"\(8,\s*0\)": "fabric/_devices.py",  # bf16's compute capability
     r"\(8,\s*9\)": "fp8.py",  # fp8's compute capability
     r"\(10,\s*0\)": "fp8.py",  # MXFP8's and NVFP4's
     r"torchao>=": "_imports.py",  # the torchao minimum (and pyproject.toml, checked above)
@@ -124,7 +124,7 @@ def test_doctor_asks_imports_whether_ipex_fits(monkeypatch):
 def test_doctor_and_the_plugin_share_the_bf16_threshold(monkeypatch, threshold, supported):
     """A T4 (7.5) under the real threshold and under a moved one: doctor and the plugin move together. No GPU exists
     here: torch.cuda's answers are stand-ins."""
-    monkeypatch.setattr(bf16_mixed, "BF16_MIN_CAPABILITY", threshold)
+    monkeypatch.setattr(_devices, "BF16_MIN_CAPABILITY", threshold)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
@@ -133,7 +133,7 @@ def test_doctor_and_the_plugin_share_the_bf16_threshold(monkeypatch, threshold, 
     assert gpu[1] == ("yes" if supported else "no")
     assert gpu[5] == ("BF16MixedPrecision" if supported else "FP16MixedPrecision")
     if supported:
-        bf16_mixed._check_bf16_supported("cuda")
+        _devices.check_bf16_supported("cuda")
     else:
         with pytest.raises(RuntimeError, match=r">= 8\.0\), found 'Tesla T4' \(compute capability 7\.5\)"):
-            bf16_mixed._check_bf16_supported("cuda")
+            _devices.check_bf16_supported("cuda")

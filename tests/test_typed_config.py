@@ -22,8 +22,6 @@ PLUGIN_NAMES = [name for name in lp_fabric.__all__ if name.endswith("Precision")
 def test_constructor_options_are_keyword_only_and_listed(namespace, name):
     cls = getattr(namespace, name)
     parameters = list(inspect.signature(cls).parameters.values())
-    if name == "XPUPrecision":  # its flat scaler arguments of 0.1, deprecated for `scaler=`, arrive as **kwargs
-        assert parameters.pop().kind is inspect.Parameter.VAR_KEYWORD
     # A `*args, **kwargs` constructor would hide the options from help() and LightningCLI.
     assert parameters and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters), parameters
     if namespace is lightning_precision:  # the Trainer class shows the Fabric class's arguments, not its own

@@ -9,6 +9,7 @@ import math
 import re
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -23,7 +24,7 @@ from lightning_precision import ScalerConfig, XPUPrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
 from lightning_precision._accelerators.xpu import parse_xpu_devices
-from lightning_precision.fabric.xpu import check_fp64
+from lightning_precision.fabric._devices import check_fp64
 from tests.helpers import LitNet, loader, make_data, params, trainer
 
 
@@ -141,24 +142,23 @@ def test_xpu_precision_is_not_an_fp16_plugin_and_bf16_owns_no_scaler():
     assert XPUPrecision(dtype="fp16", device="cpu").scaler.is_enabled()
 
 
-def test_xpu_bf16_refuses_scaler_arguments_it_would_ignore():
-    # They did nothing in bf16 (a warning said so, easily missed): a user who sets a scale believes the loss is scaled.
+def test_xpu_bf16_refuses_a_scaler_it_would_ignore():
+    # It did nothing in bf16 (a warning said so, easily missed): a user who sets a scale believes the loss is scaled.
     with pytest.raises(ValueError, match=r"XPUPrecision\(dtype='bf16', scaler=ScalerConfig\(.*would do nothing.*dtype='fp16'"):
         XPUPrecision(device="cpu", scaler=ScalerConfig())
-    with pytest.raises(ValueError, match=r"XPUPrecision\(dtype='bf16', init_scale=1024\.0\).*would do nothing"):
-        XPUPrecision(device="cpu", init_scale=1024.0)
     plugin = XPUPrecision(dtype="fp16", device="cpu", scaler=ScalerConfig(init_scale=1024.0))
     assert plugin.loss_scale == 1024.0
 
 
-def test_xpu_flat_scaler_arguments_still_work_deprecated_for_one_config():
-    with pytest.warns(DeprecationWarning, match=r"XPUPrecision\(init_scale, growth_interval=\.\.\.\).*scaler=ScalerConfig"):
-        plugin = XPUPrecision(dtype="fp16", device="cpu", init_scale=1024.0, growth_interval=3)
-    assert plugin.scaler_config == ScalerConfig(init_scale=1024.0, growth_interval=3)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'init_scael'"):
-        XPUPrecision(dtype="fp16", device="cpu", init_scael=1024.0)
-    with pytest.raises(ValueError, match="one place"):
-        XPUPrecision(dtype="fp16", device="cpu", scaler=ScalerConfig(), init_scale=1024.0)
+@pytest.mark.parametrize("module", [lightning_precision, lp_fabric], ids=["trainer", "fabric"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_xpu_takes_the_scaler_as_one_config_only(module, dtype):
+    """The loss scaler's options are one ``ScalerConfig`` (flat arguments are FP16MixedPrecision's shorthand only): a
+    flat one is an unknown keyword, a plain ``TypeError`` as Python gives for any misspelt argument, in either dtype."""
+    for name in ("init_scale", "growth_interval", "init_scael"):
+        with pytest.raises(TypeError, match=rf"XPUPrecision.*__init__\(\) got an unexpected keyword argument '{name}'"):
+            module.XPUPrecision(dtype=dtype, device="cpu", **{name: 2})
+    assert "init_scale" not in inspect.signature(module.XPUPrecision).parameters
 
 
 def test_precision_fp16_trains_with_the_scaler_on_a_real_fit():
@@ -272,6 +272,10 @@ def test_the_guard_on_an_xpu_without_fp64_stands_aside_and_says_so(monkeypatch):
     monkeypatch.setattr(torch.xpu, "get_device_properties",
                         lambda *a: types.SimpleNamespace(name="Intel Arc A770", has_fp64=False))
     plugin = lp_fabric.XPUPrecision(skip_nonfinite=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plugin.device_type == "xpu"  # a property read asks no hardware
+    assert plugin.skip_nonfinite
     with pytest.warns(lightning_precision.NoEffectWarning, match=r"'Intel Arc A770' has no fp64.*not skipped"):
-        assert plugin.device_type == "xpu"
+        plugin.resolve_device()  # the explicit step (Fabric's first forward, the Trainer's connect)
     assert (plugin.skip_nonfinite, plugin.metrics()) == (False, {})

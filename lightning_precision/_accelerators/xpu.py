@@ -1,7 +1,8 @@
-"""XPUAccelerator: Intel GPUs through upstream torch's ``torch.xpu`` (no IPEX needed), for Fabric and the Trainer.
+"""XPUAccelerator: Intel GPUs through upstream torch's ``torch.xpu`` (no IPEX needed), for Fabric (the Trainer's
+subclass is in ``trainer.py``).
 
-Lightning 2.6 rejects ``accelerator="xpu"`` (#20848). Importing ``lightning_precision`` registers this accelerator
-under ``"xpu"`` in both registries, unless the name is taken (a Lightning that ships its own XPU accelerator keeps it).
+Lightning 2.6 rejects ``accelerator="xpu"`` (Lightning #20848). Importing ``lightning_precision`` registers this
+accelerator under ``"xpu"``, unless the name is taken (a Lightning that ships its own XPU accelerator keeps it).
 
 For an accelerator they do not know, Lightning's connectors pick the wrong strategy: single-device on ``cpu``, and DDP
 over ``gloo``, which cannot reduce XPU tensors (torch's backend for XPU is ``xccl``). Nothing here patches them: the
@@ -12,17 +13,17 @@ Not run on real Intel hardware here: no XPU exists on this project's machines.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
-from lightning.pytorch.accelerators import Accelerator as TrainerAccelerator
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-__all__ = ["XPU_BACKEND", "TrainerXPUAccelerator", "XPUAccelerator", "describe_missing_xpu", "parse_xpu_devices",
+from lightning_precision._upstream.torch import xpu_is_compiled
+
+__all__ = ["XPU_BACKEND", "XPUAccelerator", "describe_missing_xpu", "parse_xpu_devices", "strategy_fix",
            "xpu_available", "xpu_device_count"]
 
 XPU_BACKEND = "xccl"
@@ -40,7 +41,7 @@ def describe_missing_xpu() -> str:
     """What was found instead of an XPU, for the error."""
     if not hasattr(torch, "xpu"):
         why = f"torch {torch.__version__} has no torch.xpu (torch >= 2.5 with XPU support is needed)"
-    elif not torch.xpu._is_compiled():
+    elif not xpu_is_compiled():
         why = f"torch {torch.__version__} was built without XPU support (install PyTorch's XPU build)"
     else:
         why = "torch.xpu.device_count() is 0 (no Intel GPU visible: check the driver and ZE_AFFINITY_MASK)"
@@ -50,7 +51,7 @@ def describe_missing_xpu() -> str:
     return f"{why}; found instead: {', '.join(others + ['cpu'])}"
 
 
-def parse_xpu_devices(devices: Union[int, str, list[int]]) -> list[int]:
+def parse_xpu_devices(devices: int | str | list[int]) -> list[int]:
     """``devices`` as XPU indices: an int n (the first n; -1 or "auto" for all), "0,2", or a list of indices."""
     count = xpu_device_count()
     if devices in ("auto", -1, "-1"):
@@ -67,10 +68,10 @@ def parse_xpu_devices(devices: Union[int, str, list[int]]) -> list[int]:
     return list(devices)
 
 
-def _fix(cls: type) -> str:
-    trainer = issubclass(cls, TrainerAccelerator)
-    return (f"`{'L.Trainer' if trainer else 'L.Fabric'}(strategy={cls.__name__}.strategy(devices=...))`, from"
-            " `lightning_precision._accelerators`")
+def strategy_fix(cls: Any) -> str:
+    """The call that picks the right strategy, for the errors of ``cls`` (Fabric's accelerator or the Trainer's)."""
+    return (f"`{cls.entry_point}(strategy={cls.__name__}.strategy(devices=...))`, from"
+            " `lightning_precision`")
 
 
 class XPUAccelerator(FabricAccelerator):
@@ -83,20 +84,24 @@ class XPUAccelerator(FabricAccelerator):
 
     _single_strategy: Any = FabricSingleDeviceStrategy
     _ddp_strategy: Any = FabricDDPStrategy
+    entry_point = "L.Fabric"  # named in the errors' fix
 
     def __init__(self) -> None:
         if not xpu_available():
-            raise RuntimeError(f"`accelerator='xpu'` was asked for, but no Intel XPU is available: {describe_missing_xpu()}.")
+            raise RuntimeError(
+                f"`accelerator='xpu'` was asked for, but no Intel XPU is available: {describe_missing_xpu()}."
+            )
         super().__init__()
 
     @classmethod
-    def strategy(cls, devices: Union[int, str, list[int]] = "auto", num_nodes: int = 1) -> Any:
+    def strategy(cls, devices: int | str | list[int] = "auto", num_nodes: int = 1) -> Any:
         """The strategy for ``devices`` XPUs, with this accelerator: one device gives a single-device strategy on it,
         several (or several nodes) DDP over XCCL. Lightning would pick ``cpu`` and ``gloo``."""
         accelerator = cls()
         indices = parse_xpu_devices(devices)
         if num_nodes <= 1 and len(indices) <= 1:
-            return cls._single_strategy(device=torch.device("xpu", indices[0] if indices else 0), accelerator=accelerator)
+            device = torch.device("xpu", indices[0] if indices else 0)
+            return cls._single_strategy(device=device, accelerator=accelerator)
         return cls._ddp_strategy(accelerator=accelerator, parallel_devices=[torch.device("xpu", i) for i in indices],
                                  process_group_backend=XPU_BACKEND)
 
@@ -105,7 +110,7 @@ class XPUAccelerator(FabricAccelerator):
         if device.type != "xpu":
             raise ValueError(
                 f"{type(self).__name__} was given the strategy's device {device}: Lightning picks a CPU strategy for"
-                f" accelerators it does not know. Pass the XPU strategy: {_fix(type(self))}."
+                f" accelerators it does not know. Pass the XPU strategy: {strategy_fix(type(self))}."
             )
         torch.xpu.set_device(device)
 
@@ -116,7 +121,7 @@ class XPUAccelerator(FabricAccelerator):
 
     @staticmethod
     @override
-    def parse_devices(devices: Union[int, str, list[int]]) -> list[int]:
+    def parse_devices(devices: int | str | list[int]) -> list[int]:
         return parse_xpu_devices(devices)
 
     @staticmethod
@@ -144,28 +149,3 @@ class XPUAccelerator(FabricAccelerator):
         # Never replace a registration: an "xpu" Lightning (or another package) registered first is left in place.
         if "xpu" not in accelerator_registry:
             accelerator_registry.register("xpu", cls, description=cls.__name__)
-
-
-class TrainerXPUAccelerator(TrainerAccelerator, XPUAccelerator):
-    """Intel XPU accelerator for the Trainer: ``Trainer(strategy=TrainerXPUAccelerator.strategy(devices=4))``; device
-    stats from ``torch.xpu.memory_stats``."""
-
-    _single_strategy = SingleDeviceStrategy
-    _ddp_strategy = DDPStrategy
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        # Fabric has no such hook; the Trainer's stops DDP over gloo here, before the first step.
-        # Only Lightning's own choice is stopped: gloo, or None (resolved to gloo for a device it does not know). An
-        # explicit backend is the user's (oneCCL's "ccl" from the IPEX workflow reduces XPU tensors too).
-        strategy = trainer.strategy
-        if hasattr(strategy, "process_group_backend") and strategy.process_group_backend in (None, "gloo"):
-            backend = "gloo"
-            raise ValueError(
-                f"`{type(strategy).__name__}` reduces over {backend!r}, which cannot reduce XPU tensors. Pass the XPU"
-                f" strategy: {_fix(type(self))} (DDP over {XPU_BACKEND!r})."
-            )
-
-    @override
-    def get_device_stats(self, device: Any) -> dict[str, Any]:
-        return dict(torch.xpu.memory_stats(device)) if xpu_available() else {}

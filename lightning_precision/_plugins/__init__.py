@@ -1,9 +1,9 @@
 """Precision plugins for the Trainer: ``Trainer(plugins=[FP16MixedPrecision()])``."""
 
-import lightning_precision._accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
+import lightning_precision._accelerators.trainer  # noqa: F401  (registers accelerator="xpu" where the name is free)
 from lightning_precision._plugins.bf16_mixed import BF16MixedPrecision
-from lightning_precision._plugins.fp16_mixed import FP16MixedPrecision
 from lightning_precision._plugins.fp8 import FP8Precision, NVFP4Precision
+from lightning_precision._plugins.fp16_mixed import FP16MixedPrecision
 from lightning_precision._plugins.xpu import XPUPrecision
 
 __all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "FP8Precision", "NVFP4Precision", "XPUPrecision"]

@@ -14,9 +14,9 @@ Which hooks see scaled values:
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import Optimizable
@@ -27,15 +27,20 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_precision._lightning import optimizer_handles_unscaling, should_update_logs
-from lightning_precision.fabric._scaled import check_optimizer, closure_driven
 from lightning_precision._plugins._schedulers import hold_step_schedulers
 from lightning_precision._plugins._trainer import LIGHTNING_AMP_KEY, TrainerHooks
+from lightning_precision._upstream.lightning import optimizer_handles_unscaling, should_update_logs
+from lightning_precision.fabric._scaled import ScaledPrecision, check_optimizer, closure_driven
+
+if TYPE_CHECKING:  # what the mixin is always mixed with, for the type checker
+    FabricCore = ScaledPrecision
+else:
+    FabricCore = object
 
 __all__ = ["TrainerScaledPrecision"]
 
 
-class TrainerScaledPrecision(TrainerHooks):
+class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  # Trainer and Fabric hooks differ
     """Mixed into ``class X(TrainerScaledPrecision, FabricX)`` where ``FabricX`` is a ``ScaledPrecision``.
 
     The scale is updated after the optimizer step with automatic optimization (one optimizer per backward), and at the
@@ -49,7 +54,7 @@ class TrainerScaledPrecision(TrainerHooks):
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
         self._held_optimizers: set[int] = set()
-        self._manual_model: Optional[pl.LightningModule] = None
+        self._manual_model: pl.LightningModule | None = None
         if self.scaler_config is not None:  # a loss scaler; the guard steps closure-driven optimizers its own way
             for optimizer in optimizers:
                 check_optimizer(type(self).__name__, optimizer)
@@ -130,7 +135,7 @@ class TrainerScaledPrecision(TrainerHooks):
     def clip_gradients(
         self,
         optimizer: Optimizer,
-        clip_val: Union[int, float] = 0.0,
+        clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         if clip_val > 0 and self.scaler_config is not None and optimizer_handles_unscaling(optimizer):

@@ -9,7 +9,8 @@ own (``Tuner.lr_find`` swaps in its sweep after ``connect``) are never touched.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.optim import Optimizer
 
@@ -17,8 +18,8 @@ __all__ = ["HeldScheduler", "hold_step_schedulers"]
 
 
 class HeldScheduler:
-    """Forwards everything to ``scheduler`` (state, attributes, ``isinstance`` checks) except ``step()``, which is skipped
-    while ``is_held(scheduler.optimizer)`` is true."""
+    """Forwards everything to ``scheduler`` (state, attributes, ``isinstance`` checks) except ``step()``, which is
+    skipped while ``is_held(scheduler.optimizer)`` is true."""
 
     def __init__(self, scheduler: Any, is_held: Callable[[Optimizer], bool]) -> None:
         object.__setattr__(self, "scheduler", scheduler)

@@ -1,9 +1,10 @@
-"""What every Trainer plugin adds to its Fabric class: device resolution at ``connect`` and checkpoint compatibility."""
+"""What every Trainer plugin adds to its Fabric class: device resolution at ``connect``, the Trainer's ThroughputMonitor
+taught the plugin's compute dtype, and checkpoint compatibility."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
@@ -12,6 +13,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_precision._upstream.lightning import TRAINER_THROUGHPUT_MODULE, install_throughput_dtype
+from lightning_precision.fabric._autocast import AutocastPrecision
+
+if TYPE_CHECKING:  # what the mixin is always mixed with, for the type checker
+    FabricCore = AutocastPrecision
+else:
+    FabricCore = object
+
 __all__ = ["LIGHTNING_AMP_KEY", "TrainerHooks"]
 
 # Keys under which Lightning's own plugin saves the scaler: its class name, and the pre-1.6 name.
@@ -19,17 +28,22 @@ LIGHTNING_AMP_KEY = "MixedPrecision"
 _LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")
 
 
-class TrainerHooks(TrainerPrecision):
+class TrainerHooks(TrainerPrecision, FabricCore):  # type: ignore[misc]  # Trainer and Fabric hooks differ
     """Mixed into ``class X(TrainerHooks, FabricX)``: Trainer hooks first, Fabric behaviour after (see MRO)."""
 
     @override
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[Module, list[Optimizer], list[Any]]:
-        # Strategies call this after moving the model: the first moment its device is known.
+        # Strategies call this after moving the model: the first moment its device is known, and the one step that
+        # resolves it (hardware checks, FSDP2's checks).
         self._module_ref = weakref.ref(model)
-        _ = self.device_type  # type: ignore[attr-defined]
+        self.resolve_device()  # type: ignore[attr-defined]
         return super().connect(model, optimizers, lr_schedulers)
+
+    def _install_throughput_dtype(self) -> None:
+        super()._install_throughput_dtype()  # type: ignore[misc]
+        install_throughput_dtype(TRAINER_THROUGHPUT_MODULE, AutocastPrecision)
 
     @override
     def backward(  # type: ignore[override]

@@ -1,12 +1,12 @@
 """bf16 mixed precision for the Trainer."""
 
-from lightning_precision.fabric.bf16_mixed import BF16MixedPrecision as _FabricBF16MixedPrecision
 from lightning_precision._plugins._scaled import TrainerScaledPrecision
+from lightning_precision.fabric.bf16_mixed import BF16MixedPrecision as _FabricBF16MixedPrecision
 
 __all__ = ["BF16MixedPrecision"]
 
 
-class BF16MixedPrecision(TrainerScaledPrecision, _FabricBF16MixedPrecision):
+class BF16MixedPrecision(TrainerScaledPrecision, _FabricBF16MixedPrecision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
     """bf16 autocast for the Trainer: ``Trainer(plugins=[BF16MixedPrecision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.BF16MixedPrecision`; no loss scaling. With

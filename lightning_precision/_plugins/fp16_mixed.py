@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricFP16MixedPrecision
 from lightning_precision._plugins._scaled import TrainerScaledPrecision
+from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricFP16MixedPrecision
 
 __all__ = ["FP16MixedPrecision"]
 
 
-class FP16MixedPrecision(TrainerScaledPrecision, _FabricFP16MixedPrecision):
+class FP16MixedPrecision(TrainerScaledPrecision, _FabricFP16MixedPrecision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
     """fp16 autocast with a ``GradScaler`` for the Trainer: ``Trainer(plugins=[FP16MixedPrecision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.FP16MixedPrecision` (keyword-only). In addition, at the

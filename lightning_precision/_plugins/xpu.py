@@ -8,13 +8,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_precision.fabric.xpu import XPUPrecision as _FabricXPUPrecision
 from lightning_precision._plugins._scaled import TrainerScaledPrecision
+from lightning_precision.fabric.xpu import XPUPrecision as _FabricXPUPrecision
 
 __all__ = ["XPUPrecision"]
 
 
-class XPUPrecision(TrainerScaledPrecision, _FabricXPUPrecision):
+class XPUPrecision(TrainerScaledPrecision, _FabricXPUPrecision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
     """bf16 (default) or fp16 autocast on Intel GPUs for the Trainer:
     ``Trainer(strategy=TrainerXPUAccelerator.strategy(devices=1), plugins=[XPUPrecision()])``.
 

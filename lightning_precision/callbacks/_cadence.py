@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from lightning_precision._checks import is_positive_int
-from lightning_precision._lightning import batches_that_stepped, should_update_logs
+from lightning_precision._upstream.lightning import batches_that_stepped, should_update_logs
 
 __all__ = ["on_cadence", "set_cadence"]
 

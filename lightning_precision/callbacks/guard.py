@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_precision import fp8 as _fp8
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._checks import is_positive_int
-from lightning_precision._lightning import batches_that_stepped, should_update_logs
+from lightning_precision._upstream.lightning import batches_that_stepped, should_update_logs
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.plan import PlanRule, _measured_numbers, demotions, plan_suffix
 from lightning_precision._accumulator import all_reduce

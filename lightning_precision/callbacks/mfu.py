@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_precision._lightning import batches_that_stepped
+from lightning_precision._upstream.lightning import batches_that_stepped
 from lightning_precision._mfu import (
     KINDS,
     PeakChoice,

@@ -17,8 +17,8 @@ from typing_extensions import override
 
 from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
 from lightning_precision._fsdp import is_sharded, local_shard
-from lightning_precision._lightning import unwrapped_name
 from lightning_precision._plots import check_plot_path
+from lightning_precision._upstream.lightning import unwrapped_name
 from lightning_precision._warnings import warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.fabric._scaler import ScalerConfig, scale_of

@@ -150,10 +150,10 @@ def _precheck(precision: str, args: argparse.Namespace) -> Optional[str]:
     if precision in _FP8_PRECISIONS and not _imports.TORCHAO_AVAILABLE:
         return f"{precision} needs torchao, which is not installed: {_imports.install_command('torchao')}"
     if precision == "bf16-mixed" and _on_gpu(args):
-        from lightning_precision.fabric.bf16_mixed import _check_bf16_supported
+        from lightning_precision.fabric._devices import check_bf16_supported
 
         try:
-            _check_bf16_supported("cuda")
+            check_bf16_supported("cuda")
         except RuntimeError as err:
             return _one_line(err)
     try:

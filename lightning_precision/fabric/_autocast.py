@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -21,7 +21,11 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision import _fsdp
-from lightning_precision._lightning import convert_fp_tensor, install_throughput_dtype
+from lightning_precision._upstream.lightning import (
+    FABRIC_THROUGHPUT_MODULE,
+    convert_fp_tensor,
+    install_throughput_dtype,
+)
 
 __all__ = ["MatmulPrecision", "AutocastPrecision"]
 
@@ -30,7 +34,7 @@ _MATMUL_PRECISIONS = ("highest", "high", "medium")
 MatmulPrecision = Literal["highest", "high", "medium"]
 
 
-def _module_device_types(module: Optional[Module]) -> list[str]:
+def _module_device_types(module: Module | None) -> list[str]:
     """The device types the module's parameters and buffers live on, in order of first appearance (meta excluded)."""
     if module is None:
         return []
@@ -40,7 +44,7 @@ def _module_device_types(module: Optional[Module]) -> list[str]:
     return [t for t in seen if t != "meta"]
 
 
-def _validate_device(owner: str, device: Optional[str]) -> None:
+def _validate_device(owner: str, device: str | None) -> None:
     if device is not None and device not in _AUTOCAST_DEVICES:
         raise ValueError(
             f"`{owner}(device={device!r})` is not an autocast device. Use one of {_AUTOCAST_DEVICES}, or leave"
@@ -59,7 +63,7 @@ def _validate_reduce_dtype(owner: str, reduce_dtype: Any) -> None:
         )
 
 
-def _validate_matmul_precision(owner: str, matmul_precision: Optional[str]) -> None:
+def _validate_matmul_precision(owner: str, matmul_precision: str | None) -> None:
     if matmul_precision is not None and matmul_precision not in _MATMUL_PRECISIONS:
         raise ValueError(
             f"`{owner}(matmul_precision={matmul_precision!r})` is not a float32 matmul precision. Use one of"
@@ -70,15 +74,17 @@ def _validate_matmul_precision(owner: str, matmul_precision: Optional[str]) -> N
 class AutocastPrecision(FabricPrecision):
     """Fabric base of every autocast plugin: ``torch.autocast(device_type, dtype)`` with both always explicit.
 
-    Subclasses set ``precision`` and pass ``compute_dtype``; the device type is resolved once, from the model, the first
-    time it is needed after the model has been moved (Fabric and the Trainer both move it after ``convert_module``).
+    Subclasses set ``precision`` and pass ``compute_dtype``. The device type is resolved once, from the model, in one
+    explicit step (``resolve_device``) after the model has been moved (Fabric and the Trainer both move it after
+    ``convert_module``): the Trainer at ``connect``, Fabric at the first forward. That step runs the hardware checks
+    and, for a sharded model, FSDP2's checks (one collective); no property read runs either.
     """
 
     def __init__(
         self,
         compute_dtype: torch.dtype,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         owner = type(self).__name__
@@ -89,10 +95,15 @@ class AutocastPrecision(FabricPrecision):
         self.device = device
         self.matmul_precision = matmul_precision
         self.reduce_dtype = reduce_dtype
-        self._device_type: Optional[str] = None
-        self._checked_device: Optional[str] = None
-        self._module_ref: Optional[weakref.ref] = None
-        install_throughput_dtype()
+        self._device_type: str | None = None
+        self._checked_device: str | None = None
+        self._module_ref: weakref.ref | None = None
+        self._install_throughput_dtype()
+
+    def _install_throughput_dtype(self) -> None:
+        """Teach Lightning's ThroughputMonitor this plugin's ``peak_flops_dtype`` (the Trainer classes add the Trainer's
+        monitor)."""
+        install_throughput_dtype(FABRIC_THROUGHPUT_MODULE, AutocastPrecision)
 
     @property
     def peak_flops_dtype(self) -> torch.dtype:
@@ -115,7 +126,7 @@ class AutocastPrecision(FabricPrecision):
     # plugins without a loss scaler, and overridden by the one that has it (FP16MixedPrecision).
 
     @property
-    def loss_scale(self) -> Optional[float]:
+    def loss_scale(self) -> float | None:
         """The current loss scale; ``None``: this plugin does no loss scaling."""
         return None
 
@@ -131,32 +142,49 @@ class AutocastPrecision(FabricPrecision):
 
     @property
     def device_type(self) -> str:
-        """The device type autocast runs for: where the model lives (the explicit ``device`` must be one of those
-        places); before a model with real tensors is known, the explicit ``device``, else cpu (not remembered)."""
-        if self._device_type is None:
-            module = self._module_ref() if self._module_ref is not None else None
-            found = _module_device_types(module)
-            if not found:
-                # Nothing to look at yet (no model set up, a model without tensors, or one on meta): do not remember.
-                if self.device is not None and self._checked_device != self.device:
-                    self._on_device_resolved(self.device)  # an explicit device is checked right away
-                    self._checked_device = self.device
-                return self.device or ("meta" if module is not None and next(module.parameters(), None) is not None
-                                       else "cpu")
-            if self.device is not None and self.device not in found:
-                raise ValueError(
-                    f"`{type(self).__name__}(device={self.device!r})` autocasts for {self.device!r}, but the model lives"
-                    f" on {' and '.join(map(repr, found))}: autocast would not touch its operations, and it would train"
-                    f" in fp32 while reporting precision={self.precision!r}. Move the model to {self.device!r} (the"
-                    f" Trainer's or Fabric's `accelerator`), or pass the device it lives on."
-                )
-            # Several device types (layers offloaded to the CPU): autocast for the accelerator.
-            resolved = self.device or next((t for t in found if t != "cpu"), found[0])
-            self._on_device_resolved(resolved)  # may raise (unsupported hardware): then nothing is remembered
-            if _fsdp.is_sharded(module):  # sharded by now: the Trainer resolves at `connect`, Fabric at first forward
-                self._on_sharded(module)  # may raise too (a gloo that sums): asked again at the next use
-            self._device_type = resolved
-        return self._device_type
+        """The device type autocast runs for, as resolved (see ``resolve_device``); before that, where the model lives
+        (the explicit ``device`` if given, cpu without a model), unchecked and not remembered. Reads no hardware."""
+        if self._device_type is not None:
+            return self._device_type
+        module = self._module_ref() if self._module_ref is not None else None
+        found = _module_device_types(module)
+        if self.device is not None:
+            return self.device
+        if found:
+            return next((t for t in found if t != "cpu"), found[0])
+        return "meta" if module is not None and next(module.parameters(), None) is not None else "cpu"
+
+    def resolve_device(self) -> str:
+        """Resolve the autocast device from where the model lives, once, and check it: the explicit ``device`` must be
+        one of those places, the hardware must support the plugin (``_on_device_resolved``), and a model FSDP2 has
+        sharded passes ``_on_sharded`` (one collective). Called by the Trainer at ``connect`` and by Fabric's first
+        forward; a check that raises leaves nothing remembered, so it is asked again at the next use.
+        Before a model with real tensors is known, the explicit ``device`` is checked (once) and nothing is
+        remembered."""
+        if self._device_type is not None:
+            return self._device_type
+        module = self._module_ref() if self._module_ref is not None else None
+        found = _module_device_types(module)
+        if not found:
+            # Nothing to look at yet (no model set up, a model without tensors, or one on meta): do not remember.
+            if self.device is not None and self._checked_device != self.device:
+                self._on_device_resolved(self.device)  # an explicit device is checked right away
+                self._checked_device = self.device
+            return self.device_type
+        if self.device is not None and self.device not in found:
+            raise ValueError(
+                f"`{type(self).__name__}(device={self.device!r})` autocasts for {self.device!r}, but the model lives"
+                f" on {' and '.join(map(repr, found))}: autocast would not touch its operations, and it would train"
+                f" in fp32 while reporting precision={self.precision!r}. Move the model to {self.device!r} (the"
+                f" Trainer's or Fabric's `accelerator`), or pass the device it lives on."
+            )
+        # Several device types (layers offloaded to the CPU): autocast for the accelerator.
+        resolved = self.device or next((t for t in found if t != "cpu"), found[0])
+        self._on_device_resolved(resolved)  # may raise (unsupported hardware): then nothing is remembered
+        if module is not None and _fsdp.is_sharded(module):  # sharded by now: the Trainer resolves at `connect`
+            self._on_sharded(module)  # may raise too (a gloo that sums): asked again at the next use
+        self._device_type = resolved
+        return resolved
 
     def _on_device_resolved(self, device_type: str) -> None:
         """Hook for subclasses that hold device-bound state (the fp16 scaler) or must check the hardware."""
@@ -201,7 +229,7 @@ class AutocastPrecision(FabricPrecision):
         # No weight cache: before pytorch#165068 (torch < 2.10 or so), a `no_grad` forward inside the autocast region
         # cached casts without grad history, and the next forward's backward failed (Lightning #20644). Lightning makes
         # the same choice; the cache only saves re-casting weights used twice in one forward.
-        return torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False)
+        return torch.autocast(self.resolve_device(), dtype=self.compute_dtype, cache_enabled=False)
 
     @override
     @contextmanager
@@ -210,7 +238,7 @@ class AutocastPrecision(FabricPrecision):
             yield
 
     @override
-    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         with self._backward_scope():
             super().backward(tensor, model, *args, **kwargs)
 

@@ -1,16 +1,18 @@
 """The autocast core with an optional loss scaler: what every plugin that trains shares.
 
 With a ``ScalerConfig`` (fp16) the plugin scales the loss with a bounded, counting ``GradScaler`` (see ``_scaler``).
-Without one (bf16, fp8 in bf16) it scales nothing, and with ``skip_nonfinite`` the same scaler machinery runs at a fixed
-scale of 1 as a guard: a step with inf/nan gradients is skipped, counted and stopped after ``max_consecutive_skips`` in a
-row, schedulers are held, the counters are checkpointed. With neither it is plain autocast, as Lightning's plugins are.
+Without one (bf16, fp8 in bf16) it scales nothing, and with ``skip_nonfinite`` the same scaler machinery runs at a
+fixed scale of 1 as a guard: a step with inf/nan gradients is skipped, counted and stopped after
+``max_consecutive_skips`` in a row, schedulers are held, the counters are checkpointed. With neither it is plain
+autocast, as Lightning's plugins are.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import Optimizable
@@ -19,25 +21,26 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_precision._lightning import optimizer_handles_unscaling
-from lightning_precision.fabric._autocast import MatmulPrecision, AutocastPrecision
-from lightning_precision.fabric._scaler import ScalerConfig, NonFiniteGuard, TrackingGradScaler
+from lightning_precision._upstream.lightning import optimizer_handles_unscaling
+from lightning_precision.fabric._autocast import AutocastPrecision, MatmulPrecision
+from lightning_precision.fabric._scaler import NonFiniteGuard, ScalerConfig, TrackingGradScaler
 
 __all__ = ["SKIP_NONFINITE_DEFAULT", "ScaledPrecision", "check_optimizer", "closure_driven"]
 
 # Whether plugins without loss scaling skip steps with inf/nan gradients unless told: off, because the check costs more
-# than the 2% of a step issue 23 allowed a default (3-7% on benchmarks/plugin_overhead.py's MLP, docs/benchmarks.md).
+# than the 2% of a step allowed a default (3-7% on benchmarks/plugin_overhead.py's MLP, docs/benchmarks.md).
 SKIP_NONFINITE_DEFAULT = False
 
 
 def closure_driven(optimizer: Any) -> bool:
     """Whether ``optimizer`` evaluates its closure inside ``step`` (its gradients do not exist before it): LBFGS, or any
     optimizer whose ``step`` requires a closure."""
-    return _requires_closure(type(optimizer))
+    cls: Any = type(optimizer)
+    return _requires_closure(cls)
 
 
-@functools.lru_cache(maxsize=None)
-def _requires_closure(cls: type) -> bool:
+@functools.cache
+def _requires_closure(cls: Any) -> bool:
     if issubclass(cls, LBFGS):
         return True
     try:
@@ -67,13 +70,13 @@ class ScaledPrecision(AutocastPrecision):
     def __init__(
         self,
         compute_dtype: torch.dtype,
-        scaler: Optional[ScalerConfig],
+        scaler: ScalerConfig | None,
         skip_schedulers_on_overflow: bool,
-        device: Optional[str],
-        matmul_precision: Optional[MatmulPrecision],
+        device: str | None,
+        matmul_precision: MatmulPrecision | None,
         reduce_dtype: torch.dtype,
         skip_nonfinite: bool = False,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
         owner = type(self).__name__
@@ -88,12 +91,13 @@ class ScaledPrecision(AutocastPrecision):
         if scaler is None:
             ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips).validate(owner)
             if not skip_nonfinite and max_consecutive_skips != ScalerConfig.max_consecutive_skips:
-                raise ValueError(f"`{owner}(max_consecutive_skips={max_consecutive_skips!r})`: without loss scaling this"
+                raise ValueError(f"`{owner}(max_consecutive_skips={max_consecutive_skips!r})`: without loss scaling"
+                                 " this"
                                  " plugin skips nothing unless asked, so the limit would have no effect. Pass"
                                  " `skip_nonfinite=True` too, or leave `max_consecutive_skips` out.")
         # What scales and skips: the loss scaler, or the guard (a scaler at a fixed scale of 1). Built for cpu until the
         # model's device is known, then rebuilt there with its state.
-        self._scaler: Optional[TrackingGradScaler] = None
+        self._scaler: TrackingGradScaler | None = None
         if scaler is not None:
             self._scaler = TrackingGradScaler(device or "cpu", scaler, owner=owner)
         elif skip_nonfinite:
@@ -102,7 +106,7 @@ class ScaledPrecision(AutocastPrecision):
         self._update_pending = False
 
     @property
-    def scaler(self) -> Optional[TrackingGradScaler]:
+    def scaler(self) -> TrackingGradScaler | None:
         """The loss scaler (a ``torch.amp.GradScaler``); ``None`` without loss scaling, as for Lightning's bf16 plugin
         (``trainer.scaler`` reads it), also where the non-finite guard skips steps."""
         return self._scaler if self.scaler_config is not None else None
@@ -118,9 +122,9 @@ class ScaledPrecision(AutocastPrecision):
 
     @property
     @override
-    def loss_scale(self) -> Optional[float]:
-        """The current loss scale (reads the device); ``None`` without loss scaling (the guard's scale is no loss
-        scale)."""
+    def loss_scale(self) -> float | None:
+        """The current loss scale: applies the scale update pending since the last optimizer step (a write), then
+        reads the device; ``None`` without loss scaling (the guard's scale is no loss scale)."""
         if self._scaler is None or self.scaler_config is None:
             return None
         self.apply_pending_update()
@@ -129,7 +133,8 @@ class ScaledPrecision(AutocastPrecision):
     @property
     @override
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because gradients had inf/nan (reads the device); 0 when nothing is skipped."""
+        """Optimizer steps skipped because gradients had inf/nan: applies the pending scale update (a write), then
+        reads the device; 0 when nothing is skipped."""
         if self._scaler is None:
             return 0
         self.apply_pending_update()
@@ -176,18 +181,19 @@ class ScaledPrecision(AutocastPrecision):
         return tensor if self._scaler is None else self._scaler.scale(tensor)
 
     @override
-    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         self.update_after_every_step()  # at a backward, every optimizer of the last one has stepped
         super().backward(self._scale_loss(tensor), model, *args, **kwargs)
 
-    def _scaler_step(self, optimizer: Optimizable, closure_step: Optional[Callable[[], Any]] = None,
+    def _scaler_step(self, optimizer: Optimizable, closure_step: Callable[[], Any] | None = None,
                      **kwargs: Any) -> Any:
         """Step ``optimizer`` through the scaler or the guard. ``closure_step``: how a closure-driven optimizer steps
         (evaluating the closure itself), for the guard to undo if it leaves non-finite weights."""
         if self._scaler is None:
             self.step_was_skipped = False
             return optimizer.step(**kwargs) if closure_step is None else closure_step()
-        if self._update_pending and self.scaler_config is None and self._scaler.has_stepped(optimizer):
+        if (self._update_pending and isinstance(self._scaler, NonFiniteGuard)
+                and self._scaler.has_stepped(optimizer)):  # type: ignore[arg-type]
             # The guard, and a new iteration whose backward did not come through the plugin (`loss.backward()` by
             # hand): at a scale of 1 nothing was missed but the update, applied now.
             self.update_after_every_step()

@@ -4,8 +4,9 @@ device, and stops a run that skips every step.
 Three holes of torch's scaler are closed here:
 
 - **The scale is bounded.** At a scale <= 2**-128, ``1/scale`` is inf in fp32, and torch's unscale checks gradients for
-  inf *before* multiplying, so a clean step computes ``0 * inf = nan`` into every weight, unflagged. 144 non-finite steps
-  in a row with torch's defaults get there. After every update the scale is clamped to ``[min_scale, max_scale]`` (an
+  inf *before* multiplying, so a clean step computes ``0 * inf = nan`` into every weight, unflagged. 144 non-finite
+  steps in a row with torch's defaults get there. After every update the scale is clamped to
+  ``[min_scale, max_scale]`` (an
   on-device op: no synchronisation); arguments and checkpoints are validated against the same bounds.
 - **A run that skips every step stops.** After ``max_consecutive_skips`` skipped steps in a row it raises
   :class:`SkippedStepsError` instead of training nothing (at ``min_scale`` fp16 flushes almost every gradient, and the
@@ -14,29 +15,31 @@ Three holes of torch's scaler are closed here:
   them, and the host-side answer torch already computed for ordinary optimizers is kept, so that "was this step
   skipped?" is free there.
 
-It reads torch's ``_per_optimizer_states``, ``_scale`` and ``_init_scale`` (stable since torch 1.6) and overrides no
-private method; whether a step ran is seen through the optimizer's public step post-hook. The non-finite guard (the
-scaler of plugins without loss scaling) records its check where ``unscale_`` does, with torch's own kernel
-(``torch._amp_foreach_non_finite_check_and_unscale_``, the op ``unscale_`` calls). The tests of this module fail if torch
-changes them.
+It uses its base's own state (``_per_optimizer_states``, ``_scale``, ...) and torch's check-and-unscale kernel, all
+listed in ``_upstream/torch.py`` with their canary, and overrides no private method; whether a step ran is seen through
+the optimizer's public step post-hook. The non-finite guard (the scaler of plugins without loss scaling) records its
+check where ``unscale_`` does, with torch's own kernel.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
-from lightning_precision._lightning import optimizer_handles_unscaling
+from lightning_precision._upstream.lightning import optimizer_handles_unscaling
+from lightning_precision._upstream.torch import grad_scaler_scale, non_finite_check_and_unscale_, sparse_values
 from lightning_precision._warnings import warn
 
-__all__ = ["MAX_LOG2_SCALE", "ScalerConfig", "SkippedStepsError", "NonFiniteGuard", "TrackingGradScaler", "resolve_scaler_config", "scale_of"]
+__all__ = ["MAX_LOG2_SCALE", "NonFiniteGuard", "ScalerConfig", "SkippedStepsError", "TrackingGradScaler",
+           "resolve_scaler_config", "scale_of"]
 
 
 class SkippedStepsError(RuntimeError):
@@ -75,7 +78,7 @@ class ScalerConfig:
     # Skipped steps in a row before the run stops with SkippedStepsError (None: never). From max_scale to min_scale is
     # 48 backoffs: a run that keeps skipping at the floor has non-finite gradients at every scale (a NaN in the loss,
     # a diverged model, activations beyond fp16's range), and training on would change nothing.
-    max_consecutive_skips: Optional[int] = 50
+    max_consecutive_skips: int | None = 50
 
     def validate(self, owner: str) -> None:
         def fail(name: str, fix: str) -> None:
@@ -122,7 +125,7 @@ class ScalerConfig:
         steps("max_consecutive_skips", allow_none=True)
 
 
-def resolve_scaler_config(owner: str, scaler: Optional[ScalerConfig], **flat: Any) -> ScalerConfig:
+def resolve_scaler_config(owner: str, scaler: ScalerConfig | None, **flat: Any) -> ScalerConfig:
     """One validated config from a plugin's ``scaler=`` and its flat scaler arguments (either, not both)."""
     config: ScalerConfig = one_config(owner, "scaler", ScalerConfig, scaler, flat)
     config.validate(owner)
@@ -151,8 +154,8 @@ class TrackingGradScaler(torch.amp.GradScaler):
         self._host_skipped: dict[int, bool] = {}
         # Set by `update_before_every_step`: the scale this backward's gradients carry, and whether that update saw an
         # inf; cleared by `scale` (the next backward).
-        self._carried: Optional[torch.Tensor] = None
-        self._early_found: Optional[torch.Tensor] = None
+        self._carried: torch.Tensor | None = None
+        self._early_found: torch.Tensor | None = None
 
     def scale(self, outputs: Any) -> Any:
         self._carried = self._early_found = None
@@ -183,10 +186,9 @@ class TrackingGradScaler(torch.amp.GradScaler):
                 state[device] = flag * (~self._early_found).to(flag.device, flag.dtype)
         return output
 
-    def _found_inf(self, optimizer: Optional[Optimizer] = None) -> Optional[torch.Tensor]:
-        states = (
-            [self._per_optimizer_states[id(optimizer)]] if optimizer is not None else self._per_optimizer_states.values()
-        )
+    def _found_inf(self, optimizer: Optimizer | None = None) -> torch.Tensor | None:
+        every = self._per_optimizer_states
+        states = [every[id(optimizer)]] if optimizer is not None else every.values()
         flags = [f for state in states for f in state["found_inf_per_device"].values()]
         if not flags or self._scale is None:
             return None
@@ -252,7 +254,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
         if self._scale is not None:
             self._scale.clamp_(self.config.min_scale, self.config.max_scale)
 
-    def _host_answer(self) -> Optional[bool]:
+    def _host_answer(self) -> bool | None:
         """Whether this iteration skipped, if every optimizer stepped since the last update answered on the host."""
         ids = list(self._per_optimizer_states)
         if not ids or any(i not in self._host_skipped for i in ids):
@@ -308,8 +310,9 @@ class TrackingGradScaler(torch.amp.GradScaler):
         """The checkpoint gives the state (scale, growth tracker, counters); the arguments of this scaler stay in force
         (a warning names any that differ from the checkpoint's). A scale that is not a finite positive number restarts
         from ``init_scale``; one outside ``[min_scale, max_scale]`` is clamped into it; both with a warning. A state
-        that is not a scaler's (a missing key, a scale that is no number, a negative count) is a ``ValueError``; the non-finite
-        guard's counters alone (a bf16 run of a plugin that also runs fp16) give the counters, and the scale starts from
+        that is not a scaler's (a missing key, a scale that is no number, a negative count) is a ``ValueError``; the
+        non-finite guard's counters alone (a bf16 run of a plugin that also runs fp16) give the counters, and the scale
+        starts from
         ``init_scale``."""
         if not self._enabled or not state_dict:
             return
@@ -345,8 +348,9 @@ class TrackingGradScaler(torch.amp.GradScaler):
                 f"The checkpoint's loss scale {scale:g} lies outside [min_scale, max_scale] = [{config.min_scale:g},"
                 f" {config.max_scale:g}]: clamped to {bounded:g}.",
             )
-        # torch grows the scale when the tracker reaches growth_interval exactly: a tracker saved under a larger interval
-        # would pass the new one and never grow again (until an overflow). Such a tracker is due: it grows next.
+        # torch grows the scale when the tracker reaches growth_interval exactly: a tracker saved under a larger
+        # interval would pass the new one and never grow again (until an overflow). Such a tracker is due: it grows
+        # next.
         self._init_growth_tracker = min(tracker, config.growth_interval - 1)
         self._init_scale = bounded
         if self._scale is not None:
@@ -367,7 +371,7 @@ class NonFiniteGuard(TrackingGradScaler):
     ranks for sharded (DTensor) gradients. Its state is its counters only: there is no scale to save.
     """
 
-    def __init__(self, device: str, max_consecutive_skips: Optional[int], owner: str = "GradScaler") -> None:
+    def __init__(self, device: str, max_consecutive_skips: int | None, owner: str = "GradScaler") -> None:
         super().__init__(device, ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips), owner=owner)
         self._ones: dict[torch.device, torch.Tensor] = {}  # the inverse scale, 1, per device
 
@@ -414,7 +418,7 @@ class NonFiniteGuard(TrackingGradScaler):
                 if grad is None:
                     continue
                 if grad.is_sparse:
-                    grad = grad._values()
+                    grad = sparse_values(grad)
                 elif grad.is_complex():
                     grad = torch.view_as_real(grad)
                 groups.setdefault((grad.device, grad.dtype), []).append(grad)
@@ -422,7 +426,7 @@ class NonFiniteGuard(TrackingGradScaler):
         for (device, _), grads in groups.items():
             if device not in found_per_device:
                 found_per_device[device] = torch.zeros((), device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
+            non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
         state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED
 
@@ -462,7 +466,7 @@ class NonFiniteGuard(TrackingGradScaler):
         bad = not all(bool(torch.isfinite(p).all()) for p in params)
         if bad:
             with torch.no_grad():
-                for p, before in zip(params, saved):
+                for p, before in zip(params, saved, strict=True):
                     p.copy_(before)
         device = self._scale.device if self._scale is not None else torch.device("cpu")
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {device: torch.tensor(float(bad),
@@ -480,7 +484,7 @@ class NonFiniteGuard(TrackingGradScaler):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(zip(_COUNTER_KEYS, (int(self._skipped), int(self._steps), int(self._streak))))
+        return dict(zip(_COUNTER_KEYS, (int(self._skipped), int(self._steps), int(self._streak)), strict=True))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The counters, where the state has them: ``{}`` (a checkpoint from before the guard) leaves them at 0, and a
@@ -497,7 +501,8 @@ class _CheckedState:
 
     def _fail(self, problem: str) -> ValueError:
         return ValueError(
-            f"`{self.owner}.load_state_dict`: the checkpoint's scaler state {problem}. Resume from a checkpoint that this"
+            f"`{self.owner}.load_state_dict`: the checkpoint's scaler state {problem}. Resume from a checkpoint that"
+            " this"
             f" plugin or Lightning's MixedPrecision saved, or delete the plugin's entry (`checkpoint[{self.owner!r}]`,"
             " and `checkpoint['MixedPrecision']` if there is one) to start the scaler afresh."
         )
@@ -524,7 +529,7 @@ class _CheckedState:
             raise self._fail(f"has {key}={value!r}, which is not a count of steps (an int >= 0)")
         return int(value)
 
-    def counters(self, max_consecutive_skips: Optional[int]) -> tuple[int, int, int]:
+    def counters(self, max_consecutive_skips: int | None) -> tuple[int, int, int]:
         """``skipped_steps``, ``optimizer_steps`` and ``consecutive_skips`` (0 where absent, as in Lightning's state);
         a streak at or above ``max_consecutive_skips`` restarts from 0, with a warning."""
         skipped, steps, streak = (self.count(key) for key in _COUNTER_KEYS)
@@ -533,7 +538,8 @@ class _CheckedState:
                 f"`{self.owner}.load_state_dict`: the checkpoint's consecutive_skips={streak} is at or above"
                 f" max_consecutive_skips={max_consecutive_skips} (saved under a larger limit, or none): resumed as is,"
                 " the run would stop at its first skipped step. The streak restarts from 0, so the run stops only"
-                f" after {max_consecutive_skips} skipped steps in a row from here. Pass a larger `max_consecutive_skips`"
+                f" after {max_consecutive_skips} skipped steps in a row from here. Pass a larger"
+                " `max_consecutive_skips`"
                 " to keep counting the checkpoint's streak."
             )
             streak = 0
@@ -542,7 +548,5 @@ class _CheckedState:
 
 def scale_of(scaler: torch.amp.GradScaler) -> torch.Tensor:
     """The current scale of any ``GradScaler`` (ours or Lightning's) as a tensor on its device, without synchronising:
-    torch's public ``get_scale()`` reads the host, so this reads ``_scale`` (``_init_scale`` before the first step)."""
-    if scaler._scale is None:
-        return torch.tensor(float(scaler._init_scale))
-    return scaler._scale.detach().clone()
+    torch's public ``get_scale()`` reads the host."""
+    return grad_scaler_scale(scaler)

@@ -3,39 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from typing_extensions import override
 
 from lightning_precision.fabric._autocast import MatmulPrecision
+from lightning_precision.fabric._devices import check_bf16_supported
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig
 
-__all__ = ["BF16_MIN_CAPABILITY", "BF16MixedPrecision", "bf16_capable"]
-
-
-# bf16 arithmetic on CUDA arrived with Ampere: the one threshold, for this plugin and for `doctor`.
-BF16_MIN_CAPABILITY = (8, 0)
-
-
-def bf16_capable(capability: tuple[int, int]) -> bool:
-    """Whether a GPU of this compute capability has bf16 arithmetic (every ROCm GPU torch runs on has, as
-    ``torch.cuda.is_bf16_supported`` says)."""
-    return bool(torch.version.hip) or capability >= BF16_MIN_CAPABILITY
-
-
-def _check_bf16_supported(device_type: str) -> None:
-    if device_type != "cuda":
-        return
-    found = torch.cuda.get_device_capability()
-    if not bf16_capable(found):
-        name = torch.cuda.get_device_name()
-        need = ".".join(map(str, BF16_MIN_CAPABILITY))
-        raise RuntimeError(
-            f"BF16MixedPrecision needs a GPU with bf16 support (compute capability >= {need}), found {name!r}"
-            f" (compute capability {'.'.join(map(str, found))}). Use `FP16MixedPrecision()` on this GPU."
-        )
+__all__ = ["BF16MixedPrecision"]
 
 
 class BF16MixedPrecision(ScaledPrecision):
@@ -45,7 +23,7 @@ class BF16MixedPrecision(ScaledPrecision):
 
     Args:
         device: autocast device type; ``None`` takes it from where the model lives.
-        matmul_precision: ``torch.set_float32_matmul_precision`` for the run, restored at teardown.
+        matmul_precision: ``torch.set_float32_matmul_precision`` inside the forward and backward passes, restored after.
         scaler: must stay ``None``. Accepted only to say clearly that bf16 needs no loss scaling.
         reduce_dtype: the dtype FSDP2 reduces gradients in under ``mp_policy`` (fp32 by default; bf16 halves the bytes).
         skip_nonfinite: ``True``: skip an optimizer step whose gradients hold inf or nan instead of writing NaN into
@@ -63,12 +41,12 @@ class BF16MixedPrecision(ScaledPrecision):
     def __init__(
         self,
         *,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         scaler: Any = None,
         reduce_dtype: torch.dtype = torch.float32,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         if scaler is not None:
             raise ValueError(
@@ -80,5 +58,5 @@ class BF16MixedPrecision(ScaledPrecision):
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
-        _check_bf16_supported(device_type)
+        check_bf16_supported(device_type)
         super()._on_device_resolved(device_type)

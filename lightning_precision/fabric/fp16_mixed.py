@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from lightning_precision.fabric._autocast import MatmulPrecision
@@ -47,17 +45,17 @@ class FP16MixedPrecision(ScaledPrecision):
     def __init__(
         self,
         *,
-        scaler: Optional[ScalerConfig] = None,
+        scaler: ScalerConfig | None = None,
         init_scale: float = ScalerConfig.init_scale,
         growth_factor: float = ScalerConfig.growth_factor,
         backoff_factor: float = ScalerConfig.backoff_factor,
         growth_interval: int = ScalerConfig.growth_interval,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         skip_schedulers_on_overflow: bool = True,
         min_scale: float = ScalerConfig.min_scale,
         max_scale: float = ScalerConfig.max_scale,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
         reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         config = resolve_scaler_config(

@@ -4,32 +4,26 @@ when it matches this torch."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision import _imports
+from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fabric._autocast import MatmulPrecision
+from lightning_precision.fabric._devices import check_fp64
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision._warnings import NoEffectWarning, deprecated, warn
 
-__all__ = ["XPUPrecision", "check_fp64"]
+__all__ = ["XPUPrecision"]
 
-_DTYPES = {"bf16": (torch.bfloat16, "bf16-mixed"), "fp16": (torch.float16, "16-mixed")}
-
-
-def check_fp64(props: Any) -> None:
-    """GradScaler keeps its inf checks in fp64; XPUs without fp64 (Arc A-series) cannot run it."""
-    if not getattr(props, "has_fp64", True):
-        raise RuntimeError(
-            f"`XPUPrecision(dtype='fp16')` needs a loss scaler, and torch's GradScaler needs fp64, which"
-            f" {getattr(props, 'name', 'this XPU')!r} does not have. Use `XPUPrecision(dtype='bf16')`: bf16 needs no"
-            " scaler."
-        )
+# The compute dtype and Lightning's precision label of each `dtype=`.
+_DTYPES: dict[str, tuple[torch.dtype, Any]] = {
+    "bf16": (torch.bfloat16, "bf16-mixed"),
+    "fp16": (torch.float16, "16-mixed"),
+}
 
 
 class XPUPrecision(ScaledPrecision):
@@ -39,14 +33,15 @@ class XPUPrecision(ScaledPrecision):
     is keyword-only.
 
     Args:
-        dtype: ``"bf16"`` (default; no scaler) or ``"fp16"`` (with ``torch.amp.GradScaler("xpu")``, the same skipped-step
-            counting, logging and scheduler holding as ``FP16MixedPrecision``; needs fp64 on the device).
-        ipex: ``False`` (default): upstream torch only. ``True``: ``intel_extension_for_pytorch.optimize`` the model (and
-            optimizer, with the Trainer), or an error if IPEX is missing or built for another torch. ``"auto"``: IPEX
+        dtype: ``"bf16"`` (default; no scaler) or ``"fp16"`` (with ``torch.amp.GradScaler("xpu")``, the same
+            skipped-step counting, logging and scheduler holding as ``FP16MixedPrecision``; needs fp64 on the device).
+        ipex: ``False`` (default): upstream torch only. ``True``: ``intel_extension_for_pytorch.optimize`` the model
+            (and optimizer, with the Trainer), or an error if IPEX is missing or built for another torch. ``"auto"``:
+            IPEX
             when it matches, else upstream torch, quietly. IPEX is checked from package metadata before any import.
         scaler: fp16 only: the loss scaler's arguments as one ``ScalerConfig`` (``None``: its defaults). In bf16 it is
-            a ``ValueError``, as are the flat ones (bf16 scales no loss). The flat ``init_scale=``, ``growth_factor=``, ... of 0.1 still
-            work, deprecated: one config is the one place for them.
+            a ``ValueError`` (bf16 scales no loss). There are no flat scaler arguments here: ``FP16MixedPrecision``'s
+            ``init_scale=``, ... are that plugin's shorthand; every other plugin takes the one ``ScalerConfig``.
         skip_schedulers_on_overflow: fp16 only, as in ``FP16MixedPrecision``.
         skip_nonfinite: bf16: ``True`` skips an optimizer step whose gradients hold inf or nan instead of writing NaN
             into every weight, as ``BF16MixedPrecision(skip_nonfinite=True)`` does (default ``False``). fp16's scaler
@@ -62,42 +57,34 @@ class XPUPrecision(ScaledPrecision):
         self,
         *,
         dtype: Literal["bf16", "fp16"] = "bf16",
-        ipex: Union[bool, Literal["auto"]] = False,
-        scaler: Optional[ScalerConfig] = None,
+        ipex: bool | Literal["auto"] = False,
+        scaler: ScalerConfig | None = None,
         skip_schedulers_on_overflow: bool = True,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        matmul_precision: MatmulPrecision | None = None,
         device: str = "xpu",
         reduce_dtype: torch.dtype = torch.float32,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
-        **flat_scaler: Any,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         owner = type(self).__name__
         if dtype not in _DTYPES:
             raise ValueError(f"`{owner}(dtype={dtype!r})`: use 'bf16' (recommended on XPU) or 'fp16'.")
         if ipex not in (False, True, "auto"):
             raise ValueError(f"`{owner}(ipex={ipex!r})`: use False, True or 'auto'.")
-        unknown = sorted(set(flat_scaler) - {f.name for f in dataclasses.fields(ScalerConfig)})
-        if unknown:
-            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}")
-        if dtype == "bf16" and (scaler is not None or flat_scaler):
+        if dtype == "bf16" and scaler is not None:
             # Refused, not ignored: a user who sets a scale believes the loss is scaled (as BF16MixedPrecision does).
-            given = [f"scaler={scaler!r}"] if scaler is not None else []
-            given += [f"{name}={value!r}" for name, value in flat_scaler.items()]
             raise ValueError(
-                f"`{owner}(dtype='bf16', {', '.join(given)})`: bf16 has fp32's exponent range and runs without a loss"
-                " scaler, so these arguments would do nothing. Drop them, or pass `dtype='fp16'` to scale the loss."
+                f"`{owner}(dtype='bf16', scaler={scaler!r})`: bf16 has fp32's exponent range and runs without a loss"
+                " scaler, so it would do nothing. Drop it, or pass `dtype='fp16'` to scale the loss."
             )
-        if flat_scaler:
-            deprecated(f"{owner}({', '.join(flat_scaler)}=...)", f"{owner}(scaler=ScalerConfig(...))")
-        config = resolve_scaler_config(owner, scaler, **flat_scaler, max_consecutive_skips=max_consecutive_skips)
+        config = resolve_scaler_config(owner, scaler, max_consecutive_skips=max_consecutive_skips)
         compute_dtype, self.precision = _DTYPES[dtype]
         super().__init__(compute_dtype, config if dtype == "fp16" else None, skip_schedulers_on_overflow, device,
                          matmul_precision, reduce_dtype, skip_nonfinite=skip_nonfinite,
                          max_consecutive_skips=max_consecutive_skips)
         self.dtype = dtype
         self.ipex = ipex
-        self._ipex_module = _imports.load_ipex(ipex)
+        self._ipex_module: Any = _imports.load_ipex(ipex)
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:

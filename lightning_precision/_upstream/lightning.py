@@ -1,0 +1,101 @@
+"""Every private Lightning name the package uses, each with the reason no public route serves.
+
+``tests/test_upstream_lightning.py`` exercises what we rely on against the installed Lightning, so that an upstream
+change fails loudly there instead of misbehaving in a run.
+
+Nothing here imports ``lightning.pytorch`` at import time: the Fabric plugins use this module too. The Trainer's
+names are imported inside the functions only the Trainer side calls.
+
+ThroughputMonitor's compute dtype: Lightning's ThroughputMonitor (Fabric's and the Trainer's) picks the device's peak
+FLOPs for MFU from the precision plugin's class through ``_plugin_to_compute_dtype``, an isinstance dispatch over
+Lightning's own plugins (upstream: "TODO: integrate this into the precision plugins"); every other plugin counts as
+fp32. Decision: keep the replacement, fenced here with its canary. No public route exists: the monitor takes no dtype
+argument and asks no method of the plugin, and dropping the replacement would make the monitor report MFU against the
+fp32 peak for our plugins, a wrong number reported silently (several times too high on GPUs whose bf16 peak is a
+multiple of their fp32 one). The
+wrapper asks our plugins for their ``peak_flops_dtype`` and defers to Lightning for every other plugin, so nothing
+changes for anyone else; when Lightning asks the plugin itself, the wrapper goes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+# Whether an optimizer unscales inside `step()` (fused optimizers); Lightning's MixedPrecision asks the same, and no
+# public API of torch or Lightning answers it.
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling as optimizer_handles_unscaling
+
+# Casting a floating-point output to the default dtype, exactly as Lightning's own precision plugins do it; no public
+# function does the same cast (floating tensors only, integer and bool left alone).
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "FABRIC_MODULE_PREFIX",
+    "FABRIC_THROUGHPUT_MODULE",
+    "TRAINER_THROUGHPUT_MODULE",
+    "batches_that_stepped",
+    "convert_fp_tensor",
+    "install_throughput_dtype",
+    "optimizer_handles_unscaling",
+    "should_update_logs",
+    "unwrapped_name",
+]
+
+
+def should_update_logs(trainer: pl.Trainer) -> bool:
+    """Whether the logger connector writes on this step (``Trainer(log_every_n_steps=...)``). Lightning exposes no
+    public way to ask; the plugins and callbacks read device values only on such steps."""
+    return trainer._logger_connector.should_update_logs
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """Optimizer steps taken so far in the fit, counted the way the logger connector counts them (``global_step``
+    counts every optimizer's step, so it runs ahead with several optimizers)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+# ---- ThroughputMonitor (see the module docstring) --------------------------------------------------------------------
+
+FABRIC_THROUGHPUT_MODULE = "lightning.fabric.utilities.throughput"
+# The Trainer's monitor has its own dispatch, which calls the Fabric one bound at its import: both are wrapped.
+TRAINER_THROUGHPUT_MODULE = "lightning.pytorch.callbacks.throughput_monitor"
+_MARK = "_lightning_precision_wrapped"
+
+
+def install_throughput_dtype(module_name: str, plugin_class: type[Any]) -> None:
+    """Teach the ThroughputMonitor of ``module_name`` the ``peak_flops_dtype`` of every ``plugin_class`` instance.
+    Idempotent; the Fabric core installs it in Fabric's monitor, the Trainer classes in the Trainer's too."""
+    module: Any = importlib.import_module(module_name)
+    original = module._plugin_to_compute_dtype
+    if not getattr(original, _MARK, False):
+        module._plugin_to_compute_dtype = _wrap(original, plugin_class)
+
+
+def _wrap(original: Callable[[Any], torch.dtype], plugin_class: type[Any]) -> Callable[[Any], torch.dtype]:
+    @functools.wraps(original)
+    def plugin_to_compute_dtype(plugin: Any) -> torch.dtype:
+        if isinstance(plugin, plugin_class):
+            return plugin.peak_flops_dtype
+        return original(plugin)
+
+    setattr(plugin_to_compute_dtype, _MARK, True)
+    return plugin_to_compute_dtype
+
+
+# The attribute under which Fabric's model wrapper (`fabric.setup(model)`) holds the model (`_forward_module`):
+# `named_parameters()` of the wrapper prefixes every name with it, and no public name strips it. Per-layer metric keys
+# drop it, so they read the same under the Trainer and Fabric.
+FABRIC_MODULE_PREFIX = "_forward_module."
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter name as the user's own model names it, also when it came from Fabric's wrapper."""
+    return name[len(FABRIC_MODULE_PREFIX):] if name.startswith(FABRIC_MODULE_PREFIX) else name

@@ -1,0 +1,75 @@
+"""Canaries of the private Lightning names in ``lightning_precision/_upstream/lightning.py``: each exercises the
+behaviour the package relies on against the installed Lightning, so that an upstream change fails here, loudly, with
+the name, instead of misbehaving in a run."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
+from lightning.fabric.utilities import throughput as fabric_throughput
+from lightning.pytorch.callbacks import throughput_monitor as trainer_throughput
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+import lightning_precision
+from lightning_precision import fabric as lp_fabric
+from lightning_precision._upstream import lightning as upstream
+from tests.helpers import LitNet, loader, make_data, trainer
+
+
+def test_logging_cadence_and_step_counter_are_readable_from_a_real_fit():
+    seen = []
+
+    class Probe(LitNet):
+        def on_before_optimizer_step(self, optimizer):
+            seen.append((upstream.should_update_logs(self.trainer), upstream.batches_that_stepped(self.trainer)))
+
+    trainer(None, max_steps=4, log_every_n_steps=2).fit(Probe(), loader(make_data(4)))
+    assert seen == [(False, 0), (True, 1), (False, 2), (True, 3)]
+
+
+def test_fused_optimizers_are_told_apart():
+    params = [nn.Parameter(torch.zeros(2))]
+    assert upstream.optimizer_handles_unscaling(torch.optim.Adam(params, fused=True))
+    assert not upstream.optimizer_handles_unscaling(torch.optim.Adam(params))
+    assert not upstream.optimizer_handles_unscaling(torch.optim.SGD(params, lr=0.1))
+
+
+def test_outputs_are_cast_floating_only():
+    out = upstream.convert_fp_tensor(torch.ones(2, dtype=torch.bfloat16), torch.float32)
+    assert out.dtype == torch.float32 and torch.equal(out, torch.ones(2))
+    assert upstream.convert_fp_tensor(torch.ones(2, dtype=torch.int64), torch.float32).dtype == torch.int64
+
+
+@pytest.mark.parametrize("module", [fabric_throughput, trainer_throughput], ids=["fabric", "trainer"])
+def test_throughput_monitors_count_our_plugins_at_their_dtype_and_others_as_before(module):
+    """The dispatch both ThroughputMonitors ask is replaced once (however many plugins are built), answers our
+    plugins' ``peak_flops_dtype`` and leaves every other plugin's answer to Lightning."""
+    lightning_precision.BF16MixedPrecision()
+    lightning_precision.BF16MixedPrecision()
+    dispatch = module._plugin_to_compute_dtype
+    assert dispatch(lightning_precision.BF16MixedPrecision()) == torch.bfloat16
+    assert dispatch(lp_fabric.FP16MixedPrecision()) == torch.float16
+    assert dispatch(FabricMixed("bf16-mixed", "cpu")) == torch.bfloat16  # Lightning's own answer, untouched
+    assert dispatch.__wrapped__(lightning_precision.BF16MixedPrecision()) == torch.float32  # what it would count
+    assert not hasattr(dispatch.__wrapped__, "__wrapped__")  # not wrapped twice
+    if module is trainer_throughput:
+        assert dispatch(MixedPrecision("16-mixed", "cpu")) == torch.float16
+
+
+def test_the_fabric_monitor_measures_a_fabric_plugin_at_its_dtype(monkeypatch):
+    """A real ``ThroughputMonitor`` on a real launched Fabric asks the peak FLOPs for the plugin's dtype. The peak
+    table itself is Lightning's and knows no CPU: its lookup is recorded, not replaced."""
+    asked = []
+    monkeypatch.setattr(fabric_throughput, "get_available_flops", lambda device, dtype: asked.append(dtype))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[lp_fabric.BF16MixedPrecision()])
+    fabric.launch()
+    fabric_throughput.ThroughputMonitor(fabric)
+    assert asked == [torch.bfloat16]
+
+
+def test_fabric_wrapper_prefix_is_what_named_parameters_gives():
+    model = L.Fabric(accelerator="cpu", devices=1).setup(nn.Sequential(nn.Linear(2, 2)))
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [f"{upstream.FABRIC_MODULE_PREFIX}0.weight", f"{upstream.FABRIC_MODULE_PREFIX}0.bias"]
+    assert [upstream.unwrapped_name(n) for n in names] == ["0.weight", "0.bias"]

@@ -1,0 +1,119 @@
+"""Canaries of the private torch names in ``lightning_precision/_upstream/torch.py`` and of the ``GradScaler`` state
+``fabric/_scaler.py``'s subclass uses: each exercises the behaviour the package relies on against the installed torch,
+so that an upstream change fails here, with the name, not deep inside a sharded run or as a wrong loss scale."""
+
+import pytest
+import torch
+from torch import nn
+from torch.amp.grad_scaler import OptState
+
+from lightning_precision import _fsdp
+from lightning_precision._upstream import torch as upstream
+
+
+def test_the_fused_check_finds_inf_and_nan_per_group_and_unscales():
+    found = torch.zeros(())
+    grads = [torch.tensor([2.0, 4.0]), torch.tensor([8.0])]
+    upstream.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
+    assert found.item() == 0 and grads[0].tolist() == [1.0, 2.0] and grads[1].tolist() == [4.0]
+    for bad in (float("inf"), float("nan")):
+        found = torch.zeros(())
+        upstream.non_finite_check_and_unscale_([torch.tensor([1.0, bad])], found, torch.ones(()))
+        assert found.item() == 1
+
+
+def test_sparse_values_of_an_uncoalesced_gradient():
+    grad = torch.sparse_coo_tensor([[0, 0]], [1.0, float("inf")], (3,))  # index 0 twice: not coalesced
+    assert not grad.is_coalesced()
+    assert upstream.sparse_values(grad).tolist() == [1.0, float("inf")]
+
+
+def test_the_version_counter_moves_on_an_in_place_change():
+    weight = nn.Linear(2, 2).weight
+    version = upstream.version_counter(weight)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    assert upstream.version_counter(weight) > version
+
+
+def test_the_grad_scalers_state_the_subclass_uses():
+    """``_init_scale`` before the first scale, ``_scale`` and ``_growth_tracker`` after, ``_per_optimizer_states`` with
+    each optimizer's stage and ``found_inf_per_device``, ``_enabled``: as ``TrackingGradScaler`` reads them."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    assert scaler._enabled and scaler._scale is None and scaler._init_scale == 8.0
+    assert upstream.grad_scaler_scale(scaler).item() == 8.0
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler.scale(param.sum()).backward()
+    scaler.step(optimizer)
+    state = scaler._per_optimizer_states[id(optimizer)]
+    assert state["stage"] is OptState.STEPPED
+    assert [f.item() for f in state["found_inf_per_device"].values()] == [0.0]
+    scaler.update()
+    assert upstream.grad_scaler_scale(scaler).item() == 16.0 and scaler._scale.item() == 16.0  # grew
+    assert scaler._growth_tracker.item() == 0 and not scaler._per_optimizer_states  # update forgets the flags
+    scaler._init_growth_tracker = 0  # what load_state_dict sets before the first scale
+    assert not torch.amp.GradScaler("cpu", enabled=False)._enabled
+
+
+@pytest.mark.skipif(not hasattr(torch, "xpu"), reason="this torch has no torch.xpu")
+def test_xpu_is_compiled_answers_a_bool():
+    assert upstream.xpu_is_compiled() in (True, False)
+    if upstream.xpu_is_compiled():
+        assert torch.xpu.device_count() >= 0
+    else:
+        assert not torch.xpu.is_available()
+
+
+def test_the_policy_a_module_was_sharded_with_is_read_back(tmp_path):
+    """One gloo process: ``fully_shard`` with a policy, read back through the FSDP state."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(model[0], mp_policy=policy)
+        fully_shard(model)
+        assert upstream.fsdp_mp_policy(model[0]) == policy
+        assert upstream.fsdp_mp_policy(model).param_dtype is None
+        assert dict(_fsdp.gather_dtypes(model)) == {"0": torch.bfloat16, "<root>": torch.float32}
+        local = upstream.dtensor_local_tensor(model[0].weight)
+        assert local is upstream.dtensor_local_tensor(model[0].weight)  # the same object each time, unlike to_local()
+        assert local.shape == model[0].weight.to_local().shape
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not _fsdp.custom_all_gather_supported(),
+                    reason=f"torch {torch.__version__} has no FSDPModule.set_custom_all_gather (torch >= 2.8)")
+def test_the_byte_all_gather_gathers_float8_as_bytes(tmp_path):
+    """The default all-gather subclassed: one gloo process gathers a float8 tensor (gloo has no float8) bit-exactly."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    comm = _fsdp.byte_all_gather()
+    assert isinstance(comm, AllGather) and issubclass(type(comm), upstream.byte_all_gather_base())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        data = torch.tensor([0.5, -2.0, 448.0]).to(torch.float8_e4m3fn)
+        out = comm.allocate((3,), dtype=torch.float8_e4m3fn, device=torch.device("cpu"))
+        work = comm(out, data, dist.group.WORLD)
+        if work is not None:
+            work.wait()
+        assert torch.equal(out.view(torch.uint8), data.view(torch.uint8))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchao_keeps_no_precomputed_scale_on_a_fresh_fp8_weight():
+    """``Float8ScalePrecompute`` drops a stale scale where torchao's precompute writes it (``_precomputed_scale`` of a
+    ``WeightWithDynamicFloat8CastTensor``); the drop itself is exercised sharded in test_fsdp.py."""
+    fsdp_utils = pytest.importorskip("torchao.float8.fsdp_utils")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    layer = convert_to_float8_training(nn.Sequential(nn.Linear(16, 16)),
+                                       config=Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True))[0]
+    assert isinstance(layer.weight, fsdp_utils.WeightWithDynamicFloat8CastTensor)
+    assert layer.weight._precomputed_scale is None
