@@ -36,7 +36,7 @@ from lightning_precision.fp8 import (
     select_fp8_layers,
 )
 from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
-from lightning_precision.sensitivity import fp8_sensitivity, torchao_scale
+from lightning_precision.fp8._sensitivity import fp8_sensitivity, torchao_scale
 from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = [

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_precision import fp8 as _fp8
 from lightning_precision._io import atomic_write_text, check_writable_file, json_safe
 from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
-from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
+from lightning_precision.fp8._sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
 
 __all__ = [
     "FP8",

@@ -307,7 +307,7 @@ def test_the_guard_does_not_demote_for_a_non_finite_batch(tmp_path):
 
 
 def test_fp8_sensitivity_leaves_out_a_non_finite_batch():
-    from lightning_precision.sensitivity import fp8_sensitivity
+    from lightning_precision.fp8._sensitivity import fp8_sensitivity
 
     def loss_fn(m, b):
         return nn.functional.cross_entropy(m(b[0]).float(), b[1])
@@ -325,7 +325,7 @@ def test_an_fp8_result_that_overflows_where_fp32_does_not_still_fails():
     """The finite check covers what the layer is given and the fp32 result, not fp8's result: an fp8 output that is
     inf where fp32's is finite is fp8 failing. Two inputs summed, v and 0.97 * v: e4m3 rounds the second up to v, so
     the fp8 sum (2 * v) passes fp32's max while the exact one (1.97 * v) stays below it."""
-    from lightning_precision.sensitivity import fp8_sensitivity
+    from lightning_precision.fp8._sensitivity import fp8_sensitivity
 
     layer = nn.Linear(16, 16, bias=False)
     v = 3.39e38 / 1.97
@@ -338,7 +338,7 @@ def test_an_fp8_result_that_overflows_where_fp32_does_not_still_fails():
     result = fp8_sensitivity(model, [x], loss_fn=lambda m, b: m(b).clamp(max=1.0).sum(), autocast_dtype=None)
     assert result["0"].batches == 1 and result["0"].output_error == math.inf
     # A nan error (an fp8 inf minus an fp8 inf) would pass every bound (nan > x is False): it counts as inf.
-    from lightning_precision.sensitivity import _relative
+    from lightning_precision.fp8._sensitivity import _relative
 
     assert _relative(math.nan, 1.0) == math.inf and _relative(math.inf, 1.0) == math.inf
 

@@ -115,7 +115,7 @@ def test_the_amax_logger_records_the_tokens_there_are(plugin):
 
 
 def test_fp8_sensitivity_passes_over_a_batch_without_tokens():
-    from lightning_precision.sensitivity import fp8_sensitivity
+    from lightning_precision.fp8._sensitivity import fp8_sensitivity
 
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(64, 64, generator=g), torch.randint(0, 32, (64,), generator=g), idle) for idle in (0, 1, 0)]

@@ -19,7 +19,7 @@ import lightning_precision
 from lightning_precision import FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.plan import LayerPlan, make_plan
-from lightning_precision.sensitivity import TORCHAO_EPS, CastSpec, cast_numerics, fp8_sensitivity
+from lightning_precision.fp8._sensitivity import TORCHAO_EPS, CastSpec, cast_numerics, fp8_sensitivity
 
 pytest.importorskip("torchao")
 
@@ -310,7 +310,7 @@ def test_the_sums_every_rank_reduces_have_one_row_per_layer_whichever_ran():
     have the same shape on every rank (a rank's own set of rows would hang or mix layers), and a layer that ran on no
     rank is left out of the result. The reduce here records what it is given, as ``dist.all_reduce`` would see it."""
     from lightning_precision.fp8 import torchao_config
-    from lightning_precision.sensitivity import SensitivityProbe
+    from lightning_precision.fp8._sensitivity import SensitivityProbe
 
     model = Outliers()
     probe = SensitivityProbe({"a": model.a, "c": model.c}, torchao_config("tensorwise", emulate=True))

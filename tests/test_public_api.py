@@ -41,7 +41,8 @@ def test_api_index_in_the_docs_is_current():
 
 
 def test_functional_gathers_the_pure_functions():
-    from lightning_precision import _mfu, callbacks, fp8, functional, sensitivity
+    from lightning_precision import _mfu, callbacks, fp8, functional
+    from lightning_precision.fp8 import _sensitivity as sensitivity
     from lightning_precision.callbacks import channels_last
 
     for name in ("apply_channels_last", "to_channels_last", "select_fp8_layers", "fp8_sensitivity", "underflow_stats",
