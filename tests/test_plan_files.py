@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_precision import FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.plan import FP8, HIGH, LayerPlan
+from lightning_precision.fp8._plan import FP8, HIGH, LayerPlan
 
 pytest.importorskip("torchao")
 
@@ -108,7 +108,7 @@ def test_save_through_a_symlink_updates_the_target_and_keeps_the_link(tmp_path, 
 _WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from lightning_precision.plan import FP8, HIGH, LayerPlan, PrecisionPlan
+    from lightning_precision.fp8._plan import FP8, HIGH, LayerPlan, PrecisionPlan
 
     path, me, go, n = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     names = [f"block.{i}.linear" for i in range(50)]  # a plan of some size, so writes take time
@@ -154,7 +154,7 @@ def test_two_processes_saving_one_path_never_fail_and_it_always_loads_whole(tmp_
 
 
 def test_plan_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
-    from lightning_precision import plan
+    from lightning_precision.fp8 import _plan as plan
     import lightning_precision.cli as cli
 
     monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))

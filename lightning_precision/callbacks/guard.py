@@ -22,7 +22,7 @@ from lightning_precision._io import check_writable_dir, check_writable_file, cre
 from lightning_precision._checks import is_positive_int
 from lightning_precision._lightning import batches_that_stepped, should_update_logs
 from lightning_precision.callbacks._cadence import on_cadence
-from lightning_precision.plan import PlanRule, _measured_numbers, demotions, plan_suffix
+from lightning_precision.fp8._plan import PlanRule, _measured_numbers, demotions, plan_suffix
 from lightning_precision.fp8._sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision._warnings import NoEffectWarning, warn
 

@@ -19,7 +19,7 @@ from lightning_precision import fp8 as _fp8
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision.plan import FP8, HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
+from lightning_precision.fp8._plan import FP8, HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
 from lightning_precision.fp8._sensitivity import SensitivityProbe, _sum_across_processes
 from lightning_precision._warnings import NoEffectWarning, deprecated, warn
 
