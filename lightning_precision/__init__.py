@@ -24,8 +24,8 @@ _SOURCE = {
     "FP8Precision": "lightning_precision._plugins",
     "NVFP4Precision": "lightning_precision._plugins",
     "NoEffectWarning": "lightning_precision._warnings",
-    "PlanRule": "lightning_precision.fp8._plan",
-    "PrecisionPlan": "lightning_precision.fp8._plan",
+    "PlanRule": "lightning_precision.fp8",
+    "PrecisionPlan": "lightning_precision.fp8",
     "ScalerConfig": "lightning_precision.fabric._scaler",
     "SkippedStepsError": "lightning_precision.fabric._scaler",
     "TrainerXPUAccelerator": "lightning_precision._accelerators",
@@ -38,7 +38,7 @@ __all__ = [*_SOURCE, "__version__"]
 if TYPE_CHECKING:  # what type checkers and editors see
     from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
     from lightning_precision.fp8 import FP8LayerPolicy
-    from lightning_precision.fp8._plan import PlanRule, PrecisionPlan
+    from lightning_precision.fp8 import PlanRule, PrecisionPlan
     from lightning_precision._plugins import (
         BF16MixedPrecision,
         FP8Precision,

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lightning_precision._fsdp import is_sharded
 from lightning_precision.fabric._scaler import MAX_LOG2_SCALE
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format
-from lightning_precision.fp8 import (
+from lightning_precision.fp8._selection import (
     FP8LayerPolicy,
     LayerDecision,
     ModuleFilter,

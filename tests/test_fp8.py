@@ -345,7 +345,7 @@ def test_compiled_fp8_layers_do_not_break_the_graph_and_evaluate_under_inference
     torchao's casts there) and gives the eager result."""
     import torch._dynamo
 
-    from lightning_precision.fp8 import _run_outside_inference_mode
+    from lightning_precision.fp8._torchao import run_outside_inference_mode as _run_outside_inference_mode
 
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     import dataclasses
@@ -376,7 +376,7 @@ def test_a_post_hook_without_its_pre_hook_does_nothing():
     the stack never holds another layer's entry.)"""
     import threading
 
-    from lightning_precision.fp8 import _restore_inference_mode
+    from lightning_precision.fp8._torchao import restore_inference_mode as _restore_inference_mode
 
     errors = []
 

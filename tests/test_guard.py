@@ -192,7 +192,7 @@ def test_fabric_uses_the_same_three_calls(tmp_path):
 
 
 def test_demote_keeps_the_module_its_hooks_and_parameters():
-    from lightning_precision.fp8 import demote_torchao_layer
+    from lightning_precision.fp8._torchao import demote_torchao_layer
 
     plugin = lp_fabric.FP8Precision(**FP8_KW)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])

@@ -166,7 +166,7 @@ def test_a_plan_round_trips_through_a_file(tmp_path, suffix):
 def test_bad_plans_and_rules_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match=r"PlanRule\(max_underflow=-1\)"):
         PlanRule(max_underflow=-1)
-    with pytest.raises(ValueError, match="'fp4' is not 'fp8' or 'bf16'"):
+    with pytest.raises(ValueError, match="'fp4' is not 'fp8' or a high precision \\('high', 'bf16', 'fp16', 'fp32'"):
         LayerPlan("a", "fp4", "")
     with pytest.raises(ValueError, match="name a .yaml, .yml or .json file"):
         _plan().save(tmp_path / "plan.txt")
@@ -309,7 +309,7 @@ def test_the_sums_every_rank_reduces_have_one_row_per_layer_whichever_ran():
     """Under DDP a layer may run on some ranks only (data-dependent routing): the tensor handed to the all-reduce must
     have the same shape on every rank (a rank's own set of rows would hang or mix layers), and a layer that ran on no
     rank is left out of the result. The reduce here records what it is given, as ``dist.all_reduce`` would see it."""
-    from lightning_precision.fp8 import torchao_config
+    from lightning_precision.fp8._torchao import torchao_config
     from lightning_precision.fp8._sensitivity import SensitivityProbe
 
     model = Outliers()
@@ -364,7 +364,7 @@ def test_the_errors_are_against_an_fp32_reference_inside_autocast():
 
     from torchao.float8 import convert_to_float8_training
 
-    from lightning_precision.fp8 import torchao_config
+    from lightning_precision.fp8._torchao import torchao_config
 
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(64, 32)), torch.randn(16, 64)

@@ -3,6 +3,9 @@
 from collections.abc import Generator
 from contextlib import contextmanager
 
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
@@ -24,6 +27,18 @@ class FP8Precision(TrainerScaledPrecision, _FabricFP8Precision):
 
     # A batch of `layers="auto"` is a training step here, however many backward passes and optimizers it runs.
     _batch_per_backward = False
+
+    @override
+    def _to_be_sharded(self, module: Module) -> bool:
+        """A LightningModule of a Trainer whose strategy is ``ModelParallelStrategy``: the plugin is converting inside
+        ``configure_model``, before FSDP2 shards it."""
+        if not isinstance(module, pl.LightningModule):
+            return False
+        try:
+            strategy = module.trainer.strategy
+        except RuntimeError:  # not attached to a Trainer (Lightning's own error for it)
+            return False
+        return isinstance(strategy, ModelParallelStrategy)
 
     @override
     @contextmanager

@@ -1,7 +1,7 @@
 """FP8Guard: watches the fp8 layers' numerics during training and moves a layer that degrades back to high precision.
 
 At a cadence, one optimizer step is measured by the same ``SensitivityProbe`` that ``FP8Precision(layers="auto")``
-calibrates with (its hooks run first on each layer, and the measured step runs eagerly under ``torch.compile``); every layer the rule now rejects (``plan.demotions``) is returned to the plugin's high-precision
+calibrates with (its hooks run first on each layer, and the measured step runs eagerly under ``torch.compile``); every layer the rule now rejects (``demotions``) is returned to the plugin's high-precision
 dtype in place by ``FP8Precision.demote`` (same module, same Parameters: the optimizer state is intact).
 """
 
@@ -17,13 +17,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_precision import fp8 as _fp8
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._checks import is_positive_int
 from lightning_precision._lightning import batches_that_stepped, should_update_logs
 from lightning_precision.callbacks._cadence import on_cadence
-from lightning_precision.fp8._plan import PlanRule, _measured_numbers, demotions, plan_suffix
-from lightning_precision.fp8._sensitivity import SensitivityProbe, _sum_across_processes
+from lightning_precision.fp8._plan import PlanRule, demotions, measured_numbers, plan_suffix
+from lightning_precision.fp8._selection import BLOCK_SCALED
+from lightning_precision.fp8._sensitivity import SensitivityProbe, sum_across_processes
 from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["DEFAULT_PLAN_FILE", "FP8Guard", "GuardEvent"]
@@ -36,7 +36,7 @@ def _check_movable(plugin: Any) -> None:
     if plugin.backend != "torchao":
         raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place; use"
                          " `FP8Precision(backend='torchao')`, or pass a plan (`layers='plan.yaml'`).")
-    if plugin.scaling_family in _fp8.BLOCK_SCALED:
+    if plugin.scaling_family in BLOCK_SCALED:
         raise ValueError(f"FP8Guard: its measurement casts per tensor or per row, not in the blocks of {plugin.scaling_family};"
                          " it would judge these layers by the wrong numerics. Watch them with"
                          f" `GradientUnderflowMonitor(formats=({plugin.scaling_family!r},))` instead.")
@@ -144,7 +144,7 @@ class FP8Guard(Callback):
         if probe is None:
             return []
         probe.close()
-        sensitivity = probe.result(_sum_across_processes)  # the step's micro-batches, committed as one batch
+        sensitivity = probe.result(sum_across_processes)  # the step's micro-batches, committed as one batch
         if probe.dropped and rank_zero_only.rank == 0:
             judged = "not judged" if not probe.batches else \
                 f"judged on the {probe.batches} process(es) whose values were finite"
@@ -160,7 +160,7 @@ class FP8Guard(Callback):
                      " is watched.", NoEffectWarning)
         failed = demotions(sensitivity, self.rule or plugin.plan_rule)
         moved = plugin.demote({fqn: f"FP8Guard, step {step}: {why}" for fqn, why in failed.items()},
-                              {fqn: _measured_numbers(sensitivity[fqn]) for fqn in failed})
+                              {fqn: measured_numbers(sensitivity[fqn]) for fqn in failed})
         events = [GuardEvent(step, fqn, failed[fqn]) for fqn in moved]
         self.events.extend(events)
         if events:

@@ -14,29 +14,62 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union, get_args
 
 import torch
 from torch import nn
 
-from lightning_precision import fp8 as _fp8
-from lightning_precision._io import atomic_write_text, check_writable_file, json_safe
-from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
+from lightning_precision._io import atomic_write_text, json_safe
+from lightning_precision.fp8._selection import (
+    BLOCK_SCALED,
+    SCALING_FAMILIES,
+    TENSORS,
+    FP8LayerPolicy,
+    LayerDecision,
+    ModuleFilter,
+    ScalingFamily,
+    resolve_layer_policy,
+    select_fp8_layers,
+)
 from lightning_precision.fp8._sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
+from lightning_precision.fp8._torchao import torchao_scaling_family
 
 __all__ = [
     "FP8",
     "HIGH",
+    "HIGH_LABELS",
+    "HighLabel",
     "LayerPlan",
     "PLAN_VERSION",
     "PlanLike",
     "PlanRule",
     "PrecisionPlan",
+    "as_plan",
     "demotions",
+    "dump_plan",
+    "high_label",
     "make_plan",
+    "measured_numbers",
+    "plan_suffix",
 ]
 
-FP8, HIGH = "fp8", "bf16"
+# A layer's precision in a plan: "fp8", or the high precision it runs in: the real dtype where the plan's maker knows it
+# (the plugin's compute dtype, make_plan's autocast dtype), "high" where it does not (a plan decided by hand).
+HighLabel = Literal["high", "bf16", "fp16", "fp32"]
+HIGH_LABELS: tuple[HighLabel, ...] = get_args(HighLabel)
+FP8, HIGH = "fp8", "high"
+_HIGH_OF_DTYPE: dict[Optional[torch.dtype], HighLabel] = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def high_label(dtype: Optional[torch.dtype]) -> HighLabel:
+    """The label of a layer kept in high precision that runs in ``dtype`` (``"high"`` where it is not known).
+
+    Example:
+        >>> high_label(torch.float16), high_label(None)
+        ('fp16', 'high')
+    """
+    return _HIGH_OF_DTYPE.get(dtype, "high")
 PLAN_VERSION = 1
 
 
@@ -48,7 +81,7 @@ _KIND = {bool: "a boolean", int: "an integer", float: "a number", str: "a string
 
 # The `recipe` a plan may record: a plugin's `scaling_family` (torchao's families, Transformer Engine's recipe names,
 # and "custom" for a TE recipe object of another class).
-_SCALING_FAMILIES = tuple(dict.fromkeys(("tensorwise", "rowwise", *_fp8.BLOCK_SCALED, *_fp8.TE_RECIPES, "custom")))
+_SCALING_FAMILIES = SCALING_FAMILIES
 
 
 def _shown(value: Any) -> str:
@@ -85,9 +118,9 @@ def _check_layer(field: Callable[[str], str], fqn: Any, precision: Any, reason: 
     if not isinstance(fqn, str) or not fqn:
         raise ValueError(f"{field('fqn')}: {_shown(fqn)} is not a layer's path; write the path of an nn.Linear in the"
                          f" model (as `model.named_modules()` names it){'' if isinstance(fqn, str) else f' ({bare})'}.")
-    if precision not in (FP8, HIGH) or not isinstance(precision, str):
-        raise ValueError(f"{field('precision')}: {precision!r} is not 'fp8' or 'bf16' (the plugin's high-precision"
-                         " dtype); write one of them.")
+    if not isinstance(precision, str) or precision not in (FP8, *HIGH_LABELS):
+        raise ValueError(f"{field('precision')}: {precision!r} is not 'fp8' or a high precision"
+                         f" ({', '.join(map(repr, HIGH_LABELS))}: the dtype the layer runs in); write one of them.")
     if not isinstance(reason, str):
         raise ValueError(f"{field('reason')}: {_shown(reason)} is not text; write it as a string ({bare}).")
     if not isinstance(numbers, Mapping):
@@ -150,7 +183,7 @@ class PlanRule:
         return "; ".join(failed) or None
 
 
-def _measured_numbers(s: LayerSensitivity) -> dict[str, float]:
+def measured_numbers(s: LayerSensitivity) -> dict[str, float]:
     """The numbers a plan keeps for a measured layer: per tensor SQNR, underflow, overflow; output and input-gradient
     errors."""
     out = {}
@@ -177,11 +210,11 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """Per linear layer, fp8 or high precision and why. ``recipe`` and ``rule`` record how it was made, ``batches``
-    how many batches were measured (0 for a hand-made plan)."""
+    """Per linear layer, fp8 or high precision and why. ``scaling_family`` (the cast measured) and ``rule`` record how it
+    was made, ``batches`` how many batches were measured (0 for a hand-made plan)."""
 
     layers: tuple[LayerPlan, ...]
-    recipe: str = "tensorwise"
+    scaling_family: ScalingFamily = "tensorwise"
     rule: PlanRule = PlanRule()
     batches: int = 0
 
@@ -193,7 +226,7 @@ class PrecisionPlan:
             if not isinstance(p, LayerPlan):
                 raise ValueError(f"PrecisionPlan: layers[{i}] is {_shown(p)}; each layer is a"
                                  " `LayerPlan(fqn, precision, reason)`.")
-        _check_recipe("PrecisionPlan(recipe=...)", self.recipe)
+        _check_recipe("PrecisionPlan(scaling_family=...)", self.scaling_family)
         _check_count("PrecisionPlan(batches=...)", self.batches)
         if not isinstance(self.rule, PlanRule):
             raise ValueError(f"PrecisionPlan(rule={self.rule!r}): pass a `PlanRule` (`PlanRule()` for the defaults).")
@@ -201,30 +234,32 @@ class PrecisionPlan:
 
     @classmethod
     def decide(cls, decisions: list[LayerDecision], sensitivity: dict[str, LayerSensitivity],
-               rule: Optional[PlanRule] = None, recipe: str = "tensorwise",
-               not_measured: Optional[str] = None) -> PrecisionPlan:
+               rule: Optional[PlanRule] = None, scaling_family: ScalingFamily = "tensorwise",
+               not_measured: Optional[str] = None, high: HighLabel = HIGH) -> PrecisionPlan:
         """The plan for layers whose shape rules are ``decisions`` and whose numerics are ``sensitivity``. A layer the
         rules leave but ``sensitivity`` lacks stays in high precision, for ``not_measured`` if given (why nothing was
-        measured), else because it did not run."""
+        measured), else because it did not run. ``high``: the label of the layers kept in high precision (the dtype
+        they run in, see ``high_label``)."""
         rule = rule or PlanRule()
         layers = []
         for d in decisions:
             s = sensitivity.get(d.fqn)
             if not d.fp8:
-                layers.append(LayerPlan(d.fqn, HIGH, d.reason))
+                layers.append(LayerPlan(d.fqn, high, d.reason))
             elif s is None:
-                layers.append(LayerPlan(d.fqn, HIGH, not_measured or "did not run while measured: nothing to judge"))
+                layers.append(LayerPlan(d.fqn, high, not_measured or "did not run while measured: nothing to judge"))
             else:
                 why = rule.why_not(s)
-                layers.append(LayerPlan(d.fqn, HIGH if why else FP8, why or "measured within the rule",
-                                        _measured_numbers(s)))
+                layers.append(LayerPlan(d.fqn, high if why else FP8, why or "measured within the rule",
+                                        measured_numbers(s)))
         batches = max((s.batches for s in sensitivity.values()), default=0)
-        return cls(tuple(layers), recipe, rule, batches)
+        return cls(tuple(layers), scaling_family, rule, batches)
 
     @classmethod
-    def from_decisions(cls, decisions: list[LayerDecision], recipe: str = "tensorwise") -> PrecisionPlan:
+    def from_decisions(cls, decisions: list[LayerDecision], scaling_family: ScalingFamily = "tensorwise",
+                       high: HighLabel = HIGH) -> PrecisionPlan:
         """The plan of layers chosen by shape rules alone (``layers=None``): nothing measured."""
-        return cls(tuple(LayerPlan(d.fqn, FP8 if d.fp8 else HIGH, d.reason) for d in decisions), recipe)
+        return cls(tuple(LayerPlan(d.fqn, FP8 if d.fp8 else high, d.reason) for d in decisions), scaling_family)
 
     @property
     def fp8_layers(self) -> frozenset[str]:
@@ -235,7 +270,7 @@ class PrecisionPlan:
 
     @property
     def measured(self) -> bool:
-        """Whether any decision rests on numbers measured under ``recipe`` (not only on shape rules or by hand)."""
+        """Whether any decision rests on numbers measured under ``scaling_family`` (not only on shape rules or by hand)."""
         return self.batches > 0 or any(p.numbers for p in self.layers)
 
     def recipe_mismatch(self, scaling_family: str) -> Optional[str]:
@@ -243,17 +278,17 @@ class PrecisionPlan:
         nothing was measured. Transformer Engine's per-tensor recipes (``delayed``, ``current``) are measured through
         torchao's ``tensorwise`` cast (what ``FP8Precision(layers="auto")`` does for them), so those three agree."""
         as_measured = {"delayed": "tensorwise", "current": "tensorwise"}
-        if not self.measured or as_measured.get(self.recipe, self.recipe) == as_measured.get(scaling_family,
-                                                                                              scaling_family):
+        mine = self.scaling_family
+        if not self.measured or as_measured.get(mine, mine) == as_measured.get(scaling_family, scaling_family):
             return None
         if scaling_family in ("tensorwise", "rowwise"):
             how = (f"`make_plan(..., recipe={scaling_family!r})`, `lightning-precision plan --recipe-fp8"
                    f" {scaling_family}`, or `layers='auto'`")
-        elif scaling_family in _fp8.BLOCK_SCALED or scaling_family == "block":
+        elif scaling_family in BLOCK_SCALED or scaling_family == "block":
             how = "not possible for block-scaled casts (docs/plan.md): choose the layers by hand or by shape rules"
         else:
             how = "`layers='auto'` with this plugin, on one process"
-        return (f"the plan was measured with the {self.recipe!r} cast and this plugin casts with {scaling_family!r}:"
+        return (f"the plan was measured with the {self.scaling_family!r} cast and this plugin casts with {scaling_family!r}:"
                 " its numbers, and the rule's verdicts on them, are another cast's. It is applied as written; to"
                 f" judge the layers by this plugin's cast, measure again with its recipe ({how}).")
 
@@ -267,7 +302,7 @@ class PrecisionPlan:
     def table(self) -> str:
         """A fixed-width table: layer, precision, the worst measured numbers, reason."""
         n = len(self.fp8_layers)
-        head = f"plan ({self.recipe}, {self.batches} batches measured): {n} of {len(self.layers)} linear layers in fp8"
+        head = f"plan ({self.scaling_family}, {self.batches} batches measured): {n} of {len(self.layers)} linear layers in fp8"
         width = max((len(p.fqn) for p in self.layers), default=5)
         lines = [head, f"  {'layer':<{width}}  prec  min SQNR dB  max underflow  out err  gin err  reason"]
         for p in self.layers:
@@ -295,7 +330,7 @@ class PrecisionPlan:
         """The plan as plain data (what ``save`` writes): infinities and NaN as the strings ``"inf"``, ``"-inf"``,
         ``"nan"``, since strict JSON has none."""
         return {
-            "version": PLAN_VERSION, "recipe": self.recipe, "batches": self.batches,
+            "version": PLAN_VERSION, "scaling_family": self.scaling_family, "batches": self.batches,
             "rule": json_safe(dataclasses.asdict(self.rule)),
             "layers": [{"fqn": p.fqn, "precision": p.precision, "reason": p.reason,
                         "numbers": json_safe(p.numbers)} for p in self.layers],
@@ -318,9 +353,14 @@ class PrecisionPlan:
                              f" write `version: {PLAN_VERSION}`, or read the file with the lightning-precision that"
                              " wrote it.")
         # after the version: a later format may add fields, and its plans should be refused for their version
-        _check_keys(where, "the plan", data, ("version", "recipe", "batches", "rule", "layers"))
-        recipe, batches = data.get("recipe", "tensorwise"), data.get("batches", 0)
-        _check_recipe(f"{where}: `recipe`", recipe)
+        _check_keys(where, "the plan", data, ("version", "scaling_family", "recipe", "batches", "rule", "layers"))
+        # `recipe`: the field's name in the plans written before `scaling_family`; they keep loading
+        if "scaling_family" in data and "recipe" in data:
+            raise ValueError(f"{where}: both `scaling_family` and `recipe` (its older name) are given; keep"
+                             " `scaling_family`.")
+        key = "recipe" if "recipe" in data else "scaling_family"
+        scaling_family, batches = data.get(key, "tensorwise"), data.get("batches", 0)
+        _check_recipe(f"{where}: `{key}`", scaling_family)
         _check_count(f"{where}: `batches`", batches)
         rule = data.get("rule", {})
         if not isinstance(rule, Mapping):
@@ -345,7 +385,8 @@ class PrecisionPlan:
             _check_keys(where, f"`layers[{i}]`", d, ("fqn", "precision", "reason", "numbers"))
             missing = [k for k in ("fqn", "precision") if k not in d]
             if missing:
-                raise ValueError(f"{at} has no `{missing[0]}`; each layer needs `fqn` and `precision` (fp8 or bf16).")
+                raise ValueError(f"{at} has no `{missing[0]}`; each layer needs `fqn` and `precision` (fp8, or the"
+                                 " high precision it runs in: high, bf16, fp16 or fp32).")
             # `reason:` or `numbers:` with nothing after it is YAML's null
             reason = "" if d.get("reason") is None else d["reason"]
             numbers = {} if d.get("numbers") is None else d["numbers"]
@@ -353,7 +394,7 @@ class PrecisionPlan:
             _check_layer(lambda name: f"{where}: `layers[{i}].{name}`", d["fqn"], d["precision"], reason, numbers)
             layers.append(LayerPlan(d["fqn"], d["precision"], reason, numbers))
         _check_unique(where, (p.fqn for p in layers))
-        return cls(tuple(layers), recipe, PlanRule(**bounds), batches)
+        return cls(tuple(layers), scaling_family, PlanRule(**bounds), batches)
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), whole or not at all: to a uniquely named temporary
@@ -478,7 +519,7 @@ def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: Optional[PlanRu
 PlanLike = Union[PrecisionPlan, str, Path]
 
 
-def _as_plan(layers: PlanLike) -> PrecisionPlan:
+def as_plan(layers: PlanLike) -> PrecisionPlan:
     return layers if isinstance(layers, PrecisionPlan) else PrecisionPlan.load(layers)
 
 
@@ -487,18 +528,24 @@ def make_plan(
     batches: Iterable[Any],
     loss_fn: Optional[LossFn] = None,
     recipe: Any = "tensorwise",
-    rule: Optional[PlanRule] = None,
+    plan_rule: Optional[PlanRule] = None,
     module_filter: Optional[ModuleFilter] = None,
     skip_small_layers: bool = True,
     skip_first_last: bool = True,
     autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
+    *,
+    layer_policy: Optional[FP8LayerPolicy] = None,
 ) -> PrecisionPlan:
-    """Shape rules, then ``sensitivity.fp8_sensitivity`` on ``batches`` for the layers they leave, then ``rule``: the
-    plan ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``).
-    Arguments as ``fp8_sensitivity`` and ``FP8Precision``; the weights are not updated."""
+    """Shape rules, then ``fp8_sensitivity`` on ``batches`` for the layers they leave, then ``plan_rule``: the plan
+    ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``). Arguments
+    as ``fp8_sensitivity`` and ``FP8Precision``: the layer choice is ``layer_policy`` or the flat ``module_filter``,
+    ``skip_small_layers`` and ``skip_first_last`` (not both). The weights are not updated."""
     config = probe_config(recipe, "make_plan")
-    scaling_family = _fp8.torchao_scaling_family(config)
-    _fp8.check_module_filter("make_plan", module_filter)
-    decisions = _fp8.select_fp8_layers(model, scaling_family, module_filter, skip_small_layers, skip_first_last)
+    scaling_family = torchao_scaling_family(config)
+    policy = resolve_layer_policy("make_plan", layer_policy, module_filter=module_filter,
+                                  skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
+    if plan_rule is not None and not isinstance(plan_rule, PlanRule):
+        raise ValueError(f"`make_plan(plan_rule={plan_rule!r})`: pass a `PlanRule` (`PlanRule()` for the defaults).")
+    decisions = select_fp8_layers(model, scaling_family, layer_policy=policy)
     sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8], autocast_dtype)
-    return PrecisionPlan.decide(decisions, sensitivity, rule, scaling_family)
+    return PrecisionPlan.decide(decisions, sensitivity, plan_rule, scaling_family, high=high_label(autocast_dtype))
