@@ -7,10 +7,11 @@ import inspect
 import pytest
 import torch
 
-from lightning_precision import formats, fp8, functional
+from lightning_precision import formats, functional
+from lightning_precision.fp8 import _plan, _selection
 
 # The fewest examples each module must run: the count written, so that losing examples fails here.
-EXAMPLES = {functional: 37, formats: 20, fp8: 7}
+EXAMPLES = {functional: 37, formats: 20, _selection: 7, _plan: 1}
 
 
 @pytest.mark.parametrize("module", list(EXAMPLES), ids=lambda m: m.__name__)

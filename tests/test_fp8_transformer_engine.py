@@ -182,3 +182,16 @@ def test_nvfp4_says_its_own_name_when_no_layer_converts():
 
     with pytest.warns(NoEffectWarning, match=r"^NVFP4Precision: no linear layer runs in NVFP4"):
         _warn_if_no_fp8([], "NVFP4Precision", "NVFP4")
+
+
+def test_nvfp4_takes_the_layer_choice_as_a_policy_or_the_flat_shorthands_never_both(te):
+    """One rule across FP8Precision, NVFP4Precision and make_plan: `layer_policy=` or the flat arguments (TE is the
+    stand-in here)."""
+    flat = lp_fabric.NVFP4Precision(skip_small_layers=False, module_filter=None)
+    assert flat.layer_policy == FP8LayerPolicy(skip_small_layers=False)
+    assert lp_fabric.NVFP4Precision(layer_policy=FP8LayerPolicy(skip_first_last=False)).skip_first_last is False
+    for plugin in (lp_fabric.NVFP4Precision, FP8Precision):
+        kwargs = {"backend": "transformer_engine"} if plugin is FP8Precision else {}
+        with pytest.raises(ValueError, match=rf"`{plugin.__name__}\(layer_policy=FP8LayerPolicy\(...\), skip_first_last="
+                                             r"False\)`: give these arguments in one place"):
+            plugin(layer_policy=FP8LayerPolicy(), skip_first_last=False, **kwargs)

@@ -83,7 +83,7 @@ def fit(plugin, steps: int, module=None, **kwargs) -> tuple[L.Trainer, Lit]:
 def test_torchaos_amax_floor_is_the_one_we_mirror():
     from torchao.float8 import float8_utils
 
-    assert float8_utils.EPS == TORCHAO_EPS  # a new floor changes which tiny tensors flush: update sensitivity.py
+    assert float8_utils.EPS == TORCHAO_EPS  # a new floor changes which tiny tensors flush: update _upstream/torchao.py
 
 
 @pytest.mark.parametrize("axiswise", [False, True])
@@ -151,6 +151,57 @@ def test_shape_rules_come_first():
     plan = make_plan(Outliers(), batches(1), loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1]))
     assert plan.fp8_layers == set()  # 64x64 is too small to gain, and a/head are the first/last layers
     assert plan.get("b").numbers == {} and "too small to gain" in plan.get("b").reason
+
+
+def _loss(m, b):
+    return nn.functional.cross_entropy(m(b[0]).float(), b[1])
+
+
+def test_make_plan_takes_the_layer_policy_and_plan_rule_configs_or_the_flat_shorthands_never_both():
+    from lightning_precision.fp8 import FP8LayerPolicy
+
+    flat = make_plan(Outliers(), batches(1), loss_fn=_loss, skip_small_layers=False, skip_first_last=False)
+    policy = FP8LayerPolicy(skip_small_layers=False, skip_first_last=False)
+    assert make_plan(Outliers(), batches(1), loss_fn=_loss, layer_policy=policy) == flat
+    with pytest.raises(ValueError, match=r"make_plan\(layer_policy=FP8LayerPolicy\(...\), skip_first_last=False\)"):
+        make_plan(Outliers(), batches(1), loss_fn=_loss, layer_policy=FP8LayerPolicy(), skip_first_last=False)
+    strict = PlanRule(max_output_error=0.0)
+    ruled = make_plan(Outliers(), batches(1), loss_fn=_loss, plan_rule=strict, layer_policy=policy)
+    assert ruled.rule == strict and not ruled.fp8_layers
+    with pytest.raises(TypeError, match="rule"):
+        make_plan(Outliers(), batches(1), loss_fn=_loss, rule=strict)  # the old name is gone
+    with pytest.raises(ValueError, match=r"make_plan\(plan_rule=0.1\)"):
+        make_plan(Outliers(), batches(1), loss_fn=_loss, plan_rule=0.1)
+
+
+def test_a_plan_labels_its_high_precision_layers_with_the_dtype_they_run_in():
+    """A layer an fp16 plugin keeps in high precision runs in fp16: its plan says so, not "bf16"."""
+    policy = dict(skip_small_layers=False, skip_first_last=False)
+    for dtype, label in [(torch.float16, "fp16"), (torch.bfloat16, "bf16")]:
+        plugin = lp_fabric.FP8Precision(emulate=True, compute_dtype=dtype, module_filter=lambda m, fqn: fqn != "b")
+        model = plugin.convert_module(Outliers())
+        assert plugin.plan_in_force().get("b").precision == label
+        assert plugin.demote({"c": "by hand"}) == ["c"] and model.c.__class__ is nn.Linear
+        assert plugin.plan.get("c").precision == label
+    assert {p.precision for p in make_plan(Outliers(), batches(1), loss_fn=_loss, autocast_dtype=torch.float16,
+                                           plan_rule=PlanRule(max_output_error=0.0), **policy).layers} == {"fp16"}
+    assert {p.precision for p in make_plan(Outliers(), batches(1), loss_fn=_loss, **policy).layers} <= {"bf16", "fp8"}
+
+
+def test_plan_files_written_before_the_rename_still_load(tmp_path):
+    """A file saying ``recipe:`` (the field's old name) and ``bf16`` layers reads as it did; a new file says
+    ``scaling_family:``."""
+    old = tmp_path / "old.yaml"
+    old.write_text("version: 1\nrecipe: rowwise\nbatches: 2\nlayers:\n- {fqn: a, precision: bf16}\n"
+                   "- {fqn: b, precision: fp8}\n")
+    plan = PrecisionPlan.load(old)
+    assert plan.scaling_family == "rowwise" and plan.get("a").precision == "bf16" and plan.fp8_layers == {"b"}
+    assert not hasattr(plan, "recipe")
+    assert plan.to_dict()["scaling_family"] == "rowwise" and "recipe" not in plan.to_dict()
+    both = tmp_path / "both.yaml"
+    both.write_text("version: 1\nrecipe: rowwise\nscaling_family: rowwise\nlayers: []\n")
+    with pytest.raises(ValueError, match="both `scaling_family` and `recipe`"):
+        PrecisionPlan.load(both)
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])

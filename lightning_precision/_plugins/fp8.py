@@ -8,9 +8,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_precision._plugins._scaled import TrainerScaledPrecision
 from lightning_precision.fabric.fp8 import FP8Precision as _FabricFP8Precision
 from lightning_precision.fabric.fp8 import NVFP4Precision as _FabricNVFP4Precision
-from lightning_precision._plugins._scaled import TrainerScaledPrecision
 
 __all__ = ["FP8Precision", "NVFP4Precision"]
 

@@ -10,21 +10,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._checks import is_positive_int
+from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._lightning import batches_that_stepped, should_update_logs
+from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.fp8._plan import PlanRule, demotions, measured_numbers, plan_suffix
 from lightning_precision.fp8._selection import BLOCK_SCALED
 from lightning_precision.fp8._sensitivity import SensitivityProbe, sum_across_processes
-from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["DEFAULT_PLAN_FILE", "FP8Guard", "GuardEvent"]
 
@@ -81,8 +81,8 @@ class FP8Guard(Callback):
     backward and before ``optimizer.step()`` (on every process), and ``guard.save(plugin)`` at the end.
     """
 
-    def __init__(self, every_n_steps: int = 100, rule: Optional[PlanRule] = None,
-                 plan_path: Optional[Union[str, Path]] = None) -> None:
+    def __init__(self, every_n_steps: int = 100, rule: PlanRule | None = None,
+                 plan_path: str | Path | None = None) -> None:
         if not is_positive_int(every_n_steps):
             raise ValueError(f"`FP8Guard(every_n_steps={every_n_steps!r})`: a positive number of optimizer steps.")
         if rule is not None and not isinstance(rule, PlanRule):
@@ -93,14 +93,14 @@ class FP8Guard(Callback):
         self.rule = rule
         self.plan_path = None if plan_path is None else Path(plan_path)
         self.events: list[GuardEvent] = []
-        self._probe: Optional[SensitivityProbe] = None
+        self._probe: SensitivityProbe | None = None
         self._blind = False  # warned that a measured step saw no layer
         self._checked = False  # plan_path proven writable (Trainer: at setup; Fabric: at the first `watch`)
-        self._default_dir: Optional[Path] = None  # this fit's log directory, where the default file goes
-        self._own_file: Optional[Path] = None  # the default file this guard created, and so may rewrite
+        self._default_dir: Path | None = None  # this fit's log directory, where the default file goes
+        self._own_file: Path | None = None  # the default file this guard created, and so may rewrite
 
     @property
-    def plan_file(self) -> Optional[Path]:
+    def plan_file(self) -> Path | None:
         """Where this run's plan is written: ``plan_path``, or the default file once the first write has created it;
         None before."""
         return self.plan_path or self._own_file
@@ -170,7 +170,7 @@ class FP8Guard(Callback):
             self._save_during_fit(plugin)  # at once: a run that dies later keeps what was learned
         return events
 
-    def save(self, plugin: Any, path: Optional[Union[str, Path]] = None) -> Optional[Path]:
+    def save(self, plugin: Any, path: str | Path | None = None) -> Path | None:
         """Write the plan in force to ``path`` (default ``plan_file``; with the Trainer and no ``plan_path``, the
         default file is created at this first write), on rank zero; returns where, or None: on other ranks, before
         conversion, while ``layers="auto"`` has not decided, or with Fabric and neither ``path`` nor ``plan_path``."""

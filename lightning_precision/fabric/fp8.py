@@ -6,7 +6,7 @@ import dataclasses
 import weakref
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -15,10 +15,11 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision import _fsdp, _imports
-from lightning_precision.fp8._hardware import check_fp8_hardware
+from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision.fp8._hardware import check_fp8_hardware
 from lightning_precision.fp8._plan import FP8, HighLabel, PlanLike, PlanRule, PrecisionPlan, as_plan, high_label
 from lightning_precision.fp8._selection import (
     BACKENDS,
@@ -47,7 +48,6 @@ from lightning_precision.fp8._torchao import (
     with_float8_all_gather,
 )
 from lightning_precision.fp8._watch import NEVER_RAN, ForwardWatch, warn_never_ran
-from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["FP8Precision", "NVFP4Precision"]
 
@@ -184,23 +184,23 @@ class FP8Precision(ScaledPrecision):
         self,
         *,
         backend: Literal["torchao", "transformer_engine"] = "torchao",
-        recipe: Optional[RecipeLike] = None,
+        recipe: RecipeLike | None = None,
         emulate: bool = False,
         compute_dtype: torch.dtype = torch.bfloat16,
-        layer_policy: Optional[FP8LayerPolicy] = None,
-        module_filter: Optional[ModuleFilter] = None,
+        layer_policy: FP8LayerPolicy | None = None,
+        module_filter: ModuleFilter | None = None,
         skip_small_layers: bool = True,
         skip_first_last: bool = True,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         reduce_dtype: torch.dtype = torch.float32,
-        fsdp_float8_all_gather: Optional[bool] = None,
-        layers: Optional[PlanLike] = None,
-        calibration_batches: Optional[int] = None,
-        plan_rule: Optional[PlanRule] = None,
-        scaler: Optional[ScalerConfig] = None,
+        fsdp_float8_all_gather: bool | None = None,
+        layers: PlanLike | None = None,
+        calibration_batches: int | None = None,
+        plan_rule: PlanRule | None = None,
+        scaler: ScalerConfig | None = None,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         owner = type(self).__name__
         if backend not in BACKENDS:
@@ -249,18 +249,18 @@ class FP8Precision(ScaledPrecision):
             )
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
         self.layers, self.calibration_batches, self.plan_rule = layers, calibration_batches, plan_rule
-        self.plan: Optional[PrecisionPlan] = self._check_layers(owner)
-        self._calibration: Optional[_Calibration] = None
+        self.plan: PrecisionPlan | None = self._check_layers(owner)
+        self._calibration: _Calibration | None = None
         self._float8_all_gather = False  # whether the converted layers all-gather in fp8
-        self._scales: Optional[_fsdp.Float8ScalePrecompute] = None
+        self._scales: _fsdp.Float8ScalePrecompute | None = None
         self.layer_decisions: list[LayerDecision] = []
-        self._forward_watch: Optional[ForwardWatch] = None
+        self._forward_watch: ForwardWatch | None = None
         self._idle_decisions: dict[str, LayerDecision] = {}  # the decisions of chosen layers not run yet
         self._short_mxfp8: dict[str, LayerDecision] = {}  # MXFP8 layers reported not fp8 until a call runs in it
-        self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
-        self._root: Optional[weakref.ref] = None  # the module converted: `layer_decisions` name paths in it
+        self._fp8_layers: int | None = None  # known once the first backward has shown which layers run
+        self._root: weakref.ref | None = None  # the module converted: `layer_decisions` name paths in it
 
-    def _check_layers(self, owner: str) -> Optional[PrecisionPlan]:
+    def _check_layers(self, owner: str) -> PrecisionPlan | None:
         """Validate ``layers`` and its companions now; load a plan file now (a bad path fails here, not mid-fit)."""
         layers, auto = self.layers, self.layers == "auto"
         if self.calibration_batches is not None:
@@ -427,7 +427,7 @@ class FP8Precision(ScaledPrecision):
             self._on_device_resolved(self._device_type)
         return module
 
-    def _swap(self, module: Module, decisions: list[LayerDecision], table: Optional[str] = None) -> Module:
+    def _swap(self, module: Module, decisions: list[LayerDecision], table: str | None = None) -> Module:
         """Convert the layers ``decisions`` choose (in place below the root); ``table``: what to print, by default the
         decisions' summary."""
         self.layer_decisions = decisions
@@ -497,7 +497,7 @@ class FP8Precision(ScaledPrecision):
             return {}
         return {d.fqn: module.get_submodule(d.fqn) for d in self.layer_decisions if d.fp8}
 
-    def plan_in_force(self) -> Optional[PrecisionPlan]:
+    def plan_in_force(self) -> PrecisionPlan | None:
         """The plan the converted model runs: made by ``layers="auto"``, given, restored, or the shape rules' choice,
         with ``demote``'s changes. None before conversion and while ``layers="auto"`` has not decided (it measures, or
         the fit ended first): nothing unmeasured is a plan."""
@@ -507,7 +507,7 @@ class FP8Precision(ScaledPrecision):
             return None
         return PrecisionPlan.from_decisions(self.layer_decisions, self.scaling_family, self._high)
 
-    def demote(self, layers: Mapping[str, str], numbers: Optional[Mapping[str, dict[str, float]]] = None) -> list[str]:
+    def demote(self, layers: Mapping[str, str], numbers: Mapping[str, dict[str, float]] | None = None) -> list[str]:
         """Move fp8 layers back to ``compute_dtype``, in place: ``layers`` maps a path to the reason. Each stays the
         same module with the same Parameters, so the optimizer and its state are untouched. Recorded in ``plan`` and
         ``layer_decisions`` (and so in checkpoints: a resumed run keeps them in high precision); ``numbers`` are the
@@ -772,19 +772,19 @@ class NVFP4Precision(FP8Precision):
     def __init__(
         self,
         *,
-        recipe: Optional[RecipeLike] = None,
+        recipe: RecipeLike | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
-        layer_policy: Optional[FP8LayerPolicy] = None,
-        module_filter: Optional[ModuleFilter] = None,
+        layer_policy: FP8LayerPolicy | None = None,
+        module_filter: ModuleFilter | None = None,
         skip_small_layers: bool = True,
         skip_first_last: bool = True,
-        layers: Optional[PlanLike] = None,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        layers: PlanLike | None = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         reduce_dtype: torch.dtype = torch.float32,
-        scaler: Optional[ScalerConfig] = None,
+        scaler: ScalerConfig | None = None,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         super().__init__(
             backend="transformer_engine", recipe=recipe if recipe is not None else TE_NVFP4,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union, get_args
+from typing import Any, Literal, Union, get_args
 
 import torch
 from torch import nn
@@ -58,11 +58,11 @@ __all__ = [
 HighLabel = Literal["high", "bf16", "fp16", "fp32"]
 HIGH_LABELS: tuple[HighLabel, ...] = get_args(HighLabel)
 FP8, HIGH = "fp8", "high"
-_HIGH_OF_DTYPE: dict[Optional[torch.dtype], HighLabel] = {
+_HIGH_OF_DTYPE: dict[torch.dtype | None, HighLabel] = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def high_label(dtype: Optional[torch.dtype]) -> HighLabel:
+def high_label(dtype: torch.dtype | None) -> HighLabel:
     """The label of a layer kept in high precision that runs in ``dtype`` (``"high"`` where it is not known).
 
     Example:
@@ -166,7 +166,7 @@ class PlanRule:
             value = getattr(self, f.name)
             _check_bound(f"`PlanRule({f.name}={value!r})`", value, f.default)
 
-    def why_not(self, s: LayerSensitivity) -> Optional[str]:
+    def why_not(self, s: LayerSensitivity) -> str | None:
         """None when ``s`` passes, else every bound it fails, as the reason for keeping it in high precision."""
         failed = []
         for tensor, n in s.tensors().items():
@@ -234,8 +234,8 @@ class PrecisionPlan:
 
     @classmethod
     def decide(cls, decisions: list[LayerDecision], sensitivity: dict[str, LayerSensitivity],
-               rule: Optional[PlanRule] = None, scaling_family: ScalingFamily = "tensorwise",
-               not_measured: Optional[str] = None, high: HighLabel = HIGH) -> PrecisionPlan:
+               rule: PlanRule | None = None, scaling_family: ScalingFamily = "tensorwise",
+               not_measured: str | None = None, high: HighLabel = HIGH) -> PrecisionPlan:
         """The plan for layers whose shape rules are ``decisions`` and whose numerics are ``sensitivity``. A layer the
         rules leave but ``sensitivity`` lacks stays in high precision, for ``not_measured`` if given (why nothing was
         measured), else because it did not run. ``high``: the label of the layers kept in high precision (the dtype
@@ -265,7 +265,7 @@ class PrecisionPlan:
     def fp8_layers(self) -> frozenset[str]:
         return frozenset(p.fqn for p in self.layers if p.precision == FP8)
 
-    def get(self, fqn: str) -> Optional[LayerPlan]:
+    def get(self, fqn: str) -> LayerPlan | None:
         return next((p for p in self.layers if p.fqn == fqn), None)
 
     @property
@@ -273,7 +273,7 @@ class PrecisionPlan:
         """Whether any decision rests on numbers measured under ``scaling_family`` (not only on shape rules or by hand)."""
         return self.batches > 0 or any(p.numbers for p in self.layers)
 
-    def recipe_mismatch(self, scaling_family: str) -> Optional[str]:
+    def recipe_mismatch(self, scaling_family: str) -> str | None:
         """Why this plan's numbers are not those of a plugin whose ``scaling_family`` is given, or None: they are, or
         nothing was measured. Transformer Engine's per-tensor recipes (``delayed``, ``current``) are measured through
         torchao's ``tensorwise`` cast (what ``FP8Precision(layers="auto")`` does for them), so those three agree."""
@@ -292,7 +292,7 @@ class PrecisionPlan:
                 " its numbers, and the rule's verdicts on them, are another cast's. It is applied as written; to"
                 f" judge the layers by this plugin's cast, measure again with its recipe ({how}).")
 
-    def with_layer(self, fqn: str, precision: str, reason: str, numbers: Optional[dict[str, float]] = None) -> PrecisionPlan:
+    def with_layer(self, fqn: str, precision: str, reason: str, numbers: dict[str, float] | None = None) -> PrecisionPlan:
         """A copy with one layer's decision replaced."""
         if self.get(fqn) is None:
             raise KeyError(f"PrecisionPlan has no layer {fqn!r}.")
@@ -337,7 +337,7 @@ class PrecisionPlan:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: Optional[str] = None) -> PrecisionPlan:
+    def from_dict(cls, data: Any, *, source: str | None = None) -> PrecisionPlan:
         """The plan ``to_dict`` gave (read from a file or a checkpoint). ``source`` says where it came from in errors
         (``load`` names the file); each error names the field, the value and the fix."""
         where = source or "PrecisionPlan.from_dict"
@@ -396,7 +396,7 @@ class PrecisionPlan:
         _check_unique(where, (p.fqn for p in layers))
         return cls(tuple(layers), scaling_family, PlanRule(**bounds), batches)
 
-    def save(self, path: Union[str, Path]) -> Path:
+    def save(self, path: str | Path) -> Path:
         """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), whole or not at all: to a uniquely named temporary
         file beside it, then renamed over it (a failed write leaves any previous plan whole; two processes saving
         the same path each write whole plans; a symbolic link stays a link and its target is updated). What is
@@ -410,7 +410,7 @@ class PrecisionPlan:
         return atomic_write_text(path, text)
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> PrecisionPlan:
+    def load(cls, path: str | Path) -> PrecisionPlan:
         """The plan in a ``.yaml``/``.yml``/``.json`` file; a ``ValueError`` naming the file, the field, the value and
         the fix for anything that is not a plan ``save`` could have written (YAML tags are refused)."""
         path = Path(path)
@@ -459,7 +459,7 @@ def dump_plan(data: dict[str, Any], path: Path) -> str:
     return yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False, width=120)
 
 
-def _parse(text: str, path: Path, source: Optional[str] = None) -> Any:
+def _parse(text: str, path: Path, source: str | None = None) -> Any:
     """The data in ``text`` (JSON or YAML by ``path``'s suffix). A syntax error, a repeated key (which either parser
     would resolve by keeping the last, silently) or a YAML tag is a ``ValueError`` naming ``source`` and the line."""
     source = source or f"plan file {str(path)!r}"
@@ -496,7 +496,7 @@ def _parse(text: str, path: Path, source: Optional[str] = None) -> Any:
         loader.dispose()
 
 
-def _check_no_repeats(source: str, keys: list[Any], lines: Optional[list[int]]) -> None:
+def _check_no_repeats(source: str, keys: list[Any], lines: list[int] | None) -> None:
     seen: set[Any] = set()
     for i, key in enumerate(keys):
         try:
@@ -509,7 +509,7 @@ def _check_no_repeats(source: str, keys: list[Any], lines: Optional[list[int]]) 
             raise ValueError(f"{source}: the key {key!r} appears twice in one mapping{at}; keep one.")
 
 
-def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: Optional[PlanRule] = None) -> dict[str, str]:
+def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: PlanRule | None = None) -> dict[str, str]:
     """The measured layers that ``rule`` rejects, each with why: what ``FP8Guard`` moves back to high precision."""
     rule = rule or PlanRule()
     failed = {fqn: rule.why_not(s) for fqn, s in sensitivity.items()}
@@ -526,15 +526,15 @@ def as_plan(layers: PlanLike) -> PrecisionPlan:
 def make_plan(
     model: nn.Module,
     batches: Iterable[Any],
-    loss_fn: Optional[LossFn] = None,
+    loss_fn: LossFn | None = None,
     recipe: Any = "tensorwise",
-    plan_rule: Optional[PlanRule] = None,
-    module_filter: Optional[ModuleFilter] = None,
+    plan_rule: PlanRule | None = None,
+    module_filter: ModuleFilter | None = None,
     skip_small_layers: bool = True,
     skip_first_last: bool = True,
-    autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
     *,
-    layer_policy: Optional[FP8LayerPolicy] = None,
+    layer_policy: FP8LayerPolicy | None = None,
 ) -> PrecisionPlan:
     """Shape rules, then ``fp8_sensitivity`` on ``batches`` for the layers they leave, then ``plan_rule``: the plan
     ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``). Arguments

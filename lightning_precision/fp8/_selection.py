@@ -4,9 +4,9 @@ their summary. Backend-neutral: the torchao and Transformer Engine conversions t
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Union, get_args
+from typing import Any, Literal, Union, get_args
 
 from torch import nn
 
@@ -128,11 +128,11 @@ def functional_linears(module: nn.Module) -> dict[int, str]:
 def select_fp8_layers(
     module: nn.Module,
     scaling_family: str = "tensorwise",
-    module_filter: Optional[ModuleFilter] = None,
+    module_filter: ModuleFilter | None = None,
     skip_small_layers: bool = True,
     skip_first_last: bool = True,
     *,
-    layer_policy: Optional[FP8LayerPolicy] = None,
+    layer_policy: FP8LayerPolicy | None = None,
 ) -> list[LayerDecision]:
     """Decide, for every ``nn.Linear`` in ``module``, whether it runs in fp8. ``scaling_family`` is what the rules
     depend on: the per-tensor, per-row or block scaling of the recipe (``FP8Precision.scaling_family``; torchao's
@@ -228,7 +228,7 @@ class FP8LayerPolicy:
 
     # `(module, fqn) -> bool`: when given, it alone decides for every layer the hard rules leave (the two flags below
     # then do not apply). Use it to keep attention or a known-sensitive block in high precision.
-    module_filter: Optional[ModuleFilter] = None
+    module_filter: ModuleFilter | None = None
     # Keep layers too small to gain from fp8 in high precision: below the thresholds above, the casts cost more time
     # than the fp8 GEMM saves.
     skip_small_layers: bool = True
@@ -243,7 +243,7 @@ class FP8LayerPolicy:
                 raise ValueError(f"`{owner}({name}={getattr(self, name)!r})`: pass True or False.")
 
 
-def resolve_layer_policy(owner: str, policy: Optional[FP8LayerPolicy], **flat: Any) -> FP8LayerPolicy:
+def resolve_layer_policy(owner: str, policy: FP8LayerPolicy | None, **flat: Any) -> FP8LayerPolicy:
     """One validated policy from ``layer_policy=`` or the flat arguments (either, not both)."""
     resolved: FP8LayerPolicy = one_config(owner, "layer_policy", FP8LayerPolicy, policy, flat)
     resolved.validate(owner)

@@ -8,7 +8,7 @@ import dataclasses
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -236,7 +236,7 @@ _MXFP8_RECORD = {
 }
 
 
-def to_mxfp8_linear(layer: nn.Linear, recipe: MXFP8Recipe, name: Optional[str] = None) -> None:
+def to_mxfp8_linear(layer: nn.Linear, recipe: MXFP8Recipe, name: str | None = None) -> None:
     """Make ``layer`` compute in MXFP8, in place (the same module and Parameters, as ``demote_torchao_layer`` undoes).
     ``name``: its path in the model, named when a call falls back to high precision."""
     mx = mxfp8_linear_module()
@@ -284,7 +284,7 @@ def _autocast_mxfp8_class(base: type) -> type:
     return _MXFP8_CLASS[base]
 
 
-def _mxfp8_fallback_message(name: Optional[str], tokens: int, dtype: torch.dtype) -> str:
+def _mxfp8_fallback_message(name: str | None, tokens: int, dtype: torch.dtype) -> str:
     layer = f"layer {name!r}" if name else "an MXFP8 layer"
     return (f"MXFP8: {layer} ran a call of {tokens} tokens in {dtype}: not a multiple of {MXFP8_TOKENS}, the block"
             " MXFP8's backward casts the tokens (batch x sequence) in. Its calls of a multiple of 32 tokens run in"
@@ -298,7 +298,7 @@ def _short_reason(tokens: int, dtype: torch.dtype) -> str:
 
 
 def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype, owner: str = "FP8Precision",
-                           ran: Optional[Iterable[str]] = None) -> dict[str, str]:
+                           ran: Iterable[str] | None = None) -> dict[str, str]:
     """After the first training backward: the MXFP8 layers among ``layers`` whose every call fell back to ``dtype``
     (tokens not a multiple of 32), each with the reason it is not fp8 (a ``LayerDecision.reason``), said in one
     warning with a fix that works for them. A layer that ran some calls in MXFP8 stays an MXFP8 layer, its fallback
@@ -353,7 +353,7 @@ def with_float8_all_gather(config: Any) -> Any:
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
 
 
-def float8_all_gather_possible(scaling_family: str) -> Optional[str]:
+def float8_all_gather_possible(scaling_family: str) -> str | None:
     """None if torchao's float8 all-gather can run here, else why not."""
     if scaling_family != "tensorwise":
         return f"torchao all-gathers in fp8 with tensorwise scaling only (this recipe is {scaling_family})"
