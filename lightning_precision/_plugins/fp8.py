@@ -19,7 +19,8 @@ class FP8Precision(TrainerScaledPrecision, _FabricFP8Precision):
     """fp8 linear layers inside bf16 autocast for the Trainer: ``Trainer(plugins=[FP8Precision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.FP8Precision`. With fp16 compute the loss scaler behaves as in
-    ``FP16MixedPrecision`` (hooks, logging at the logger's cadence, held schedulers, checkpoints). The model is converted in the strategy's
+    ``FP16MixedPrecision`` (hooks, logging at the logger's cadence, held schedulers, checkpoints). The model is
+    converted in the strategy's
     ``convert_module`` (before it is moved and wrapped), so checkpoints hold the converted layers: resume with the
     same plugin. With ``ModelParallelStrategy`` (FSDP2), convert before sharding: call
     ``self.trainer.precision_plugin.convert_module(self)`` at the top of ``configure_model``.

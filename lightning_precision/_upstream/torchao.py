@@ -13,14 +13,14 @@ from lightning_precision import _imports
 
 __all__ = ["FLOAT8_EPS", "kernel_preference", "mxfp8_linear_module", "mxfp8_scaled_mm", "rceil_scale_mode"]
 
-# torchao clamps amax to this before dividing (``torchao.float8.float8_utils.EPS``, not exported): a tensor whose amax is
-# below it gets a capped scale, and its values may flush to zero. Copied, as torchao is optional; the canary compares.
+# torchao clamps amax to this before dividing (``torchao.float8.float8_utils.EPS``, not exported): a tensor whose amax
+# is below it gets a capped scale, and its values may flush to zero. Copied (torchao is optional); the canary compares.
 FLOAT8_EPS = 1e-12
 
 
 def mxfp8_linear_module() -> Any:
-    """``torchao.prototype.moe_training.mxfp8_linear``: the module of ``MXFP8Linear`` (prototype: the only MXFP8 training
-    layer torchao has)."""
+    """``torchao.prototype.moe_training.mxfp8_linear``: the module of ``MXFP8Linear`` (prototype: the only MXFP8
+    training layer torchao has)."""
     return _imports.import_quietly("torchao.prototype.moe_training.mxfp8_linear")
 
 

@@ -1,7 +1,8 @@
 """FP8Guard: watches the fp8 layers' numerics during training and moves a layer that degrades back to high precision.
 
 At a cadence, one optimizer step is measured by the same ``SensitivityProbe`` that ``FP8Precision(layers="auto")``
-calibrates with (its hooks run first on each layer, and the measured step runs eagerly under ``torch.compile``); every layer the rule now rejects (``demotions``) is returned to the plugin's high-precision
+calibrates with (its hooks run first on each layer, and the measured step runs eagerly under ``torch.compile``);
+every layer the rule now rejects (``demotions``) is returned to the plugin's high-precision
 dtype in place by ``FP8Precision.demote`` (same module, same Parameters: the optimizer state is intact).
 """
 
@@ -37,7 +38,8 @@ def _check_movable(plugin: Any) -> None:
         raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place; use"
                          " `FP8Precision(backend='torchao')`, or pass a plan (`layers='plan.yaml'`).")
     if plugin.scaling_family in BLOCK_SCALED:
-        raise ValueError(f"FP8Guard: its measurement casts per tensor or per row, not in the blocks of {plugin.scaling_family};"
+        raise ValueError("FP8Guard: its measurement casts per tensor or per row, not in the blocks of"
+                         f" {plugin.scaling_family};"
                          " it would judge these layers by the wrong numerics. Watch them with"
                          f" `GradientUnderflowMonitor(formats=({plugin.scaling_family!r},))` instead.")
     if getattr(plugin, "_float8_all_gather", False):
@@ -71,7 +73,8 @@ class FP8Guard(Callback):
 
     Args:
         every_n_steps: measure one optimizer step in this many (default 100; the cost is in docs/plan.md).
-        rule: the ``PlanRule`` an fp8 layer must keep passing (default: the plugin's ``plan_rule``, else ``PlanRule()``).
+        rule: the ``PlanRule`` an fp8 layer must keep passing (default: the plugin's ``plan_rule``, else
+            ``PlanRule()``).
         plan_path: a ``.yaml``/``.yml``/``.json`` file, written as asked (checked at setup, before any step). Default:
             a new file in the Trainer's log directory (``default_root_dir`` without a logger), ``fp8_plan.yaml`` or, if
             that name is taken, ``fp8_plan-1.yaml``, ``fp8_plan-2.yaml``, ...: created at the first write, announced,
@@ -155,9 +158,9 @@ class FP8Guard(Callback):
         if not sensitivity and not probe.dropped and not probe.ran and not self._blind:
             self._blind = True
             if rank_zero_only.rank == 0:
-                warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward hooks"
-                     " ran with gradients on (the step's forward ran under no_grad, or did not reach them), so nothing"
-                     " is watched.", NoEffectWarning)
+                warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward"
+                     " hooks ran with gradients on (the step's forward ran under no_grad, or did not reach them), so"
+                     " nothing is watched.", NoEffectWarning)
         failed = demotions(sensitivity, self.rule or plugin.plan_rule)
         moved = plugin.demote({fqn: f"FP8Guard, step {step}: {why}" for fqn, why in failed.items()},
                               {fqn: measured_numbers(sensitivity[fqn]) for fqn in failed})
@@ -237,7 +240,8 @@ class FP8Guard(Callback):
         _check_movable(trainer.precision_plugin)  # the model is converted by now: before any step, not at a demotion
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if on_cadence(trainer, self.every_n_steps):
             self._start(trainer.precision_plugin)
 

@@ -78,7 +78,8 @@ def _check_not_sharded(module: Module, decisions: list[LayerDecision]) -> None:
     sharded = [d.fqn for d in decisions if d.fp8 and isinstance(module.get_submodule(d.fqn).weight, DTensor)]
     if sharded:
         raise RuntimeError(
-            f"FP8Precision: {len(sharded)} layer(s) chosen for fp8 are already sharded by FSDP2 ({', '.join(sharded[:3])}"
+            f"FP8Precision: {len(sharded)} layer(s) chosen for fp8 are already sharded by FSDP2"
+            f" ({', '.join(sharded[:3])}"
             f"{', ...' if len(sharded) > 3 else ''}); fp8 conversion must come before `fully_shard`. With the Trainer,"
             " call `self.trainer.precision_plugin.convert_module(self)` at the top of `configure_model`, before"
             " `fully_shard`. With Fabric, shard in `ModelParallelStrategy(parallelize_fn=...)`, which runs after the"
@@ -140,7 +141,8 @@ class FP8Precision(ScaledPrecision):
             (``te.autocast(recipe=...)``, TE >= 2.9; ``nn.Linear``/``nn.LayerNorm`` replaced by TE modules).
         recipe: torchao: ``"tensorwise"`` (default), ``"rowwise"``, ``"rowwise_with_gw_hp"``, a
             ``Float8LinearConfig``, or ``"mxfp8"`` (torchao's MXFP8 training layer; compute capability >= 10.0, or
-            ``emulate=True``; dims divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``, ``"block"``, a mapping
+            ``emulate=True``; dims divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``,
+            ``"block"``, a mapping
             ``{"name": "delayed", "amax_history_len": 16, ...}`` or a TE recipe object.
         emulate: run torchao's fp8 numerics without fp8 hardware (CPU included), slowly. torchao only.
         compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16). With fp16 the
@@ -160,7 +162,8 @@ class FP8Precision(ScaledPrecision):
         skip_first_last: leave the first and last linear layers that run as modules in high precision.
         layers: which eligible layers run in fp8. ``None`` (default): all that the shape rules leave. ``"auto"``: the
             first ``calibration_batches`` training batches run in ``compute_dtype`` while each eligible layer's fp8
-            numerics are measured (``lightning_precision.fp8.fp8_sensitivity``; none is reported fp8 meanwhile); at the first
+            numerics are measured (``lightning_precision.fp8.fp8_sensitivity``; none is reported fp8 meanwhile); at
+            the first
             optimizer step after them the layers ``plan_rule`` accepts are converted (same Parameter objects: the
             optimizer is untouched) and the plan is logged and kept in ``plan`` and in checkpoints. A plan made here
             belongs to its model: set up with another model, the plugin measures again. A ``PrecisionPlan`` or the
@@ -244,7 +247,8 @@ class FP8Precision(ScaledPrecision):
         if fsdp_float8_all_gather and (backend != "torchao" or self.scaling_family != "tensorwise"):
             raise ValueError(
                 f"`{owner}(fsdp_float8_all_gather=True)`: torchao all-gathers in fp8 with tensorwise scaling only; this"
-                f" plugin uses {backend} ({self.scaling_family}). Use `backend='torchao', recipe='tensorwise'`, or leave"
+                f" plugin uses {backend} ({self.scaling_family}). Use `backend='torchao', recipe='tensorwise'`, or"
+                " leave"
                 " `fsdp_float8_all_gather` unset."
             )
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
@@ -277,9 +281,11 @@ class FP8Precision(ScaledPrecision):
         if layers is None:
             return None
         if auto:
-            _imports.require(_imports.TORCHAO_AVAILABLE, "torchao", f"{owner}(layers='auto'), which measures with torchao,")
+            _imports.require(_imports.TORCHAO_AVAILABLE, "torchao",
+                             f"{owner}(layers='auto'), which measures with torchao,")
             if self.scaling_family in BLOCK_SCALED:
-                raise ValueError(f"`{owner}(layers='auto', recipe={self.scaling_family!r})`: the measurement casts per tensor"
+                raise ValueError(f"`{owner}(layers='auto', recipe={self.scaling_family!r})`: the measurement casts"
+                                 " per tensor"
                                  " or per row, not in blocks; choose the layers with a plan, `module_filter`, or the"
                                  " shape rules. `underflow_stats(x, 'mxfp8')` measures block-scaled casts.")
             if self.fsdp_float8_all_gather:
@@ -287,7 +293,8 @@ class FP8Precision(ScaledPrecision):
                                  " during sharded training. Measure first and pass the plan: see docs/plan.md.")
             return None
         if not isinstance(layers, (PrecisionPlan, str)) and not hasattr(layers, "__fspath__"):
-            raise ValueError(f"`{owner}(layers={layers!r})`: None, 'auto', a PrecisionPlan or the path of a saved plan.")
+            raise ValueError(f"`{owner}(layers={layers!r})`: None, 'auto', a PrecisionPlan or the path of a saved"
+                             " plan.")
         if self.module_filter is not None:
             raise ValueError(f"`{owner}(layers=<plan>, module_filter=...)`: a plan names its fp8 layers itself; pass"
                              " one or the other.")
@@ -528,7 +535,8 @@ class FP8Precision(ScaledPrecision):
         if not chosen:
             return []
         if self.backend != "torchao":
-            raise RuntimeError(f"{type(self).__name__}.demote: Transformer Engine layers cannot return to high precision"
+            raise RuntimeError(f"{type(self).__name__}.demote: Transformer Engine layers cannot return to high"
+                               " precision"
                                " in place; only torchao's can (backend='torchao').")
         for fqn in chosen:
             demote_torchao_layer(current[fqn])
@@ -595,7 +603,8 @@ class FP8Precision(ScaledPrecision):
         saved = PrecisionPlan.from_dict(state_dict["plan"], source=f"the checkpoint's plan ({owner} state)")
         given = self.plan if self.layers is not None and self.layers != "auto" else None
         mismatch = saved.recipe_mismatch(self.scaling_family)
-        if mismatch and (given is None or given.scaling_family != saved.scaling_family):  # a given plan's was said at construction
+        # a given plan's mismatch was said at construction
+        if mismatch and (given is None or given.scaling_family != saved.scaling_family):
             warn(f"{owner}: resuming: {mismatch}")
         if given is not None:
             # The checkpoint's plan is what the run trained with, FP8Guard's demotions included; the given one is what
@@ -605,7 +614,9 @@ class FP8Precision(ScaledPrecision):
             if differ:
                 def says(plan: PrecisionPlan, fqn: str) -> str:
                     entry = plan.get(fqn)
-                    return "fp8" if fqn in plan.fp8_layers else f"{entry.precision} ({entry.reason})" if entry else "not listed"
+                    if fqn in plan.fp8_layers:
+                        return "fp8"
+                    return f"{entry.precision} ({entry.reason})" if entry else "not listed"
 
                 shown = "<PrecisionPlan>" if isinstance(self.layers, PrecisionPlan) else repr(str(self.layers))
                 warn(f"{owner}: the checkpoint's plan (what the run trained with, FP8Guard's demotions included)"

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ __all__ = [
 # (the plugin's compute dtype, make_plan's autocast dtype), "high" where it does not (a plan decided by hand).
 HighLabel = Literal["high", "bf16", "fp16", "fp32"]
 HIGH_LABELS: tuple[HighLabel, ...] = get_args(HighLabel)
-FP8, HIGH = "fp8", "high"
+FP8 = "fp8"
+HIGH: HighLabel = "high"
 _HIGH_OF_DTYPE: dict[torch.dtype | None, HighLabel] = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -188,7 +189,8 @@ def measured_numbers(s: LayerSensitivity) -> dict[str, float]:
     errors."""
     out = {}
     for tensor, n in s.tensors().items():
-        out.update({f"{tensor}_sqnr_db": n.sqnr_db, f"{tensor}_underflow": n.underflow, f"{tensor}_overflow": n.overflow})
+        out.update({f"{tensor}_sqnr_db": n.sqnr_db, f"{tensor}_underflow": n.underflow,
+                    f"{tensor}_overflow": n.overflow})
     out.update(output_error=s.output_error, grad_input_error=s.grad_input_error)
     return out
 
@@ -210,8 +212,8 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """Per linear layer, fp8 or high precision and why. ``scaling_family`` (the cast measured) and ``rule`` record how it
-    was made, ``batches`` how many batches were measured (0 for a hand-made plan)."""
+    """Per linear layer, fp8 or high precision and why. ``scaling_family`` (the cast measured) and ``rule`` record how
+    it was made, ``batches`` how many batches were measured (0 for a hand-made plan)."""
 
     layers: tuple[LayerPlan, ...]
     scaling_family: ScalingFamily = "tensorwise"
@@ -270,7 +272,8 @@ class PrecisionPlan:
 
     @property
     def measured(self) -> bool:
-        """Whether any decision rests on numbers measured under ``scaling_family`` (not only on shape rules or by hand)."""
+        """Whether any decision rests on numbers measured under ``scaling_family`` (not only on shape rules or by
+        hand)."""
         return self.batches > 0 or any(p.numbers for p in self.layers)
 
     def recipe_mismatch(self, scaling_family: str) -> str | None:
@@ -288,11 +291,13 @@ class PrecisionPlan:
             how = "not possible for block-scaled casts (docs/plan.md): choose the layers by hand or by shape rules"
         else:
             how = "`layers='auto'` with this plugin, on one process"
-        return (f"the plan was measured with the {self.scaling_family!r} cast and this plugin casts with {scaling_family!r}:"
+        return (f"the plan was measured with the {self.scaling_family!r} cast and this plugin casts with"
+                f" {scaling_family!r}:"
                 " its numbers, and the rule's verdicts on them, are another cast's. It is applied as written; to"
                 f" judge the layers by this plugin's cast, measure again with its recipe ({how}).")
 
-    def with_layer(self, fqn: str, precision: str, reason: str, numbers: dict[str, float] | None = None) -> PrecisionPlan:
+    def with_layer(self, fqn: str, precision: str, reason: str,
+                   numbers: dict[str, float] | None = None) -> PrecisionPlan:
         """A copy with one layer's decision replaced."""
         if self.get(fqn) is None:
             raise KeyError(f"PrecisionPlan has no layer {fqn!r}.")
@@ -302,7 +307,8 @@ class PrecisionPlan:
     def table(self) -> str:
         """A fixed-width table: layer, precision, the worst measured numbers, reason."""
         n = len(self.fp8_layers)
-        head = f"plan ({self.scaling_family}, {self.batches} batches measured): {n} of {len(self.layers)} linear layers in fp8"
+        head = (f"plan ({self.scaling_family}, {self.batches} batches measured): {n} of {len(self.layers)} linear"
+                " layers in fp8")
         width = max((len(p.fqn) for p in self.layers), default=5)
         lines = [head, f"  {'layer':<{width}}  prec  min SQNR dB  max underflow  out err  gin err  reason"]
         for p in self.layers:
@@ -391,7 +397,7 @@ class PrecisionPlan:
             reason = "" if d.get("reason") is None else d["reason"]
             numbers = {} if d.get("numbers") is None else d["numbers"]
             numbers = {k: _number(v) for k, v in numbers.items()} if isinstance(numbers, Mapping) else numbers
-            _check_layer(lambda name: f"{where}: `layers[{i}].{name}`", d["fqn"], d["precision"], reason, numbers)
+            _check_layer(lambda name, i=i: f"{where}: `layers[{i}].{name}`", d["fqn"], d["precision"], reason, numbers)
             layers.append(LayerPlan(d["fqn"], d["precision"], reason, numbers))
         _check_unique(where, (p.fqn for p in layers))
         return cls(tuple(layers), scaling_family, PlanRule(**bounds), batches)
@@ -516,7 +522,7 @@ def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: PlanRule | None
     return {fqn: why for fqn, why in failed.items() if why}
 
 
-PlanLike = Union[PrecisionPlan, str, Path]
+PlanLike = PrecisionPlan | str | Path
 
 
 def as_plan(layers: PlanLike) -> PrecisionPlan:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, get_args
 
 from torch import nn
 
@@ -41,7 +41,7 @@ __all__ = [
 ModuleFilter = Callable[[nn.Module, str], bool]
 # A recipe: its name ("tensorwise", "delayed", ...), a TE mapping {"name": "delayed", ...}, or the recipe object itself
 # (torchao's Float8LinearConfig, a TE recipe). Those classes live in optional packages, hence the `Any`.
-RecipeLike = Union[str, Mapping[str, Any], Any]
+RecipeLike = str | Mapping[str, Any] | Any
 
 # The tensors of a linear layer that fp8 casts, and the format each is cast to by default (TE's HYBRID format, and
 # torchao's tensorwise recipe): e4m3fn forward, e5m2 gradients.
@@ -119,7 +119,8 @@ def functional_linears(module: nn.Module) -> dict[int, str]:
     """``nn.Linear`` layers whose forward never runs because their owner uses the weight functionally, with why.
     ``nn.MultiheadAttention`` passes ``out_proj.weight`` to ``F.multi_head_attention_forward``."""
     return {
-        id(m.out_proj): "nn.MultiheadAttention uses its weight functionally (its forward never runs, so it cannot be fp8)"
+        id(m.out_proj): "nn.MultiheadAttention uses its weight functionally (its forward never runs, so it cannot be"
+                        " fp8)"
         for m in module.modules()
         if isinstance(m, nn.MultiheadAttention) and isinstance(m.out_proj, nn.Linear)
     }

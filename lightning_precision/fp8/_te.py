@@ -24,7 +24,8 @@ __all__ = ["adopt_parameters", "convert_with_te", "import_te", "scaling_family_o
 
 def import_te():
     """``(transformer_engine.pytorch, transformer_engine.common.recipe)``, or an error naming the extra."""
-    _imports.require(_imports.TRANSFORMER_ENGINE_AVAILABLE, "transformer-engine", "FP8Precision(backend='transformer_engine')")
+    _imports.require(_imports.TRANSFORMER_ENGINE_AVAILABLE, "transformer-engine",
+                     "FP8Precision(backend='transformer_engine')")
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
 
@@ -51,7 +52,8 @@ def te_recipe(recipe: Any, owner: str = "FP8Precision") -> Any:
     if name in _TE_RECIPE_CLASSES:
         cls = getattr(recipes, _TE_RECIPE_CLASSES[name], None)
         if cls is None:
-            raise ImportError(f"`{owner}(recipe={name!r})`: Transformer Engine {_imports.version_of('transformer-engine')}"
+            raise ImportError(f"`{owner}(recipe={name!r})`: Transformer Engine"
+                              f" {_imports.version_of('transformer-engine')}"
                               f" has no {_TE_RECIPE_CLASSES[name]}; upgrade Transformer Engine.")
         kwargs = {k: v for k, v in recipe.items() if k != "name"} if isinstance(recipe, Mapping) else {}
         return cls(**kwargs)
@@ -72,7 +74,7 @@ def te_scaling_family(recipe: Any) -> ScalingFamily:
 def convert_with_te(module: nn.Module, decisions: list[LayerDecision]) -> nn.Module:
     """Replace the chosen ``nn.Linear`` layers and every ``nn.LayerNorm`` over the last dim with TE modules that hold
     the *same* Parameter objects (so an optimizer built before the conversion, as with Fabric, still trains them).
-    ``LayerNorm(elementwise_affine=False)`` (which crashes Lightning's conversion, #21755) becomes a TE LayerNorm with
+    ``LayerNorm(elementwise_affine=False)`` (which crashes Lightning's conversion) becomes a TE LayerNorm with
     weight 1 and bias 0, frozen: the same function. A module registered under several names is replaced once."""
     te, _ = import_te()
     chosen = {d.fqn for d in decisions if d.fp8}
@@ -90,7 +92,8 @@ def convert_with_te(module: nn.Module, decisions: list[LayerDecision]) -> nn.Mod
         elif isinstance(child, nn.LayerNorm) and len(child.normalized_shape) == 1:
             affine = child.weight is not None
             like = child.weight if affine else next(module.parameters(), torch.empty(0))
-            replacement = te.LayerNorm(child.normalized_shape[0], eps=child.eps, params_dtype=like.dtype, device=like.device)
+            replacement = te.LayerNorm(child.normalized_shape[0], eps=child.eps, params_dtype=like.dtype,
+                                       device=like.device)
             if affine:
                 adopt_parameters(replacement, child)
             with torch.no_grad():
@@ -108,12 +111,14 @@ def convert_with_te(module: nn.Module, decisions: list[LayerDecision]) -> nn.Mod
 
 def adopt_parameters(new: nn.Module, old: nn.Module) -> None:
     """Give ``new`` the Parameter objects of ``old`` (same name, shape, dtype, device), keeping the attributes the new
-    module set on its own Parameters (TE's tensor-parallel marks) and TE's deferred-init records (``param_init_meta``)."""
+    module set on its own Parameters (TE's tensor-parallel marks) and TE's deferred-init records
+    (``param_init_meta``)."""
     init_meta = dict(getattr(new, "param_init_meta", {}) or {})
     for name, fresh in list(new.named_parameters(recurse=False)):
         kept = getattr(old, name, None)
         if not isinstance(kept, nn.Parameter):
-            continue  # the old module had none (LayerNorm(elementwise_affine=False)): the new one's identity init stands
+            # the old module had none (LayerNorm(elementwise_affine=False)): the new one's identity init stands
+            continue
         if (kept.shape, kept.dtype, kept.device) != (fresh.shape, fresh.dtype, fresh.device):
             # Keeping the fresh one would train from random weights, silently: refuse.
             raise ValueError(

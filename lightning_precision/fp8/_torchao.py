@@ -98,7 +98,8 @@ def demote_torchao_layer(layer: nn.Module) -> None:
     ``bias``; only its forward differs."""
     Float8Linear = _imports.import_quietly("torchao.float8.float8_linear").Float8Linear
     if not isinstance(layer, Float8Linear) and not getattr(layer, MXFP8_FLAG, False):
-        raise TypeError(f"demote_torchao_layer: {type(layer).__name__} is not torchao's Float8Linear nor an MXFP8 layer.")
+        raise TypeError(f"demote_torchao_layer: {type(layer).__name__} is not torchao's Float8Linear nor an MXFP8"
+                        " layer.")
     if type(layer.weight) is not nn.Parameter:  # float8 all-gather's weight subclass casts in every forward
         raise RuntimeError("demote_torchao_layer: the layer's weight is a torchao tensor subclass (float8 all-gather"
                            " under FSDP2); it cannot return to high precision in place.")

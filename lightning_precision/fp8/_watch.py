@@ -1,5 +1,5 @@
-"""Which converted layers have run: a layer chosen for fp8 whose forward never runs (a weight used functionally, an expert
-no token reached yet) is not reported as fp8 until it does."""
+"""Which converted layers have run: a layer chosen for fp8 whose forward never runs (a weight used functionally, an
+expert no token reached yet) is not reported as fp8 until it does."""
 
 from __future__ import annotations
 
