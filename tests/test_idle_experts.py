@@ -1,5 +1,5 @@
-"""A linear layer that receives no tokens in a step, as a mixture-of-experts expert no token was routed to (issue 23,
-item 13). torchao's dynamic scale reduces the input's amax, which has no value over zero elements: plain fp8 crashed,
+"""A linear layer that receives no tokens in a step, as a mixture-of-experts expert no token was routed to.
+torchao's dynamic scale reduces the input's amax, which has no value over zero elements: plain fp8 crashed,
 and so did ``layers="auto"``, ``FP8Guard``, ``fp8_sensitivity`` and ``AmaxHistoryLogger`` (bf16 too). Real Trainer
 fits, real torchao (``emulate=True``)."""
 

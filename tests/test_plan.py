@@ -431,7 +431,7 @@ def test_the_errors_are_against_an_fp32_reference_inside_autocast():
     assert result.output_error != pytest.approx(((y8 - bf16_ref).norm() / bf16_ref.norm()).item(), rel=1e-3)
 
 
-# ---- clear answers to odd calls (issue 23, item 19) ---------------------------------------------------------------
+# ---- clear answers to odd calls ---------------------------------------------------------------
 
 
 def _loss(m, b):

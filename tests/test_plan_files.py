@@ -1,4 +1,4 @@
-"""Plan files (issue 23, items 9, 10, 14, 16 and 20): what ``PrecisionPlan`` accepts, what ``save`` writes and how,
+"""Plan files: what ``PrecisionPlan`` accepts, what ``save`` writes and how,
 what the ``plan`` command does with a place it cannot write, and which plan a resumed fit runs.
 
 Real files, real subprocesses (two writers racing on one path; a file-size limit that makes the write fail as a full
@@ -42,7 +42,7 @@ def plan_of(fp8: set[str], names=("a", "b", "c", "d", "head"), prefix: str = "",
                                for n in names), recipe, PlanRule(), batches)
 
 
-# ---- item 9: a layer listed twice; a plan measured with another cast ---------------------------------------------------
+# ---- a layer listed twice; a plan measured with another cast ---------------------------------------------------
 
 
 def test_a_plan_that_lists_a_layer_twice_is_refused_naming_it(tmp_path):
@@ -92,7 +92,7 @@ class _Net(nn.Module):
         return self.head(self.d(self.c(self.b(self.a(x)))))
 
 
-# ---- item 10: save keeps links, and two writers never fail ------------------------------------------------------------
+# ---- save keeps links, and two writers never fail ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -153,7 +153,7 @@ def test_two_processes_saving_one_path_never_fail_and_it_always_loads_whole(tmp_
         ["go", path.name]  # every temporary file renamed or removed
 
 
-# ---- item 14: `lightning-precision plan --out` --------------------------------------------------------------------------
+# ---- `lightning-precision plan --out` --------------------------------------------------------------------------
 
 
 def test_plan_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
@@ -196,7 +196,7 @@ def test_plan_prints_the_measured_plan_when_writing_it_fails(tmp_path):
     assert recovered.batches == 1 and recovered.fp8_layers
 
 
-# ---- item 16: every bad plan file names the file, the field, the value and the fix ------------------------------------
+# ---- every bad plan file names the file, the field, the value and the fix ------------------------------------
 
 _GOOD_LAYER = "- {fqn: a, precision: fp8}\n"
 BAD_FILES = {
@@ -339,7 +339,7 @@ def test_a_bad_plan_in_a_checkpoint_says_checkpoint():
         PrecisionPlan.from_dict({"version": 7, "layers": []})
 
 
-# ---- item 20: resuming with another plan ----------------------------------------------------------------------------
+# ---- resuming with another plan ----------------------------------------------------------------------------
 
 
 def test_resuming_with_another_plan_file_warns_and_a_layer_stays_fp8_only_where_both_say_so(tmp_path):
@@ -395,7 +395,7 @@ def test_the_plan_file_in_the_docs_loads(tmp_path):
     assert plan.fp8_layers == {"encoder.0.linear"} and plan.rule == PlanRule() and plan.batches == 8
 
 
-# ---- issue 28, item 6: `plan` refuses what it cannot measure, never replaces a measured plan, and survives `| head` ---
+# ---- `plan` refuses what it cannot measure, never replaces a measured plan, and survives `| head` ---
 
 
 def _plan_command(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:

@@ -6,12 +6,12 @@ import dataclasses
 import weakref
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.nn import Module
+from torch.nn import Linear, Module
 from typing_extensions import override
 
 from lightning_precision import _fsdp, _imports
@@ -101,7 +101,8 @@ class _Calibration:
         self.counted = 0  # of them, those up to the last optimizer step the loss scaler took
         self.retaken = 0  # batches measured again because the loss scaler skipped their step
         self.ended = False  # a fit stopped before the plan was made (teardown); a later fit measures on
-        self.probe = SensitivityProbe({d.fqn: module.get_submodule(d.fqn) for d in decisions if d.fp8}, config)
+        layers = {d.fqn: cast(Linear, module.get_submodule(d.fqn)) for d in decisions if d.fp8}
+        self.probe = SensitivityProbe(layers, config)
 
     def next_batch(self) -> None:
         """A batch boundary: what the probe staged since the last one is committed (dropped if not finite), and one
@@ -226,7 +227,7 @@ class FP8Precision(ScaledPrecision):
                   if compute_dtype == torch.float16 else None)
         super().__init__(compute_dtype, config, True, device, matmul_precision, reduce_dtype,
                          skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips)
-        self.precision = _PRECISION_OF[(backend, compute_dtype)]
+        self.precision = cast(Any, _PRECISION_OF[(backend, compute_dtype)])  # Lightning's Literal of them
         self.backend = backend
         self.emulate = emulate
         # Resolved now, so a bad recipe or a missing package fails at construction, not mid-setup.
@@ -426,6 +427,7 @@ class FP8Precision(ScaledPrecision):
 
     def _apply_plan(self, module: Module, restored: bool = False) -> Module:
         """Convert as ``layers="auto"``'s plan says, and print it once: the plan's table, with its numbers."""
+        assert self.plan is not None  # made, or restored, just before
         table = self.plan.table()
         if restored:
             table = f"fp8 (layers='auto'): the plan restored from the checkpoint, not measured again:\n{table}"
@@ -705,7 +707,7 @@ class FP8Precision(ScaledPrecision):
         self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
         for fqn, decision in restored.items():
             entry = self.plan.get(fqn) if self.plan is not None else None
-            if entry is not None and entry.precision != FP8 and entry.reason == was.get(fqn):
+            if self.plan is not None and entry is not None and entry.precision != FP8 and entry.reason == was.get(fqn):
                 self.plan = self.plan.with_layer(fqn, FP8, decision.reason)
 
     def _judge_mxfp8(self, watch: ForwardWatch, ran: list[str]) -> None:

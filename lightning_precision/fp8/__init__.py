@@ -26,7 +26,13 @@ from lightning_precision.fp8._selection import (
     select_fp8_layers,
 )
 from lightning_precision.fp8._sensitivity import LayerSensitivity, TensorNumerics, fp8_sensitivity
-from lightning_precision.fp8._torchao import NO_TOKENS_CLASS, MXFP8Recipe, float8_linear_class
+from lightning_precision.fp8._torchao import (
+    NO_TOKENS_CLASS,
+    MXFP8Recipe,
+    convert_with_torchao,
+    float8_linear_class,
+    torchao_config,
+)
 
 __all__ = [
     "FP8LayerPolicy",
@@ -41,12 +47,14 @@ __all__ = [
     "ScalingFamily",
     "TensorNumerics",
     "check_fp8_hardware",
+    "convert_with_torchao",
     "format_summary",
     "fp8_capable",
     "fp8_gpu_available",
     "fp8_sensitivity",
     "make_plan",
     "select_fp8_layers",
+    "torchao_config",
 ]
 
 

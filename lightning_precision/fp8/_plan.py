@@ -9,12 +9,13 @@ diffs against another; ``FP8Precision(layers=plan_or_path)`` applies one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
@@ -135,6 +136,10 @@ def _check_layer(field: Callable[[str], str], fqn: Any, precision: Any, reason: 
                              " and nan as the strings 'inf', '-inf', 'nan').")
 
 
+def _field_of_entry(at: str, name: str) -> str:
+    return f"{at}.{name}"
+
+
 def _check_unique(where: str, fqns: Iterable[str]) -> None:
     """A layer listed twice: the first entry would apply and ``fp8_layers`` report the other."""
     first: dict[str, int] = {}
@@ -165,7 +170,7 @@ class PlanRule:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            _check_bound(f"`PlanRule({f.name}={value!r})`", value, f.default)
+            _check_bound(f"`PlanRule({f.name}={value!r})`", value, cast(float, f.default))
 
     def why_not(self, s: LayerSensitivity) -> str | None:
         """None when ``s`` passes, else every bound it fails, as the reason for keeping it in high precision."""
@@ -376,7 +381,7 @@ class PrecisionPlan:
         bounds = {k: _number(v) for k, v in rule.items()}
         for f in dataclasses.fields(PlanRule):
             if f.name in bounds:
-                _check_bound(f"{where}: `rule.{f.name}`", bounds[f.name], f.default)
+                _check_bound(f"{where}: `rule.{f.name}`", bounds[f.name], cast(float, f.default))
         if "layers" not in data:
             raise ValueError(f"{where}: `layers` is missing; list each linear layer with its `fqn` and `precision`.")
         entries = data["layers"]
@@ -397,7 +402,8 @@ class PrecisionPlan:
             reason = "" if d.get("reason") is None else d["reason"]
             numbers = {} if d.get("numbers") is None else d["numbers"]
             numbers = {k: _number(v) for k, v in numbers.items()} if isinstance(numbers, Mapping) else numbers
-            _check_layer(lambda name, i=i: f"{where}: `layers[{i}].{name}`", d["fqn"], d["precision"], reason, numbers)
+            _check_layer(functools.partial(_field_of_entry, f"{where}: `layers[{i}]`"), d["fqn"], d["precision"],
+                         reason, numbers)
             layers.append(LayerPlan(d["fqn"], d["precision"], reason, numbers))
         _check_unique(where, (p.fqn for p in layers))
         return cls(tuple(layers), scaling_family, PlanRule(**bounds), batches)
@@ -468,25 +474,25 @@ def dump_plan(data: dict[str, Any], path: Path) -> str:
 def _parse(text: str, path: Path, source: str | None = None) -> Any:
     """The data in ``text`` (JSON or YAML by ``path``'s suffix). A syntax error, a repeated key (which either parser
     would resolve by keeping the last, silently) or a YAML tag is a ``ValueError`` naming ``source`` and the line."""
-    source = source or f"plan file {str(path)!r}"
+    where: str = source or f"plan file {str(path)!r}"
     if plan_suffix(path) == ".json":
         def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-            _check_no_repeats(source, [k for k, _ in items], None)
+            _check_no_repeats(where, [k for k, _ in items], None)
             return dict(items)
 
         try:
             return json.loads(text, object_pairs_hook=pairs)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; fix it,"
+            raise ValueError(f"{where}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; fix it,"
                              " or write the plan again with `PrecisionPlan.save`.") from None
     import yaml
 
-    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # safe: a tag such as !!python/object is refused
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]  # safe: a tag such as !!python/object is refused
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             if isinstance(node, yaml.MappingNode):  # merge keys (<<) may repeat a key on purpose: not checked
                 keys = [(self.construct_object(k, deep=True), k.start_mark.line + 1) for k, _ in node.value
                         if k.tag != "tag:yaml.org,2002:merge"]
-                _check_no_repeats(source, [k for k, _ in keys], [line for _, line in keys])
+                _check_no_repeats(where, [k for k, _ in keys], [line for _, line in keys])
             return super().construct_mapping(node, deep=deep)
 
     loader = Loader(text)
@@ -496,7 +502,7 @@ def _parse(text: str, path: Path, source: str | None = None) -> Any:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = " ".join(str(getattr(err, "problem", None) or err).split())
-        raise ValueError(f"{source}: not a plan YAML can read: {problem}{at}; fix it (plain YAML, no tags), or write"
+        raise ValueError(f"{where}: not a plan YAML can read: {problem}{at}; fix it (plain YAML, no tags), or write"
                          " the plan again with `PrecisionPlan.save`.") from None
     finally:
         loader.dispose()

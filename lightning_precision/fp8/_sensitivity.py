@@ -345,7 +345,7 @@ class SensitivityProbe:
         self.batches, self.dropped = (int(v) for v in stacked[-1, :2].tolist())
         n = _NUMERIC_FIELDS
         out = {}
-        for (fqn, layer), row in zip(self.layers.items(), stacked[:-1]):
+        for (fqn, layer), row in zip(self.layers.items(), stacked[:-1], strict=True):
             if row[n - 1] == 0:  # the input's element count: the layer never ran (with tokens) in a committed batch
                 continue
             numerics = [_numerics(row[i * n : (i + 1) * n]) for i in range(3)]

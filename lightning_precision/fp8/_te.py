@@ -130,7 +130,7 @@ def adopt_parameters(new: nn.Module, old: nn.Module) -> None:
             setattr(kept, attribute, value)
         setattr(new, name, kept)
     if init_meta:
-        new.param_init_meta.update(init_meta)
+        new.param_init_meta.update(init_meta)  # type: ignore[union-attr,operator]  # TE's attribute
 
 
 
