@@ -136,8 +136,9 @@ def _check_layer(field: Callable[[str], str], fqn: Any, precision: Any, reason: 
                              " and nan as the strings 'inf', '-inf', 'nan').")
 
 
-def _field_of_entry(at: str, name: str) -> str:
-    return f"{at}.{name}"
+def _field_of_entry(where: str, i: int, name: str) -> str:
+    """How an error names a field of a file's ``layers[i]``."""
+    return f"{where}: `layers[{i}].{name}`"
 
 
 def _check_unique(where: str, fqns: Iterable[str]) -> None:
@@ -402,7 +403,7 @@ class PrecisionPlan:
             reason = "" if d.get("reason") is None else d["reason"]
             numbers = {} if d.get("numbers") is None else d["numbers"]
             numbers = {k: _number(v) for k, v in numbers.items()} if isinstance(numbers, Mapping) else numbers
-            _check_layer(functools.partial(_field_of_entry, f"{where}: `layers[{i}]`"), d["fqn"], d["precision"],
+            _check_layer(functools.partial(_field_of_entry, where, i), d["fqn"], d["precision"],
                          reason, numbers)
             layers.append(LayerPlan(d["fqn"], d["precision"], reason, numbers))
         _check_unique(where, (p.fqn for p in layers))
