@@ -157,7 +157,7 @@ def test_two_processes_saving_one_path_never_fail_and_it_always_loads_whole(tmp_
 
 
 def test_plan_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
-    from lightning_precision.fp8 import _plan as plan
+    from lightning_precision.cli import plan  # where the command looks make_plan up
     import lightning_precision.cli as cli
 
     monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))
