@@ -88,7 +88,7 @@ from torch.nn import functional as F
 
 from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
 from lightning_precision.callbacks import AmaxHistoryLogger, ChannelsLast, GradientUnderflowMonitor
-from lightning_precision.fp8 import FP8_MIN_CAPABILITY
+from lightning_precision.fp8._hardware import FP8_MIN_CAPABILITY
 from lightning_precision._mfu import PeakChoice, choose_peak, compute_kind, model_flops_per_step, parse_peak_override
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -24,8 +24,8 @@ _SOURCE = {
     "FP8Precision": "lightning_precision._plugins",
     "NVFP4Precision": "lightning_precision._plugins",
     "NoEffectWarning": "lightning_precision._warnings",
-    "PlanRule": "lightning_precision.plan",
-    "PrecisionPlan": "lightning_precision.plan",
+    "PlanRule": "lightning_precision.fp8",
+    "PrecisionPlan": "lightning_precision.fp8",
     "ScalerConfig": "lightning_precision.fabric._scaler",
     "SkippedStepsError": "lightning_precision.fabric._scaler",
     "TrainerXPUAccelerator": "lightning_precision._accelerators",
@@ -52,6 +52,8 @@ __all__ = [
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
+    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
+    from lightning_precision.fp8 import FP8LayerPolicy, PlanRule, PrecisionPlan
     from lightning_precision._plugins import (
         BF16MixedPrecision,
         FP8Precision,
@@ -60,9 +62,6 @@ if TYPE_CHECKING:  # what type checkers and editors see
         XPUPrecision,
     )
     from lightning_precision._warnings import NoEffectWarning
-    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
-    from lightning_precision.fp8 import FP8LayerPolicy
-    from lightning_precision.plan import PlanRule, PrecisionPlan
 
 
 def __getattr__(name: str) -> Any:

@@ -25,8 +25,8 @@ from lightning_precision._channels_last import apply_channels_last, to_channels_
 from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
 from lightning_precision.fabric._scaler import MAX_LOG2_SCALE
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format
-from lightning_precision.fp8 import select_fp8_layers
-from lightning_precision.sensitivity import fp8_sensitivity, torchao_scale
+from lightning_precision.fp8._selection import select_fp8_layers
+from lightning_precision.fp8._sensitivity import fp8_sensitivity, torchao_scale
 
 __all__ = [
     # cast statistics

@@ -208,10 +208,10 @@ def rowwise_emulates_on_cpu() -> bool:
 @functools.cache
 def has_mxfp8() -> bool:
     """Whether the installed torchao has the MXFP8 training layer (torchao 0.11 has none)."""
-    from lightning_precision import fp8 as lp_fp8
+    from lightning_precision.fp8 import _torchao as lp_fp8
 
     try:
-        lp_fp8._mxfp8_linear()
+        lp_fp8.mxfp8_linear_module()
     except ImportError:
         return False
     return True

@@ -1,5 +1,5 @@
 """``FP8Precision(layers="auto")``: what a batch is, what is reported while measuring, a run that ends early, a plugin
-used for a second model, and batches with non-finite values (issue 23, items 6, 7, 8 and 11).
+used for a second model, and batches with non-finite values.
 
 Real torchao (``emulate=True``), real Trainer and Fabric fits on tests/test_plan.py's model: ``b`` is fed outlier
 channels and ``c``'s output gradients are ~1e-23, so a measured plan keeps both in bf16 and the other three in fp8.
@@ -48,7 +48,7 @@ class Record(Callback):
         self.metrics.append({k: float(v) for k, v in trainer.precision_plugin.metrics().items()})
 
 
-# ---- item 6: nothing unmeasured is called fp8 ------------------------------------------------------------------------
+# ---- nothing unmeasured is called fp8 ------------------------------------------------------------------------
 
 
 def test_while_measuring_no_layer_is_reported_fp8():
@@ -102,7 +102,7 @@ def test_between_fits_the_model_carries_no_measuring_hooks_and_a_later_fit_measu
     assert fp8_now(module.net) == MEASURED
 
 
-# ---- item 7: a batch is a training step, whatever the optimizers and accumulation ------------------------------------
+# ---- a batch is a training step, whatever the optimizers and accumulation ------------------------------------
 
 
 class TwoOptimizers(Lit):
@@ -172,7 +172,7 @@ def test_fabric_counts_each_backward_as_a_batch():
     assert plugin.plan.batches == 4 and plugin.plan.fp8_layers == {"a", "d", "head"}
 
 
-# ---- item 8: a plugin used for a second model ------------------------------------------------------------------------
+# ---- a plugin used for a second model ------------------------------------------------------------------------
 
 
 class NoOutliers(Outliers):
@@ -220,7 +220,7 @@ def test_a_second_model_is_measured_not_given_the_first_models_plan(tmp_path):
     assert plugin.plan == first_plan and record.converted == [MEASURED]
 
 
-# ---- item 11: a batch with a non-finite value is a data fault --------------------------------------------------------
+# ---- a batch with a non-finite value is a data fault --------------------------------------------------------
 
 
 class SkipsNonFinite(Lit):
@@ -307,7 +307,7 @@ def test_the_guard_does_not_demote_for_a_non_finite_batch(tmp_path):
 
 
 def test_fp8_sensitivity_leaves_out_a_non_finite_batch():
-    from lightning_precision.sensitivity import fp8_sensitivity
+    from lightning_precision.fp8._sensitivity import fp8_sensitivity
 
     def loss_fn(m, b):
         return nn.functional.cross_entropy(m(b[0]).float(), b[1])
@@ -325,7 +325,7 @@ def test_an_fp8_result_that_overflows_where_fp32_does_not_still_fails():
     """The finite check covers what the layer is given and the fp32 result, not fp8's result: an fp8 output that is
     inf where fp32's is finite is fp8 failing. Two inputs summed, v and 0.97 * v: e4m3 rounds the second up to v, so
     the fp8 sum (2 * v) passes fp32's max while the exact one (1.97 * v) stays below it."""
-    from lightning_precision.sensitivity import fp8_sensitivity
+    from lightning_precision.fp8._sensitivity import fp8_sensitivity
 
     layer = nn.Linear(16, 16, bias=False)
     v = 3.39e38 / 1.97
@@ -338,12 +338,12 @@ def test_an_fp8_result_that_overflows_where_fp32_does_not_still_fails():
     result = fp8_sensitivity(model, [x], loss_fn=lambda m, b: m(b).clamp(max=1.0).sum(), autocast_dtype=None)
     assert result["0"].batches == 1 and result["0"].output_error == math.inf
     # A nan error (an fp8 inf minus an fp8 inf) would pass every bound (nan > x is False): it counts as inf.
-    from lightning_precision.sensitivity import _relative
+    from lightning_precision.fp8._sensitivity import _relative
 
     assert _relative(math.nan, 1.0) == math.inf and _relative(math.inf, 1.0) == math.inf
 
 
-# ---- issue 28, item 11: while measuring, compiled code runs eagerly; a fit that ends restores the stance -------------
+# ---- while measuring, compiled code runs eagerly; a fit that ends restores the stance -------------
 
 
 def test_a_fit_that_ends_while_measuring_leaves_compiled_code_compiled_and_the_next_fit_measures_on():

@@ -206,7 +206,7 @@ def test_fit_precision_fp8_without_an_fp8_gpu_is_a_one_line_hint(tmp_path, capsy
 
 def test_plan_measures_a_recipe_and_writes_the_plan(tmp_path, capsys):
     pytest.importorskip("torchao")
-    from lightning_precision.plan import PrecisionPlan
+    from lightning_precision.fp8._plan import PrecisionPlan
 
     out = tmp_path / "vit.json"
     assert cli.main(["plan", "--recipe", "vit", "--emulate", "--batches", "1", "--out", str(out)]) == 0
@@ -216,7 +216,7 @@ def test_plan_measures_a_recipe_and_writes_the_plan(tmp_path, capsys):
 
 
 def test_plan_refuses_a_bad_output_name_before_measuring(tmp_path, capsys, monkeypatch):
-    from lightning_precision import plan
+    from lightning_precision.cli import plan  # where the command looks make_plan up
 
     monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))
     assert cli.main(["plan", "--recipe", "vit", "--out", str(tmp_path / "plan.txt")]) == 2

@@ -49,10 +49,10 @@ def _xpu() -> bool:
 
 
 def _torchao_mxfp8() -> bool:
-    from lightning_precision import fp8
+    from lightning_precision.fp8._torchao import mxfp8_linear_module
 
     try:
-        fp8._mxfp8_linear()
+        mxfp8_linear_module()
     except ImportError:
         return False
     return True

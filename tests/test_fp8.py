@@ -345,7 +345,7 @@ def test_compiled_fp8_layers_do_not_break_the_graph_and_evaluate_under_inference
     torchao's casts there) and gives the eager result."""
     import torch._dynamo
 
-    from lightning_precision.fp8 import _run_outside_inference_mode
+    from lightning_precision.fp8._torchao import run_outside_inference_mode as _run_outside_inference_mode
 
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     import dataclasses
@@ -376,7 +376,7 @@ def test_a_post_hook_without_its_pre_hook_does_nothing():
     the stack never holds another layer's entry.)"""
     import threading
 
-    from lightning_precision.fp8 import _restore_inference_mode
+    from lightning_precision.fp8._torchao import restore_inference_mode as _restore_inference_mode
 
     errors = []
 
@@ -390,3 +390,20 @@ def test_a_post_hook_without_its_pre_hook_does_nothing():
     thread.start()
     thread.join()
     assert errors == []
+
+
+def test_the_fabric_package_imports_nothing_of_lightning_pytorch():
+    """``lightning_precision.fabric`` is for Fabric users: no module of it imports ``lightning.pytorch`` (the Trainer's
+    knowledge, such as whether FSDP2 will shard the model, lives in the Trainer plugins)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_precision.fabric
+
+    found = []
+    for path in Path(lightning_precision.fabric.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}:{node.lineno} {n}" for n in names if n.startswith(("lightning.pytorch", "pytorch_lightning"))]
+    assert not found, found

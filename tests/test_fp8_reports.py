@@ -1,4 +1,4 @@
-"""What the fp8 plugin reports is what runs (issue 28, items 1 and 5): ``precision/fp8_layers`` reaches the Trainer's
+"""What the fp8 plugin reports is what runs: ``precision/fp8_layers`` reaches the Trainer's
 logger at its cadence, and a resumed ``layers="auto"`` run says its plan was restored, once.
 
 Real torchao (``emulate=True``), real Trainer fits on CPU, real CSV logs and checkpoints.
@@ -90,7 +90,7 @@ def test_an_auto_plan_prints_once_and_a_resumed_run_says_it_was_restored_not_mea
     assert caplog.text.count(table) == 1 and "linear layers run in fp8" not in caplog.text
 
 
-# ---- item 1: an MXFP8 layer that never gets a block of tokens is reported as what it runs ------------------------------
+# ---- an MXFP8 layer that never gets a block of tokens is reported as what it runs ------------------------------
 
 mxfp8 = pytest.mark.skipif(not has_mxfp8(), reason="this torchao has no MXFP8 training layer")
 

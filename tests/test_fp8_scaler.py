@@ -1,4 +1,4 @@
-"""FP8Precision with fp16 compute owns the fp16 plugin's bounded loss scaler (issue 23, item 5): without it, gradients
+"""FP8Precision with fp16 compute owns the fp16 plugin's bounded loss scaler: without it, gradients
 below fp16's range flushed to zero in the high-precision layers and nothing trained, with no warning. Real torchao
 (emulate=True) on real Trainer and Fabric fits."""
 

@@ -12,7 +12,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_precision import FP8Precision
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.fp8 import FP8LayerPolicy, convert_with_te, select_fp8_layers, te_recipe
+from lightning_precision.fp8 import FP8LayerPolicy, select_fp8_layers
+from lightning_precision.fp8._te import convert_with_te, te_recipe
 from tests import te_standin
 
 
@@ -105,7 +106,7 @@ def test_missing_transformer_engine_names_the_extra(monkeypatch):
 def test_adopting_parameters_refuses_a_mismatch_instead_of_keeping_random_weights():
     """The converted module must train the user's weights: a Parameter it cannot take over (other shape, dtype or
     device) is an error, not a silent fresh (random) weight. A Parameter the old module lacks keeps the new init."""
-    from lightning_precision.fp8 import _adopt_parameters
+    from lightning_precision.fp8._te import adopt_parameters as _adopt_parameters
 
     old, new = torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
     with pytest.raises(ValueError, match=r"`weight` is \(4, 4\) torch.float32 on cpu, the converted module's \(8, 4\)"):
@@ -176,8 +177,21 @@ def test_nvfp4_has_its_own_plugin_with_block_rules_and_a_blackwell_check(te, mon
 
 
 def test_nvfp4_says_its_own_name_when_no_layer_converts():
-    from lightning_precision.fp8 import _warn_if_no_fp8
+    from lightning_precision.fp8._selection import warn_if_no_fp8 as _warn_if_no_fp8
     from lightning_precision._warnings import NoEffectWarning
 
     with pytest.warns(NoEffectWarning, match=r"^NVFP4Precision: no linear layer runs in NVFP4"):
         _warn_if_no_fp8([], "NVFP4Precision", "NVFP4")
+
+
+def test_nvfp4_takes_the_layer_choice_as_a_policy_or_the_flat_shorthands_never_both(te):
+    """One rule across FP8Precision, NVFP4Precision and make_plan: `layer_policy=` or the flat arguments (TE is the
+    stand-in here)."""
+    flat = lp_fabric.NVFP4Precision(skip_small_layers=False, module_filter=None)
+    assert flat.layer_policy == FP8LayerPolicy(skip_small_layers=False)
+    assert lp_fabric.NVFP4Precision(layer_policy=FP8LayerPolicy(skip_first_last=False)).skip_first_last is False
+    for plugin in (lp_fabric.NVFP4Precision, FP8Precision):
+        kwargs = {"backend": "transformer_engine"} if plugin is FP8Precision else {}
+        with pytest.raises(ValueError, match=rf"`{plugin.__name__}\(layer_policy=FP8LayerPolicy\(...\), skip_first_last="
+                                             r"False\)`: give these arguments in one place"):
+            plugin(layer_policy=FP8LayerPolicy(), skip_first_last=False, **kwargs)

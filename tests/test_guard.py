@@ -193,7 +193,7 @@ def test_fabric_uses_the_same_three_calls(tmp_path):
 
 
 def test_demote_keeps_the_module_its_hooks_and_parameters():
-    from lightning_precision.fp8 import demote_torchao_layer
+    from lightning_precision.fp8._torchao import demote_torchao_layer
 
     plugin = lp_fabric.FP8Precision(**FP8_KW)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -303,7 +303,7 @@ def test_layers_that_could_not_move_back_are_refused_before_training():
         FP8Guard().watch(plugin, 0)
 
 
-# ---- where the plan is written (issue 23, items 1 and 14) ---------------------------------------------------------
+# ---- where the plan is written ---------------------------------------------------------
 
 
 def test_the_default_plan_file_never_replaces_a_file_this_run_did_not_write(tmp_path, monkeypatch, caplog):
@@ -390,8 +390,8 @@ def test_a_plan_file_that_cannot_be_written_after_setup_warns_and_the_fit_finish
 
 
 def test_a_measured_step_with_no_tokens_is_not_taken_for_hooks_that_never_ran():
-    """An empty batch on a measured step: the fp8 layers ran, on no tokens, so there was nothing to measure (issue 23,
-    item 13). The guard said their hooks never ran and blamed torch.compile, and, warning only once, then stayed silent
+    """An empty batch on a measured step: the fp8 layers ran, on no tokens, so there was nothing to measure.
+    The guard said their hooks never ran and blamed torch.compile, and, warning only once, then stayed silent
     when a later step really was not watched (here: the layers run without gradients)."""
 
     class EmptyThenBlind(Lit):
@@ -413,7 +413,7 @@ def test_a_measured_step_with_no_tokens_is_not_taken_for_hooks_that_never_ran():
     assert len(blind) == 1 and blind[0].startswith("FP8Guard: step 3 was measured"), blind
 
 
-# ---- issue 28, item 11: compiled models, and hooks that replace a layer's output ------------------------------------
+# ---- compiled models, and hooks that replace a layer's output ------------------------------------
 
 
 class Deep(nn.Module):

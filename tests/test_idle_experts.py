@@ -1,5 +1,5 @@
-"""A linear layer that receives no tokens in a step, as a mixture-of-experts expert no token was routed to (issue 23,
-item 13). torchao's dynamic scale reduces the input's amax, which has no value over zero elements: plain fp8 crashed,
+"""A linear layer that receives no tokens in a step, as a mixture-of-experts expert no token was routed to.
+torchao's dynamic scale reduces the input's amax, which has no value over zero elements: plain fp8 crashed,
 and so did ``layers="auto"``, ``FP8Guard``, ``fp8_sensitivity`` and ``AmaxHistoryLogger`` (bf16 too). Real Trainer
 fits, real torchao (``emulate=True``)."""
 
@@ -115,7 +115,7 @@ def test_the_amax_logger_records_the_tokens_there_are(plugin):
 
 
 def test_fp8_sensitivity_passes_over_a_batch_without_tokens():
-    from lightning_precision.sensitivity import fp8_sensitivity
+    from lightning_precision.fp8._sensitivity import fp8_sensitivity
 
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(64, 64, generator=g), torch.randint(0, 32, (64,), generator=g), idle) for idle in (0, 1, 0)]

@@ -12,10 +12,11 @@ pytest.importorskip("torchao", reason="the torchao backend needs `pip install 'l
 from lightning_precision import FP8Precision, NoEffectWarning  # noqa: E402
 from lightning_precision import fabric as lp_fabric  # noqa: E402
 from lightning_precision import fp8 as lp_fp8  # noqa: E402
+from lightning_precision.fp8 import _torchao  # noqa: E402
 from tests.helpers import assert_params_equal, params, trainer  # noqa: E402
 
 try:
-    mx = lp_fp8._mxfp8_linear()
+    mx = _torchao.mxfp8_linear_module()
 except ImportError as err:  # torchao before its moe_training MXFP8 layer (0.11 has another API): the plugin says so
     pytest.skip(f"this torchao has no MXFP8 training layer: {err}", allow_module_level=True)
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
@@ -113,8 +114,8 @@ def test_block_rules_demotion_and_refusals():
     # The in-place move back to high precision (FP8Precision.demote) works on an MXFP8 layer too.
     layer = nn.Linear(64, 64)
     weight = layer.weight
-    lp_fp8.to_mxfp8_linear(layer, lp_fp8.MXFP8Recipe(emulate=True))
-    lp_fp8.demote_torchao_layer(layer)
+    _torchao.to_mxfp8_linear(layer, lp_fp8.MXFP8Recipe(emulate=True))
+    _torchao.demote_torchao_layer(layer)
     assert type(layer) is nn.Linear and layer.weight is weight and not hasattr(layer, "kernel_preference")
     with pytest.raises(ValueError, match="casts per tensor or per row, not in blocks"):
         FP8Precision(recipe="mxfp8", emulate=True, layers="auto")

@@ -18,8 +18,8 @@ from torch import nn
 import lightning_precision
 from lightning_precision import FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.plan import LayerPlan, make_plan
-from lightning_precision.sensitivity import TORCHAO_EPS, CastSpec, cast_numerics, fp8_sensitivity
+from lightning_precision.fp8._plan import LayerPlan, make_plan
+from lightning_precision.fp8._sensitivity import TORCHAO_EPS, CastSpec, cast_numerics, fp8_sensitivity
 
 pytest.importorskip("torchao")
 
@@ -83,7 +83,7 @@ def fit(plugin, steps: int, module=None, **kwargs) -> tuple[L.Trainer, Lit]:
 def test_torchaos_amax_floor_is_the_one_we_mirror():
     from torchao.float8 import float8_utils
 
-    assert float8_utils.EPS == TORCHAO_EPS  # a new floor changes which tiny tensors flush: update sensitivity.py
+    assert float8_utils.EPS == TORCHAO_EPS  # a new floor changes which tiny tensors flush: update _upstream/torchao.py
 
 
 @pytest.mark.parametrize("axiswise", [False, True])
@@ -153,6 +153,57 @@ def test_shape_rules_come_first():
     assert plan.get("b").numbers == {} and "too small to gain" in plan.get("b").reason
 
 
+def _loss(m, b):
+    return nn.functional.cross_entropy(m(b[0]).float(), b[1])
+
+
+def test_make_plan_takes_the_layer_policy_and_plan_rule_configs_or_the_flat_shorthands_never_both():
+    from lightning_precision.fp8 import FP8LayerPolicy
+
+    flat = make_plan(Outliers(), batches(1), loss_fn=_loss, skip_small_layers=False, skip_first_last=False)
+    policy = FP8LayerPolicy(skip_small_layers=False, skip_first_last=False)
+    assert make_plan(Outliers(), batches(1), loss_fn=_loss, layer_policy=policy) == flat
+    with pytest.raises(ValueError, match=r"make_plan\(layer_policy=FP8LayerPolicy\(...\), skip_first_last=False\)"):
+        make_plan(Outliers(), batches(1), loss_fn=_loss, layer_policy=FP8LayerPolicy(), skip_first_last=False)
+    strict = PlanRule(max_output_error=0.0)
+    ruled = make_plan(Outliers(), batches(1), loss_fn=_loss, plan_rule=strict, layer_policy=policy)
+    assert ruled.rule == strict and not ruled.fp8_layers
+    with pytest.raises(TypeError, match="rule"):
+        make_plan(Outliers(), batches(1), loss_fn=_loss, rule=strict)  # the old name is gone
+    with pytest.raises(ValueError, match=r"make_plan\(plan_rule=0.1\)"):
+        make_plan(Outliers(), batches(1), loss_fn=_loss, plan_rule=0.1)
+
+
+def test_a_plan_labels_its_high_precision_layers_with_the_dtype_they_run_in():
+    """A layer an fp16 plugin keeps in high precision runs in fp16: its plan says so, not "bf16"."""
+    policy = dict(skip_small_layers=False, skip_first_last=False)
+    for dtype, label in [(torch.float16, "fp16"), (torch.bfloat16, "bf16")]:
+        plugin = lp_fabric.FP8Precision(emulate=True, compute_dtype=dtype, module_filter=lambda m, fqn: fqn != "b")
+        model = plugin.convert_module(Outliers())
+        assert plugin.plan_in_force().get("b").precision == label
+        assert plugin.demote({"c": "by hand"}) == ["c"] and model.c.__class__ is nn.Linear
+        assert plugin.plan.get("c").precision == label
+    assert {p.precision for p in make_plan(Outliers(), batches(1), loss_fn=_loss, autocast_dtype=torch.float16,
+                                           plan_rule=PlanRule(max_output_error=0.0), **policy).layers} == {"fp16"}
+    assert {p.precision for p in make_plan(Outliers(), batches(1), loss_fn=_loss, **policy).layers} <= {"bf16", "fp8"}
+
+
+def test_plan_files_written_before_the_rename_still_load(tmp_path):
+    """A file saying ``recipe:`` (the field's old name) and ``bf16`` layers reads as it did; a new file says
+    ``scaling_family:``."""
+    old = tmp_path / "old.yaml"
+    old.write_text("version: 1\nrecipe: rowwise\nbatches: 2\nlayers:\n- {fqn: a, precision: bf16}\n"
+                   "- {fqn: b, precision: fp8}\n")
+    plan = PrecisionPlan.load(old)
+    assert plan.scaling_family == "rowwise" and plan.get("a").precision == "bf16" and plan.fp8_layers == {"b"}
+    assert not hasattr(plan, "recipe")
+    assert plan.to_dict()["scaling_family"] == "rowwise" and "recipe" not in plan.to_dict()
+    both = tmp_path / "both.yaml"
+    both.write_text("version: 1\nrecipe: rowwise\nscaling_family: rowwise\nlayers: []\n")
+    with pytest.raises(ValueError, match="both `scaling_family` and `recipe`"):
+        PrecisionPlan.load(both)
+
+
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_a_plan_round_trips_through_a_file(tmp_path, suffix):
     plan = _plan().with_layer("a", "bf16", "by hand", {"output_error": math.inf})
@@ -166,7 +217,7 @@ def test_a_plan_round_trips_through_a_file(tmp_path, suffix):
 def test_bad_plans_and_rules_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match=r"PlanRule\(max_underflow=-1\)"):
         PlanRule(max_underflow=-1)
-    with pytest.raises(ValueError, match="'fp4' is not 'fp8' or 'bf16'"):
+    with pytest.raises(ValueError, match="'fp4' is not 'fp8' or a high precision \\('high', 'bf16', 'fp16', 'fp32'"):
         LayerPlan("a", "fp4", "")
     with pytest.raises(ValueError, match="name a .yaml, .yml or .json file"):
         _plan().save(tmp_path / "plan.txt")
@@ -309,8 +360,8 @@ def test_the_sums_every_rank_reduces_have_one_row_per_layer_whichever_ran():
     """Under DDP a layer may run on some ranks only (data-dependent routing): the tensor handed to the all-reduce must
     have the same shape on every rank (a rank's own set of rows would hang or mix layers), and a layer that ran on no
     rank is left out of the result. The reduce here records what it is given, as ``dist.all_reduce`` would see it."""
-    from lightning_precision.fp8 import torchao_config
-    from lightning_precision.sensitivity import SensitivityProbe
+    from lightning_precision.fp8._torchao import torchao_config
+    from lightning_precision.fp8._sensitivity import SensitivityProbe
 
     model = Outliers()
     probe = SensitivityProbe({"a": model.a, "c": model.c}, torchao_config("tensorwise", emulate=True))
@@ -364,7 +415,7 @@ def test_the_errors_are_against_an_fp32_reference_inside_autocast():
 
     from torchao.float8 import convert_to_float8_training
 
-    from lightning_precision.fp8 import torchao_config
+    from lightning_precision.fp8._torchao import torchao_config
 
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(64, 32)), torch.randn(16, 64)
@@ -380,7 +431,7 @@ def test_the_errors_are_against_an_fp32_reference_inside_autocast():
     assert result.output_error != pytest.approx(((y8 - bf16_ref).norm() / bf16_ref.norm()).item(), rel=1e-3)
 
 
-# ---- clear answers to odd calls (issue 23, item 19) ---------------------------------------------------------------
+# ---- clear answers to odd calls ---------------------------------------------------------------
 
 
 def _loss(m, b):

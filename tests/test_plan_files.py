@@ -1,4 +1,4 @@
-"""Plan files (issue 23, items 9, 10, 14, 16 and 20): what ``PrecisionPlan`` accepts, what ``save`` writes and how,
+"""Plan files: what ``PrecisionPlan`` accepts, what ``save`` writes and how,
 what the ``plan`` command does with a place it cannot write, and which plan a resumed fit runs.
 
 Real files, real subprocesses (two writers racing on one path; a file-size limit that makes the write fail as a full
@@ -23,7 +23,9 @@ from torch import nn
 
 from lightning_precision import FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.plan import FP8, HIGH, LayerPlan
+from lightning_precision.fp8._plan import FP8, LayerPlan
+
+HIGH = "bf16"  # the label of a layer kept in high precision by a bf16 plugin
 
 pytest.importorskip("torchao")
 
@@ -40,7 +42,7 @@ def plan_of(fp8: set[str], names=("a", "b", "c", "d", "head"), prefix: str = "",
                                for n in names), recipe, PlanRule(), batches)
 
 
-# ---- item 9: a layer listed twice; a plan measured with another cast ---------------------------------------------------
+# ---- a layer listed twice; a plan measured with another cast ---------------------------------------------------
 
 
 def test_a_plan_that_lists_a_layer_twice_is_refused_naming_it(tmp_path):
@@ -72,7 +74,7 @@ def test_a_plan_measured_with_another_cast_is_applied_with_a_warning_naming_both
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         FP8Precision(layers=plan_of({"a"}), emulate=True)  # the same cast
-        by_hand = PrecisionPlan((LayerPlan("a", FP8, "by hand"),), recipe="rowwise")
+        by_hand = PrecisionPlan((LayerPlan("a", FP8, "by hand"),), scaling_family="rowwise")
         assert not by_hand.measured
         FP8Precision(layers=by_hand, emulate=True)  # nothing measured: no numbers of another cast
         # Transformer Engine's per-tensor recipes are measured through torchao's tensorwise cast
@@ -90,7 +92,7 @@ class _Net(nn.Module):
         return self.head(self.d(self.c(self.b(self.a(x)))))
 
 
-# ---- item 10: save keeps links, and two writers never fail ------------------------------------------------------------
+# ---- save keeps links, and two writers never fail ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -108,7 +110,8 @@ def test_save_through_a_symlink_updates_the_target_and_keeps_the_link(tmp_path, 
 _WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from lightning_precision.plan import FP8, HIGH, LayerPlan, PrecisionPlan
+    from lightning_precision.fp8._plan import FP8, LayerPlan, PrecisionPlan
+    HIGH = "bf16"
 
     path, me, go, n = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     names = [f"block.{i}.linear" for i in range(50)]  # a plan of some size, so writes take time
@@ -150,11 +153,11 @@ def test_two_processes_saving_one_path_never_fail_and_it_always_loads_whole(tmp_
         ["go", path.name]  # every temporary file renamed or removed
 
 
-# ---- item 14: `lightning-precision plan --out` --------------------------------------------------------------------------
+# ---- `lightning-precision plan --out` --------------------------------------------------------------------------
 
 
 def test_plan_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
-    from lightning_precision import plan
+    from lightning_precision.cli import plan  # where the command looks make_plan up
     import lightning_precision.cli as cli
 
     monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))
@@ -193,7 +196,7 @@ def test_plan_prints_the_measured_plan_when_writing_it_fails(tmp_path):
     assert recovered.batches == 1 and recovered.fp8_layers
 
 
-# ---- item 16: every bad plan file names the file, the field, the value and the fix ------------------------------------
+# ---- every bad plan file names the file, the field, the value and the fix ------------------------------------
 
 _GOOD_LAYER = "- {fqn: a, precision: fp8}\n"
 BAD_FILES = {
@@ -204,7 +207,7 @@ BAD_FILES = {
                                                                                 "no tags"]),
     "empty file": (".yaml", "", ["not nothing (it is empty)", "PrecisionPlan.save"]),
     "a list": (".yaml", "- a\n- b\n", ["not a list", "`version` and `layers`"]),
-    "unknown field": (".yaml", "version: 1\nlayer: []\n", ["unknown field 'layer'", "version, recipe, batches"]),
+    "unknown field": (".yaml", "version: 1\nlayer: []\n", ["unknown field 'layer'", "version, scaling_family, recipe, batches"]),
     "no version": (".yaml", "layers: []\n", ["`version` is missing", "add `version: 1`"]),
     "version bool": (".yaml", "version: true\nlayers: []\n", ["version True (a boolean) is not 1", "`version: 1`"]),
     "version float": (".yaml", "version: 1.0\nlayers: []\n", ["version 1.0 (a number) is not 1"]),
@@ -233,7 +236,7 @@ BAD_FILES = {
     "no fqn": (".yaml", "version: 1\nlayers:\n- {precision: fp8}\n", ["`layers[0]` has no `fqn`"]),
     "no precision": (".yaml", "version: 1\nlayers:\n- fqn: a\n", ["each layer needs `fqn` and `precision`"]),
     "precision": (".yaml", "version: 1\nlayers:\n" + _GOOD_LAYER + "- {fqn: b, precision: fp4}\n",
-                  ["`layers[1].precision`: 'fp4' is not 'fp8' or 'bf16'"]),
+                  ["`layers[1].precision`: 'fp4' is not 'fp8' or a high precision ('high', 'bf16', 'fp16', 'fp32'"]),
     "layer unknown key": (".yaml", "version: 1\nlayers:\n- {fqn: a, precision: fp8, precison: bf16}\n",
                           ["`layers[0]` has an unknown field 'precison'", "fqn, precision, reason, numbers"]),
     "reason a boolean": (".yaml", "version: 1\nlayers:\n- {fqn: a, precision: bf16, reason: no}\n",
@@ -294,7 +297,7 @@ def test_a_plan_that_could_not_be_loaded_cannot_be_built(case):
         "fqn": lambda: LayerPlan(2, FP8, ""),
         "numbers": lambda: LayerPlan("a", FP8, "", {"x": "high"}),
         "batches": lambda: PrecisionPlan((), batches=-1),
-        "recipe": lambda: PrecisionPlan((), recipe="tensorwse"),
+        "recipe": lambda: PrecisionPlan((), scaling_family="tensorwse"),
         "rule": lambda: PrecisionPlan((), rule=None),
         "layers": lambda: PrecisionPlan(({"fqn": "a", "precision": "fp8"},)),
     }[case]
@@ -336,7 +339,7 @@ def test_a_bad_plan_in_a_checkpoint_says_checkpoint():
         PrecisionPlan.from_dict({"version": 7, "layers": []})
 
 
-# ---- item 20: resuming with another plan ----------------------------------------------------------------------------
+# ---- resuming with another plan ----------------------------------------------------------------------------
 
 
 def test_resuming_with_another_plan_file_warns_and_a_layer_stays_fp8_only_where_both_say_so(tmp_path):
@@ -392,7 +395,7 @@ def test_the_plan_file_in_the_docs_loads(tmp_path):
     assert plan.fp8_layers == {"encoder.0.linear"} and plan.rule == PlanRule() and plan.batches == 8
 
 
-# ---- issue 28, item 6: `plan` refuses what it cannot measure, never replaces a measured plan, and survives `| head` ---
+# ---- `plan` refuses what it cannot measure, never replaces a measured plan, and survives `| head` ---
 
 
 def _plan_command(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:

@@ -67,7 +67,8 @@ def test_at_most_80_public_names_each_in_the_index():
 
 
 def test_functional_gathers_the_pure_functions():
-    from lightning_precision import _channels_last, _mfu, fp8, functional, sensitivity
+    from lightning_precision import _channels_last, _mfu, fp8, functional
+    from lightning_precision.fp8 import _sensitivity as sensitivity
 
     for name in ("apply_channels_last", "to_channels_last", "select_fp8_layers", "fp8_sensitivity", "underflow_stats",
                  "mfu", "choose_peak", "model_flops_per_step"):

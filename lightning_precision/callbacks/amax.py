@@ -20,7 +20,7 @@ from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
-from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS, functional_linears
+from lightning_precision.fp8._selection import HYBRID_FORMAT, TENSORS, functional_linears
 from lightning_precision.functional import (
     CastStats,
     delayed_scale,

@@ -1,7 +1,8 @@
 """FP8Guard: watches the fp8 layers' numerics during training and moves a layer that degrades back to high precision.
 
 At a cadence, one optimizer step is measured by the same ``SensitivityProbe`` that ``FP8Precision(layers="auto")``
-calibrates with (its hooks run first on each layer, and the measured step runs eagerly under ``torch.compile``); every layer the rule now rejects (``plan.demotions``) is returned to the plugin's high-precision
+calibrates with (its hooks run first on each layer, and the measured step runs eagerly under ``torch.compile``);
+every layer the rule now rejects (``demotions``) is returned to the plugin's high-precision
 dtype in place by ``FP8Precision.demote`` (same module, same Parameters: the optimizer state is intact).
 """
 
@@ -10,22 +11,22 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_precision import fp8 as _fp8
-from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._checks import is_positive_int
-from lightning_precision._upstream.lightning import batches_that_stepped, should_update_logs
-from lightning_precision.callbacks._cadence import on_cadence
-from lightning_precision.plan import PlanRule, _measured_numbers, demotions, plan_suffix
 from lightning_precision._accumulator import all_reduce
-from lightning_precision.sensitivity import SensitivityProbe
+from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
+from lightning_precision._upstream.lightning import batches_that_stepped, should_update_logs
 from lightning_precision._warnings import NoEffectWarning, warn
+from lightning_precision.callbacks._cadence import on_cadence
+from lightning_precision.fp8._plan import PlanRule, demotions, measured_numbers, plan_suffix
+from lightning_precision.fp8._selection import BLOCK_SCALED
+from lightning_precision.fp8._sensitivity import SensitivityProbe
 
 __all__ = ["DEFAULT_PLAN_FILE", "FP8Guard", "GuardEvent"]
 
@@ -37,8 +38,9 @@ def _check_movable(plugin: Any) -> None:
     if plugin.backend != "torchao":
         raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place; use"
                          " `FP8Precision(backend='torchao')`, or pass a plan (`layers='plan.yaml'`).")
-    if plugin.scaling_family in _fp8.BLOCK_SCALED:
-        raise ValueError(f"FP8Guard: its measurement casts per tensor or per row, not in the blocks of {plugin.scaling_family};"
+    if plugin.scaling_family in BLOCK_SCALED:
+        raise ValueError("FP8Guard: its measurement casts per tensor or per row, not in the blocks of"
+                         f" {plugin.scaling_family};"
                          " it would judge these layers by the wrong numerics. Watch them with"
                          f" `GradientUnderflowMonitor(formats=({plugin.scaling_family!r},))` instead.")
     if getattr(plugin, "_float8_all_gather", False):
@@ -72,7 +74,8 @@ class FP8Guard(Callback):
 
     Args:
         every_n_steps: measure one optimizer step in this many (default 100; the cost is in docs/plan.md).
-        rule: the ``PlanRule`` an fp8 layer must keep passing (default: the plugin's ``plan_rule``, else ``PlanRule()``).
+        rule: the ``PlanRule`` an fp8 layer must keep passing (default: the plugin's ``plan_rule``, else
+            ``PlanRule()``).
         plan_path: a ``.yaml``/``.yml``/``.json`` file, written as asked (checked at setup, before any step). Default:
             a new file in the Trainer's log directory (``default_root_dir`` without a logger), ``fp8_plan.yaml`` or, if
             that name is taken, ``fp8_plan-1.yaml``, ``fp8_plan-2.yaml``, ...: created at the first write, announced,
@@ -82,8 +85,8 @@ class FP8Guard(Callback):
     backward and before ``optimizer.step()`` (on every process), and ``guard.save(plugin)`` at the end.
     """
 
-    def __init__(self, every_n_steps: int = 100, rule: Optional[PlanRule] = None,
-                 plan_path: Optional[Union[str, Path]] = None) -> None:
+    def __init__(self, every_n_steps: int = 100, rule: PlanRule | None = None,
+                 plan_path: str | Path | None = None) -> None:
         if not is_positive_int(every_n_steps):
             raise ValueError(f"`FP8Guard(every_n_steps={every_n_steps!r})`: a positive number of optimizer steps.")
         if rule is not None and not isinstance(rule, PlanRule):
@@ -94,14 +97,14 @@ class FP8Guard(Callback):
         self.rule = rule
         self.plan_path = None if plan_path is None else Path(plan_path)
         self.events: list[GuardEvent] = []
-        self._probe: Optional[SensitivityProbe] = None
+        self._probe: SensitivityProbe | None = None
         self._blind = False  # warned that a measured step saw no layer
         self._checked = False  # plan_path proven writable (Trainer: at setup; Fabric: at the first `watch`)
-        self._default_dir: Optional[Path] = None  # this fit's log directory, where the default file goes
-        self._own_file: Optional[Path] = None  # the default file this guard created, and so may rewrite
+        self._default_dir: Path | None = None  # this fit's log directory, where the default file goes
+        self._own_file: Path | None = None  # the default file this guard created, and so may rewrite
 
     @property
-    def plan_file(self) -> Optional[Path]:
+    def plan_file(self) -> Path | None:
         """Where this run's plan is written: ``plan_path``, or the default file once the first write has created it;
         None before."""
         return self.plan_path or self._own_file
@@ -156,12 +159,12 @@ class FP8Guard(Callback):
         if not sensitivity and not probe.dropped and not probe.ran and not self._blind:
             self._blind = True
             if rank_zero_only.rank == 0:
-                warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward hooks"
-                     " ran with gradients on (the step's forward ran under no_grad, or did not reach them), so nothing"
-                     " is watched.", NoEffectWarning)
+                warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward"
+                     " hooks ran with gradients on (the step's forward ran under no_grad, or did not reach them), so"
+                     " nothing is watched.", NoEffectWarning)
         failed = demotions(sensitivity, self.rule or plugin.plan_rule)
         moved = plugin.demote({fqn: f"FP8Guard, step {step}: {why}" for fqn, why in failed.items()},
-                              {fqn: _measured_numbers(sensitivity[fqn]) for fqn in failed})
+                              {fqn: measured_numbers(sensitivity[fqn]) for fqn in failed})
         events = [GuardEvent(step, fqn, failed[fqn]) for fqn in moved]
         self.events.extend(events)
         if events:
@@ -171,7 +174,7 @@ class FP8Guard(Callback):
             self._save_during_fit(plugin)  # at once: a run that dies later keeps what was learned
         return events
 
-    def save(self, plugin: Any, path: Optional[Union[str, Path]] = None) -> Optional[Path]:
+    def save(self, plugin: Any, path: str | Path | None = None) -> Path | None:
         """Write the plan in force to ``path`` (default ``plan_file``; with the Trainer and no ``plan_path``, the
         default file is created at this first write), on rank zero; returns where, or None: on other ranks, before
         conversion, while ``layers="auto"`` has not decided, or with Fabric and neither ``path`` nor ``plan_path``."""
@@ -238,7 +241,8 @@ class FP8Guard(Callback):
         _check_movable(trainer.precision_plugin)  # the model is converted by now: before any step, not at a demotion
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if on_cadence(trainer, self.every_n_steps):
             self._start(trainer.precision_plugin)
 

@@ -78,7 +78,7 @@ def _plugin_scaling(plugin: Any) -> tuple[str, bool] | None:
     if family is None:  # Lightning's own TransformerEnginePrecision: delayed scaling, per tensor
         return ("tensorwise", False) if str(getattr(plugin, "precision", "")).startswith("transformer-engine") else None
     if getattr(plugin, "backend", None) == "torchao" and family in ("tensorwise", "rowwise"):
-        from lightning_precision.sensitivity import cast_specs
+        from lightning_precision.fp8._sensitivity import cast_specs
 
         spec = cast_specs(plugin.recipe)["grad_output"]  # the recipe's own gradient cast, whatever its name
         return ("rowwise" if spec.axiswise else "tensorwise", spec.pow2)

@@ -11,7 +11,7 @@ from torch import nn
 from lightning_precision._io import check_writable_file
 from lightning_precision.cli.console import echo, say
 from lightning_precision.fp8 import select_fp8_layers
-from lightning_precision.plan import dump_plan, make_plan, plan_suffix
+from lightning_precision.fp8._plan import dump_plan, make_plan, plan_suffix
 
 __all__ = ["main"]
 

@@ -6,23 +6,49 @@ import dataclasses
 import weakref
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from typing import Any, Literal, Optional
+from typing import Any, Literal, cast
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.nn import Module
+from torch.nn import Linear, Module
 from typing_extensions import override
 
 from lightning_precision import _fsdp, _imports
-from lightning_precision import fp8 as _fp8
+from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision.plan import FP8, HIGH, PlanLike, PlanRule, PrecisionPlan, _as_plan
 from lightning_precision._accumulator import all_reduce
-from lightning_precision.sensitivity import SensitivityProbe
-from lightning_precision._warnings import NoEffectWarning, deprecated, warn
+from lightning_precision.fp8._hardware import check_fp8_hardware
+from lightning_precision.fp8._plan import FP8, HighLabel, PlanLike, PlanRule, PrecisionPlan, as_plan, high_label
+from lightning_precision.fp8._selection import (
+    BACKENDS,
+    BLOCK_SCALED,
+    TE_NVFP4,
+    FP8LayerPolicy,
+    LayerDecision,
+    ModuleFilter,
+    RecipeLike,
+    ScalingFamily,
+    format_summary,
+    resolve_layer_policy,
+    select_fp8_layers,
+    warn_if_no_fp8,
+)
+from lightning_precision.fp8._sensitivity import SensitivityProbe
+from lightning_precision.fp8._te import convert_with_te, import_te, scaling_family_of, te_recipe
+from lightning_precision.fp8._torchao import (
+    MXFP8_TOKENS,
+    convert_with_torchao,
+    demote_torchao_layer,
+    float8_all_gather_possible,
+    mxfp8_after_first_step,
+    run_outside_inference_mode,
+    torchao_config,
+    with_float8_all_gather,
+)
+from lightning_precision.fp8._watch import NEVER_RAN, ForwardWatch, warn_never_ran
 
 __all__ = ["FP8Precision", "NVFP4Precision"]
 
@@ -39,28 +65,13 @@ _PRECISION_OF = {
 _CONVERTED = "_lightning_precision_fp8_converted"
 
 
-def _to_be_sharded(module: Module) -> bool:
-    """Whether FSDP2 is about to shard ``module``: it is a LightningModule of a Trainer whose strategy is
-    ``ModelParallelStrategy`` (the plugin is then converting inside ``configure_model``)."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    if not isinstance(module, pl.LightningModule):
-        return False
-    try:
-        strategy = module.trainer.strategy
-    except RuntimeError:  # not attached to a Trainer (Lightning's own error for it)
-        return False
-    return isinstance(strategy, ModelParallelStrategy)
-
-
 def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _check_not_sharded(module: Module, decisions: list[_fp8.LayerDecision]) -> None:
+def _check_not_sharded(module: Module, decisions: list[LayerDecision]) -> None:
     """A layer already sharded by ``fully_shard`` cannot be converted: the fp8 layer would lose FSDP's hooks and fail
     at the first forward with a DTensor error. Say what order works instead."""
     from torch.distributed.tensor import DTensor
@@ -68,7 +79,8 @@ def _check_not_sharded(module: Module, decisions: list[_fp8.LayerDecision]) -> N
     sharded = [d.fqn for d in decisions if d.fp8 and isinstance(module.get_submodule(d.fqn).weight, DTensor)]
     if sharded:
         raise RuntimeError(
-            f"FP8Precision: {len(sharded)} layer(s) chosen for fp8 are already sharded by FSDP2 ({', '.join(sharded[:3])}"
+            f"FP8Precision: {len(sharded)} layer(s) chosen for fp8 are already sharded by FSDP2"
+            f" ({', '.join(sharded[:3])}"
             f"{', ...' if len(sharded) > 3 else ''}); fp8 conversion must come before `fully_shard`. With the Trainer,"
             " call `self.trainer.precision_plugin.convert_module(self)` at the top of `configure_model`, before"
             " `fully_shard`. With Fabric, shard in `ModelParallelStrategy(parallelize_fn=...)`, which runs after the"
@@ -84,13 +96,14 @@ class _Calibration:
     A batch is a Trainer ``training_step`` (whatever the number of optimizers it steps, or of batches accumulated per
     step) and a Fabric backward pass: the unit the probe measures, counted on the host (no device read)."""
 
-    def __init__(self, module: Module, decisions: list[_fp8.LayerDecision], config: Any, batches: int) -> None:
+    def __init__(self, module: Module, decisions: list[LayerDecision], config: Any, batches: int) -> None:
         self.module, self.decisions, self.batches = module, decisions, batches
         self.seen = 0  # batches that ran while measured
         self.counted = 0  # of them, those up to the last optimizer step the loss scaler took
         self.retaken = 0  # batches measured again because the loss scaler skipped their step
         self.ended = False  # a fit stopped before the plan was made (teardown); a later fit measures on
-        self.probe = SensitivityProbe({d.fqn: module.get_submodule(d.fqn) for d in decisions if d.fp8}, config)
+        layers = {d.fqn: cast(Linear, module.get_submodule(d.fqn)) for d in decisions if d.fp8}
+        self.probe = SensitivityProbe(layers, config)
 
     def next_batch(self) -> None:
         """A batch boundary: what the probe staged since the last one is committed (dropped if not finite), and one
@@ -112,12 +125,12 @@ class _Calibration:
     def done(self) -> bool:
         return self.seen >= self.batches
 
-    def unmeasured(self, why: str) -> list[_fp8.LayerDecision]:
+    def unmeasured(self, why: str) -> list[LayerDecision]:
         """The shape rules' decisions, with every layer they left reported as not fp8 (nothing unmeasured is)."""
         return [dataclasses.replace(d, fp8=False, reason=f"layers='auto': {why}") if d.fp8 else d
                 for d in self.decisions]
 
-    def measuring(self) -> list[_fp8.LayerDecision]:
+    def measuring(self) -> list[LayerDecision]:
         return self.unmeasured(f"not measured yet (the first {self.batches} training batches are measured in high"
                                " precision, then the plan decides)")
 
@@ -130,7 +143,8 @@ class FP8Precision(ScaledPrecision):
             (``te.autocast(recipe=...)``, TE >= 2.9; ``nn.Linear``/``nn.LayerNorm`` replaced by TE modules).
         recipe: torchao: ``"tensorwise"`` (default), ``"rowwise"``, ``"rowwise_with_gw_hp"``, a
             ``Float8LinearConfig``, or ``"mxfp8"`` (torchao's MXFP8 training layer; compute capability >= 10.0, or
-            ``emulate=True``; dims divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``, ``"block"``, a mapping
+            ``emulate=True``; dims divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``,
+            ``"block"``, a mapping
             ``{"name": "delayed", "amax_history_len": 16, ...}`` or a TE recipe object.
         emulate: run torchao's fp8 numerics without fp8 hardware (CPU included), slowly. torchao only.
         compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16). With fp16 the
@@ -150,7 +164,8 @@ class FP8Precision(ScaledPrecision):
         skip_first_last: leave the first and last linear layers that run as modules in high precision.
         layers: which eligible layers run in fp8. ``None`` (default): all that the shape rules leave. ``"auto"``: the
             first ``calibration_batches`` training batches run in ``compute_dtype`` while each eligible layer's fp8
-            numerics are measured (``lightning_precision.sensitivity``; none is reported fp8 meanwhile); at the first
+            numerics are measured (``lightning_precision.fp8.fp8_sensitivity``; none is reported fp8 meanwhile); at
+            the first
             optimizer step after them the layers ``plan_rule`` accepts are converted (same Parameter objects: the
             optimizer is untouched) and the plan is logged and kept in ``plan`` and in checkpoints. A plan made here
             belongs to its model: set up with another model, the plugin measures again. A ``PrecisionPlan`` or the
@@ -174,33 +189,33 @@ class FP8Precision(ScaledPrecision):
         self,
         *,
         backend: Literal["torchao", "transformer_engine"] = "torchao",
-        recipe: Optional[_fp8.RecipeLike] = None,
+        recipe: RecipeLike | None = None,
         emulate: bool = False,
         compute_dtype: torch.dtype = torch.bfloat16,
-        layer_policy: Optional[_fp8.FP8LayerPolicy] = None,
-        module_filter: Optional[_fp8.ModuleFilter] = None,
+        layer_policy: FP8LayerPolicy | None = None,
+        module_filter: ModuleFilter | None = None,
         skip_small_layers: bool = True,
         skip_first_last: bool = True,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         reduce_dtype: torch.dtype = torch.float32,
-        fsdp_float8_all_gather: Optional[bool] = None,
-        layers: Optional[PlanLike] = None,
-        calibration_batches: Optional[int] = None,
-        plan_rule: Optional[PlanRule] = None,
-        scaler: Optional[ScalerConfig] = None,
+        fsdp_float8_all_gather: bool | None = None,
+        layers: PlanLike | None = None,
+        calibration_batches: int | None = None,
+        plan_rule: PlanRule | None = None,
+        scaler: ScalerConfig | None = None,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         owner = type(self).__name__
-        if backend not in _fp8.BACKENDS:
+        if backend not in BACKENDS:
             raise ValueError(f"`{owner}(backend={backend!r})`: use 'torchao' or 'transformer_engine'.")
         if compute_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
                 f"`{owner}(compute_dtype={compute_dtype})`: the high-precision parts run in torch.bfloat16 (default)"
                 " or torch.float16."
             )
-        self.layer_policy = _fp8._resolve_layer_policy(owner, layer_policy, module_filter=module_filter,
+        self.layer_policy = resolve_layer_policy(owner, layer_policy, module_filter=module_filter,
                                                       skip_small_layers=skip_small_layers,
                                                       skip_first_last=skip_first_last)
         if scaler is not None and compute_dtype != torch.float16:
@@ -213,18 +228,18 @@ class FP8Precision(ScaledPrecision):
                   if compute_dtype == torch.float16 else None)
         super().__init__(compute_dtype, config, True, device, matmul_precision, reduce_dtype,
                          skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips)
-        self.precision = _PRECISION_OF[(backend, compute_dtype)]
+        self.precision = cast(Any, _PRECISION_OF[(backend, compute_dtype)])  # Lightning's Literal of them
         self.backend = backend
         self.emulate = emulate
         # Resolved now, so a bad recipe or a missing package fails at construction, not mid-setup.
         if backend == "torchao":
-            self.recipe = _fp8.torchao_config(recipe if recipe is not None else "tensorwise", emulate)
+            self.recipe = torchao_config(recipe if recipe is not None else "tensorwise", emulate)
         else:
             if emulate:
-                _fp8.check_fp8_hardware("cpu", backend, "", emulate=True)
-            self.recipe = _fp8.te_recipe(recipe if recipe is not None else "delayed", owner)
-        self.scaling_family = _fp8.scaling_family_of(backend, self.recipe)
-        if (self.scaling_family == _fp8.TE_NVFP4) != self._nvfp4:
+                check_fp8_hardware("cpu", backend, "", emulate=True)
+            self.recipe = te_recipe(recipe if recipe is not None else "delayed", owner)
+        self.scaling_family: ScalingFamily = scaling_family_of(backend, self.recipe)
+        if (self.scaling_family == TE_NVFP4) != self._nvfp4:
             raise ValueError(f"`{owner}(recipe={recipe!r})`: NVFP4 is 4-bit, not fp8: use `NVFP4Precision()`."
                              if not self._nvfp4 else
                              f"`{owner}(recipe={recipe!r})`: an NVFP4 recipe ('nvfp4', a mapping"
@@ -234,23 +249,24 @@ class FP8Precision(ScaledPrecision):
         if fsdp_float8_all_gather and (backend != "torchao" or self.scaling_family != "tensorwise"):
             raise ValueError(
                 f"`{owner}(fsdp_float8_all_gather=True)`: torchao all-gathers in fp8 with tensorwise scaling only; this"
-                f" plugin uses {backend} ({self.scaling_family}). Use `backend='torchao', recipe='tensorwise'`, or leave"
+                f" plugin uses {backend} ({self.scaling_family}). Use `backend='torchao', recipe='tensorwise'`, or"
+                " leave"
                 " `fsdp_float8_all_gather` unset."
             )
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
         self.layers, self.calibration_batches, self.plan_rule = layers, calibration_batches, plan_rule
-        self.plan: Optional[PrecisionPlan] = self._check_layers(owner)
-        self._calibration: Optional[_Calibration] = None
+        self.plan: PrecisionPlan | None = self._check_layers(owner)
+        self._calibration: _Calibration | None = None
         self._float8_all_gather = False  # whether the converted layers all-gather in fp8
-        self._scales: Optional[_fsdp.Float8ScalePrecompute] = None
-        self.layer_decisions: list[_fp8.LayerDecision] = []
-        self._forward_watch: Optional[_fp8._ForwardWatch] = None
-        self._idle_decisions: dict[str, _fp8.LayerDecision] = {}  # the decisions of chosen layers not run yet
-        self._short_mxfp8: dict[str, _fp8.LayerDecision] = {}  # MXFP8 layers reported not fp8 until a call runs in it
-        self._fp8_layers: Optional[int] = None  # known once the first backward has shown which layers run
-        self._root: Optional[weakref.ref] = None  # the module converted: `layer_decisions` name paths in it
+        self._scales: _fsdp.Float8ScalePrecompute | None = None
+        self.layer_decisions: list[LayerDecision] = []
+        self._forward_watch: ForwardWatch | None = None
+        self._idle_decisions: dict[str, LayerDecision] = {}  # the decisions of chosen layers not run yet
+        self._short_mxfp8: dict[str, LayerDecision] = {}  # MXFP8 layers reported not fp8 until a call runs in it
+        self._fp8_layers: int | None = None  # known once the first backward has shown which layers run
+        self._root: weakref.ref | None = None  # the module converted: `layer_decisions` name paths in it
 
-    def _check_layers(self, owner: str) -> Optional[PrecisionPlan]:
+    def _check_layers(self, owner: str) -> PrecisionPlan | None:
         """Validate ``layers`` and its companions now; load a plan file now (a bad path fails here, not mid-fit)."""
         layers, auto = self.layers, self.layers == "auto"
         if self.calibration_batches is not None:
@@ -263,13 +279,15 @@ class FP8Precision(ScaledPrecision):
         if self.plan_rule is not None and not auto:
             raise ValueError(f"`{owner}(plan_rule=...)` applies to `layers='auto'` only.")
         if self.plan_rule is not None and not isinstance(self.plan_rule, PlanRule):
-            raise ValueError(f"`{owner}(plan_rule={self.plan_rule!r})`: pass a `lightning_precision.plan.PlanRule`.")
+            raise ValueError(f"`{owner}(plan_rule={self.plan_rule!r})`: pass a `lightning_precision.fp8.PlanRule`.")
         if layers is None:
             return None
         if auto:
-            _imports.require(_imports.TORCHAO_AVAILABLE, "torchao", f"{owner}(layers='auto'), which measures with torchao,")
-            if self.scaling_family in _fp8.BLOCK_SCALED:
-                raise ValueError(f"`{owner}(layers='auto', recipe={self.scaling_family!r})`: the measurement casts per tensor"
+            _imports.require(_imports.TORCHAO_AVAILABLE, "torchao",
+                             f"{owner}(layers='auto'), which measures with torchao,")
+            if self.scaling_family in BLOCK_SCALED:
+                raise ValueError(f"`{owner}(layers='auto', recipe={self.scaling_family!r})`: the measurement casts"
+                                 " per tensor"
                                  " or per row, not in blocks; choose the layers with a plan, `module_filter`, or the"
                                  " shape rules. `underflow_stats(x, 'mxfp8')` measures block-scaled casts.")
             if self.fsdp_float8_all_gather:
@@ -277,11 +295,12 @@ class FP8Precision(ScaledPrecision):
                                  " during sharded training. Measure first and pass the plan: see docs/plan.md.")
             return None
         if not isinstance(layers, (PrecisionPlan, str)) and not hasattr(layers, "__fspath__"):
-            raise ValueError(f"`{owner}(layers={layers!r})`: None, 'auto', a PrecisionPlan or the path of a saved plan.")
+            raise ValueError(f"`{owner}(layers={layers!r})`: None, 'auto', a PrecisionPlan or the path of a saved"
+                             " plan.")
         if self.module_filter is not None:
             raise ValueError(f"`{owner}(layers=<plan>, module_filter=...)`: a plan names its fp8 layers itself; pass"
                              " one or the other.")
-        plan = _as_plan(layers)
+        plan = as_plan(layers)
         # Warned, not refused: the plan is still a valid choice of layers, and some plugins can only be given a plan
         # measured with another cast (Transformer Engine under FSDP2, block-scaled recipes that cannot be measured).
         mismatch = plan.recipe_mismatch(self.scaling_family)
@@ -296,11 +315,15 @@ class FP8Precision(ScaledPrecision):
     skip_first_last = property(lambda self: self.layer_policy.skip_first_last)
 
     @property
-    def recipe_name(self) -> str:
-        """Deprecated: ``scaling_family`` (it never was the recipe's name: torchao's ``rowwise_with_gw_hp`` is
-        ``"rowwise"``)."""
-        deprecated(f"{type(self).__name__}.recipe_name", f"{type(self).__name__}.scaling_family")
-        return self.scaling_family
+    def _high(self) -> HighLabel:
+        """What a plan says of a layer kept in high precision: the dtype it runs in, ``compute_dtype``."""
+        return high_label(self.compute_dtype)
+
+    def _to_be_sharded(self, module: Module) -> bool:
+        """Whether FSDP2 is about to shard ``module`` (the plugin then converts before ``fully_shard``). Fabric shards
+        in ``parallelize_fn``, after the conversion, and says nothing of it here: ``fsdp_float8_all_gather=True``
+        asks for it. The Trainer's plugin knows (its strategy)."""
+        return False
 
     @property
     def peak_flops_dtype(self) -> torch.dtype:
@@ -336,14 +359,14 @@ class FP8Precision(ScaledPrecision):
         if self.plan is not None:
             decisions = self._decisions_of_plan(module, self.plan)
         else:
-            decisions = _fp8.select_fp8_layers(module, self.scaling_family, layer_policy=self.layer_policy)
+            decisions = select_fp8_layers(module, self.scaling_family, layer_policy=self.layer_policy)
         if self.layers == "auto" and self.plan is None:
             return self._start_calibration(module, decisions)
         return self._swap(module, decisions)
 
-    def _decisions_of_plan(self, module: Module, plan: PrecisionPlan) -> list[_fp8.LayerDecision]:
+    def _decisions_of_plan(self, module: Module, plan: PrecisionPlan) -> list[LayerDecision]:
         """fp8 where the plan says so and the rules that always hold (divisibility, a forward that runs) allow."""
-        hard = _fp8.select_fp8_layers(module, self.scaling_family, module_filter=lambda m, fqn: True)
+        hard = select_fp8_layers(module, self.scaling_family, module_filter=lambda m, fqn: True)
         unknown = sorted(plan.fp8_layers - {d.fqn for d in hard})
         if unknown:
             raise ValueError(f"{type(self).__name__}: the plan puts layers in fp8 that this model does not have as"
@@ -360,8 +383,8 @@ class FP8Precision(ScaledPrecision):
                 out.append(dataclasses.replace(d, fp8=entry.precision == "fp8", reason=f"plan: {entry.reason}"))
         return out
 
-    def _start_calibration(self, module: Module, decisions: list[_fp8.LayerDecision]) -> Module:
-        if _to_be_sharded(module) or _fsdp.is_sharded(module):
+    def _start_calibration(self, module: Module, decisions: list[LayerDecision]) -> Module:
+        if self._to_be_sharded(module) or _fsdp.is_sharded(module):
             raise RuntimeError(
                 f"{type(self).__name__}(layers='auto') cannot choose layers under FSDP2: they must be converted before"
                 " `fully_shard`. Measure on one process first (`lightning-precision plan`, or"
@@ -380,7 +403,7 @@ class FP8Precision(ScaledPrecision):
         if self.backend == "torchao":
             return self.recipe
         # Transformer Engine's fp8 is measured through torchao's emulation of the same per-tensor scaling.
-        return _fp8.torchao_config("tensorwise", emulate=True)
+        return torchao_config("tensorwise", emulate=True)
 
     def _finish_calibration(self) -> None:
         calibration, self._calibration = self._calibration, None
@@ -400,11 +423,12 @@ class FP8Precision(ScaledPrecision):
         not_measured = (f"not measured: all {probe.dropped} batches measured had non-finite values"
                         if probe.dropped and not probe.batches else None)
         self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.scaling_family,
-                                         not_measured=not_measured)
+                                         not_measured=not_measured, high=self._high)
         self._apply_plan(calibration.module)
 
     def _apply_plan(self, module: Module, restored: bool = False) -> Module:
         """Convert as ``layers="auto"``'s plan says, and print it once: the plan's table, with its numbers."""
+        assert self.plan is not None  # made, or restored, just before
         table = self.plan.table()
         if restored:
             table = f"fp8 (layers='auto'): the plan restored from the checkpoint, not measured again:\n{table}"
@@ -413,28 +437,28 @@ class FP8Precision(ScaledPrecision):
             self._on_device_resolved(self._device_type)
         return module
 
-    def _swap(self, module: Module, decisions: list[_fp8.LayerDecision], table: Optional[str] = None) -> Module:
+    def _swap(self, module: Module, decisions: list[LayerDecision], table: str | None = None) -> Module:
         """Convert the layers ``decisions`` choose (in place below the root); ``table``: what to print, by default the
         decisions' summary."""
         self.layer_decisions = decisions
         _check_not_sharded(module, self.layer_decisions)
-        rank_zero_info(table if table is not None else _fp8.format_summary(self.layer_decisions))
-        _fp8._warn_if_no_fp8(self.layer_decisions, type(self).__name__, "NVFP4" if self._nvfp4 else "fp8")
+        rank_zero_info(table if table is not None else format_summary(self.layer_decisions))
+        warn_if_no_fp8(self.layer_decisions, type(self).__name__, "NVFP4" if self._nvfp4 else "fp8")
         if self.backend == "torchao":
             recipe = self.recipe
             self._float8_all_gather = self._wants_float8_all_gather(module)
             if self._float8_all_gather:
-                recipe = _fp8.with_float8_all_gather(recipe)
-            module = _fp8.convert_with_torchao(module, recipe, self.layer_decisions)
+                recipe = with_float8_all_gather(recipe)
+            module = convert_with_torchao(module, recipe, self.layer_decisions)
         else:
-            module = _fp8.convert_with_te(module, self.layer_decisions)
+            module = convert_with_te(module, self.layer_decisions)
         fp8_layers = {d.fqn: module.get_submodule(d.fqn) for d in self.layer_decisions if d.fp8}
         if self.backend == "torchao":
             for layer in fp8_layers.values():
-                _fp8._run_outside_inference_mode(layer)
+                run_outside_inference_mode(layer)
         if self._forward_watch is not None:  # a watch of an earlier conversion
             self._forward_watch.close()
-        self._forward_watch, self._idle_decisions, self._short_mxfp8 = _fp8._ForwardWatch(fp8_layers), {}, {}
+        self._forward_watch, self._idle_decisions, self._short_mxfp8 = ForwardWatch(fp8_layers), {}, {}
         self._fp8_layers = None
         self._root = weakref.ref(module)
         setattr(module, _CONVERTED, True)
@@ -443,9 +467,9 @@ class FP8Precision(ScaledPrecision):
     def _wants_float8_all_gather(self, module: Module) -> bool:
         if self.fsdp_float8_all_gather is False:
             return False
-        if self.fsdp_float8_all_gather is None and not _to_be_sharded(module):
+        if self.fsdp_float8_all_gather is None and not self._to_be_sharded(module):
             return False
-        why_not = _fp8.float8_all_gather_possible(self.scaling_family)
+        why_not = float8_all_gather_possible(self.scaling_family)
         if why_not is None:
             return True
         if self.fsdp_float8_all_gather:  # asked for explicitly (tensorwise is checked at construction)
@@ -472,7 +496,7 @@ class FP8Precision(ScaledPrecision):
             if self.backend == "torchao":  # Float8Linear casts to fp8 by itself
                 yield
             else:
-                te, _ = _fp8._te()
+                te, _ = import_te()
                 with te.autocast(enabled=True, recipe=self.recipe):
                     yield
 
@@ -483,7 +507,7 @@ class FP8Precision(ScaledPrecision):
             return {}
         return {d.fqn: module.get_submodule(d.fqn) for d in self.layer_decisions if d.fp8}
 
-    def plan_in_force(self) -> Optional[PrecisionPlan]:
+    def plan_in_force(self) -> PrecisionPlan | None:
         """The plan the converted model runs: made by ``layers="auto"``, given, restored, or the shape rules' choice,
         with ``demote``'s changes. None before conversion and while ``layers="auto"`` has not decided (it measures, or
         the fit ended first): nothing unmeasured is a plan."""
@@ -491,9 +515,9 @@ class FP8Precision(ScaledPrecision):
             return self.plan
         if self._calibration is not None or not self.layer_decisions:
             return None
-        return PrecisionPlan.from_decisions(self.layer_decisions, self.scaling_family)
+        return PrecisionPlan.from_decisions(self.layer_decisions, self.scaling_family, self._high)
 
-    def demote(self, layers: Mapping[str, str], numbers: Optional[Mapping[str, dict[str, float]]] = None) -> list[str]:
+    def demote(self, layers: Mapping[str, str], numbers: Mapping[str, dict[str, float]] | None = None) -> list[str]:
         """Move fp8 layers back to ``compute_dtype``, in place: ``layers`` maps a path to the reason. Each stays the
         same module with the same Parameters, so the optimizer and its state are untouched. Recorded in ``plan`` and
         ``layer_decisions`` (and so in checkpoints: a resumed run keeps them in high precision); ``numbers`` are the
@@ -514,16 +538,17 @@ class FP8Precision(ScaledPrecision):
         if not chosen:
             return []
         if self.backend != "torchao":
-            raise RuntimeError(f"{type(self).__name__}.demote: Transformer Engine layers cannot return to high precision"
+            raise RuntimeError(f"{type(self).__name__}.demote: Transformer Engine layers cannot return to high"
+                               " precision"
                                " in place; only torchao's can (backend='torchao').")
         for fqn in chosen:
-            _fp8.demote_torchao_layer(current[fqn])
+            demote_torchao_layer(current[fqn])
             self._idle_decisions.pop(fqn, None)
             self._short_mxfp8.pop(fqn, None)
         plan = self.plan_in_force()
         assert plan is not None  # layers run in fp8: the model is converted and decided
         for fqn in chosen:
-            plan = plan.with_layer(fqn, HIGH, layers[fqn], (numbers or {}).get(fqn))
+            plan = plan.with_layer(fqn, self._high, layers[fqn], (numbers or {}).get(fqn))
         self.plan = plan
         self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=f"demoted: {layers[d.fqn]}")
                                 if d.fqn in chosen else d for d in self.layer_decisions]
@@ -581,7 +606,8 @@ class FP8Precision(ScaledPrecision):
         saved = PrecisionPlan.from_dict(state_dict["plan"], source=f"the checkpoint's plan ({owner} state)")
         given = self.plan if self.layers is not None and self.layers != "auto" else None
         mismatch = saved.recipe_mismatch(self.scaling_family)
-        if mismatch and (given is None or given.recipe != saved.recipe):  # a given plan's was said at construction
+        # a given plan's mismatch was said at construction
+        if mismatch and (given is None or given.scaling_family != saved.scaling_family):
             warn(f"{owner}: resuming: {mismatch}")
         if given is not None:
             # The checkpoint's plan is what the run trained with, FP8Guard's demotions included; the given one is what
@@ -591,7 +617,9 @@ class FP8Precision(ScaledPrecision):
             if differ:
                 def says(plan: PrecisionPlan, fqn: str) -> str:
                     entry = plan.get(fqn)
-                    return "fp8" if fqn in plan.fp8_layers else f"bf16 ({entry.reason})" if entry else "not listed"
+                    if fqn in plan.fp8_layers:
+                        return "fp8"
+                    return f"{entry.precision} ({entry.reason})" if entry else "not listed"
 
                 shown = "<PrecisionPlan>" if isinstance(self.layers, PrecisionPlan) else repr(str(self.layers))
                 warn(f"{owner}: the checkpoint's plan (what the run trained with, FP8Guard's demotions included)"
@@ -600,9 +628,9 @@ class FP8Precision(ScaledPrecision):
                      + f". They run in {self.compute_dtype}: on resume a layer stays in fp8 only where both plans"
                      " say fp8. To train a layer in fp8 that the checkpoint keeps in high precision, start a new fit"
                      " from the checkpoint's weights (not `ckpt_path=`).")
-            high = {p.fqn: p for p in saved.layers if p.precision == HIGH and p.fqn in given.fp8_layers}
+            high = {p.fqn: p for p in saved.layers if p.precision != FP8 and p.fqn in given.fp8_layers}
         else:
-            high = {p.fqn: p for p in saved.layers if p.precision == HIGH}
+            high = {p.fqn: p for p in saved.layers if p.precision != FP8}
         if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
             self.plan = saved
             calibration, self._calibration = self._calibration, None
@@ -613,7 +641,7 @@ class FP8Precision(ScaledPrecision):
                 self.plan = saved
             else:
                 for fqn, p in high.items():
-                    given = given.with_layer(fqn, HIGH, p.reason, p.numbers)
+                    given = given.with_layer(fqn, self._high, p.reason, p.numbers)
                 self.plan = given
         else:  # converted already: what the run moved back to high precision stays there
             self.demote({f: p.reason for f, p in high.items()}, {f: p.numbers for f, p in high.items()})
@@ -655,9 +683,9 @@ class FP8Precision(ScaledPrecision):
             idle = watch.settle()
             if idle:
                 self._idle_decisions = {d.fqn: d for d in self.layer_decisions if d.fqn in idle}
-                self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=_fp8._NEVER_RAN) if d.fqn in idle
+                self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=NEVER_RAN) if d.fqn in idle
                                         else d for d in self.layer_decisions]
-                _fp8._warn_never_ran(idle)
+                warn_never_ran(idle)
             self._judge_mxfp8(watch, [fqn for fqn in watch.layers if fqn not in idle])
         elif watch is not None:
             ran = watch.ran()
@@ -672,7 +700,7 @@ class FP8Precision(ScaledPrecision):
         if self._short_mxfp8:
             self._recheck_short_mxfp8()
 
-    def _count_again(self, restored: Mapping[str, _fp8.LayerDecision]) -> None:
+    def _count_again(self, restored: Mapping[str, LayerDecision]) -> None:
         """Layers reported not fp8 for a while (an idle expert, an MXFP8 layer whose calls all fell back) that have run
         in fp8: their decisions back. A plan ``demote`` took while they read "not fp8" (it keeps the plan from then on:
         FP8Guard's file, checkpoints) says fp8 for them again: left stale, a run resumed from it demoted them."""
@@ -680,13 +708,13 @@ class FP8Precision(ScaledPrecision):
         self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
         for fqn, decision in restored.items():
             entry = self.plan.get(fqn) if self.plan is not None else None
-            if entry is not None and entry.precision == HIGH and entry.reason == was.get(fqn):
+            if self.plan is not None and entry is not None and entry.precision != FP8 and entry.reason == was.get(fqn):
                 self.plan = self.plan.with_layer(fqn, FP8, decision.reason)
 
-    def _judge_mxfp8(self, watch: _fp8._ForwardWatch, ran: list[str]) -> None:
+    def _judge_mxfp8(self, watch: ForwardWatch, ran: list[str]) -> None:
         """MXFP8 layers among ``ran`` (each in the backward after its first call) that ran but never in MXFP8 (too few
         tokens for a block, every call): not fp8 either, until a call runs in MXFP8 (``_recheck_short_mxfp8``)."""
-        short = _fp8.mxfp8_after_first_step(watch.layers, self.compute_dtype, type(self).__name__, ran=ran)
+        short = mxfp8_after_first_step(watch.layers, self.compute_dtype, type(self).__name__, ran=ran)
         if short:
             self._short_mxfp8.update({d.fqn: d for d in self.layer_decisions if d.fqn in short})
             self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=short[d.fqn]) if d.fqn in short
@@ -703,7 +731,7 @@ class FP8Precision(ScaledPrecision):
             return
         self._count_again({fqn: self._short_mxfp8.pop(fqn) for fqn in ran})
         self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
-        rank_zero_info(f"fp8: {', '.join(ran)}: a training call of a multiple of {_fp8.MXFP8_TOKENS} tokens ran in"
+        rank_zero_info(f"fp8: {', '.join(ran)}: a training call of a multiple of {MXFP8_TOKENS} tokens ran in"
                        " MXFP8; counted as fp8 again.")
 
     @override
@@ -723,7 +751,7 @@ class FP8Precision(ScaledPrecision):
         # after the measured batches.
         eligible = self._calibration.decisions if self._calibration is not None else self.layer_decisions
         if any(d.fp8 for d in eligible):
-            _fp8.check_fp8_hardware(device_type, self.backend, self.scaling_family, self.emulate, type(self).__name__)
+            check_fp8_hardware(device_type, self.backend, self.scaling_family, self.emulate, type(self).__name__)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -747,10 +775,10 @@ class NVFP4Precision(FP8Precision):
     Args:
         recipe: ``"nvfp4"`` (default), a mapping ``{"name": "nvfp4", **NVFP4BlockScaling_kwargs}`` or TE's
             ``NVFP4BlockScaling`` object.
-        compute_dtype, layer_policy, layers, device, matmul_precision, reduce_dtype, scaler, skip_nonfinite,
-            max_consecutive_skips: as for ``FP8Precision``. The
-            layer choice is a ``layer_policy`` only (no flat ``module_filter``/``skip_*`` arguments). Every argument
-            is keyword-only.
+        compute_dtype, layer_policy, module_filter, skip_small_layers, skip_first_last, layers, device,
+            matmul_precision, reduce_dtype, scaler, skip_nonfinite, max_consecutive_skips: as for ``FP8Precision``
+            (the layer choice as one ``layer_policy`` or the three flat arguments, not both). Every argument is
+            keyword-only.
     """
 
     _nvfp4 = True
@@ -758,20 +786,24 @@ class NVFP4Precision(FP8Precision):
     def __init__(
         self,
         *,
-        recipe: Optional[_fp8.RecipeLike] = None,
+        recipe: RecipeLike | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
-        layer_policy: Optional[_fp8.FP8LayerPolicy] = None,
-        layers: Optional[PlanLike] = None,
-        device: Optional[str] = None,
-        matmul_precision: Optional[MatmulPrecision] = None,
+        layer_policy: FP8LayerPolicy | None = None,
+        module_filter: ModuleFilter | None = None,
+        skip_small_layers: bool = True,
+        skip_first_last: bool = True,
+        layers: PlanLike | None = None,
+        device: str | None = None,
+        matmul_precision: MatmulPrecision | None = None,
         reduce_dtype: torch.dtype = torch.float32,
-        scaler: Optional[ScalerConfig] = None,
+        scaler: ScalerConfig | None = None,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
-        max_consecutive_skips: Optional[int] = ScalerConfig.max_consecutive_skips,
+        max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         super().__init__(
-            backend="transformer_engine", recipe=recipe if recipe is not None else _fp8.TE_NVFP4,
-            compute_dtype=compute_dtype, layer_policy=layer_policy, layers=layers, device=device,
+            backend="transformer_engine", recipe=recipe if recipe is not None else TE_NVFP4,
+            compute_dtype=compute_dtype, layer_policy=layer_policy, module_filter=module_filter,
+            skip_small_layers=skip_small_layers, skip_first_last=skip_first_last, layers=layers, device=device,
             matmul_precision=matmul_precision, reduce_dtype=reduce_dtype, scaler=scaler, skip_nonfinite=skip_nonfinite,
             max_consecutive_skips=max_consecutive_skips,
         )

@@ -9,34 +9,69 @@ diffs against another; ``FP8Precision(layers=plan_or_path)`` applies one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Literal, cast, get_args
 
 import torch
 from torch import nn
 
-from lightning_precision import fp8 as _fp8
-from lightning_precision._io import atomic_write_text, check_writable_file, json_safe
-from lightning_precision.fp8 import TENSORS, LayerDecision, ModuleFilter
-from lightning_precision.sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
+from lightning_precision._io import atomic_write_text, json_safe
+from lightning_precision.fp8._selection import (
+    BLOCK_SCALED,
+    SCALING_FAMILIES,
+    TENSORS,
+    FP8LayerPolicy,
+    LayerDecision,
+    ModuleFilter,
+    ScalingFamily,
+    resolve_layer_policy,
+    select_fp8_layers,
+)
+from lightning_precision.fp8._sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
+from lightning_precision.fp8._torchao import torchao_scaling_family
 
 __all__ = [
     "FP8",
     "HIGH",
+    "HIGH_LABELS",
+    "HighLabel",
     "LayerPlan",
     "PLAN_VERSION",
     "PlanLike",
     "PlanRule",
     "PrecisionPlan",
+    "as_plan",
     "demotions",
+    "dump_plan",
+    "high_label",
     "make_plan",
+    "measured_numbers",
+    "plan_suffix",
 ]
 
-FP8, HIGH = "fp8", "bf16"
+# A layer's precision in a plan: "fp8", or the high precision it runs in: the real dtype where the plan's maker knows it
+# (the plugin's compute dtype, make_plan's autocast dtype), "high" where it does not (a plan decided by hand).
+HighLabel = Literal["high", "bf16", "fp16", "fp32"]
+HIGH_LABELS: tuple[HighLabel, ...] = get_args(HighLabel)
+FP8 = "fp8"
+HIGH: HighLabel = "high"
+_HIGH_OF_DTYPE: dict[torch.dtype | None, HighLabel] = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def high_label(dtype: torch.dtype | None) -> HighLabel:
+    """The label of a layer kept in high precision that runs in ``dtype`` (``"high"`` where it is not known).
+
+    Example:
+        >>> high_label(torch.float16), high_label(None)
+        ('fp16', 'high')
+    """
+    return _HIGH_OF_DTYPE.get(dtype, "high")
 PLAN_VERSION = 1
 
 
@@ -48,7 +83,7 @@ _KIND = {bool: "a boolean", int: "an integer", float: "a number", str: "a string
 
 # The `recipe` a plan may record: a plugin's `scaling_family` (torchao's families, Transformer Engine's recipe names,
 # and "custom" for a TE recipe object of another class).
-_SCALING_FAMILIES = tuple(dict.fromkeys(("tensorwise", "rowwise", *_fp8.BLOCK_SCALED, *_fp8.TE_RECIPES, "custom")))
+_SCALING_FAMILIES = SCALING_FAMILIES
 
 
 def _shown(value: Any) -> str:
@@ -85,9 +120,9 @@ def _check_layer(field: Callable[[str], str], fqn: Any, precision: Any, reason: 
     if not isinstance(fqn, str) or not fqn:
         raise ValueError(f"{field('fqn')}: {_shown(fqn)} is not a layer's path; write the path of an nn.Linear in the"
                          f" model (as `model.named_modules()` names it){'' if isinstance(fqn, str) else f' ({bare})'}.")
-    if precision not in (FP8, HIGH) or not isinstance(precision, str):
-        raise ValueError(f"{field('precision')}: {precision!r} is not 'fp8' or 'bf16' (the plugin's high-precision"
-                         " dtype); write one of them.")
+    if not isinstance(precision, str) or precision not in (FP8, *HIGH_LABELS):
+        raise ValueError(f"{field('precision')}: {precision!r} is not 'fp8' or a high precision"
+                         f" ({', '.join(map(repr, HIGH_LABELS))}: the dtype the layer runs in); write one of them.")
     if not isinstance(reason, str):
         raise ValueError(f"{field('reason')}: {_shown(reason)} is not text; write it as a string ({bare}).")
     if not isinstance(numbers, Mapping):
@@ -99,6 +134,11 @@ def _check_layer(field: Callable[[str], str], fqn: Any, precision: Any, reason: 
         if not _is_number(value):
             raise ValueError(f"{field('numbers.' + key)}: {_shown(value)} is not a number; write a number (inf, -inf"
                              " and nan as the strings 'inf', '-inf', 'nan').")
+
+
+def _field_of_entry(where: str, i: int, name: str) -> str:
+    """How an error names a field of a file's ``layers[i]``."""
+    return f"{where}: `layers[{i}].{name}`"
 
 
 def _check_unique(where: str, fqns: Iterable[str]) -> None:
@@ -131,9 +171,9 @@ class PlanRule:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            _check_bound(f"`PlanRule({f.name}={value!r})`", value, f.default)
+            _check_bound(f"`PlanRule({f.name}={value!r})`", value, cast(float, f.default))
 
-    def why_not(self, s: LayerSensitivity) -> Optional[str]:
+    def why_not(self, s: LayerSensitivity) -> str | None:
         """None when ``s`` passes, else every bound it fails, as the reason for keeping it in high precision."""
         failed = []
         for tensor, n in s.tensors().items():
@@ -150,12 +190,13 @@ class PlanRule:
         return "; ".join(failed) or None
 
 
-def _measured_numbers(s: LayerSensitivity) -> dict[str, float]:
+def measured_numbers(s: LayerSensitivity) -> dict[str, float]:
     """The numbers a plan keeps for a measured layer: per tensor SQNR, underflow, overflow; output and input-gradient
     errors."""
     out = {}
     for tensor, n in s.tensors().items():
-        out.update({f"{tensor}_sqnr_db": n.sqnr_db, f"{tensor}_underflow": n.underflow, f"{tensor}_overflow": n.overflow})
+        out.update({f"{tensor}_sqnr_db": n.sqnr_db, f"{tensor}_underflow": n.underflow,
+                    f"{tensor}_overflow": n.overflow})
     out.update(output_error=s.output_error, grad_input_error=s.grad_input_error)
     return out
 
@@ -177,11 +218,11 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """Per linear layer, fp8 or high precision and why. ``recipe`` and ``rule`` record how it was made, ``batches``
-    how many batches were measured (0 for a hand-made plan)."""
+    """Per linear layer, fp8 or high precision and why. ``scaling_family`` (the cast measured) and ``rule`` record how
+    it was made, ``batches`` how many batches were measured (0 for a hand-made plan)."""
 
     layers: tuple[LayerPlan, ...]
-    recipe: str = "tensorwise"
+    scaling_family: ScalingFamily = "tensorwise"
     rule: PlanRule = PlanRule()
     batches: int = 0
 
@@ -193,7 +234,7 @@ class PrecisionPlan:
             if not isinstance(p, LayerPlan):
                 raise ValueError(f"PrecisionPlan: layers[{i}] is {_shown(p)}; each layer is a"
                                  " `LayerPlan(fqn, precision, reason)`.")
-        _check_recipe("PrecisionPlan(recipe=...)", self.recipe)
+        _check_recipe("PrecisionPlan(scaling_family=...)", self.scaling_family)
         _check_count("PrecisionPlan(batches=...)", self.batches)
         if not isinstance(self.rule, PlanRule):
             raise ValueError(f"PrecisionPlan(rule={self.rule!r}): pass a `PlanRule` (`PlanRule()` for the defaults).")
@@ -201,63 +242,68 @@ class PrecisionPlan:
 
     @classmethod
     def decide(cls, decisions: list[LayerDecision], sensitivity: dict[str, LayerSensitivity],
-               rule: Optional[PlanRule] = None, recipe: str = "tensorwise",
-               not_measured: Optional[str] = None) -> PrecisionPlan:
+               rule: PlanRule | None = None, scaling_family: ScalingFamily = "tensorwise",
+               not_measured: str | None = None, high: HighLabel = HIGH) -> PrecisionPlan:
         """The plan for layers whose shape rules are ``decisions`` and whose numerics are ``sensitivity``. A layer the
         rules leave but ``sensitivity`` lacks stays in high precision, for ``not_measured`` if given (why nothing was
-        measured), else because it did not run."""
+        measured), else because it did not run. ``high``: the label of the layers kept in high precision (the dtype
+        they run in, see ``high_label``)."""
         rule = rule or PlanRule()
         layers = []
         for d in decisions:
             s = sensitivity.get(d.fqn)
             if not d.fp8:
-                layers.append(LayerPlan(d.fqn, HIGH, d.reason))
+                layers.append(LayerPlan(d.fqn, high, d.reason))
             elif s is None:
-                layers.append(LayerPlan(d.fqn, HIGH, not_measured or "did not run while measured: nothing to judge"))
+                layers.append(LayerPlan(d.fqn, high, not_measured or "did not run while measured: nothing to judge"))
             else:
                 why = rule.why_not(s)
-                layers.append(LayerPlan(d.fqn, HIGH if why else FP8, why or "measured within the rule",
-                                        _measured_numbers(s)))
+                layers.append(LayerPlan(d.fqn, high if why else FP8, why or "measured within the rule",
+                                        measured_numbers(s)))
         batches = max((s.batches for s in sensitivity.values()), default=0)
-        return cls(tuple(layers), recipe, rule, batches)
+        return cls(tuple(layers), scaling_family, rule, batches)
 
     @classmethod
-    def from_decisions(cls, decisions: list[LayerDecision], recipe: str = "tensorwise") -> PrecisionPlan:
+    def from_decisions(cls, decisions: list[LayerDecision], scaling_family: ScalingFamily = "tensorwise",
+                       high: HighLabel = HIGH) -> PrecisionPlan:
         """The plan of layers chosen by shape rules alone (``layers=None``): nothing measured."""
-        return cls(tuple(LayerPlan(d.fqn, FP8 if d.fp8 else HIGH, d.reason) for d in decisions), recipe)
+        return cls(tuple(LayerPlan(d.fqn, FP8 if d.fp8 else high, d.reason) for d in decisions), scaling_family)
 
     @property
     def fp8_layers(self) -> frozenset[str]:
         return frozenset(p.fqn for p in self.layers if p.precision == FP8)
 
-    def get(self, fqn: str) -> Optional[LayerPlan]:
+    def get(self, fqn: str) -> LayerPlan | None:
         return next((p for p in self.layers if p.fqn == fqn), None)
 
     @property
     def measured(self) -> bool:
-        """Whether any decision rests on numbers measured under ``recipe`` (not only on shape rules or by hand)."""
+        """Whether any decision rests on numbers measured under ``scaling_family`` (not only on shape rules or by
+        hand)."""
         return self.batches > 0 or any(p.numbers for p in self.layers)
 
-    def recipe_mismatch(self, scaling_family: str) -> Optional[str]:
+    def recipe_mismatch(self, scaling_family: str) -> str | None:
         """Why this plan's numbers are not those of a plugin whose ``scaling_family`` is given, or None: they are, or
         nothing was measured. Transformer Engine's per-tensor recipes (``delayed``, ``current``) are measured through
         torchao's ``tensorwise`` cast (what ``FP8Precision(layers="auto")`` does for them), so those three agree."""
         as_measured = {"delayed": "tensorwise", "current": "tensorwise"}
-        if not self.measured or as_measured.get(self.recipe, self.recipe) == as_measured.get(scaling_family,
-                                                                                              scaling_family):
+        mine = self.scaling_family
+        if not self.measured or as_measured.get(mine, mine) == as_measured.get(scaling_family, scaling_family):
             return None
         if scaling_family in ("tensorwise", "rowwise"):
             how = (f"`make_plan(..., recipe={scaling_family!r})`, `lightning-precision plan --recipe-fp8"
                    f" {scaling_family}`, or `layers='auto'`")
-        elif scaling_family in _fp8.BLOCK_SCALED or scaling_family == "block":
+        elif scaling_family in BLOCK_SCALED or scaling_family == "block":
             how = "not possible for block-scaled casts (docs/plan.md): choose the layers by hand or by shape rules"
         else:
             how = "`layers='auto'` with this plugin, on one process"
-        return (f"the plan was measured with the {self.recipe!r} cast and this plugin casts with {scaling_family!r}:"
+        return (f"the plan was measured with the {self.scaling_family!r} cast and this plugin casts with"
+                f" {scaling_family!r}:"
                 " its numbers, and the rule's verdicts on them, are another cast's. It is applied as written; to"
                 f" judge the layers by this plugin's cast, measure again with its recipe ({how}).")
 
-    def with_layer(self, fqn: str, precision: str, reason: str, numbers: Optional[dict[str, float]] = None) -> PrecisionPlan:
+    def with_layer(self, fqn: str, precision: str, reason: str,
+                   numbers: dict[str, float] | None = None) -> PrecisionPlan:
         """A copy with one layer's decision replaced."""
         if self.get(fqn) is None:
             raise KeyError(f"PrecisionPlan has no layer {fqn!r}.")
@@ -267,7 +313,8 @@ class PrecisionPlan:
     def table(self) -> str:
         """A fixed-width table: layer, precision, the worst measured numbers, reason."""
         n = len(self.fp8_layers)
-        head = f"plan ({self.recipe}, {self.batches} batches measured): {n} of {len(self.layers)} linear layers in fp8"
+        head = (f"plan ({self.scaling_family}, {self.batches} batches measured): {n} of {len(self.layers)} linear"
+                " layers in fp8")
         width = max((len(p.fqn) for p in self.layers), default=5)
         lines = [head, f"  {'layer':<{width}}  prec  min SQNR dB  max underflow  out err  gin err  reason"]
         for p in self.layers:
@@ -295,14 +342,14 @@ class PrecisionPlan:
         """The plan as plain data (what ``save`` writes): infinities and NaN as the strings ``"inf"``, ``"-inf"``,
         ``"nan"``, since strict JSON has none."""
         return {
-            "version": PLAN_VERSION, "recipe": self.recipe, "batches": self.batches,
+            "version": PLAN_VERSION, "scaling_family": self.scaling_family, "batches": self.batches,
             "rule": json_safe(dataclasses.asdict(self.rule)),
             "layers": [{"fqn": p.fqn, "precision": p.precision, "reason": p.reason,
                         "numbers": json_safe(p.numbers)} for p in self.layers],
         }
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: Optional[str] = None) -> PrecisionPlan:
+    def from_dict(cls, data: Any, *, source: str | None = None) -> PrecisionPlan:
         """The plan ``to_dict`` gave (read from a file or a checkpoint). ``source`` says where it came from in errors
         (``load`` names the file); each error names the field, the value and the fix."""
         where = source or "PrecisionPlan.from_dict"
@@ -318,9 +365,14 @@ class PrecisionPlan:
                              f" write `version: {PLAN_VERSION}`, or read the file with the lightning-precision that"
                              " wrote it.")
         # after the version: a later format may add fields, and its plans should be refused for their version
-        _check_keys(where, "the plan", data, ("version", "recipe", "batches", "rule", "layers"))
-        recipe, batches = data.get("recipe", "tensorwise"), data.get("batches", 0)
-        _check_recipe(f"{where}: `recipe`", recipe)
+        _check_keys(where, "the plan", data, ("version", "scaling_family", "recipe", "batches", "rule", "layers"))
+        # `recipe`: the field's name in the plans written before `scaling_family`; they keep loading
+        if "scaling_family" in data and "recipe" in data:
+            raise ValueError(f"{where}: both `scaling_family` and `recipe` (its older name) are given; keep"
+                             " `scaling_family`.")
+        key = "recipe" if "recipe" in data else "scaling_family"
+        scaling_family, batches = data.get(key, "tensorwise"), data.get("batches", 0)
+        _check_recipe(f"{where}: `{key}`", scaling_family)
         _check_count(f"{where}: `batches`", batches)
         rule = data.get("rule", {})
         if not isinstance(rule, Mapping):
@@ -330,7 +382,7 @@ class PrecisionPlan:
         bounds = {k: _number(v) for k, v in rule.items()}
         for f in dataclasses.fields(PlanRule):
             if f.name in bounds:
-                _check_bound(f"{where}: `rule.{f.name}`", bounds[f.name], f.default)
+                _check_bound(f"{where}: `rule.{f.name}`", bounds[f.name], cast(float, f.default))
         if "layers" not in data:
             raise ValueError(f"{where}: `layers` is missing; list each linear layer with its `fqn` and `precision`.")
         entries = data["layers"]
@@ -345,17 +397,19 @@ class PrecisionPlan:
             _check_keys(where, f"`layers[{i}]`", d, ("fqn", "precision", "reason", "numbers"))
             missing = [k for k in ("fqn", "precision") if k not in d]
             if missing:
-                raise ValueError(f"{at} has no `{missing[0]}`; each layer needs `fqn` and `precision` (fp8 or bf16).")
+                raise ValueError(f"{at} has no `{missing[0]}`; each layer needs `fqn` and `precision` (fp8, or the"
+                                 " high precision it runs in: high, bf16, fp16 or fp32).")
             # `reason:` or `numbers:` with nothing after it is YAML's null
             reason = "" if d.get("reason") is None else d["reason"]
             numbers = {} if d.get("numbers") is None else d["numbers"]
             numbers = {k: _number(v) for k, v in numbers.items()} if isinstance(numbers, Mapping) else numbers
-            _check_layer(lambda name: f"{where}: `layers[{i}].{name}`", d["fqn"], d["precision"], reason, numbers)
+            _check_layer(functools.partial(_field_of_entry, where, i), d["fqn"], d["precision"],
+                         reason, numbers)
             layers.append(LayerPlan(d["fqn"], d["precision"], reason, numbers))
         _check_unique(where, (p.fqn for p in layers))
-        return cls(tuple(layers), recipe, PlanRule(**bounds), batches)
+        return cls(tuple(layers), scaling_family, PlanRule(**bounds), batches)
 
-    def save(self, path: Union[str, Path]) -> Path:
+    def save(self, path: str | Path) -> Path:
         """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), whole or not at all: to a uniquely named temporary
         file beside it, then renamed over it (a failed write leaves any previous plan whole; two processes saving
         the same path each write whole plans; a symbolic link stays a link and its target is updated). What is
@@ -369,7 +423,7 @@ class PrecisionPlan:
         return atomic_write_text(path, text)
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> PrecisionPlan:
+    def load(cls, path: str | Path) -> PrecisionPlan:
         """The plan in a ``.yaml``/``.yml``/``.json`` file; a ``ValueError`` naming the file, the field, the value and
         the fix for anything that is not a plan ``save`` could have written (YAML tags are refused)."""
         path = Path(path)
@@ -418,28 +472,28 @@ def dump_plan(data: dict[str, Any], path: Path) -> str:
     return yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False, width=120)
 
 
-def _parse(text: str, path: Path, source: Optional[str] = None) -> Any:
+def _parse(text: str, path: Path, source: str | None = None) -> Any:
     """The data in ``text`` (JSON or YAML by ``path``'s suffix). A syntax error, a repeated key (which either parser
     would resolve by keeping the last, silently) or a YAML tag is a ``ValueError`` naming ``source`` and the line."""
-    source = source or f"plan file {str(path)!r}"
+    where: str = source or f"plan file {str(path)!r}"
     if plan_suffix(path) == ".json":
         def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-            _check_no_repeats(source, [k for k, _ in items], None)
+            _check_no_repeats(where, [k for k, _ in items], None)
             return dict(items)
 
         try:
             return json.loads(text, object_pairs_hook=pairs)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; fix it,"
+            raise ValueError(f"{where}: not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}; fix it,"
                              " or write the plan again with `PrecisionPlan.save`.") from None
     import yaml
 
-    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # safe: a tag such as !!python/object is refused
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]  # safe: a tag such as !!python/object is refused
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             if isinstance(node, yaml.MappingNode):  # merge keys (<<) may repeat a key on purpose: not checked
                 keys = [(self.construct_object(k, deep=True), k.start_mark.line + 1) for k, _ in node.value
                         if k.tag != "tag:yaml.org,2002:merge"]
-                _check_no_repeats(source, [k for k, _ in keys], [line for _, line in keys])
+                _check_no_repeats(where, [k for k, _ in keys], [line for _, line in keys])
             return super().construct_mapping(node, deep=deep)
 
     loader = Loader(text)
@@ -449,13 +503,13 @@ def _parse(text: str, path: Path, source: Optional[str] = None) -> Any:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = " ".join(str(getattr(err, "problem", None) or err).split())
-        raise ValueError(f"{source}: not a plan YAML can read: {problem}{at}; fix it (plain YAML, no tags), or write"
+        raise ValueError(f"{where}: not a plan YAML can read: {problem}{at}; fix it (plain YAML, no tags), or write"
                          " the plan again with `PrecisionPlan.save`.") from None
     finally:
         loader.dispose()
 
 
-def _check_no_repeats(source: str, keys: list[Any], lines: Optional[list[int]]) -> None:
+def _check_no_repeats(source: str, keys: list[Any], lines: list[int] | None) -> None:
     seen: set[Any] = set()
     for i, key in enumerate(keys):
         try:
@@ -468,37 +522,43 @@ def _check_no_repeats(source: str, keys: list[Any], lines: Optional[list[int]]) 
             raise ValueError(f"{source}: the key {key!r} appears twice in one mapping{at}; keep one.")
 
 
-def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: Optional[PlanRule] = None) -> dict[str, str]:
+def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: PlanRule | None = None) -> dict[str, str]:
     """The measured layers that ``rule`` rejects, each with why: what ``FP8Guard`` moves back to high precision."""
     rule = rule or PlanRule()
     failed = {fqn: rule.why_not(s) for fqn, s in sensitivity.items()}
     return {fqn: why for fqn, why in failed.items() if why}
 
 
-PlanLike = Union[PrecisionPlan, str, Path]
+PlanLike = PrecisionPlan | str | Path
 
 
-def _as_plan(layers: PlanLike) -> PrecisionPlan:
+def as_plan(layers: PlanLike) -> PrecisionPlan:
     return layers if isinstance(layers, PrecisionPlan) else PrecisionPlan.load(layers)
 
 
 def make_plan(
     model: nn.Module,
     batches: Iterable[Any],
-    loss_fn: Optional[LossFn] = None,
+    loss_fn: LossFn | None = None,
     recipe: Any = "tensorwise",
-    rule: Optional[PlanRule] = None,
-    module_filter: Optional[ModuleFilter] = None,
+    plan_rule: PlanRule | None = None,
+    module_filter: ModuleFilter | None = None,
     skip_small_layers: bool = True,
     skip_first_last: bool = True,
-    autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+    *,
+    layer_policy: FP8LayerPolicy | None = None,
 ) -> PrecisionPlan:
-    """Shape rules, then ``sensitivity.fp8_sensitivity`` on ``batches`` for the layers they leave, then ``rule``: the
-    plan ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``).
-    Arguments as ``fp8_sensitivity`` and ``FP8Precision``; the weights are not updated."""
+    """Shape rules, then ``fp8_sensitivity`` on ``batches`` for the layers they leave, then ``plan_rule``: the plan
+    ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``). Arguments
+    as ``fp8_sensitivity`` and ``FP8Precision``: the layer choice is ``layer_policy`` or the flat ``module_filter``,
+    ``skip_small_layers`` and ``skip_first_last`` (not both). The weights are not updated."""
     config = probe_config(recipe, "make_plan")
-    scaling_family = _fp8.torchao_scaling_family(config)
-    _fp8.check_module_filter("make_plan", module_filter)
-    decisions = _fp8.select_fp8_layers(model, scaling_family, module_filter, skip_small_layers, skip_first_last)
+    scaling_family = torchao_scaling_family(config)
+    policy = resolve_layer_policy("make_plan", layer_policy, module_filter=module_filter,
+                                  skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
+    if plan_rule is not None and not isinstance(plan_rule, PlanRule):
+        raise ValueError(f"`make_plan(plan_rule={plan_rule!r})`: pass a `PlanRule` (`PlanRule()` for the defaults).")
+    decisions = select_fp8_layers(model, scaling_family, layer_policy=policy)
     sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8], autocast_dtype)
-    return PrecisionPlan.decide(decisions, sensitivity, rule, scaling_family)
+    return PrecisionPlan.decide(decisions, sensitivity, plan_rule, scaling_family, high=high_label(autocast_dtype))

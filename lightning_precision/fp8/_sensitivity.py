@@ -22,11 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_precision import _imports
-from lightning_precision import fp8 as _fp8
 from lightning_precision._accumulator import Accumulator, Reduce, as_reduce_op
+from lightning_precision._upstream.torchao import FLOAT8_EPS
 from lightning_precision._warnings import warn
 from lightning_precision.formats import get_format
-from lightning_precision.fp8 import HYBRID_FORMAT, TENSORS
+from lightning_precision.fp8._selection import BLOCK_SCALED, HYBRID_FORMAT, TENSORS, functional_linears, linear_layers
+from lightning_precision.fp8._torchao import MXFP8Recipe, torchao_config
 
 __all__ = [
     "CastSpec",
@@ -43,9 +44,7 @@ __all__ = [
     "torchao_scale",
 ]
 
-# torchao clamps amax to this before dividing (torchao.float8.float8_utils.EPS; tests/test_sensitivity.py pins it):
-# a tensor whose amax is below it gets a capped scale, and its values may flush to zero.
-TORCHAO_EPS = 1e-12
+TORCHAO_EPS = FLOAT8_EPS  # torchao's floor under amax (tests/test_upstream_torchao.py checks it against torchao's)
 
 # Per tensor, accumulated over batches: signal power, noise power, non-zero values, underflows, non-finite, elements.
 _NUMERIC_FIELDS = 6
@@ -352,12 +351,12 @@ def probe_config(recipe: str | Any, owner: str = "fp8_sensitivity") -> Any:
     """The emulated torchao ``Float8LinearConfig`` that measures ``recipe`` (a torchao recipe name or config), or a
     ``ValueError`` naming ``owner``'s call: the probe casts per tensor or per row, as those recipes do, and MXFP8's
     blocks are another measurement."""
-    if (isinstance(recipe, str) and recipe in _fp8.BLOCK_SCALED) or isinstance(recipe, _fp8.MXFP8Recipe):
+    if (isinstance(recipe, str) and recipe in BLOCK_SCALED) or isinstance(recipe, MXFP8Recipe):
         raise ValueError(f"`{owner}(recipe={recipe!r})`: it measures torchao's per-tensor and per-row casts"
                          " ('tensorwise', 'rowwise', 'rowwise_with_gw_hp' or a Float8LinearConfig), not the blocks of a"
                          " block-scaled format. Measure what a block-scaled cast loses with"
                          " `lightning_precision.functional.underflow_stats(x, 'mxfp8')`.")
-    return _fp8.torchao_config(recipe, emulate=True)
+    return torchao_config(recipe, emulate=True)
 
 
 def _default_loss(model: nn.Module, batch: Any) -> Tensor:
@@ -392,11 +391,11 @@ def fp8_sensitivity(
     """
     owner = "fp8_sensitivity"
     config = probe_config(recipe, owner)
-    linears = {fqn: m for fqn, m, _ in _fp8._linear_layers(model)}
+    linears = {fqn: m for fqn, m, _ in linear_layers(model)}
     if not linears:
         raise ValueError(f"{owner}: {type(model).__name__} has no nn.Linear layer, so there is nothing to measure;"
                          " pass the model whose linear layers would run in fp8.")
-    functional = _fp8.functional_linears(model)
+    functional = functional_linears(model)
     wanted = list(layers) if layers is not None else [f for f, m in linears.items() if id(m) not in functional]
     unknown = [f for f in wanted if f not in linears]
     if unknown:

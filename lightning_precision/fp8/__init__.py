@@ -1,0 +1,66 @@
+"""fp8 training, backend-neutral: which linear layers run in fp8 (``select_fp8_layers``, ``FP8LayerPolicy``), what each
+would lose (``fp8_sensitivity``), the plan that decides from it (``make_plan``, ``PrecisionPlan``), and whether this
+machine runs fp8 (``check_fp8_hardware``). ``FP8Precision`` (Trainer and Fabric) applies them; use them directly where
+a plugin cannot go (before training, or inside ``configure_model`` before FSDP2's ``fully_shard``).
+
+One concern per private module: ``_selection`` (layer rules), ``_torchao`` and ``_te`` (the backends), ``_hardware``,
+``_sensitivity``, ``_plan``, ``_watch`` (which converted layers ran).
+"""
+
+from typing import Any
+
+from lightning_precision.fp8._hardware import check_fp8_hardware, fp8_capable, fp8_gpu_available
+from lightning_precision.fp8._plan import (
+    HighLabel,
+    LayerPlan,
+    PlanRule,
+    PrecisionPlan,
+    make_plan,
+)
+from lightning_precision.fp8._selection import (
+    FP8LayerPolicy,
+    LayerDecision,
+    ModuleFilter,
+    ScalingFamily,
+    format_summary,
+    select_fp8_layers,
+)
+from lightning_precision.fp8._sensitivity import LayerSensitivity, TensorNumerics, fp8_sensitivity
+from lightning_precision.fp8._torchao import (
+    NO_TOKENS_CLASS,
+    MXFP8Recipe,
+    convert_with_torchao,
+    float8_linear_class,
+    torchao_config,
+)
+
+__all__ = [
+    "FP8LayerPolicy",
+    "HighLabel",
+    "LayerDecision",
+    "LayerPlan",
+    "LayerSensitivity",
+    "MXFP8Recipe",
+    "ModuleFilter",
+    "PlanRule",
+    "PrecisionPlan",
+    "ScalingFamily",
+    "TensorNumerics",
+    "check_fp8_hardware",
+    "convert_with_torchao",
+    "format_summary",
+    "fp8_capable",
+    "fp8_gpu_available",
+    "fp8_sensitivity",
+    "make_plan",
+    "select_fp8_layers",
+    "torchao_config",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Unpickling a model converted by torchao looks its layer class up here by name (the class says this module); the
+    # class is made on first use, since torchao is optional.
+    if name == NO_TOKENS_CLASS:
+        return float8_linear_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,78 @@
+"""Which converted layers have run: a layer chosen for fp8 whose forward never runs (a weight used functionally, an
+expert no token reached yet) is not reported as fp8 until it does."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+
+from lightning_precision._warnings import NoEffectWarning, warn
+from lightning_precision.fp8._torchao import MXFP8_FLAG
+
+__all__ = ["NEVER_RAN", "ForwardWatch", "warn_never_ran"]
+
+NEVER_RAN = ("converted, but its forward did not run in the first training step (its weight is used elsewhere, or no"
+              " input reached it): not fp8 until it runs")
+
+
+class ForwardWatch:
+    """Counts forward calls of the layers chosen for fp8. ``settle()`` (at the first backward) returns the layers that
+    have not run and keeps watching only them; ``ran()`` (at each later backward) returns those that have run since:
+    a layer no input reached at first (an expert a mixture of experts does not call while no token is routed to it)
+    computes in fp8 from the step it runs. The hooks are bound methods (the model pickles) and leave as layers run.
+    Until the backward after their first call (the first backward; later for an idle expert), MXFP8 layers leave their
+    fallback warnings to the plugin, which gives them once it knows what ran (``mxfp8_after_first_step``); ``close()``
+    hands them back to the layers still watched."""
+
+    def __init__(self, layers: dict[str, nn.Module]) -> None:
+        self.layers = layers
+        self.calls = dict.fromkeys(layers, 0)
+        self.settled = False
+        for m in layers.values():
+            if getattr(m, MXFP8_FLAG, False):
+                m._mxfp8_quiet = True
+        self._handles = {fqn: m.register_forward_pre_hook(functools.partial(self._count, fqn))
+                         for fqn, m in layers.items()}
+
+    def _count(self, fqn: str, module: nn.Module, args: Any) -> None:
+        self.calls[fqn] += 1
+
+    def ran(self) -> list[str]:
+        """The layers watched that have run, no longer watched."""
+        ran = [fqn for fqn in self._handles if self.calls[fqn]]
+        for fqn in ran:
+            self._handles.pop(fqn).remove()
+        return ran
+
+    def settle(self) -> list[str]:
+        """At the first backward: the layers that have not run (still watched)."""
+        self.settled = True
+        self.ran()
+        return list(self._handles)
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._handles)
+
+    def close(self) -> None:
+        for fqn, handle in self._handles.items():
+            handle.remove()
+            # Its MXFP8 fallbacks were left to the plugin, which no longer watches it: the layer says them itself again.
+            if getattr(self.layers[fqn], MXFP8_FLAG, False):
+                self.layers[fqn]._mxfp8_quiet = False
+        self._handles.clear()
+
+
+def warn_never_ran(paths: list[str]) -> None:
+    warn(
+        f"FP8Precision: {len(paths)} layer(s) chosen for fp8 did not run their forward in the first training step:"
+        f" {', '.join(paths)}. If another module uses their weights directly (as nn.MultiheadAttention does with"
+        " out_proj), they never compute in fp8: exclude them with `module_filter` to silence this. If no input reached"
+        " them (an expert a mixture of experts skips while no token is routed to it), they compute in fp8 from the"
+        " step they run. `plugin.layer_decisions` lists them as high precision until they do.",
+        NoEffectWarning,
+    )
+
+
