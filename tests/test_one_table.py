@@ -82,8 +82,8 @@ def test_require_says_how_to_get_the_package():
 # A fact, and the one file that may write it. Searched in the package's sources, comments and docstrings included.
 FACTS = {
     r"\(8,\s*0\)": "fabric/_devices.py",  # bf16's compute capability
-    r"\(8,\s*9\)": "fp8.py",  # fp8's compute capability
-    r"\(10,\s*0\)": "fp8.py",  # MXFP8's and NVFP4's
+    r"\(8,\s*9\)": "fp8/_hardware.py",  # fp8's compute capability
+    r"\(10,\s*0\)": "fp8/_hardware.py",  # MXFP8's and NVFP4's
     r"torchao>=": "_imports.py",  # the torchao minimum (and pyproject.toml, checked above)
     r"transformer-engine>=": "_imports.py",  # Transformer Engine's
     r'split\("\."\)\[:2\]': "_imports.py",  # major.minor of a version: IPEX must match torch's
