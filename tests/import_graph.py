@@ -1,4 +1,7 @@
-"""The package's import graph, read from the source (every import statement, lazy ones included)."""
+"""The package's import graph, read from the source: every import statement (lazy ones in functions included), or
+only those that run when the module is imported (its top level, `if TYPE_CHECKING:` blocks left out).
+
+``python -m tests.import_graph`` prints the cycles and the longest chain of both."""
 
 from __future__ import annotations
 
@@ -18,15 +21,32 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
+def _import_time(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements that run when the module is imported: its top level and the branches of its ``if`` and ``try``
+    blocks, without ``if TYPE_CHECKING:`` (for type checkers only) and without function or class bodies."""
+    found: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            found += _import_time(node.body) + _import_time(node.orelse)
+        elif isinstance(node, ast.Try):
+            found += _import_time(node.body) + _import_time(node.orelse) + _import_time(node.finalbody)
+            for handler in node.handlers:
+                found += _import_time(handler.body)
+    return found
+
+
+def graph(lazy: bool = True) -> dict[str, set[str]]:
     """Each module and the package modules it imports: `from a import b` counts as importing `a.b` when that is a
-    module, else `a`."""
+    module, else `a`. ``lazy=False``: only the imports that run when the module is imported."""
     mods = modules()
     edges: dict[str, set[str]] = {}
     for name, path in mods.items():
         is_package = path.name == "__init__.py"
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree) if lazy else _import_time(tree.body):
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -88,7 +108,9 @@ def levels(edges: dict[str, set[str]]) -> tuple[int, list[str]]:
 
 
 if __name__ == "__main__":
-    e = graph()
-    print("modules", len(e), "cycles", cycles(e))
-    if not cycles(e):
-        print(levels(e))
+    for lazy in (True, False):
+        e = graph(lazy)
+        print("every import" if lazy else "import time", "- modules:", len(e), "cycles:", cycles(e))
+        if not cycles(e):
+            depth, chain = levels(e)
+            print(f"  {depth} levels:", " -> ".join(chain))

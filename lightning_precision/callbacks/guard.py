@@ -218,7 +218,7 @@ class FP8Guard(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        from lightning_precision._plugins.fp8 import FP8Precision
+        from lightning_precision.fabric.fp8 import FP8Precision  # the Trainer class inherits it
 
         if stage != "fit":
             return
