@@ -321,6 +321,36 @@ def test_default_precisions_leave_out_emulated_fp16_with_a_reason():
     assert chosen[-1] == "fp8"
 
 
+# Rows as report.json holds them: a precision that could not start, one a signal stopped before its result, and one
+# that finished (None where the run could not say, as the reference's speedup_resolved and an unknown peak's MFU).
+REPORT_ROWS = [
+    {"precision": "fp8", "error": "fp8 needs torchao, which is not installed", "steps_done": 0, "losses": []},
+    {"precision": "bf16-mixed", "error": "not started: the comparison was interrupted (Ctrl-C) before it",
+     "steps_done": 0, "losses": [], "interrupted": "Ctrl-C"},
+    {"precision": "16-mixed", "steps_done": 2, "emulated": True, "losses": [2.3, 2.2], "step_ms": [9.0, 8.0],
+     "error": "interrupted (SIGTERM) after 2 of 6 steps", "interrupted": "SIGTERM", "peak_memory_mb": None,
+     "final_loss": 2.25, "val_acc": None, "grad_underflow_fp16": None, "grad_underflow_fp16_scaled": None,
+     "skipped_steps": None},
+    {"precision": "32-true", "steps_done": 6, "emulated": False, "losses": [2.3] * 6, "step_ms": [10.0] * 6,
+     "median_step_ms": 10.0, "turn_ms_q1": 10.0, "turn_ms_q3": 10.0, "turns": 3, "step_ms_q1": 10.0,
+     "step_ms_q3": 10.0, "samples_per_s": 800.0, "spread": 0.0, "noisy": False, "timed_steps": 3, "untimed_steps": 3,
+     "peak_memory_mb": 5.0, "final_loss": 2.3, "val_acc": 0.5, "val_samples": 8, "grad_underflow_fp16": 0.0,
+     "grad_underflow_fp16_scaled": None, "skipped_steps": 0, "compute_dtype": "torch.float32", "speedup": 1.0,
+     "speedup_resolved": None, "units_per_s": 800.0, "compute_kind": "fp32", "peak_tflops": None,
+     "peak_source": "n/a: no peak for cpu", "achieved_tflops": 0.1, "mfu": None},
+]
+
+
+@pytest.mark.parametrize("written", REPORT_ROWS, ids=lambda r: r["precision"])
+def test_a_row_reads_and_writes_the_report_keys_as_they_were(written):
+    """``Row`` in place of the report's string keys: what it writes is what the report wrote, key for key (a key
+    absent stays absent, a None that is the answer stays there), and it reads a report back."""
+    row = Row.from_dict(written)
+    assert row.to_dict() == written and Row.from_dict(row.to_dict()) == row
+    with pytest.raises(ValueError, match="unknown key 'speed'"):
+        Row.from_dict({**written, "speed": 1.0})
+
+
 @pytest.mark.tool
 def test_quick_mode_and_defaults_are_resolved(tmp_path):
     args = compare_args.parse_args(["--quick", "--out", str(tmp_path / "r")])
