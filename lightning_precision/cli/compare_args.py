@@ -117,7 +117,8 @@ def precheck(precision: str, args: argparse.Namespace) -> str | None:
     if precision in FP8_PRECISIONS and not _imports.TORCHAO_AVAILABLE:
         return f"{precision} needs torchao, which is not installed: {_imports.install_command('torchao')}"
     if precision == "bf16-mixed" and on_gpu(args):
-        # TODO(fence): an underscore name across modules until fabric/bf16_mixed.py offers it under a plain name
+        # The one underscore name the tool imports from another module, until fabric/bf16_mixed.py offers it under a
+        # plain name
         from lightning_precision.fabric.bf16_mixed import _check_bf16_supported
 
         try:
