@@ -1,4 +1,4 @@
-"""`lightning-precision compare` loses nothing and claims nothing false : the report
+"""`lightning-precision compare` loses nothing and claims nothing false: the report
 folder is replaced whole (a full disk mid-write keeps the previous report, files that are not the report's are never
 touched), one run holds a folder at a time, SIGTERM and a second Ctrl-C end the run within seconds with what finished
 written and no process left behind, arguments that every run would refuse are refused first, and report.json is
@@ -168,7 +168,7 @@ def test_the_swap_in_two_steps_and_what_a_killed_run_left_behind(tmp_path, monke
     RENAME_EXCHANGE; our exchange function stands in for such a system), the old folder moves aside, then the new one
     in. A run killed between the two finds the old report moved back at the next start, and the temporary folders of
     a run killed while writing are cleared."""
-    monkeypatch.setattr(_outdir, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(lp_outdir, "exchange", lambda a, b: False)
     out = tmp_path / "r"
     with lp_outdir.claim_folder(out, "--out", lp_report.FILES) as folder:
         _write(folder, loss=1.0)
@@ -561,7 +561,7 @@ def _finish(run, timeout: float = 300) -> int:
     pytest.param("SIGTERM", False, 143, "SIGTERM", id="SIGTERM"),
 ])
 def test_a_signal_while_the_command_imports_ends_it_in_one_line(signals, ignore, code, name, tmp_path):
-    """a Ctrl-C 4-5 s after `compare` starts came while it imported torch and Lightning, before
+    """A Ctrl-C 4-5 s after `compare` starts came while it imported torch and Lightning, before
     any handler of compare's: where SIGINT was ignored at start (a job started with `&`) it vanished and the whole
     comparison ran (exit 0, "interrupted": false); in a terminal it printed a 20-100 line traceback. Now the command
     takes SIGINT and SIGTERM before those imports: one line, 128 + the signal, nothing written, no folder made."""
@@ -576,7 +576,7 @@ def test_a_signal_while_the_command_imports_ends_it_in_one_line(signals, ignore,
 
 @linux_only
 def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(tmp_path):
-    """a Ctrl-C to the whole process group as the precisions' processes start (they import torch):
+    """A Ctrl-C to the whole process group as the precisions' processes start (they import torch):
     the workers, born with SIGINT and SIGTERM blocked, print no traceback (there were ~80 interleaved lines); the
     comparison stops, says in one line that nothing was written (no table of empty rows), keeps the previous report,
     and leaves no process behind."""
@@ -600,7 +600,7 @@ def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(tmp_pat
     pytest.param("SIGTERM,SIGINT", 143, id="SIGTERM-then-Ctrl-C"),
 ])
 def test_a_signal_while_the_report_is_written_leaves_the_new_report_whole(signals, code, tmp_path):
-    """a Ctrl-C while the report was written left no report.md. Real signals to the process group
+    """A Ctrl-C while the report was written left no report.md. Real signals to the process group
     while the report is being written (the plot function waits for them): every precision had finished, so the new
     report is written whole, and says it is complete ("interrupted": false); the exit code says a signal came. The
     folder held a previous report: it is replaced whole, nothing of it is left, no temporary folder either."""
@@ -778,7 +778,7 @@ def test_arguments_every_run_would_refuse_are_one_line_and_exit_2_through_the_co
 
 
 def test_a_report_where_no_precision_reported_a_step_draws_without_warnings(tmp_path):
-    """such a report (every precision failed as it started, e.g. a data set every run refused)
+    """Such a report (every precision failed as it started, e.g. a data set every run refused)
     printed matplotlib's "No artists with labels found to put in legend" under the table. The plots say in words that
     there is nothing to draw, and nothing warns."""
     import warnings
@@ -826,7 +826,7 @@ def _when_opening(monkeypatch, name: str, then) -> None:
 
 
 def test_a_run_leaving_the_parents_it_made_does_not_refuse_a_run_beside_it(tmp_path, monkeypatch):
-    """two runs on new folders `a/b/c` and `a/b/d`. The first, leaving with nothing written,
+    """Two runs on new folders `a/b/c` and `a/b/d`. The first, leaving with nothing written,
     removes the parents it made (`a/b`, `a`); if that came between the second's making them and its opening its lock
     file beside `d`, the second was refused ("cannot create the lock file ... No such file or directory") though
     nothing held its folder. Now the parents are made again and the second run goes on; leaving with nothing written,

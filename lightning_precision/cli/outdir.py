@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lightning_precision._io import check_writable_dir
 
-__all__ = ["claim_folder", "replace_folder"]
+__all__ = ["claim_folder", "exchange", "replace_folder"]
 
 _NEW, _OLD = ".new-", ".old-"  # the sibling temporary folders: ".<name>.new-XXXX", ".<name>.old-XXXX"
 
@@ -260,7 +260,7 @@ def _fsync_folder(path: Path) -> None:
         os.close(fd)
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot, so that the
     caller moves them one after the other."""
     if sys.platform != "linux":
@@ -322,7 +322,7 @@ def _swap(tmp: Path, folder: Path, names: Collection[str]) -> str | None:
         _fsync_folder(folder.parent)
         return None
     os.chmod(tmp, folder.stat().st_mode & 0o7777)  # a folder the user made private stays private
-    if _exchange(tmp, folder):
+    if exchange(tmp, folder):
         old = tmp
     else:  # two steps: in between, the old set waits in ".old-" (``_recover`` puts it back after a kill)
         old = folder.parent / f"{_sibling(folder, _OLD)}{tmp.name.rsplit('-', 1)[-1]}"
