@@ -784,8 +784,7 @@ def test_a_report_where_no_precision_reported_a_step_draws_without_warnings(tmp_
     import warnings
 
     rows, meta = _report_of(loss=1.0)
-    rows = [{"precision": r["precision"], "error": "its process ended before finishing: exit code 1", "steps_done": 0,
-             "losses": []} for r in rows]
+    rows = [Row(r.precision, error="its process ended before finishing: exit code 1") for r in rows]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lp_report.write_reports(rows, tmp_path / "r", meta)

@@ -57,7 +57,7 @@ def recipe_configs() -> dict[str, Path]:
     from importlib.resources import files
 
     shipped = files("lightning_precision") / "recipe_configs"
-    folder = Path(str(shipped)) if shipped.is_dir() else Path(__file__).resolve().parents[1] / "recipes"
+    folder = Path(str(shipped)) if shipped.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
     return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
 
 
