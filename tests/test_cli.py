@@ -64,7 +64,7 @@ def test_version(capsys):
 
 
 def test_version_and_help_import_neither_torch_nor_lightning():
-    """`--version` took 5 s importing torch and Lightning (issue 28, item 10): in a fresh interpreter, the console
+    """`--version` took 5 s importing torch and Lightning: in a fresh interpreter, the console
     script's own import and `main(["--version"])` (and the usage) leave both unimported."""
     script = ("import sys\n"
               "from lightning_precision.cli import main\n"
@@ -98,10 +98,10 @@ def test_the_first_use_of_the_package_registers_xpu(first_use):
 
 @pytest.mark.parametrize("command", ["doctor", "compare", "fit", "plan"])
 def test_every_command_has_help_and_does_not_run(command, capsys, monkeypatch):
-    from lightning_precision.cli import compare, doctor
+    from lightning_precision.cli import doctor, runner
 
     monkeypatch.setattr(doctor, "_package_rows", lambda: pytest.fail("doctor --help ran the doctor"))
-    monkeypatch.setattr(compare, "_run_all", lambda *a: pytest.fail("compare --help ran a comparison"))
+    monkeypatch.setattr(runner, "run_all", lambda *a: pytest.fail("compare --help ran a comparison"))
     assert cli.main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: lightning-precision {command} ")
@@ -147,7 +147,7 @@ def test_doctor_json_is_the_machine_and_the_tables(capsys):
 
 @pytest.mark.parametrize("json_out", [True, False], ids=["json", "table"])
 def test_doctor_whose_reader_has_gone_ends_quietly(json_out, tmp_path):
-    """Issue 23 (CLI review): `doctor --json | some-script` where the script exits before reading: the JSON printed
+    """`doctor --json | some-script` where the script exits before reading: the JSON printed
     into a closed pipe ended in a BrokenPipeError traceback on stderr. Now nothing is said (as Unix tools do when
     their reader goes away), exit 0; the tables end as rich ends them, exit 1 without a traceback."""
     run = subprocess.Popen([sys.executable, "-m", "lightning_precision.cli", "doctor", *(["--json"] * json_out)],
@@ -231,8 +231,8 @@ def _doctor_text_and_json(capsys):
 
 
 def test_doctor_says_what_its_cpu_advice_rests_on_and_where_speed_is_measured(capsys):
-    """bf16-mixed measured 0.81x of fp32 on an AVX512-BF16 CPU where doctor said "BF16MixedPrecision" (issue 28, item
-    4): the advice names its ground (the instruction sets) and the command that measures speed, in both outputs."""
+    """bf16-mixed measured 0.81x of fp32 on an AVX512-BF16 CPU where doctor said "BF16MixedPrecision": the advice
+    names its ground (the instruction sets) and the command that measures speed, in both outputs."""
     from lightning_precision.cli.machine import cpu_info
 
     text, cpu = _doctor_text_and_json(capsys)
@@ -271,7 +271,7 @@ def _command(*args, cwd):
 
 
 def test_fit_finds_the_shipped_configs_by_name(tmp_path, monkeypatch):
-    """`--config vit --config precision-16-mixed` from a folder without recipes/ (issue 28, item 9): the names find
+    """`--config vit --config precision-16-mixed` from a folder without recipes/: the names find
     the configs shipped with the package, combined in order; a file keeps working beside a name."""
     import lightning as L
 
@@ -305,7 +305,7 @@ def test_the_shipped_configs_are_the_checkouts_recipes():
     (["--config", "distilbert", "--model.init_args.size", "huge"], ["Problem with given class_path", "huge"]),
 ])
 def test_fit_errors_are_one_line_with_no_usage_above(args, says, tmp_path):
-    """An error of `fit`'s command line was the last of ~50 lines of usage (issue 28, item 9): now it is the only line,
+    """An error of `fit`'s command line was the last of ~50 lines of usage: now it is the only line,
     says the fix where there is one (a precision config alone names no model), points to --help, exits 2."""
     code, out, err = _command("fit", *args, cwd=tmp_path)
     assert code == 2 and not out, (code, out, err)

@@ -12,7 +12,8 @@ import pytest
 
 from lightning_precision import PrecisionPlan
 import lightning_precision.cli as cli
-from lightning_precision.cli import report as lp_report, compare
+from lightning_precision.cli import child, compare_args, report as lp_report, rows as lp_rows, runner
+from lightning_precision.cli.rows import Row
 
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
 
@@ -50,7 +51,7 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
     for png in ("loss.png", "throughput.png", "memory.png"):
         assert (out / png).stat().st_size > 5_000
     assert _no_children_left()
-    # Issue 28, item 3: fp16 underflow in two columns, never one for the other: cast as they are (every precision), and
+    # fp16 underflow in two columns, never one for the other: cast as they are (every precision), and
     # at the loss scale (16-mixed only; it took the place of the unscaled figure in that row, under the same header)
     for r in rows:
         assert 0 <= r["grad_underflow_fp16"] <= 1
@@ -68,13 +69,13 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
 def test_precisions_take_turns_in_rotating_order(tmp_path, monkeypatch):
     """Blocks of steps alternate between the processes, so drift in the machine's speed hits every precision."""
     order = []
-    real = compare._advance
+    real = runner.advance
 
     def record(progress, task, steps):
         order.append(progress.tasks[task].description.split()[-1])
         real(progress, task, steps)
 
-    monkeypatch.setattr(compare, "_advance", record)
+    monkeypatch.setattr(runner, "advance", record)
     assert cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--val-batches", "0",
                      "--out", str(tmp_path / "r")]) == 0
     assert sorted(order) == ["32-true"] * 6 + ["bf16-mixed"] * 6  # one step per turn at 6 steps
@@ -102,7 +103,7 @@ def test_memory_does_not_follow_run_order(tmp_path):
 def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, monkeypatch, capsys):
     """A precision's process dies mid-run (as under the out-of-memory killer): the others finish, its row says why in
     full under the table, and the plots still show it."""
-    real = compare._advance
+    real = runner.advance
 
     def kill_bf16(progress, task, steps):
         real(progress, task, steps)
@@ -110,7 +111,7 @@ def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, m
             child = next(p for p in multiprocessing.active_children() if p.name == "compare-bf16-mixed")
             os.kill(child.pid, signal.SIGKILL)
 
-    monkeypatch.setattr(compare, "_advance", kill_bf16)
+    monkeypatch.setattr(runner, "advance", kill_bf16)
     out = tmp_path / "r"
     code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed,16-mixed", "--out", str(out)])
     assert code == 1
@@ -128,13 +129,13 @@ def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, m
 @pytest.mark.tool
 def test_an_exception_in_a_run_reaches_the_parent_whole(monkeypatch):
     """What a run raises goes to the parent as one line with nothing cut, and the traceback beside it."""
-    parent, child = multiprocessing.Pipe()
+    parent, child_end = multiprocessing.Pipe()
     message = "attempting to run aten.to.dtype, this is not supported " * 4
-    monkeypatch.setattr(compare, "_make_plugin", lambda *a: (_ for _ in ()).throw(NotImplementedError(message)))
-    monkeypatch.setattr(compare.signal, "signal", lambda *a: None)  # the test process keeps its Ctrl-C
+    monkeypatch.setattr(child, "make_plugin", lambda *a: (_ for _ in ()).throw(NotImplementedError(message)))
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the test process keeps its Ctrl-C
     args = argparse.Namespace(seed=0, batch_size=8, data_dir=None, steps=2, emulate=False, accelerator="cpu",
                               val_batches=0)
-    compare._child(child, "vit", "bf16-mixed", args)
+    child.run_child(child_end, "vit", "bf16-mixed", args)
     kind, line, trace = parent.recv()
     assert kind == "error" and line == "NotImplementedError: " + " ".join(message.split())
     assert "Traceback" in trace and "NotImplementedError" in trace
@@ -146,8 +147,8 @@ def test_a_doomed_precision_fails_before_any_precision_starts(tmp_path, monkeypa
     from lightning_precision import _imports
 
     started = []
-    real = compare._start
-    monkeypatch.setattr(compare, "_start", lambda recipe, p, args: started.append(p) or real(recipe, p, args))
+    real = runner.start
+    monkeypatch.setattr(runner, "start", lambda recipe, p, args: started.append(p) or real(recipe, p, args))
     monkeypatch.setattr(_imports, "TORCHAO_AVAILABLE", False)
     out = tmp_path / "r"
     code = cli.main(["compare", *TINY, "--precisions", "32-true,fp8", "--emulate", "--val-batches", "0",
@@ -172,8 +173,8 @@ def test_fp8_auto_runs_beside_fp8_and_says_which_layers_it_chose(tmp_path, capsy
     assert fp8["fp8_layers"] == auto["fp8_layers"] > 0 and fp8["linear_layers"] == auto["linear_layers"]
     assert "fp8_plan" not in fp8  # the embedded ViT measures well: auto keeps every layer fp8 would run
     plan = PrecisionPlan.from_dict(auto["fp8_plan"])
-    assert plan.batches == compare._calibration_steps(steps) == 3 and len(plan.fp8_layers) == auto["fp8_layers"]
-    assert auto["steps_done"] == steps and compare._untimed_steps("fp8-auto", steps) == compare._WARMUP + 3
+    assert plan.batches == compare_args.calibration_steps(steps) == 3 and len(plan.fp8_layers) == auto["fp8_layers"]
+    assert auto["steps_done"] == steps and compare_args.untimed_steps("fp8-auto", steps) == compare_args.WARMUP + 3
     printed = capsys.readouterr().out
     assert f"fp8-auto: {auto['fp8_layers']} of {auto['linear_layers']} linear layers in fp8, chosen from measured" \
         in " ".join(printed.split())
@@ -220,18 +221,18 @@ def test_text_throughput_counts_tokens():
 def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, monkeypatch):
     """A real SIGINT to the comparison: every process stops, the partial figures are written and marked, the exit code
     says "interrupted", no process is left behind, and Ctrl-C works again afterwards."""
-    real = compare._advance
+    real = runner.advance
 
     def interrupt(progress, task, steps):
         real(progress, task, steps)
         if progress.tasks[task].description.endswith("bf16-mixed") and progress.tasks[task].completed == 3:
             # compare installs its Ctrl-C handler for the comparison (a CI run found SIGINT ignored before it did); the
-            # handler records the signal, and the turns end at the next look (issue 23, item 3: no exception raised
+            # handler records the signal, and the turns end at the next look (no exception raised
             # into the cleanup, where a second Ctrl-C used to leave processes behind and hang the exit)
             assert signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL, signal.default_int_handler)
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(compare, "_advance", interrupt)
+    monkeypatch.setattr(runner, "advance", interrupt)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as Lightning leaves it after a fit it interrupted
     out = tmp_path / "r"
     code = cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--out", str(out)])
@@ -245,7 +246,7 @@ def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, 
     assert "INTERRUPTED" in printed
     assert _no_children_left()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    # Issue 28, item 3: the rows say "interrupted", not "failed", and the notes and the verdict agree with the table: the
+    # the rows say "interrupted", not "failed", and the notes and the verdict agree with the table: the
     # speedups it shows are computed (the verdict said "speedups are not computed" beside them)
     md = (out / "report.md").read_text()
     verdict = report["meta"]["verdict"]
@@ -260,7 +261,7 @@ def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, 
 
 
 def _fail_if_trained(monkeypatch):
-    monkeypatch.setattr(compare, "_start", lambda *a: pytest.fail("a usage error must be reported before any training"))
+    monkeypatch.setattr(runner, "start", lambda *a: pytest.fail("a usage error must be reported before any training"))
 
 
 @pytest.mark.parametrize(
@@ -309,24 +310,54 @@ def _machine(bf16: bool, fp16: bool) -> dict:
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU defaults; a GPU machine keeps 16-mixed")
 def test_default_precisions_leave_out_emulated_fp16_with_a_reason():
     args = argparse.Namespace(accelerator="auto", emulate=False)
-    chosen, notes = compare._default_precisions(_machine(bf16=True, fp16=False), args)
+    chosen, notes = compare_args.default_precisions(_machine(bf16=True, fp16=False), args)
     assert chosen == ["32-true", "bf16-mixed"]
     assert len(notes) == 1 and notes[0].startswith("16-mixed left out: this CPU has no fp16 arithmetic")
     assert "--precisions 32-true,bf16-mixed,16-mixed" in notes[0]
-    chosen, notes = compare._default_precisions(_machine(bf16=True, fp16=True), args)
+    chosen, notes = compare_args.default_precisions(_machine(bf16=True, fp16=True), args)
     assert chosen == ["32-true", "bf16-mixed", "16-mixed"] and notes == []
-    chosen, _ = compare._default_precisions(_machine(bf16=True, fp16=True), argparse.Namespace(accelerator="auto",
+    chosen, _ = compare_args.default_precisions(_machine(bf16=True, fp16=True), argparse.Namespace(accelerator="auto",
                                                                                             emulate=True))
     assert chosen[-1] == "fp8"
 
 
+# Rows as report.json holds them: a precision that could not start, one a signal stopped before its result, and one
+# that finished (None where the run could not say, as the reference's speedup_resolved and an unknown peak's MFU).
+REPORT_ROWS = [
+    {"precision": "fp8", "error": "fp8 needs torchao, which is not installed", "steps_done": 0, "losses": []},
+    {"precision": "bf16-mixed", "error": "not started: the comparison was interrupted (Ctrl-C) before it",
+     "steps_done": 0, "losses": [], "interrupted": "Ctrl-C"},
+    {"precision": "16-mixed", "steps_done": 2, "emulated": True, "losses": [2.3, 2.2], "step_ms": [9.0, 8.0],
+     "error": "interrupted (SIGTERM) after 2 of 6 steps", "interrupted": "SIGTERM", "peak_memory_mb": None,
+     "final_loss": 2.25, "val_acc": None, "grad_underflow_fp16": None, "grad_underflow_fp16_scaled": None,
+     "skipped_steps": None},
+    {"precision": "32-true", "steps_done": 6, "emulated": False, "losses": [2.3] * 6, "step_ms": [10.0] * 6,
+     "median_step_ms": 10.0, "turn_ms_q1": 10.0, "turn_ms_q3": 10.0, "turns": 3, "step_ms_q1": 10.0,
+     "step_ms_q3": 10.0, "samples_per_s": 800.0, "spread": 0.0, "noisy": False, "timed_steps": 3, "untimed_steps": 3,
+     "peak_memory_mb": 5.0, "final_loss": 2.3, "val_acc": 0.5, "val_samples": 8, "grad_underflow_fp16": 0.0,
+     "grad_underflow_fp16_scaled": None, "skipped_steps": 0, "compute_dtype": "torch.float32", "speedup": 1.0,
+     "speedup_resolved": None, "units_per_s": 800.0, "compute_kind": "fp32", "peak_tflops": None,
+     "peak_source": "n/a: no peak for cpu", "achieved_tflops": 0.1, "mfu": None},
+]
+
+
+@pytest.mark.parametrize("written", REPORT_ROWS, ids=lambda r: r["precision"])
+def test_a_row_reads_and_writes_the_report_keys_as_they_were(written):
+    """``Row`` in place of the report's string keys: what it writes is what the report wrote, key for key (a key
+    absent stays absent, a None that is the answer stays there), and it reads a report back."""
+    row = Row.from_dict(written)
+    assert row.to_dict() == written and Row.from_dict(row.to_dict()) == row
+    with pytest.raises(ValueError, match="unknown key 'speed'"):
+        Row.from_dict({**written, "speed": 1.0})
+
+
 @pytest.mark.tool
 def test_quick_mode_and_defaults_are_resolved(tmp_path):
-    args = compare._parse(["--quick", "--out", str(tmp_path / "r")])
-    assert (args.steps, args.val_batches) == (compare._QUICK_STEPS, compare._QUICK_VAL_BATCHES)
-    args = compare._parse(["--quick", "--steps", "7", "--out", str(tmp_path / "r")])
-    assert (args.steps, args.val_batches) == (7, compare._QUICK_VAL_BATCHES)
-    args = compare._parse(["--out", str(tmp_path / "r")])
+    args = compare_args.parse_args(["--quick", "--out", str(tmp_path / "r")])
+    assert (args.steps, args.val_batches) == (compare_args.QUICK_STEPS, compare_args.QUICK_VAL_BATCHES)
+    args = compare_args.parse_args(["--quick", "--steps", "7", "--out", str(tmp_path / "r")])
+    assert (args.steps, args.val_batches) == (7, compare_args.QUICK_VAL_BATCHES)
+    args = compare_args.parse_args(["--out", str(tmp_path / "r")])
     assert (args.steps, args.val_batches, args.precisions) == (100, 8, None)
 
 
@@ -336,7 +367,7 @@ def _row(precision, speedup=None, q=(0.0, 0.0), resolved=None, acc=0.9, **extra)
     if speedup is not None:
         row.update(speedup=speedup, speedup_q1=q[0], speedup_q3=q[1], speedup_pairs=9, speedup_resolved=resolved)
     row.update(extra)
-    return row
+    return Row.from_dict(row)
 
 
 META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes": [], "val_batches": 8,
@@ -367,9 +398,9 @@ META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes
     ([_row("32-true", 1.0, val_samples=20), _row("bf16-mixed", 1.4, (1.3, 1.5), True, acc=0.8)],
      "bf16-mixed is the one to use here: 1.40x the speed of 32-true (interquartile 1.30-1.50x over 9 paired turns),"
      " validation accuracy 0.800 vs 0.900."),  # 20 samples counted, not 256: 0.1 apart is within chance (0.19)
-    ([{"precision": "32-true", "error": "boom"}, _row("bf16-mixed")],
+    ([Row("32-true", error="boom"), _row("bf16-mixed")],
      "No 32-true step was timed: speedups are not computed. 32-true failed (see the notes)."),
-    # a run a signal stopped is partial, not failed: its figures count, as the table shows them (issue 28, item 3)
+    # a run a signal stopped is partial, not failed: its figures count, as the table shows them
     ([_row("32-true", 1.0, interrupted="Ctrl-C", error="interrupted (Ctrl-C) after 40 of 100 steps"),
       _row("bf16-mixed", 1.4, (1.3, 1.5), True, acc=0.89, interrupted="Ctrl-C",
            error="interrupted (Ctrl-C) after 40 of 100 steps")],
@@ -384,8 +415,8 @@ def test_the_verdict_claims_only_what_the_figures_resolve(rows, expected):
 @pytest.mark.tool
 def test_flags_explain_themselves_under_the_table():
     rows = [_row("32-true", 1.0), _row("bf16-mixed", 1.1, (0.8, 1.4), False, noisy=True, spread=0.6),
-            _row("16-mixed", 0.2, (0.1, 0.3), True, emulated=True), {"precision": "fp8", "error": "x " * 80}]
-    cells = {r["precision"]: lp_report.cells(r) for r in rows}
+            _row("16-mixed", 0.2, (0.1, 0.3), True, emulated=True), Row("fp8", error="x " * 80)]
+    cells = {r.precision: lp_report.cells(r) for r in rows}
     assert cells["bf16-mixed"][2] == "60% busy" and cells["bf16-mixed"][3] == "~1.10x [0.80-1.40]"
     assert cells["16-mixed"][3] == "0.20x [0.10-0.30] emulated" and cells["fp8"][1] == "failed (see notes)"
     notes = lp_report.notes(rows, META)
@@ -404,14 +435,14 @@ def test_default_precisions_on_a_gpu_without_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    chosen, notes = compare._default_precisions(_machine(bf16=False, fp16=False),
+    chosen, notes = compare_args.default_precisions(_machine(bf16=False, fp16=False),
                                                argparse.Namespace(accelerator="auto", emulate=False))
     assert chosen == ["32-true", "16-mixed"]
     assert notes == ["bf16-mixed left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"
                      " found 'Tesla T4' (compute capability 7.5). Use `FP16MixedPrecision()` on this GPU."]
 
 
-# ------------------------------------------------------------- issue 28, item 10: output where no one sits at a terminal
+# ------------------------------------------------------------- output where no one sits at a terminal
 
 def _command(argv, tmp_path, **kwargs):
     """The real command in a process of its own, its stdout a pipe (as in a batch job, `| tee`, `| head`)."""
@@ -496,13 +527,13 @@ def test_a_script_without_the_main_guard_is_told_so_in_one_line(tmp_path):
 
 
 
-# ------------------------------------------------------------------ issue 28, item 3: the table says what it measured
+# ------------------------------------------------------------------ the table says what it measured
 
 def _run_of(precision, turn_ms, result=None):
     """A finished run as the parent records it: one block of 4 steps per turn (the first 3 steps are the warm-up), each
     turn's steps taking ``turn_ms``. The step times are given, not measured: a machine whose speed drifts between turns
     in a chosen way cannot be made on demand."""
-    run = compare._Run(precision, None, None)
+    run = runner.Run(precision, None, None)
     run.blocks = [[0.5] * 3 + [turn_ms[0] / 1e3]] + [[t / 1e3] * 4 for t in turn_ms[1:]]
     run.times = [t for block in run.blocks for t in block]
     run.losses = [1.0] * len(run.times)
@@ -513,9 +544,9 @@ def _run_of(precision, turn_ms, result=None):
 
 def _rows_of(runs, steps=24):
     args = argparse.Namespace(steps=steps, batch_size=32, accelerator="cpu", emulate=False)
-    rows = [compare._make_row(run, args, _machine(bf16=True, fp16=False)) for run in runs.values()]
-    compare._add_speedups(rows, runs, steps)
-    return {r["precision"]: r for r in rows}
+    rows = [lp_rows.make_row(run, args, _machine(bf16=True, fp16=False)) for run in runs.values()]
+    lp_rows.add_speedups(rows, runs, steps)
+    return {r.precision: r for r in rows}
 
 
 @pytest.mark.tool
@@ -528,12 +559,12 @@ def test_speedup_ms_per_step_and_throughput_rank_the_precisions_alike():
                      "bf16-mixed": _run_of("bf16-mixed", [25, 15, 28] * 2),
                      "16-mixed": _run_of("16-mixed", [12] * 6)})
     bf16 = rows["bf16-mixed"]
-    assert bf16["speedup_paired"] == pytest.approx(30 / 28) and bf16["median_step_ms"] == pytest.approx(25)
-    assert bf16["speedup"] == pytest.approx(20 / 25) and bf16["speedup_resolved"] is False
-    by_speedup = sorted(rows, key=lambda p: -rows[p]["speedup"])
-    assert by_speedup == sorted(rows, key=lambda p: rows[p]["median_step_ms"]) == \
-        sorted(rows, key=lambda p: -rows[p]["samples_per_s"]) == ["16-mixed", "32-true", "bf16-mixed"]
-    assert lp_report.cells(bf16)[3] == f"~0.80x [{bf16['speedup_q1']:.2f}-{bf16['speedup_q3']:.2f}]"
+    assert bf16.speedup_paired == pytest.approx(30 / 28) and bf16.median_step_ms == pytest.approx(25)
+    assert bf16.speedup == pytest.approx(20 / 25) and bf16.speedup_resolved is False
+    by_speedup = sorted(rows, key=lambda p: -rows[p].speedup)
+    assert by_speedup == sorted(rows, key=lambda p: rows[p].median_step_ms) == \
+        sorted(rows, key=lambda p: -rows[p].samples_per_s) == ["16-mixed", "32-true", "bf16-mixed"]
+    assert lp_report.cells(bf16)[3] == f"~0.80x [{bf16.speedup_q1:.2f}-{bf16.speedup_q3:.2f}]"
 
 
 @pytest.mark.tool
@@ -544,8 +575,8 @@ def test_when_the_paired_turns_and_the_medians_disagree_the_report_says_why():
     rows = _rows_of({"32-true": _run_of("32-true", [40, 10, 10, 40, 10, 10]),
                      "bf16-mixed": _run_of("bf16-mixed", [39, 9, 45, 19, 9, 9])})
     bf16 = rows["bf16-mixed"]
-    assert bf16["speedup_q1"] > 1 > bf16["speedup"] and bf16["speedup_drift"] is True
-    assert bf16["speedup_resolved"] is False and lp_report.cells(bf16)[3].startswith("~0.71x")
+    assert bf16.speedup_q1 > 1 > bf16.speedup and bf16.speedup_drift is True
+    assert bf16.speedup_resolved is False and lp_report.cells(bf16)[3].startswith("~0.71x")
     meta = {**META, "schedule": "interleaved"}
     note = next(n for n in lp_report.notes(list(rows.values()), meta) if n.startswith("bf16-mixed: the paired turns"))
     assert "they disagree on which is faster because the machine's speed changed during the run" in note
@@ -562,7 +593,7 @@ def test_an_fp8_run_with_no_fp8_layer_is_bf16_not_emulated():
               "fp8_layers": 0, "linear_layers": 7, "fp8_plan": {}}
     rows = _rows_of({"32-true": _run_of("32-true", [10] * 6), "fp8-auto": _run_of("fp8-auto", [12] * 6, result)})
     auto = rows["fp8-auto"]
-    assert auto["emulated"] is False and auto["fp8_steps"] == 0 and "emulated" not in lp_report.cells(auto)[3]
+    assert auto.emulated is False and auto.fp8_steps == 0 and "emulated" not in lp_report.cells(auto)[3]
     notes = lp_report.notes(list(rows.values()), {**META, "schedule": "interleaved"})
     assert "fp8-auto: 0 of 7 linear layers in fp8, chosen from measured numerics: every matmul ran in bf16, so its" \
            " figures are bf16-mixed's (not emulated)." in notes

@@ -1,4 +1,4 @@
-"""`lightning-precision compare` loses nothing and claims nothing false (issue 23, items 2, 3, 4, 15 and 20): the report
+"""`lightning-precision compare` loses nothing and claims nothing false: the report
 folder is replaced whole (a full disk mid-write keeps the previous report, files that are not the report's are never
 touched), one run holds a folder at a time, SIGTERM and a second Ctrl-C end the run within seconds with what finished
 written and no process left behind, arguments that every run would refuse are refused first, and report.json is
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 import lightning_precision.cli as cli
-from lightning_precision.cli import outdir as lp_outdir, report as lp_report, stop as lp_stop, compare
+from lightning_precision.cli import compare, outdir as lp_outdir, report as lp_report, runner, stop as lp_stop
+from lightning_precision.cli.rows import Row
 from tests.helpers import communicate
 
 pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
@@ -36,9 +37,9 @@ def _report_of(loss: float, steps: int = 12) -> tuple[list, dict]:
             "val_batches": 1, "quick": False, "device": "cpu", "machine_line": "a CPU",
             "machine": {"packages": {"torch": "2"}}, "notes": [], "schedule": "interleaved", "interrupted": False,
             "verdict": "No precision was measurably faster.", "unit": "images"}
-    rows = [{"precision": p, "median_step_ms": 10.0, "step_ms_q1": 9.0, "step_ms_q3": 11.0, "spread": 0.2,
-             "samples_per_s": 800.0, "final_loss": loss, "val_acc": 0.5, "peak_memory_mb": 5.0,
-             "grad_underflow_fp16": 0.0, "skipped_steps": 0, "steps_done": steps, "losses": [loss] * steps}
+    rows = [Row(p, median_step_ms=10.0, step_ms_q1=9.0, step_ms_q3=11.0, spread=0.2, samples_per_s=800.0,
+                final_loss=loss, val_acc=0.5, peak_memory_mb=5.0, grad_underflow_fp16=0.0, skipped_steps=0,
+                steps_done=steps, losses=[loss] * steps)
             for p in ("32-true", "bf16-mixed")]
     return rows, meta
 
@@ -53,10 +54,10 @@ def _contents(folder: Path) -> dict:
 
 
 def _fail_if_trained(monkeypatch):
-    monkeypatch.setattr(compare, "_start", lambda *a: pytest.fail("refused arguments must cost no training"))
+    monkeypatch.setattr(runner, "start", lambda *a: pytest.fail("refused arguments must cost no training"))
 
 
-# ------------------------------------------------------------------------------------ item 2: the folder, whole
+# ------------------------------------------------------------------------------------ the folder, whole
 
 
 def test_a_full_disk_mid_report_keeps_the_previous_report_whole(tmp_path, monkeypatch):
@@ -167,7 +168,7 @@ def test_the_swap_in_two_steps_and_what_a_killed_run_left_behind(tmp_path, monke
     RENAME_EXCHANGE; our exchange function stands in for such a system), the old folder moves aside, then the new one
     in. A run killed between the two finds the old report moved back at the next start, and the temporary folders of
     a run killed while writing are cleared."""
-    monkeypatch.setattr(_outdir, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(lp_outdir, "exchange", lambda a, b: False)
     out = tmp_path / "r"
     with lp_outdir.claim_folder(out, "--out", lp_report.FILES) as folder:
         _write(folder, loss=1.0)
@@ -218,7 +219,7 @@ def test_the_current_folder_is_not_replaced(out, tmp_path, monkeypatch, capsys):
     assert "holds the current folder" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------------- item 4: one run per folder
+# ------------------------------------------------------------------------------------- one run per folder
 
 
 def test_a_folder_another_run_holds_is_refused(tmp_path, capsys, monkeypatch):
@@ -273,7 +274,7 @@ def test_a_killed_runs_lock_does_not_block(tmp_path):
         assert folder == out
 
 
-# ---------------------------------------------------------------------- item 15: what every run would refuse
+# ---------------------------------------------------------------------- what every run would refuse
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -294,15 +295,15 @@ def test_arguments_every_run_would_refuse_are_refused_first(args, message, tmp_p
     assert len(err.splitlines()) == 1 and re.search(message, err), err
 
 
-# ------------------------------------------------------------------------------------- item 20: strict JSON
+# ------------------------------------------------------------------------------------- strict JSON
 
 
 def test_report_json_is_strict_json_and_says_nan_as_the_csv_does(tmp_path):
     """A diverged run's NaN and infinite figures: report.json parses as strict JSON (no bare NaN or Infinity), where
     they are the strings "nan", "inf" and "-inf", as in report.csv; the plots are still drawn."""
     rows, meta = _report_of(loss=1.0)
-    rows[1].update(final_loss=math.nan, grad_underflow_fp16=math.inf, losses=[1.0, math.inf, math.nan, -math.inf],
-                   speedup=math.nan)
+    rows[1].update(dict(final_loss=math.nan, grad_underflow_fp16=math.inf, losses=[1.0, math.inf, math.nan, -math.inf],
+                        speedup=math.nan))
     meta["model_flops_per_step"] = math.inf
     lp_report.write_reports(rows, tmp_path / "r", meta)
     text = (tmp_path / "r" / "report.json").read_text()
@@ -320,7 +321,7 @@ def test_report_json_is_strict_json_and_says_nan_as_the_csv_does(tmp_path):
     assert (tmp_path / "r" / "loss.png").stat().st_size > 5_000
 
 
-# ------------------------------------------------------------------------------------- item 3: signals
+# ------------------------------------------------------------------------------------- signals
 
 
 def _children(pid: int) -> list[int]:
@@ -348,9 +349,9 @@ DRIVER = """
 import sys
 from pathlib import Path
 import lightning_precision.cli as cli
-from lightning_precision.cli import compare
+from lightning_precision.cli import runner
 
-ready, real = Path(sys.argv[1]), compare._advance
+ready, real = Path(sys.argv[1]), runner.advance
 
 def advance(progress, task, steps):
     real(progress, task, steps)
@@ -359,7 +360,7 @@ def advance(progress, task, steps):
     if progress.tasks[1].completed >= 20 and not ready.exists():
         ready.write_text("")
 
-compare._advance = advance
+runner.advance = advance
 sys.exit(cli.main(sys.argv[2:]))
 """
 
@@ -392,7 +393,7 @@ def test_signals_end_the_run_with_what_finished_written_and_no_process_left(sign
         workers = _children(run.pid)
         assert len(workers) >= 2  # a process per precision (and multiprocessing's resource tracker)
 
-        _fail_if_trained(monkeypatch)  # item 4: the folder is held by the run under way
+        _fail_if_trained(monkeypatch)  # the folder is held by the run under way
         assert cli.main(argv) == 2
         assert f"is in use by another run (pid {run.pid})" in capsys.readouterr().err
 
@@ -421,7 +422,7 @@ def test_signals_end_the_run_with_what_finished_written_and_no_process_left(sign
     assert sorted(os.listdir(tmp_path)) == ["log.txt", "r", "ready"]  # no lock, no temporary folder
 
 
-@pytest.mark.parametrize("when", ["_measure_batch", "_start"])
+@pytest.mark.parametrize("when", ["measure_batch", "start"])
 def test_a_signal_before_any_step_keeps_the_previous_report(when, tmp_path, capsys, monkeypatch):
     """A SIGTERM that comes before any step is reported, while the parent measures the recipe's batch (nothing runs:
     it stops there at once) or as the first precision's process starts (a real one, stopped before its first step);
@@ -429,14 +430,15 @@ def test_a_signal_before_any_step_keeps_the_previous_report(when, tmp_path, caps
     out = tmp_path / "r"
     _write(out, loss=1.0)
     before = _contents(out)
-    real = getattr(compare, when)
+    part = compare if when == "measure_batch" else runner
+    real = getattr(part, when)
 
     def then_sigterm(*args):
         done = real(*args)
         os.kill(os.getpid(), signal.SIGTERM)  # compare's handler takes it
         return done
 
-    monkeypatch.setattr(compare, when, then_sigterm)
+    monkeypatch.setattr(part, when, then_sigterm)
     previous = signal.getsignal(signal.SIGTERM)
     assert cli.main(["compare", *TINY, "--precisions", "32-true", "--out", str(out)]) == 143
     assert f"nothing written, {str(out)!r} keeps what it held" in capsys.readouterr().err
@@ -456,12 +458,12 @@ def test_a_process_that_does_not_answer_is_killed_after_the_grace_period():
     parent, child = context.Pipe()
     process = context.Process(target=_stubborn, daemon=True)
     process.start()
-    run = compare._Run("32-true", process, parent)
-    compare._stop_all([run], lp_stop.Stop(), grace=1.0)
+    run = runner.Run("32-true", process, parent)
+    runner.stop_all([run], lp_stop.Stop(), grace=1.0)
     assert not process.is_alive() and process.exitcode == -signal.SIGKILL
 
 
-# ---------------------------------------------------------------- issue 28, item 8: a signal at any moment of a run
+# ---------------------------------------------------------------- a signal at any moment of a run
 
 # Run by the tests below in a process group of its own: compare as the console script runs it, with real signals sent
 # to the whole group (as a terminal's Ctrl-C, timeout and SLURM do) at one moment of the run: while the command imports
@@ -492,14 +494,14 @@ if when == "import":
 import lightning_precision.cli as cli
 
 if when == "start":
-    from lightning_precision.cli import compare
-    real_start = compare._start
+    from lightning_precision.cli import runner
+    real_start = runner.start
 
     def start(*args):
         run = real_start(*args)
         send()
         return run
-    compare._start = start
+    runner.start = start
 elif when == "write":
     from lightning_precision.cli import plots as lp_plots
     real_plot = lp_plots.plot_compare
@@ -559,7 +561,7 @@ def _finish(run, timeout: float = 300) -> int:
     pytest.param("SIGTERM", False, 143, "SIGTERM", id="SIGTERM"),
 ])
 def test_a_signal_while_the_command_imports_ends_it_in_one_line(signals, ignore, code, name, tmp_path):
-    """Issue 28, item 8: a Ctrl-C 4-5 s after `compare` starts came while it imported torch and Lightning, before
+    """A Ctrl-C 4-5 s after `compare` starts came while it imported torch and Lightning, before
     any handler of compare's: where SIGINT was ignored at start (a job started with `&`) it vanished and the whole
     comparison ran (exit 0, "interrupted": false); in a terminal it printed a 20-100 line traceback. Now the command
     takes SIGINT and SIGTERM before those imports: one line, 128 + the signal, nothing written, no folder made."""
@@ -574,7 +576,7 @@ def test_a_signal_while_the_command_imports_ends_it_in_one_line(signals, ignore,
 
 @linux_only
 def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(tmp_path):
-    """Issue 28, item 8: a Ctrl-C to the whole process group as the precisions' processes start (they import torch):
+    """A Ctrl-C to the whole process group as the precisions' processes start (they import torch):
     the workers, born with SIGINT and SIGTERM blocked, print no traceback (there were ~80 interleaved lines); the
     comparison stops, says in one line that nothing was written (no table of empty rows), keeps the previous report,
     and leaves no process behind."""
@@ -598,7 +600,7 @@ def test_ctrl_c_while_the_workers_start_prints_one_line_and_no_traceback(tmp_pat
     pytest.param("SIGTERM,SIGINT", 143, id="SIGTERM-then-Ctrl-C"),
 ])
 def test_a_signal_while_the_report_is_written_leaves_the_new_report_whole(signals, code, tmp_path):
-    """Issue 28, item 8: a Ctrl-C while the report was written left no report.md. Real signals to the process group
+    """A Ctrl-C while the report was written left no report.md. Real signals to the process group
     while the report is being written (the plot function waits for them): every precision had finished, so the new
     report is written whole, and says it is complete ("interrupted": false); the exit code says a signal came. The
     folder held a previous report: it is replaced whole, nothing of it is left, no temporary folder either."""
@@ -630,7 +632,7 @@ def test_a_signal_while_the_report_is_written_leaves_the_new_report_whole(signal
     assert sorted(os.listdir(tmp_path)) == ["r", "state", "stderr.txt", "stdout.txt"]
 
 
-# --------------------------------------------------- issue 23 (CLI review): a terminal that closes, stderr that is gone
+# --------------------------------------------------- a terminal that closes, stderr that is gone
 
 # The terminal of a session: compare's stdout and stderr are the slave side of a pseudo-terminal. Closing the master
 # side is what sshd does when the connection drops (and a terminal emulator when its window closes): writes to the slave
@@ -731,20 +733,20 @@ def test_a_refusal_with_stderr_gone_still_exits_2(argv, stderr, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-# -------------------------------------------- issue 28, item 7: what every run would refuse, through the real command
+# -------------------------------------------- what every run would refuse, through the real command
 
 # The command as the console script runs it, with a tripwire on the start of a precision's process (nothing else
 # changed): a refused argument must cost no run.
 TRIPWIRE = """
 import sys
 import lightning_precision.cli as cli
-from lightning_precision.cli import compare
+from lightning_precision.cli import runner
 
 def start(*args):
     print("a precision's process was started", file=sys.stderr)
     sys.exit(99)
 
-compare._start = start
+runner.start = start
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -755,7 +757,7 @@ sys.exit(cli.main(sys.argv[1:]))
     pytest.param(["--data-dir", "{tmp}/not-imdb"], id="data-dir-that-is-not-the-dataset"),
 ])
 def test_arguments_every_run_would_refuse_are_one_line_and_exit_2_through_the_command(argv, tmp_path):
-    """Issue 28, item 7, as the issue states it: `compare --accelerator cuda` on a machine without a GPU, and
+    """`compare --accelerator cuda` on a machine without a GPU, and
     `compare --data-dir` naming a folder that holds something other than the dataset (the default recipe, DistilBERT,
     reads aclImdb). Each started every run and ended with failed rows, exit 1 and a matplotlib warning; now: one line
     on stderr and nothing else (nothing on stdout before it), exit 2, no precision started, no report folder made."""
@@ -776,14 +778,13 @@ def test_arguments_every_run_would_refuse_are_one_line_and_exit_2_through_the_co
 
 
 def test_a_report_where_no_precision_reported_a_step_draws_without_warnings(tmp_path):
-    """Issue 28, item 7: such a report (every precision failed as it started, e.g. a data set every run refused)
+    """Such a report (every precision failed as it started, e.g. a data set every run refused)
     printed matplotlib's "No artists with labels found to put in legend" under the table. The plots say in words that
     there is nothing to draw, and nothing warns."""
     import warnings
 
     rows, meta = _report_of(loss=1.0)
-    rows = [{"precision": r["precision"], "error": "its process ended before finishing: exit code 1", "steps_done": 0,
-             "losses": []} for r in rows]
+    rows = [Row(r.precision, error="its process ended before finishing: exit code 1") for r in rows]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lp_report.write_reports(rows, tmp_path / "r", meta)
@@ -824,7 +825,7 @@ def _when_opening(monkeypatch, name: str, then) -> None:
 
 
 def test_a_run_leaving_the_parents_it_made_does_not_refuse_a_run_beside_it(tmp_path, monkeypatch):
-    """Issue 23 (CLI review): two runs on new folders `a/b/c` and `a/b/d`. The first, leaving with nothing written,
+    """Two runs on new folders `a/b/c` and `a/b/d`. The first, leaving with nothing written,
     removes the parents it made (`a/b`, `a`); if that came between the second's making them and its opening its lock
     file beside `d`, the second was refused ("cannot create the lock file ... No such file or directory") though
     nothing held its folder. Now the parents are made again and the second run goes on; leaving with nothing written,

@@ -62,7 +62,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_the_wheel_ships_the_recipe_configs(wheel):
-    """`fit --config vit` and the docs name the recipe configs; the wheel had none (issue 28, item 9)."""
+    """`fit --config vit` and the docs name the recipe configs; the wheel had none."""
     with zipfile.ZipFile(wheel) as whl:
         shipped = {Path(n).name: whl.read(n) for n in whl.namelist()
                    if n.startswith("lightning_precision/recipe_configs/")}
@@ -94,7 +94,7 @@ def test_fit_runs_a_shipped_config_from_the_installed_wheel(wheel, tmp_path):
 
 
 def test_the_wheel_ships_the_license(wheel):
-    """pyproject said Apache-2.0 but there was no LICENSE file (issue 28, item 10): the full text ships, and the
+    """pyproject said Apache-2.0 but there was no LICENSE file: the full text ships, and the
     metadata names the license as an SPDX expression."""
     license = (ROOT / "LICENSE").read_text()
     assert license.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "END OF TERMS AND CONDITIONS" in license

@@ -11,6 +11,7 @@ from matplotlib.colors import to_hex
 
 from lightning_precision import _plots
 from lightning_precision.cli import plots as lp_plots
+from lightning_precision.cli.rows import Row
 from lightning_precision.functional import exponent_histogram
 
 matplotlib.use("Agg")
@@ -41,8 +42,8 @@ META = {"recipe": "vit", "device": "cpu", "steps": 4, "batch_size": 8}
 
 
 def _row(precision, losses, **extra):
-    return {"precision": precision, "losses": losses, "samples_per_s": 100.0, "peak_memory_mb": 3.0,
-            "step_ms_q1": 70.0, "step_ms_q3": 90.0, "steps_done": len(losses), **extra}
+    return Row(precision, losses=losses, samples_per_s=100.0, peak_memory_mb=3.0, step_ms_q1=70.0, step_ms_q3=90.0,
+               steps_done=len(losses), **extra)
 
 
 def _lines(ax):
@@ -69,7 +70,7 @@ def test_compare_plots_have_titles_units_and_fixed_colours(figures, tmp_path):
 
 def test_a_failed_precision_stays_in_the_plots(figures, tmp_path):
     rows = [_row("32-true", [1.0, 0.9, 0.8, 0.7]),
-            {"precision": "fp8", "error": "boom", "losses": [1.0, 0.95], "steps_done": 2}]
+            Row("fp8", error="boom", losses=[1.0, 0.95], steps_done=2)]
     lp_plots.plot_compare(rows, tmp_path, META)
     assert "fp8 (failed after 2 steps)" in _lines(figures["loss.png"].axes[0])
     labels = [t.get_text() for t in figures["throughput.png"].axes[0].texts]
@@ -106,8 +107,8 @@ def _fits(fig) -> bool:
 
 
 def test_amax_plot_names_every_layer_and_cuts_no_text(figures, tmp_path):
-    """The amax figure had no legend (none past 12 layers) and its what-if table ran off the bottom (issue 28, item
-    10): DistilBERT's 37 linear layers each get a distinct line named in a legend, and every text fits the figure."""
+    """The amax figure had no legend (none past 12 layers) and its what-if table ran off the bottom: DistilBERT's 37
+    linear layers each get a distinct line named in a legend, and every text fits the figure."""
     layers = [f"distilbert.transformer.layer.{n}.{m}" for n in range(6)
               for m in ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "ffn.lin1", "ffn.lin2")]
     layers.append("pre_classifier")

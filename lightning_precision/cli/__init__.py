@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 from lightning_precision.cli.console import say
 
@@ -36,7 +36,7 @@ class _ConfigError(Exception):
     """A constructor of ours rejected a value from the configuration: one line for the user, exit code 2."""
 
 
-def _our_message(text: str) -> Optional[str]:
+def _our_message(text: str) -> str | None:
     """The line of a jsonargparse error that is one of our constructors' messages (they start with the call they
     reject, e.g. "`FP16MixedPrecision(init_scale=-1.0)` is invalid: ..."): jsonargparse keeps only their text."""
     import lightning_precision
@@ -57,7 +57,7 @@ def recipe_configs() -> dict[str, Path]:
     from importlib.resources import files
 
     shipped = files("lightning_precision") / "recipe_configs"
-    folder = Path(str(shipped)) if shipped.is_dir() else Path(__file__).resolve().parents[1] / "recipes"
+    folder = Path(str(shipped)) if shipped.is_dir() else Path(__file__).resolve().parents[2] / "recipes"
     return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
 
 
@@ -146,7 +146,7 @@ def _is_precision_plugin(entry: object) -> bool:
     return isinstance(cls, type) and issubclass(cls, Precision)
 
 
-def _choose_precision(config: object, precision: "str | None") -> None:
+def _choose_precision(config: Any, precision: str | None) -> None:
     """Apply ``--precision`` to the parsed configuration, or explain a ``trainer.precision`` that conflicts with the
     configuration's precision plugin (Lightning would raise deep inside the Trainer)."""
     from jsonargparse import Namespace
@@ -233,7 +233,7 @@ def _fit(argv: list[str]) -> int:
 _COMMANDS = ("fit", "compare", "doctor", "plan")
 
 
-def _missing_extra(command: str) -> Optional[str]:
+def _missing_extra(command: str) -> str | None:
     """One line naming what this install lacks for ``command`` and the one install line that adds it; None when the
     `cli` extra is installed. A plugin or callback user installs the package without it."""
     from lightning_precision._imports import install_command, missing_cli_requirements
@@ -268,7 +268,7 @@ def _compare(argv: list[str]) -> int:
             return 2
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_USAGE)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, TextIO
 
 from typing_extensions import override
@@ -12,7 +16,7 @@ from typing_extensions import override
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["console", "echo", "say"]
+__all__ = ["console", "echo", "lightning_quieted", "quiet_lightning", "say"]
 
 
 def _silence(stream: TextIO) -> None:
@@ -84,3 +88,31 @@ def echo(text: str) -> bool:
     except OSError:  # BrokenPipeError; EIO from a terminal that hung up
         _silence(sys.stdout)
         return False
+
+
+_LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
+
+
+def quiet_lightning() -> None:
+    """One table, not a Trainer banner and hints per precision; Lightning's known-harmless notices go too."""
+    from lightning_precision._warnings import ignore_known_harmless
+
+    ignore_known_harmless()
+    for pattern in (".*does not have many workers.*", ".*GPU available but not used.*"):
+        warnings.filterwarnings("ignore", pattern)
+    for name in _LIGHTNING_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def lightning_quieted() -> Iterator[None]:
+    """``quiet_lightning`` for the duration only: a command called from a script (or a test) leaves Lightning's logger
+    levels and the warning filters as it found them."""
+    levels = {name: logging.getLogger(name).level for name in _LIGHTNING_LOGGERS}
+    with warnings.catch_warnings():
+        quiet_lightning()
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)

@@ -36,7 +36,8 @@ def _ipex_row() -> tuple[str, str, str]:
 
 
 def _package_rows() -> list[tuple[str, str, str]]:
-    rows = [("python", platform.python_version(), "ok"), ("torch", torch.__version__, f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build")]
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    rows = [("python", platform.python_version(), "ok"), ("torch", torch.__version__, build)]
     for dist in ("lightning", "torchmetrics", "transformers"):
         v = _version(dist)
         rows.append((dist, v or "not installed", "ok" if v else "-"))
@@ -108,7 +109,8 @@ def _device_rows() -> list[tuple[str, str, str, str, str, str, str]]:
 
 _PACKAGE_COLUMNS = ("package", "version", "status")
 _DEVICE_COLUMNS = ("device", "bf16", "fp16", "fp8", "notes", "recommended", "basis")
-_TABLE_COLUMNS = {"packages": _PACKAGE_COLUMNS, "devices": _DEVICE_COLUMNS[:-1]}  # the basis, too long for a cell, follows
+# the devices' basis, too long for a cell, follows the table
+_TABLE_COLUMNS = {"packages": _PACKAGE_COLUMNS, "devices": _DEVICE_COLUMNS[:-1]}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -122,8 +124,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    packages = [dict(zip(_PACKAGE_COLUMNS, row)) for row in _package_rows()]
-    devices = [dict(zip(_DEVICE_COLUMNS, row)) for row in _device_rows()]
+    packages = [dict(zip(_PACKAGE_COLUMNS, row, strict=True)) for row in _package_rows()]
+    devices = [dict(zip(_DEVICE_COLUMNS, row, strict=True)) for row in _device_rows()]
     if args.json:
         from lightning_precision.cli.console import echo
 
@@ -144,5 +146,6 @@ def main(argv: list[str]) -> int:
             table.add_row(*(Text(row[c]) for c in columns))  # plain text: "[te]" in a pip extra is not markup
         console.print(table)
     for device in devices:
-        console.print(Text(f"{device['device'].split(' ')[0].rstrip(':')}: the recommendation rests on {device['basis']}."))
+        name = device["device"].split(" ")[0].rstrip(":")
+        console.print(Text(f"{name}: the recommendation rests on {device['basis']}."))
     return 0

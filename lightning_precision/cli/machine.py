@@ -29,7 +29,8 @@ CPU_ISA = {
 }
 _NATIVE = {"bf16": {"avx512_bf16", "amx_bf16"}, "fp16": {"avx512_fp16", "amx_fp16"}}
 # Packages whose versions decide the figures of a report.
-PACKAGES = ("lightning-precision", "torch", "lightning", "torchmetrics", "torchao", "transformer-engine", "transformers")
+PACKAGES = ("lightning-precision", "torch", "lightning", "torchmetrics", "torchao", "transformer-engine",
+            "transformers")
 
 
 def _cpuinfo() -> list[dict[str, str]]:
@@ -105,5 +106,6 @@ def describe(machine: dict[str, Any], device: str = "cpu") -> str:
     torch_version = machine["packages"].get("torch")
     if device != "cpu" and machine["gpus"]:
         gpu = machine["gpus"][0]
-        return f"{gpu['name']} (compute capability {gpu['capability']}, {gpu['memory_gib']:.0f} GiB), torch {torch_version}"
+        return (f"{gpu['name']} (compute capability {gpu['capability']}, {gpu['memory_gib']:.0f} GiB),"
+                f" torch {torch_version}")
     return f"{describe_cpu(machine['cpu'])}, torch {torch_version}"

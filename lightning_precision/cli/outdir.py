@@ -15,18 +15,17 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Callable, Optional
 
 from lightning_precision._io import check_writable_dir
 
-__all__ = ["claim_folder", "replace_folder"]
+__all__ = ["claim_folder", "exchange", "replace_folder"]
 
 _NEW, _OLD = ".new-", ".old-"  # the sibling temporary folders: ".<name>.new-XXXX", ".<name>.old-XXXX"
 
 
-def _resolve(path: "str | os.PathLike[str]", owner: str) -> Path:
+def _resolve(path: str | os.PathLike[str], owner: str) -> Path:
     """The real folder (a symbolic link to a folder is followed: its target is what gets replaced)."""
     folder = Path(os.path.realpath(Path(path).expanduser()))
     if folder.parent == folder:
@@ -86,7 +85,7 @@ def _holder(fd: int) -> str:
         return ""
 
 
-def _held_above(folder: Path) -> Optional[tuple[Path, str]]:
+def _held_above(folder: Path) -> tuple[Path, str] | None:
     """The folder above ``folder`` that another run holds, with its holder's pid: that run replaces it whole, and would
     find this run's folder and lock in it. None if none (or where the system has no ``flock``)."""
     try:
@@ -198,7 +197,7 @@ def _recover(folder: Path, names: Collection[str]) -> None:
 
 
 @contextlib.contextmanager
-def claim_folder(path: "str | os.PathLike[str]", owner: str, names: Collection[str]) -> Iterator[Path]:
+def claim_folder(path: str | os.PathLike[str], owner: str, names: Collection[str]) -> Iterator[Path]:
     """Hold the folder ``path`` for this run, released on every way out (and by the system if the process is killed);
     yields its real path. A ``ValueError`` naming ``owner``, the folder and the fix if another run holds it, or if it
     holds a file not named in ``names``: the folder is replaced whole later (``replace_folder``), and the user's files
@@ -211,8 +210,8 @@ def claim_folder(path: "str | os.PathLike[str]", owner: str, names: Collection[s
     if held is not None:
         above, holder = held
         by = f" (pid {holder})" if holder else ""
-        raise ValueError(f"{owner}: {str(path)!r} is inside {str(above)!r}, which another run{by} is writing and replaces"
-                         " whole; choose a folder outside it.")
+        raise ValueError(f"{owner}: {str(path)!r} is inside {str(above)!r}, which another run{by} is writing and"
+                         " replaces whole; choose a folder outside it.")
     # The folder and the parents this claim creates: a run that writes nothing (refused, interrupted) leaves none
     made = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
@@ -261,7 +260,7 @@ def _fsync_folder(path: Path) -> None:
         os.close(fd)
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot, so that the
     caller moves them one after the other."""
     if sys.platform != "linux":
@@ -280,7 +279,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def replace_folder(folder: Path, names: Collection[str],
-                   fill: Callable[[Path], list[str]]) -> tuple[Path, Optional[str]]:
+                   fill: Callable[[Path], list[str]]) -> tuple[Path, str | None]:
     """Replace ``folder`` (held with ``claim_folder``) by a new folder in which ``fill(new)`` wrote some of ``names``:
     written to a sibling temporary folder, flushed to disk, swapped in (in one step on Linux), then the old set is
     deleted. If ``fill`` raises (a full disk), the folder keeps its old set and the temporary folder is removed.
@@ -315,7 +314,7 @@ def replace_folder(folder: Path, names: Collection[str],
     return aside, f"{why}, and the report is in {str(aside)!r}"
 
 
-def _swap(tmp: Path, folder: Path, names: Collection[str]) -> Optional[str]:
+def _swap(tmp: Path, folder: Path, names: Collection[str]) -> str | None:
     """Put ``tmp`` in the place of ``folder`` and delete the old set; ``OSError`` if nothing was swapped. A note if
     something came into the old folder in between: it is kept, named in the note."""
     if not folder.exists():
@@ -323,7 +322,7 @@ def _swap(tmp: Path, folder: Path, names: Collection[str]) -> Optional[str]:
         _fsync_folder(folder.parent)
         return None
     os.chmod(tmp, folder.stat().st_mode & 0o7777)  # a folder the user made private stays private
-    if _exchange(tmp, folder):
+    if exchange(tmp, folder):
         old = tmp
     else:  # two steps: in between, the old set waits in ".old-" (``_recover`` puts it back after a kill)
         old = folder.parent / f"{_sibling(folder, _OLD)}{tmp.name.rsplit('-', 1)[-1]}"

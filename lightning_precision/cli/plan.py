@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Optional
 
 from torch import nn
 
@@ -22,7 +21,7 @@ def main(argv: list[str]) -> int:
     write it (YAML or JSON by ``--out``'s suffix)."""
     import argparse
 
-    from lightning_precision.cli.recipes import RECIPES
+    from lightning_precision.cli.recipes import RECIPES, training_loss
 
     parser = argparse.ArgumentParser(
         prog="lightning-precision plan",
@@ -51,7 +50,7 @@ def main(argv: list[str]) -> int:
     if nothing:  # refused before measuring: a plan of no fp8 layer is not worth the wait, nor a file
         return _usage_error(nothing)
     echo(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...")
-    plan = make_plan(model, batches, loss_fn=lambda m, b: m.training_loss(b), recipe=args.recipe_fp8,
+    plan = make_plan(model, batches, loss_fn=training_loss, recipe=args.recipe_fp8,
                      skip_small_layers=not args.emulate)
     echo(plan.table())
     if not plan.measured and out.exists():
@@ -73,7 +72,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _nothing_to_measure(model: nn.Module, recipe: str, scaling_family: str, emulate: bool) -> Optional[str]:
+def _nothing_to_measure(model: nn.Module, recipe: str, scaling_family: str, emulate: bool) -> str | None:
     """Why no layer of ``model`` is left to measure, with the fix when there is one (``--emulate``); None if some is.
     ``scaling_family``: the CLI's torchao recipes are their own scaling families (tensorwise, rowwise)."""
     decisions = select_fp8_layers(model, scaling_family, skip_small_layers=not emulate)

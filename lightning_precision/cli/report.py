@@ -7,11 +7,12 @@ import csv
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning_precision._io import json_safe
-from lightning_precision.cli.outdir import replace_folder
 from lightning_precision._warnings import warn
+from lightning_precision.cli.outdir import replace_folder
+from lightning_precision.cli.rows import NOISY, Row
 
 __all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"]
 
@@ -25,14 +26,10 @@ CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "turn_
                "speedup", "speedup_q1", "speedup_q3", "speedup_paired", "speedup_pairs", "speedup_resolved",
                "speedup_drift", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
                "grad_underflow_fp16_scaled", "skipped_steps", "steps_done", "emulated", "noisy", "interrupted", "error"]
-# Interquartile range / median of a run's step times above which it is flagged as measured on a busy machine. Steps
-# vary by ~20-30% on an idle shared VM (the monitor's measuring steps, the first step after a turn, slow drift that
-# the paired turns cancel), so only a wider spread is called busy.
-NOISY = 0.5
 SAME_ACCURACY = 0.01  # the least difference of validation accuracies the verdict calls a difference
 
 
-def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 
 
@@ -41,45 +38,45 @@ def columns(meta: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"{meta.get('unit') or 'units'}/s" if c == "units/s" else c for c in COLUMNS)
 
 
-def failed(row: dict[str, Any]) -> bool:
+def failed(row: Row) -> bool:
     """A run that failed (an error, its process died), not one a signal stopped: those are ``interrupted``."""
-    return "error" in row and not row.get("interrupted")
+    return row.failed
 
 
-def _status(row: dict[str, Any]) -> Optional[str]:
-    return "interrupted" if row.get("interrupted") else "failed" if "error" in row else None
+def _status(row: Row) -> str | None:
+    return "interrupted" if row.interrupted else "failed" if row.error is not None else None
 
 
-def cells(row: dict[str, Any]) -> list[str]:
+def cells(row: Row) -> list[str]:
     """The table row of one precision, as text (the terminal and report.md show the same)."""
     status = _status(row)
-    if "median_step_ms" not in row:
-        return [row["precision"], f"{status} (see notes)" if status else "-", *[""] * (len(COLUMNS) - 2)]
-    speedup = row.get("speedup")
-    mark = "~" if row.get("speedup_resolved") is False else ""
+    if row.median_step_ms is None:
+        return [row.precision, f"{status} (see notes)" if status else "-", *[""] * (len(COLUMNS) - 2)]
+    speedup = row.speedup
+    mark = "~" if row.speedup_resolved is False else ""
     return [
-        row["precision"] + (f" ({status})" if status else ""),
-        _fmt(row["median_step_ms"], ".1f"),
-        _fmt(row["spread"] * 100, ".0f", "%") + (" busy" if row.get("noisy") else ""),
+        row.precision + (f" ({status})" if status else ""),
+        _fmt(row.median_step_ms, ".1f"),
+        _fmt(row.spread * 100 if row.spread is not None else None, ".0f", "%") + (" busy" if row.noisy else ""),
         mark + _fmt(speedup, ".2f", "x")
-        + (f" [{row['speedup_q1']:.2f}-{row['speedup_q3']:.2f}]" if "speedup_q1" in row else "")
-        + (" emulated" if row.get("emulated") and speedup is not None else ""),
-        _fmt(row["samples_per_s"], ".0f"),
-        _fmt(row.get("units_per_s"), ".0f"),
-        _fmt(row["mfu"] * 100, ".1f", "%") if row.get("mfu") is not None else "n/a",
-        _fmt(row.get("peak_memory_mb"), ".0f"),
-        _fmt(row.get("final_loss"), ".3f"),
-        _fmt(row.get("val_acc"), ".3f"),
-        _fmt(row.get("grad_underflow_fp16"), ".2e"),
-        _fmt(row.get("grad_underflow_fp16_scaled"), ".2e"),
-        _fmt(row.get("skipped_steps"), "d"),
+        + (f" [{row.speedup_q1:.2f}-{row.speedup_q3:.2f}]" if row.speedup_q1 is not None else "")
+        + (" emulated" if row.emulated and speedup is not None else ""),
+        _fmt(row.samples_per_s, ".0f"),
+        _fmt(row.units_per_s, ".0f"),
+        _fmt(row.mfu * 100, ".1f", "%") if row.mfu is not None else "n/a",
+        _fmt(row.peak_memory_mb, ".0f"),
+        _fmt(row.final_loss, ".3f"),
+        _fmt(row.val_acc, ".3f"),
+        _fmt(row.grad_underflow_fp16, ".2e"),
+        _fmt(row.grad_underflow_fp16_scaled, ".2e"),
+        _fmt(row.skipped_steps, "d"),
     ]
 
 
-def mfu_notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+def mfu_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
     """What MFU was measured against, once per distinct peak (or why it is n/a)."""
     flops = meta.get("model_flops_per_step")
-    timed = [r for r in rows if "peak_source" in r]
+    timed = [r for r in rows if r.peak_source is not None]
     if not timed:
         return []
     if not flops:
@@ -88,9 +85,9 @@ def mfu_notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
              " the median step time, against the device's dense peak for the run's compute kind:"]
     by_source: dict[str, list[str]] = {}
     for r in timed:
-        peak = f"{r['peak_tflops']:g} TFLOP/s, " if r.get("peak_tflops") else ""
-        kind = f" ({r['compute_kind']})" if "compute_kind" in r else ""
-        by_source.setdefault(peak + r["peak_source"], []).append(r["precision"] + kind)
+        peak = f"{r.peak_tflops:g} TFLOP/s, " if r.peak_tflops else ""
+        kind = f" ({r.compute_kind})" if r.compute_kind is not None else ""
+        by_source.setdefault(peak + (r.peak_source or ""), []).append(r.precision + kind)
     lines += [f"  {', '.join(names)}: {source}" for source, names in by_source.items()]
     return lines
 
@@ -101,120 +98,120 @@ def memory_note(device: str) -> str:
                 " (allocator caches included). On a CPU it varies between identical runs by tens of MB (how the C"
                 " allocator reuses freed pages; 19-44 MB for the tiny ViT's 32-true): for small models only large"
                 " differences mean anything.")
-    return "peak mem MB: peak memory allocated by tensors on the GPU during training, each precision in its own process."
+    return ("peak mem MB: peak memory allocated by tensors on the GPU during training, each precision in its own"
+            " process.")
 
 
-def notes(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
     """The lines under the table: every failure's and interruption's whole reason, which statistic each column is, what
     each flag means where it appears."""
     lines = []
     for r in rows:
-        if failed(r):
-            lines.append(f"{r['precision']} failed: {r['error']}")
-        elif r.get("interrupted"):
-            lines.append(f"{r['precision']}: {r['error']}" + ("; its figures are from those steps" if r.get("steps_done")
-                                                               else ""))
+        if r.failed:
+            lines.append(f"{r.precision} failed: {r.error}")
+        elif r.interrupted:
+            lines.append(f"{r.precision}: {r.error}" + ("; its figures are from those steps" if r.steps_done else ""))
     lines += meta.get("notes", [])
-    if any("median_step_ms" in r for r in rows):
+    if any(r.timed for r in rows):
         unit = meta.get("unit") or "units"
         lines.append(f"ms/step: the median over turns of each turn's median step time ({meta['schedule']}); samples/s,"
                      f" {unit}/s and MFU follow from it. speedup: 32-true's ms/step over this one's, so these columns"
                      " and throughput.png rank the precisions alike; [brackets]: the interquartile range over turns of"
                      " the paired ratio (32-true's turn over this one's in the same round, measured back to back)."
                      " spread: the interquartile range of the timed step times over their median.")
-    if any(r.get("noisy") for r in rows):
+    if any(r.noisy for r in rows):
         lines.append(f"busy: step times varied by more than {NOISY:.0%} of their median; something else was using the"
                      " machine. The paired brackets are the figures to trust; rerun when it is idle.")
-    if any(r.get("speedup_resolved") is False for r in rows):
-        lines.append("~: speedup not resolved: fewer than 3 turns were paired, or the paired ratios' interquartile range"
-                     " includes 1x or lies on the other side of it, so it is not measurably different from 32-true.")
+    if any(r.speedup_resolved is False for r in rows):
+        lines.append("~: speedup not resolved: fewer than 3 turns were paired, or the paired ratios' interquartile"
+                     " range includes 1x or lies on the other side of it, so it is not measurably different from"
+                     " 32-true.")
     for r in rows:
-        if r.get("speedup_drift"):
-            lines.append(f"{r['precision']}: the paired turns put it at {r['speedup_q1']:.2f}-{r['speedup_q3']:.2f}x"
-                         f" the speed of 32-true, the medians at {r['speedup']:.2f}x: they disagree on which is faster"
+        if r.speedup_drift:
+            lines.append(f"{r.precision}: the paired turns put it at {r.speedup_q1:.2f}-{r.speedup_q3:.2f}x"
+                         f" the speed of 32-true, the medians at {r.speedup:.2f}x: they disagree on which is faster"
                          " because the machine's speed changed during the run (paired turns cancel that, medians do"
                          " not); rerun when it is idle.")
-    emulated = [r["precision"] for r in rows if r.get("emulated") and "median_step_ms" in r]
+    emulated = [r.precision for r in rows if r.emulated and r.timed]
     if emulated:
         lines.append(f"emulated: no hardware arithmetic for {', '.join(emulated)} on this machine (torch emulates"
                      " it): the numerics are real, the speed says nothing about hardware that has the format.")
     lines += mfu_notes(rows, meta)
     for r in rows:
-        if "fp8_layers" in r:
-            how = "chosen from measured numerics" if "fp8_plan" in r else "all that the shape rules leave"
-            line = f"{r['precision']}: {r['fp8_layers']} of {r['linear_layers']} linear layers in fp8, {how}"
-            if not r.get("fp8_steps", r["fp8_layers"]):
-                n = r["steps_done"]
-                why = "" if not r["fp8_layers"] else \
+        if r.fp8_layers is not None:
+            how = "chosen from measured numerics" if r.fp8_plan is not None else "all that the shape rules leave"
+            line = f"{r.precision}: {r.fp8_layers} of {r.linear_layers} linear layers in fp8, {how}"
+            if not (r.fp8_steps if r.fp8_steps is not None else r.fp8_layers):
+                n = r.steps_done
+                why = "" if not r.fp8_layers else \
                     f"; {'its one step was' if n == 1 else f'all its {n} steps were'} measured in bf16, before the plan"
                 line += (f"{why}: every matmul ran in bf16, so its figures are bf16-mixed's"
-                         + (" (emulated here)" if r.get("emulated") else " (not emulated)"))
+                         + (" (emulated here)" if r.emulated else " (not emulated)"))
             lines.append(line + ".")
-    if any(r.get("grad_underflow_fp16") is not None or r.get("grad_underflow_fp16_scaled") is not None for r in rows):
+    if any(r.grad_underflow_fp16 is not None or r.grad_underflow_fp16_scaled is not None for r in rows):
         lines.append("fp16 underflow, unscaled: the fraction of nonzero parameter gradients that would flush to zero if"
-                     " cast to fp16 as they are (every precision). at loss scale: the same fraction at the loss scale in"
-                     " effect, 16-mixed only: what its fp16 backward meets, including what it already flushed. The two"
-                     " answer different questions: compare a column with itself.")
+                     " cast to fp16 as they are (every precision). at loss scale: the same fraction at the loss scale"
+                     " in effect, 16-mixed only: what its fp16 backward meets, including what it already flushed. The"
+                     " two answer different questions: compare a column with itself.")
     lines.append(memory_note(meta["device"]))
     return lines
 
 
-def accuracy_tolerance(base: dict[str, Any], meta: dict[str, Any]) -> float:
+def accuracy_tolerance(base: Row, meta: dict[str, Any]) -> float:
     """How far two validation accuracies may differ by chance alone: two standard errors of the difference of two
     accuracies on the validation samples 32-true's run counted (at its accuracy), at least ``SAME_ACCURACY``."""
-    n = max(1, base.get("val_samples") or meta.get("val_batches", 0) * meta.get("batch_size", 0))
-    p = base.get("val_acc") or 0.5
+    n = max(1, base.val_samples or meta.get("val_batches", 0) * meta.get("batch_size", 0))
+    p = base.val_acc or 0.5
     return max(SAME_ACCURACY, 2 * math.sqrt(2 * p * (1 - p) / n))
 
 
-def verdict(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
     """The result in a sentence or two, claiming only what the figures resolve. It rests on the table's own figures:
     a run a signal stopped is partial, not failed, and its speedup counts as the table shows it."""
     prefix = "Interrupted: the figures below are partial. " if meta.get("interrupted") else ""
-    failures = [r["precision"] for r in rows if failed(r)]
+    failures = [r.precision for r in rows if r.failed]
     tail = f" {', '.join(failures)} failed (see the notes)." if failures else ""
-    base = next((r for r in rows if r["precision"] == "32-true" and "median_step_ms" in r), None)
+    base = next((r for r in rows if r.precision == "32-true" and r.timed), None)
     if base is None:
         return prefix + "No 32-true step was timed: speedups are not computed." + tail
-    others = [r for r in rows if r is not base and not failed(r) and r.get("speedup") is not None]
+    others = [(r, r.speedup) for r in rows if r is not base and not r.failed and r.speedup is not None]
     tolerance = accuracy_tolerance(base, meta)
 
-    def same_accuracy(r: dict[str, Any]) -> bool:
-        if r.get("val_acc") is None or base.get("val_acc") is None:
+    def same_accuracy(r: Row) -> bool:
+        if r.val_acc is None or base.val_acc is None:
             return True
-        return abs(r["val_acc"] - base["val_acc"]) <= tolerance
+        return abs(r.val_acc - base.val_acc) <= tolerance
 
-    def accuracy(r: dict[str, Any]) -> str:
-        if r.get("val_acc") is None or base.get("val_acc") is None:
-            return f"final loss {r['final_loss']:.3f} vs {base['final_loss']:.3f}"
-        return f"validation accuracy {r['val_acc']:.3f} vs {base['val_acc']:.3f}"
+    def accuracy(r: Row) -> str:
+        if r.val_acc is None or base.val_acc is None:
+            return f"final loss {_fmt(r.final_loss, '.3f')} vs {_fmt(base.final_loss, '.3f')}"
+        return f"validation accuracy {r.val_acc:.3f} vs {base.val_acc:.3f}"
 
-    def differs(r: dict[str, Any]) -> str:
-        return f"{r['precision']}'s {accuracy(r)} differs by more than chance allows ({tolerance:.3f})"
+    def differs(r: Row) -> str:
+        return f"{r.precision}'s {accuracy(r)} differs by more than chance allows ({tolerance:.3f})"
 
-    faster = sorted((r for r in others if r.get("speedup_resolved") and r["speedup"] > 1 and not r.get("emulated")),
-                    key=lambda r: -r["speedup"])
+    faster = sorted(((r, s) for r, s in others if r.speedup_resolved and s > 1 and not r.emulated),
+                    key=lambda rs: -rs[1])
     if faster:
-        r = faster[0]
-        speed = (f"{r['speedup']:.2f}x the speed of 32-true (interquartile {r['speedup_q1']:.2f}-{r['speedup_q3']:.2f}x"
-                 f" over {r['speedup_pairs']} paired turns)")
+        r, speedup = faster[0]
+        speed = (f"{speedup:.2f}x the speed of 32-true (interquartile {_fmt(r.speedup_q1, '.2f')}-"
+                 f"{_fmt(r.speedup_q3, '.2f')}x over {r.speedup_pairs} paired turns)")
         if same_accuracy(r):
-            return prefix + f"{r['precision']} is the one to use here: {speed}, {accuracy(r)}." + tail
-        return prefix + f"{r['precision']} ran at {speed}, but {differs(r)}: check its numerics before switching." + tail
-    slower = [f"{r['precision']} {r['speedup']:.2f}x" for r in others
-              if r.get("speedup_resolved") and r["speedup"] < 1 and not r.get("emulated")]
-    emulated = [r["precision"] for r in others if r.get("emulated")]
+            return prefix + f"{r.precision} is the one to use here: {speed}, {accuracy(r)}." + tail
+        return prefix + f"{r.precision} ran at {speed}, but {differs(r)}: check its numerics before switching." + tail
+    slower = [f"{r.precision} {s:.2f}x" for r, s in others if r.speedup_resolved and s < 1 and not r.emulated]
+    emulated = [r.precision for r, _ in others if r.emulated]
     text = "No precision was measurably faster than 32-true on this machine"
     text += f" ({', '.join(slower)}: measurably slower)" if slower else ""
     text += f"; {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated here" if emulated else ""
     text += ". Here the lower precisions show their numerics, not their speed."
-    if any(r.get("noisy") for r in rows):
+    if any(r.noisy for r in rows):
         text += " Step times varied widely (a busy machine): rerun when it is idle."
-    text += "".join(f" {differs(r)}: check its numerics." for r in others if not same_accuracy(r))
+    text += "".join(f" {differs(r)}: check its numerics." for r, _ in others if not same_accuracy(r))
     return prefix + text + tail
 
 
-def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], console: Any) -> None:
+def print_table(rows: list[Row], meta: dict[str, Any], console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
 
@@ -224,7 +221,7 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], console: Any) 
     for column in columns(meta):
         table.add_column(column, justify="left" if column == "precision" else "right")
     for row in rows:
-        style = "red" if failed(row) else "yellow" if row.get("interrupted") else ""
+        style = "red" if row.failed else "yellow" if row.interrupted else ""
         table.add_row(*(Text(c, style=style if i < 2 else "") for i, c in enumerate(cells(row))))
     console.print(table)
     for line in notes(rows, meta):
@@ -232,14 +229,15 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], console: Any) 
     console.print(Text(meta["verdict"], style="bold"))
 
 
-def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]) -> str:
+def markdown(rows: list[Row], meta: dict[str, Any], images: list[str]) -> str:
     packages = ", ".join(f"{k} {v}" for k, v in meta["machine"]["packages"].items() if v)
     lines = [
         f"# compare: {meta['recipe']} on {meta['device']}", "",
         meta["verdict"], "",
         f"- Task: {meta['task']} (chance accuracy {meta['chance']})",
-        f"- Run: {meta['steps']} step{'s' if meta['steps'] != 1 else ''} per precision, batch {meta['batch_size']}, seed {meta['seed']},"
-        f" {meta['val_batches']} validation batches; {meta['schedule']}" + ("; --quick" if meta.get("quick") else ""),
+        f"- Run: {meta['steps']} step{'s' if meta['steps'] != 1 else ''} per precision, batch {meta['batch_size']},"
+        f" seed {meta['seed']}, {meta['val_batches']} validation batches; {meta['schedule']}"
+        + ("; --quick" if meta.get("quick") else ""),
         f"- Machine: {meta['machine_line']}",
         f"- Packages: {packages}",
         f"- Command: `{meta.get('command', 'lightning-precision compare')}`",
@@ -253,15 +251,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], images: list[str]
     return "\n".join(lines) + "\n"
 
 
-def _write_files(rows: list[dict[str, Any]], folder: Path, meta: dict[str, Any]) -> list[str]:
+def _write_files(rows: list[Row], folder: Path, meta: dict[str, Any]) -> list[str]:
     """Write the report's files into ``folder``; their names, report.md first."""
+    results = [r.to_dict() for r in rows]
     # Strict JSON (no bare NaN or Infinity, which most parsers refuse): a loss that diverged is "nan", as in the CSV.
-    (folder / "report.json").write_text(json.dumps(json_safe({"meta": meta, "results": rows}), indent=2,
+    (folder / "report.json").write_text(json.dumps(json_safe({"meta": meta, "results": results}), indent=2,
                                                    allow_nan=False))
     with open(folder / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(results)
     images: list[str] = []
     try:
         from lightning_precision.cli.plots import plot_compare
@@ -273,8 +272,7 @@ def _write_files(rows: list[dict[str, Any]], folder: Path, meta: dict[str, Any])
     return ["report.md", "report.json", "report.csv", *images]
 
 
-def write_reports(rows: list[dict[str, Any]], out: Path,
-                  meta: dict[str, Any]) -> tuple[Path, list[str], Optional[str]]:
+def write_reports(rows: list[Row], out: Path, meta: dict[str, Any]) -> tuple[Path, list[str], str | None]:
     """Replace the report in ``out`` (a folder held with ``claim_folder``) whole: written beside it, then swapped in, so
     that ``out`` holds one whole report, the previous one or this one, whatever happens during the writes (an
     ``OSError`` leaves it as it was). Returns the folder that holds the new report (``out``, unless ``out`` holds

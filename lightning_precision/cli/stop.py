@@ -9,16 +9,16 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
-__all__ = ["Interrupted", "STOP_SIGNALS", "Stop", "signal_name"]
+__all__ = ["Interrupted", "STOP_SIGNALS", "Stop", "signal_name", "signals_blocked"]
 
 # What stops a comparison: the terminal's Ctrl-C; SIGTERM from timeout, SLURM and Kubernetes; SIGHUP when the terminal
 # closes (an ssh connection that drops): its default ends the process at once, every finished step lost. Where SIGHUP
 # is ignored as the command starts (``nohup``) it stays ignored: the comparison runs on. (Windows has no SIGHUP.)
 _SIGHUP = getattr(signal, "SIGHUP", None)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((_SIGHUP,) if _SIGHUP is not None else ()))
-_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+_NAMES: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 def signal_name(signum: int) -> str:
@@ -79,7 +79,7 @@ class Stop:
             self._raising = False
 
     @property
-    def signum(self) -> Optional[int]:
+    def signum(self) -> int | None:
         """The first signal received, None if none."""
         return self.received[0] if self.received else None
 
@@ -93,8 +93,22 @@ class Stop:
         for SIGHUP); ``code`` if none came."""
         return 128 + self.signum if self.signum is not None else code
 
-    def nothing_written(self, out: Optional[str] = None) -> str:
+    def nothing_written(self, out: str | None = None) -> str:
         """The line for a comparison stopped before any precision reported a step."""
         kept = f", {out!r} keeps what it held" if out is not None else ""
         return (f"lightning-precision compare: interrupted ({signal_name(self.signum or signal.SIGINT)}) before any"
                 f" precision reported a step: nothing written{kept}.")
+
+
+@contextlib.contextmanager
+def signals_blocked() -> Iterator[None]:
+    """``STOP_SIGNALS`` held back in this thread (and in what it starts: the mask is inherited through fork and exec);
+    those that arrive meanwhile are delivered on leaving."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group receives them
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 
 import lightning_precision._accelerators  # noqa: F401  (registers accelerator="xpu" where the name is free)
+from lightning_precision.cli.recipes._base import ClassificationRecipe, training_loss
 from lightning_precision.cli.recipes.data import ImageClassificationData, TextClassificationData
 from lightning_precision.cli.recipes.text import DistilBertClassifier
 from lightning_precision.cli.recipes.vision import ResNet50Classifier, ViTClassifier
@@ -39,10 +40,13 @@ class Recipe:
         inputs = batch[0]
         return int(inputs.numel()) if self.unit == "tokens" else int(inputs.shape[0])
 
-    def build(self, model_args: dict[str, Any] | None = None, data_args: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
-        return self.model(**{**self.model_args, **(model_args or {})}), self.data(**{**self.data_args, **(data_args or {})})
+    def build(self, model_args: dict[str, Any] | None = None,
+              data_args: dict[str, Any] | None = None) -> tuple[ClassificationRecipe, L.LightningDataModule]:
+        model = self.model(**{**self.model_args, **(model_args or {})})
+        return model, self.data(**{**self.data_args, **(data_args or {})})
 
-    def training_batches(self, n: int, data_args: dict[str, Any] | None = None) -> tuple[L.LightningModule, list[Any]]:
+    def training_batches(self, n: int,
+                         data_args: dict[str, Any] | None = None) -> tuple[ClassificationRecipe, list[Any]]:
         """The model and the first ``n`` training batches of its data: what measuring before a fit needs (``plan``,
         ``compare``'s FLOPs per step)."""
         import itertools
@@ -79,4 +83,5 @@ __all__ = [
     "ResNet50Classifier",
     "TextClassificationData",
     "ViTClassifier",
+    "training_loss",
 ]

@@ -9,11 +9,13 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-__all__ = ["ClassificationRecipe"]
+__all__ = ["ClassificationRecipe", "training_loss"]
 
 
 class ClassificationRecipe(L.LightningModule):
     """Subclasses build ``self.net`` and implement ``logits(batch)``; batches end with the labels."""
+
+    net: nn.Module
 
     def __init__(self, num_classes: int, lr: float, weight_decay: float = 0.01) -> None:
         super().__init__()
@@ -42,3 +44,11 @@ class ClassificationRecipe(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+def training_loss(model: nn.Module, batch: Any) -> Tensor:
+    """A recipe model's training loss: the ``loss_fn`` of what measures before a fit (``plan``, ``compare``'s FLOPs)."""
+    if not isinstance(model, ClassificationRecipe):
+        raise TypeError(f"training_loss: expected a recipe's model (a ClassificationRecipe), not"
+                        f" {type(model).__name__}")
+    return model.training_loss(batch)

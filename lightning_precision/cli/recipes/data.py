@@ -7,7 +7,7 @@ import gzip
 import random
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -34,7 +34,8 @@ def _synthetic_reviews(n: int, seed: int = 0) -> tuple[list[str], list[int]]:
         pos, neg = rng.randint(0, 4), rng.randint(0, 4)
         if pos == neg:
             pos += 1
-        words = rng.choices(_NEUTRAL, k=rng.randint(8, 24)) + rng.choices(_POSITIVE, k=pos) + rng.choices(_NEGATIVE, k=neg)
+        words = (rng.choices(_NEUTRAL, k=rng.randint(8, 24)) + rng.choices(_POSITIVE, k=pos)
+                 + rng.choices(_NEGATIVE, k=neg))
         rng.shuffle(words)
         texts.append(" ".join(words))
         labels.append(int(pos > neg))
@@ -72,16 +73,18 @@ def _read_aclimdb(root: str, split: str) -> tuple[list[str], list[int]]:
 class _TensorData(L.LightningDataModule):
     """Loaders over the ``_train``/``_val`` tensor datasets a subclass builds in ``setup``; shuffled with the seed."""
 
-    _train: Optional[TensorDataset]
+    _train: TensorDataset | None
     _val: TensorDataset
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(self._train, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
-                          num_workers=self.hparams.num_workers)
+        if self._train is None:
+            raise RuntimeError(f"{type(self).__name__}: no training data; call setup('fit') first")
+        g = torch.Generator().manual_seed(self.hparams["seed"])
+        return DataLoader(self._train, batch_size=self.hparams["batch_size"], shuffle=True, generator=g,
+                          num_workers=self.hparams["num_workers"])
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._val, batch_size=self.hparams.batch_size * 2, num_workers=self.hparams.num_workers)
+        return DataLoader(self._val, batch_size=self.hparams["batch_size"] * 2, num_workers=self.hparams["num_workers"])
 
 
 class TextClassificationData(_TensorData):
@@ -93,41 +96,42 @@ class TextClassificationData(_TensorData):
     trained here on the training texts.
     """
 
-    def __init__(self, data_dir: Optional[str] = None, hf_dataset: Optional[str] = None, tokenizer: Optional[str] = None,
+    def __init__(self, data_dir: str | None = None, hf_dataset: str | None = None, tokenizer: str | None = None,
                  max_length: int = 64, batch_size: int = 32, num_samples: int = 4096, num_workers: int = 0,
                  seed: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.num_classes = 2
-        self._train: Optional[TensorDataset] = None
+        self._train: TensorDataset | None = None
 
     def _texts(self) -> tuple[tuple[list[str], list[int]], tuple[list[str], list[int]]]:
         h = self.hparams
-        if h.data_dir is not None:
-            return _read_aclimdb(h.data_dir, "train"), _read_aclimdb(h.data_dir, "test")
-        if h.hf_dataset is not None:
+        if h["data_dir"] is not None:
+            return _read_aclimdb(h["data_dir"], "train"), _read_aclimdb(h["data_dir"], "test")
+        if h["hf_dataset"] is not None:
             _imports.require(_imports.DATASETS_AVAILABLE, "datasets", "`TextClassificationData(hf_dataset=...)`")
             import datasets
 
-            ds = datasets.load_dataset(h.hf_dataset)
-            return (list(ds["train"]["text"]), list(ds["train"]["label"])), (list(ds["test"]["text"]), list(ds["test"]["label"]))
-        n_val = max(h.num_samples // 4, 64)
-        return _synthetic_reviews(h.num_samples, h.seed), _synthetic_reviews(n_val, h.seed + 1)
+            ds = datasets.load_dataset(h["hf_dataset"])
+            train, test = ds["train"], ds["test"]
+            return (list(train["text"]), list(train["label"])), (list(test["text"]), list(test["label"]))
+        n_val = max(h["num_samples"] // 4, 64)
+        return _synthetic_reviews(h["num_samples"], h["seed"]), _synthetic_reviews(n_val, h["seed"] + 1)
 
     def setup(self, stage: str) -> None:
         if self._train is not None:
             return
         (train_x, train_y), (val_x, val_y) = self._texts()
-        if self.hparams.tokenizer is not None:
+        if self.hparams["tokenizer"] is not None:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.hparams.tokenizer)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.hparams["tokenizer"])
         else:
             self.tokenizer = _build_tokenizer(train_x)
         self._train, self._val = self._encode(train_x, train_y), self._encode(val_x, val_y)
 
     def _encode(self, texts: list[str], labels: list[int]) -> TensorDataset:
-        enc = self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.hparams.max_length,
+        enc = self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.hparams["max_length"],
                              return_tensors="pt")
         return TensorDataset(enc["input_ids"], enc["attention_mask"], torch.tensor(labels))
 
@@ -204,7 +208,7 @@ class ImageClassificationData(_TensorData):
     if present), else embedded synthetic gratings of ``image_size`` x ``image_size`` with ``channels`` channels.
     """
 
-    def __init__(self, data_dir: Optional[str] = None, dataset: Optional[str] = None, download: bool = False,
+    def __init__(self, data_dir: str | None = None, dataset: str | None = None, download: bool = False,
                  image_size: int = 32, channels: int = 3, num_classes: int = 10, batch_size: int = 32,
                  num_samples: int = 4096, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()
@@ -212,32 +216,34 @@ class ImageClassificationData(_TensorData):
             raise ValueError(f"`ImageClassificationData(dataset={dataset!r})`: use 'fashion_mnist', or data_dir alone.")
         self.save_hyperparameters()
         self.num_classes = num_classes
-        self._train: Optional[TensorDataset] = None
+        self._train: TensorDataset | None = None
 
     def setup(self, stage: str) -> None:
         if self._train is not None:
             return
         h = self.hparams
-        if h.dataset == "fashion_mnist":
-            if h.data_dir is None:
+        if h["dataset"] == "fashion_mnist":
+            if h["data_dir"] is None:
                 raise ValueError("`ImageClassificationData(dataset='fashion_mnist')` needs `data_dir`.")
-            if h.download:
+            if h["download"]:
                 torchvision = _imports.import_torchvision(
                     "`ImageClassificationData(download=True)` downloads FashionMNIST with torchvision",
                     "put the four idx files under data_dir")
                 for train in (True, False):
-                    torchvision.datasets.FashionMNIST(h.data_dir, train=train, download=True)
-            self._train, self._val = _read_fashion_mnist(h.data_dir, True), _read_fashion_mnist(h.data_dir, False)
-        elif h.data_dir is not None:
-            root = Path(h.data_dir)
+                    torchvision.datasets.FashionMNIST(h["data_dir"], train=train, download=True)
+            self._train, self._val = _read_fashion_mnist(h["data_dir"], True), _read_fashion_mnist(h["data_dir"], False)
+        elif h["data_dir"] is not None:
+            root = Path(h["data_dir"])
             if (root / "train").is_dir():
-                self._train, classes = _read_image_folder(str(root / "train"), h.image_size, h.channels)
-                self._val = _read_image_folder(str(root / "val"), h.image_size, h.channels)[0] if (root / "val").is_dir() else self._train
+                self._train, classes = _read_image_folder(str(root / "train"), h["image_size"], h["channels"])
+                self._val = (_read_image_folder(str(root / "val"), h["image_size"], h["channels"])[0]
+                             if (root / "val").is_dir() else self._train)
             else:
-                self._train, classes = _read_image_folder(h.data_dir, h.image_size, h.channels)
+                self._train, classes = _read_image_folder(h["data_dir"], h["image_size"], h["channels"])
                 self._val = self._train
             self.num_classes = len(classes)
         else:
-            n_val = max(h.num_samples // 4, 64)
-            self._train = _synthetic_images(h.num_samples, h.image_size, h.channels, h.num_classes, h.seed)
-            self._val = _synthetic_images(n_val, h.image_size, h.channels, h.num_classes, h.seed + 1)
+            n_val = max(h["num_samples"] // 4, 64)
+            self._train = _synthetic_images(h["num_samples"], h["image_size"], h["channels"], h["num_classes"],
+                                            h["seed"])
+            self._val = _synthetic_images(n_val, h["image_size"], h["channels"], h["num_classes"], h["seed"] + 1)

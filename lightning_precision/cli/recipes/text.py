@@ -3,7 +3,7 @@ when a name or local path is given."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from torch import Tensor
 
@@ -34,7 +34,7 @@ class DistilBertClassifier(ClassificationRecipe):
     def __init__(
         self,
         size: Literal["tiny", "base"] = "tiny",
-        pretrained: Optional[str] = None,
+        pretrained: str | None = None,
         num_labels: int = 2,
         vocab_size: int = 30522,
         lr: float = 5e-4,
@@ -50,8 +50,9 @@ class DistilBertClassifier(ClassificationRecipe):
         if pretrained is not None:
             self.net = DistilBertForSequenceClassification.from_pretrained(pretrained, num_labels=num_labels)
         else:
-            config = DistilBertConfig(vocab_size=vocab_size, num_labels=num_labels, dropout=0.0, attention_dropout=0.0,
-                                      **SIZES[size])
+            config_args: dict[str, Any] = {"vocab_size": vocab_size, "num_labels": num_labels, "dropout": 0.0,
+                                           "attention_dropout": 0.0, **SIZES[size]}
+            config = DistilBertConfig(**config_args)
             self.net = DistilBertForSequenceClassification(config)
 
     def logits(self, batch: Any) -> Tensor:

@@ -133,4 +133,5 @@ class ResNet50Classifier(ImageClassifier):
         widths = {"tiny": 16, "full": 64}
         if size not in widths:
             raise ValueError(f"`ResNet50Classifier(size={size!r})`: use one of {list(widths)}.")
-        self.net = _torchvision_model("resnet50", num_classes) if pretrained else resnet50(channels, num_classes, widths[size])
+        self.net = (_torchvision_model("resnet50", num_classes) if pretrained
+                    else resnet50(channels, num_classes, widths[size]))

@@ -1,0 +1,222 @@
+"""The parent's side of ``lightning-precision compare``: one process per precision (``child.run_child``), taking turns
+in an order that rotates every round, the progress shown as they go, and every process ended on the way out, whatever
+happened: asked to stop at its next turn, killed after a grace period or at a second signal."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning_precision.cli.child import run_child
+from lightning_precision.cli.compare_args import UsageError, block_size
+from lightning_precision.cli.spawn import NO_MAIN_GUARD_EXIT, no_main_guard_message
+from lightning_precision.cli.stop import Interrupted, Stop, signals_blocked
+
+__all__ = ["GRACE_S", "Run", "advance", "run_all", "start", "stop_all"]
+
+GRACE_S = 5.0  # after a signal, how long a process may take to reach its next turn before it is killed
+
+OnStep = Callable[[int], None]
+
+
+def _no_step(steps: int) -> None:
+    pass
+
+
+class Run:
+    """The parent's record of one precision's process: what it has reported so far."""
+
+    def __init__(self, precision: str, process: Any, conn: Any) -> None:
+        self.precision, self.process, self.conn = precision, process, conn
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.blocks: list[list[float]] = []
+        self.peak_mb: float | None = None
+        self.result: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.detail: str | None = None
+        self.no_main_guard = False  # it ended as it started: the calling script lacks the __main__ guard
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    def take_turn(self, on_step: OnStep, stop: Stop) -> None:
+        """Let the process run until it yields (a block done) or ends (its result, or an error)."""
+        try:
+            self.conn.send("go")
+        except OSError:  # the process died between turns (BrokenPipeError): say how it ended
+            self.fail_from_exit()
+            return
+        self.wait(on_step, stop)
+
+    def wait(self, on_step: OnStep, stop: Stop) -> None:
+        """Read the process's messages until it yields or ends; ``Interrupted`` as soon as a signal has arrived."""
+        while True:
+            if stop.signum is not None:
+                raise Interrupted
+            if not self.conn.poll(0.2):
+                if self.process.is_alive() or self.conn.poll(0):  # its last message may have come as it exited
+                    continue
+                self.fail_from_exit()
+                return
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self.fail_from_exit()
+                return
+            if self.take(message, on_step):
+                if self.finished:  # its result is in: a process that does not exit by itself must not hang the run
+                    self.end(stop)
+                return
+
+    def take(self, message: tuple[Any, ...], on_step: OnStep = _no_step) -> bool:
+        """Record one message; True if the process's turn is over (it yielded, or ended)."""
+        kind = message[0]
+        if kind == "block":
+            times, losses, self.peak_mb = message[1], message[2], message[3]
+            self.times += times
+            self.losses += losses
+            self.blocks.append(times)
+            on_step(len(times))
+            return False
+        if kind == "done":
+            self.result = message[1]
+        elif kind == "error":
+            self.error, self.detail = message[1], message[2]
+        return True
+
+    def drain(self) -> None:
+        """Record what the process has sent and not been read, without waiting: blocks finished as it was stopped."""
+        try:
+            while self.conn.poll(0):
+                self.take(self.conn.recv())
+        except (EOFError, OSError):
+            pass
+
+    def fail_from_exit(self) -> None:
+        self.process.join(timeout=5)
+        code = self.process.exitcode
+        if code == NO_MAIN_GUARD_EXIT:  # it ended while importing the calling script (``spawn``)
+            self.error, self.no_main_guard = no_main_guard_message(), True
+            return
+        why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        hint = " (signal 9 is often the out-of-memory killer)" if code == -signal.SIGKILL else ""
+        self.error = f"its process ended before finishing: {why}{hint}"
+
+    def ask_to_stop(self) -> None:
+        """Tell the process to end at its next turn boundary (Lightning would swallow a SIGTERM)."""
+        if self.process.is_alive():
+            try:
+                self.conn.send("stop")
+            except OSError:
+                pass
+
+    def end(self, stop: Stop) -> None:
+        """The process has reported its end: give it 10 s to exit, then kill it. A signal cuts the wait short
+        (``stop_all`` ends it then)."""
+        self.ask_to_stop()
+        deadline = time.monotonic() + 10
+        while self.process.is_alive() and time.monotonic() < deadline and stop.signum is None:
+            self.process.join(timeout=0.2)
+        if self.process.is_alive() and stop.signum is None:
+            self.process.kill()
+            self.process.join()
+
+
+def stop_all(runs: list[Run], stop: Stop, grace: float = GRACE_S) -> None:
+    """End every process, whatever happened: each is asked to stop at its next turn boundary, and killed if it has
+    not ended ``grace`` seconds later, or at once once a second signal has come. Blocks that arrive meanwhile are
+    kept. Returns when every process is gone (a process in an uninterruptible wait, e.g. a driver call, after 5 s
+    more)."""
+    for run in runs:
+        run.ask_to_stop()
+    deadline = time.monotonic() + grace
+    while not stop.hurry and time.monotonic() < deadline:
+        alive = [run for run in runs if run.process.is_alive()]
+        if not alive:
+            break
+        for run in alive:
+            run.drain()  # a process blocked on a full pipe would never reach its turn boundary
+        multiprocessing.connection.wait([run.process.sentinel for run in alive], timeout=0.1)
+    for run in runs:
+        if run.process.is_alive():
+            run.process.kill()
+    for run in runs:
+        run.process.join(timeout=5)
+        run.drain()
+
+
+def start(recipe: str, precision: str, args: argparse.Namespace) -> Run:
+    """Start one precision's process (``child.run_child``); it reports once ready for its first turn."""
+    context = multiprocessing.get_context("spawn")  # fork after torch has threads can deadlock; CUDA needs spawn too
+    parent, child = context.Pipe()
+    process = context.Process(target=run_child, args=(child, recipe, precision, args), daemon=True,
+                              name=f"compare-{precision}")
+    # Born with SIGINT and SIGTERM blocked: a signal sent to the whole process group (Ctrl-C in a terminal, timeout,
+    # SLURM) must not end it while it imports, before ``run_child`` ignores them. multiprocessing starts its resource
+    # tracker at the first start() and then unblocks both signals instead of restoring the mask it found: started
+    # first, it leaves the mask alone.
+    if hasattr(signal, "pthread_sigmask"):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+    with signals_blocked():
+        process.start()
+    child.close()
+    return Run(precision, process, parent)
+
+
+def advance(progress: Any, task: Any, steps: int) -> None:
+    """The progress bar of one precision moved by ``steps``. Where stdout is not a terminal (a pipe, a log file, a batch
+    job) rich draws nothing until the end: a line per finished turn says how far each precision is."""
+    progress.advance(task, steps)
+    if progress.disable:
+        state = progress.tasks[task]
+        progress.console.print(f"{' '.join(state.description.split())}: {state.completed:.0f}/{state.total:.0f} steps,"
+                               f" {datetime.timedelta(seconds=round(state.elapsed or 0))} elapsed", highlight=False,
+                               markup=False)
+
+
+def run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop: Stop) -> dict[str, Run]:
+    """Start every precision's process, then take turns until all are done or a signal arrives; every process has
+    ended on return, whatever happened. ``start`` and ``advance`` are looked up here at each call: a test (or a
+    driver script) may wrap them."""
+    runs: dict[str, Run] = {}
+    tasks = {p: progress.add_task(f"{args.recipe} {p:>10}", total=args.steps) for p in precisions}
+    if progress.disable:  # no bars (stdout is not a terminal): say what comes, as a bar at 0 would
+        block = block_size(args.steps)
+        progress.console.print(f"{args.recipe}: starting {', '.join(precisions)}, each in its own process; a line per"
+                               f" turn of {block} step{'s' if block > 1 else ''} follows", highlight=False,
+                               markup=False)
+
+    def stepped(precision: str) -> OnStep:
+        return lambda steps: advance(progress, tasks[precision], steps)
+
+    try:
+        for p in precisions:
+            if stop.signum is not None:
+                raise Interrupted
+            runs[p] = start(args.recipe, p, args)
+        for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
+            run.wait(_no_step, stop)
+            if run.no_main_guard:  # every process would end so: one line, as for any argument the runs refuse
+                raise UsageError(run.error)
+        turn = 0
+        while not all(r.finished for r in runs.values()):
+            order = precisions[turn % len(precisions):] + precisions[: turn % len(precisions)]
+            for p in order:  # the order rotates: no precision always runs first after a pause
+                if not runs[p].finished:
+                    runs[p].take_turn(stepped(p), stop)
+            turn += 1
+    except Interrupted:
+        pass
+    finally:
+        stop_all(list(runs.values()), stop)
+    return runs
