@@ -52,8 +52,6 @@ __all__ = [
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
-    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
-    from lightning_precision.fp8 import FP8LayerPolicy, PlanRule, PrecisionPlan
     from lightning_precision._plugins import (
         BF16MixedPrecision,
         FP8Precision,
@@ -62,6 +60,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
         XPUPrecision,
     )
     from lightning_precision._warnings import NoEffectWarning
+    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
+    from lightning_precision.fp8 import FP8LayerPolicy, PlanRule, PrecisionPlan
 
 
 def __getattr__(name: str) -> Any:

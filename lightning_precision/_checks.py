@@ -22,5 +22,6 @@ def one_config(owner: str, arg: str, config_cls: type, config: Any, flat: dict[s
     changed = [f"{name}={value!r}" for name, value in flat.items() if value != getattr(config_cls, name)]
     if changed:
         raise ValueError(f"`{owner}({arg}={config_cls.__name__}(...), {', '.join(changed)})`: give these arguments in"
-                         f" one place. Put them in the config: `{arg}=dataclasses.replace(config, {', '.join(changed)})`.")
+                         f" one place. Put them in the config:"
+                         f" `{arg}=dataclasses.replace(config, {', '.join(changed)})`.")
     return config

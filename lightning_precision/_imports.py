@@ -77,7 +77,7 @@ def install_command(package: str) -> str:
 def missing_cli_requirements() -> list[str]:
     """The command line's requirements this install does not meet (``["rich>=13"]``), from package metadata: nothing
     is imported."""
-    return [r.requirement for r in CLI_REQUIREMENTS if not r]
+    return [str(r.requirement) for r in CLI_REQUIREMENTS if not r]
 
 
 def require(available: RequirementCache, package: str, feature: str) -> None:
@@ -98,8 +98,8 @@ _NOISE_WITHOUT_CUDA = {
                 r"^Skipping import of cpp extensions due to incompatible torch version"),
 }
 _NOISE = {
-    "torch.utils._pytree": (r"is an Enum subclass and is now natively supported .* Calling register_constant\(\) on Enum"
-                            r" subclasses is deprecated",),
+    "torch.utils._pytree": (r"is an Enum subclass and is now natively supported .* Calling register_constant\(\) on"
+                            r" Enum subclasses is deprecated",),
 }
 
 

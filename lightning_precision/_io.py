@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 
-def check_writable_dir(path: "str | os.PathLike[str]", owner: str) -> Path:
+def check_writable_dir(path: str | os.PathLike[str], owner: str) -> Path:
     """Create ``path`` (and its parents) if needed and prove a file can be written in it; a ``ValueError`` naming
     ``owner`` and the reason otherwise. Called before a fit or a comparison, so a bad path costs seconds, not a run."""
     if str(path) == "":
@@ -37,7 +37,7 @@ def check_writable_dir(path: "str | os.PathLike[str]", owner: str) -> Path:
     return directory
 
 
-def check_writable_file(path: "str | os.PathLike[str]", owner: str) -> Path:
+def check_writable_file(path: str | os.PathLike[str], owner: str) -> Path:
     """Prove that ``atomic_write_text(path, ...)`` can succeed later: the folder of the file (of a symbolic link's
     target) can be written, and the path is not a folder. A ``ValueError`` naming ``owner``, the path and the fix
     otherwise. Creates the folder if needed; writes nothing at ``path`` itself."""
@@ -52,7 +52,7 @@ def check_writable_file(path: "str | os.PathLike[str]", owner: str) -> Path:
     return target
 
 
-def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> Path:
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to ``path`` whole or not at all: to a uniquely named temporary file beside it, flushed to disk,
     then renamed over it. A symbolic link stays a link (its target is replaced); two processes writing the same path
     each write their own temporary file, and one whole text wins. A new file gets the usual permissions (an existing
@@ -60,7 +60,7 @@ def atomic_write_text(path: "str | os.PathLike[str]", text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """``atomic_write_text`` for bytes (a plot, an archive): the same guarantees."""
     path = Path(path)
     target = Path(os.path.realpath(path.expanduser()))
@@ -81,7 +81,7 @@ def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> Path:
     return path
 
 
-def create_new_file(directory: "str | os.PathLike[str]", name: str) -> Path:
+def create_new_file(directory: str | os.PathLike[str], name: str) -> Path:
     """Create an empty file named ``name`` in ``directory``, or ``<stem>-1<suffix>``, ``<stem>-2<suffix>``, ... if
     that name is taken, and return its path. Created exclusively (``O_EXCL``): an existing file is never opened, let
     alone overwritten, and two processes never get the same name. For a run's default output file, which the run then

@@ -21,12 +21,12 @@ __all__ = ["check_plot_path", "image_format", "plot_amax_history", "plot_exponen
 _COLORS = {"fp16": "tab:red", "bf16": "tab:blue", "e4m3fn": "tab:green", "e5m2": "tab:purple", "tf32": "tab:orange"}
 
 
-def image_format(path: "str | os.PathLike[str]") -> str:
+def image_format(path: str | os.PathLike[str]) -> str:
     """The format matplotlib writes for ``path``'s suffix (PNG without one)."""
     return Path(path).suffix.lower().lstrip(".") or "png"
 
 
-def check_plot_path(path: "str | os.PathLike[str]", owner: str) -> Path:
+def check_plot_path(path: str | os.PathLike[str], owner: str) -> Path:
     """Prove, before the work whose plot it is, that a plot can be written at ``path``: matplotlib is installed, it
     writes the suffix's format, and the file can be written (``_io.check_writable_file``). A ``ValueError`` (or the
     ImportError naming the extra) otherwise."""
@@ -40,7 +40,7 @@ def check_plot_path(path: "str | os.PathLike[str]", owner: str) -> Path:
     return check_writable_file(path, owner)
 
 
-def save_figure(fig: Any, path: "str | os.PathLike[str]", dpi: int) -> str:
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int) -> str:
     """Write the figure to ``path`` whole or not at all (``atomic_write_bytes``): a full disk or a kill mid-write
     leaves the previous plot, never a truncated one. Without a suffix, PNG."""
     buffer = io.BytesIO()
@@ -162,7 +162,7 @@ def plot_amax_history(
     fig, axes = plt.subplots(1, len(tensors) + 1, figsize=(width, height), layout="constrained",
                              width_ratios=[5.0] * len(tensors) + [4.2])
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, (ax, tensor) in enumerate(zip(axes, tensors)):
+    for k, (ax, tensor) in enumerate(zip(axes[:-1], tensors, strict=True)):  # the last axes holds the table
         for n, i in enumerate(ran):
             values = h[:, i, k]
             ax.plot(range(h.shape[0]), values.where(values > 0, float("nan")).tolist(), label=layers[i], lw=1.2,

@@ -18,8 +18,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_precision._checks import is_positive_int
 from lightning_precision._accumulator import all_reduce
+from lightning_precision._checks import is_positive_int
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._upstream.lightning import batches_that_stepped, should_update_logs
 from lightning_precision._warnings import NoEffectWarning, warn
@@ -57,6 +57,11 @@ class GuardEvent:
     fqn: str
     reason: str
 
+
+
+def _process_rank() -> int:
+    """This process's rank, as Lightning's rank-zero utilities set it (an attribute their typing does not declare)."""
+    return int(getattr(rank_zero_only, "rank", 0))  # noqa: B009
 
 class FP8Guard(Callback):
     """Watches the layers ``FP8Precision`` runs in fp8 and moves one back to high precision when its measured fp8
@@ -111,7 +116,7 @@ class FP8Guard(Callback):
 
     def _check_plan_path(self) -> None:
         """Prove, on rank zero and before any step, that the plan can be written where it will be."""
-        if self._checked or rank_zero_only.rank != 0:
+        if self._checked or _process_rank() != 0:
             return
         if self.plan_path is not None:
             check_writable_file(self.plan_path, f"FP8Guard(plan_path={str(self.plan_path)!r})")
@@ -149,7 +154,7 @@ class FP8Guard(Callback):
             return []
         probe.close()
         sensitivity = probe.result(all_reduce)  # the step's micro-batches, committed as one batch
-        if probe.dropped and rank_zero_only.rank == 0:
+        if probe.dropped and _process_rank() == 0:
             judged = "not judged" if not probe.batches else \
                 f"judged on the {probe.batches} process(es) whose values were finite"
             warn(f"FP8Guard: step {step} is {judged}: a non-finite input, loss or gradient reached the fp8 layers on"
@@ -158,7 +163,7 @@ class FP8Guard(Callback):
         # Nothing measured on any process, and here not even a call without tokens: the hooks did not run at all.
         if not sensitivity and not probe.dropped and not probe.ran and not self._blind:
             self._blind = True
-            if rank_zero_only.rank == 0:
+            if _process_rank() == 0:
                 warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward"
                      " hooks ran with gradients on (the step's forward ran under no_grad, or did not reach them), so"
                      " nothing is watched.", NoEffectWarning)
@@ -168,7 +173,7 @@ class FP8Guard(Callback):
         events = [GuardEvent(step, fqn, failed[fqn]) for fqn in moved]
         self.events.extend(events)
         if events:
-            if rank_zero_only.rank == 0:
+            if _process_rank() == 0:
                 warn(f"FP8Guard: step {step}: {len(events)} layer(s) moved back to {plugin.compute_dtype}: "
                      + "; ".join(f"{e.fqn} ({e.reason})" for e in events))
             self._save_during_fit(plugin)  # at once: a run that dies later keeps what was learned
@@ -179,7 +184,7 @@ class FP8Guard(Callback):
         default file is created at this first write), on rank zero; returns where, or None: on other ranks, before
         conversion, while ``layers="auto"`` has not decided, or with Fabric and neither ``path`` nor ``plan_path``."""
         plan = plugin.plan_in_force()
-        if plan is None or rank_zero_only.rank != 0:
+        if plan is None or _process_rank() != 0:
             return None
         target = Path(path) if path is not None else self.plan_file
         created = False
@@ -250,7 +255,7 @@ class FP8Guard(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._probe is None:
             return
-        plugin = trainer.precision_plugin
+        plugin: Any = trainer.precision_plugin  # an FP8Precision: `setup` checked
         events = self.check(plugin, trainer.global_step)
         metrics = {f"precision/fp8_demoted/{e.fqn}": float(e.step) for e in events}
         if not should_update_logs(trainer):  # on the logger's steps the plugin logs it itself: not twice

@@ -15,11 +15,11 @@ from torch.nn import Linear, Module
 from typing_extensions import override
 
 from lightning_precision import _fsdp, _imports
+from lightning_precision._accumulator import all_reduce
 from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision._accumulator import all_reduce
 from lightning_precision.fp8._hardware import check_fp8_hardware
 from lightning_precision.fp8._plan import FP8, HighLabel, PlanLike, PlanRule, PrecisionPlan, as_plan, high_label
 from lightning_precision.fp8._selection import (

@@ -25,7 +25,7 @@ from lightning_precision import _imports
 from lightning_precision._accumulator import Accumulator, Reduce, as_reduce_op
 from lightning_precision._upstream.torchao import FLOAT8_EPS
 from lightning_precision._warnings import warn
-from lightning_precision.formats import get_format
+from lightning_precision.formats import NumberFormat, get_format
 from lightning_precision.fp8._selection import BLOCK_SCALED, HYBRID_FORMAT, TENSORS, functional_linears, linear_layers
 from lightning_precision.fp8._torchao import MXFP8Recipe, torchao_config
 
@@ -61,6 +61,14 @@ class CastSpec:
     pow2: bool
 
 
+def _fp8_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an fp8 format (torchao's when a config names none)."""
+    fmt = get_format(name)
+    if not isinstance(fmt, NumberFormat) or fmt.dtype is None:
+        raise ValueError(f"{name!r} is not an fp8 format with a torch dtype")
+    return fmt.dtype
+
+
 def cast_specs(config: Any) -> dict[str, CastSpec]:
     """The ``CastSpec`` of input, weight and grad_output under a torchao ``Float8LinearConfig``."""
     ScalingGranularity = _imports.import_quietly("torchao.float8.config").ScalingGranularity
@@ -68,8 +76,8 @@ def cast_specs(config: Any) -> dict[str, CastSpec]:
     specs = {}
     for tensor in TENSORS:
         cast = getattr(config, f"cast_config_{tensor}")
-        default = get_format(HYBRID_FORMAT[tensor]).dtype  # torchao's when the config names none
-        specs[tensor] = CastSpec(getattr(cast, "target_dtype", None) or default,
+        target: torch.dtype = getattr(cast, "target_dtype", None) or _fp8_dtype(HYBRID_FORMAT[tensor])
+        specs[tensor] = CastSpec(target,
                                  cast.scaling_granularity == ScalingGranularity.AXISWISE,
                                  bool(getattr(config, "round_scales_to_power_of_2", False)))
     return specs

@@ -243,10 +243,10 @@ def to_mxfp8_linear(layer: nn.Linear, recipe: MXFP8Recipe, name: str | None = No
     mx = mxfp8_linear_module()
     layer.kernel_preference = upstream.kernel_preference(emulated=recipe.emulate)
     layer.scale_calculation_mode = upstream.rceil_scale_mode()
-    layer.wgrad_with_hp = recipe.wgrad_with_hp
+    setattr(layer, "wgrad_with_hp", recipe.wgrad_with_hp)  # noqa: B010  (torchao's attribute, not nn.Linear's)
     for attribute, value in _MXFP8_RECORD.items():
         setattr(layer, attribute, value)
-    layer._mxfp8_name = name
+    setattr(layer, "_mxfp8_name", name)  # noqa: B010  (an attribute of the class it becomes, not nn.Linear's)
     setattr(layer, MXFP8_FLAG, True)
     layer.__class__ = _autocast_mxfp8_class(mx.MXFP8Linear)
 
@@ -264,6 +264,13 @@ def _autocast_mxfp8_class(base: type) -> type:
     if base not in _MXFP8_CLASS:
 
         class AutocastMXFP8Linear(base):
+            # What `_MXFP8_RECORD` and `to_mxfp8_linear` set on the layer.
+            _mxfp8_short: int | None
+            _mxfp8_warned: bool
+            _mxfp8_quiet: bool
+            _mxfp8_ran: bool
+            _mxfp8_name: str | None
+
             def forward(self, input: torch.Tensor) -> torch.Tensor:
                 device = input.device.type
                 dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else input.dtype
@@ -309,7 +316,7 @@ def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype, 
     the fix knows whether other layers ran in MXFP8)."""
     judged = set(layers) if ran is None else set(ran)
     every = {fqn: m for fqn, m in layers.items() if getattr(m, MXFP8_FLAG, False)}
-    mx = {fqn: m for fqn, m in every.items() if fqn in judged}
+    mx: dict[str, Any] = {fqn: m for fqn, m in every.items() if fqn in judged}  # the MXFP8 class's attributes
     for m in mx.values():
         m._mxfp8_quiet = False
     short = {fqn: m._mxfp8_short for fqn, m in mx.items() if m._mxfp8_short is not None and not m._mxfp8_ran}

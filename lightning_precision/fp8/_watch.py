@@ -32,7 +32,7 @@ class ForwardWatch:
         self.settled = False
         for m in layers.values():
             if getattr(m, MXFP8_FLAG, False):
-                m._mxfp8_quiet = True
+                setattr(m, "_mxfp8_quiet", True)  # noqa: B010  (an MXFP8 layer's attribute, not nn.Module's)
         self._handles = {fqn: m.register_forward_pre_hook(functools.partial(self._count, fqn))
                          for fqn, m in layers.items()}
 
@@ -61,7 +61,7 @@ class ForwardWatch:
             handle.remove()
             # Its MXFP8 fallbacks were left to the plugin, which no longer watches it: the layer says them itself again.
             if getattr(self.layers[fqn], MXFP8_FLAG, False):
-                self.layers[fqn]._mxfp8_quiet = False
+                setattr(self.layers[fqn], "_mxfp8_quiet", False)  # noqa: B010  (as above)
         self._handles.clear()
 
 
