@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_precision.cli.recipes.vision import Bottleneck
+from lightning_precision.cli.recipes.vision import Bottleneck, resnet
 
 # Steps dropped from the start of every fit (allocator and thread-pool warm-up).
 WARMUP = 5
@@ -51,23 +51,6 @@ class BasicBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
         return self.relu(self.bn2(self.conv2(out)) + self.down(x))
-
-
-def resnet(block: type[nn.Module], depths: tuple[int, ...], num_classes: int = 10, base_width: int = 64,
-           channels: int = 3) -> nn.Module:
-    """torchvision's ResNet layout: a 7x7 stem and max-pool, stages of ``depths`` blocks whose width doubles from
-    ``base_width`` (the first block of every stage after the first halves the resolution), pooling, a linear head.
-    ``block(cin, width, stride)`` outputs ``width * block.expansion`` channels."""
-    layers: list[nn.Module] = [nn.Conv2d(channels, base_width, 7, 2, 3, bias=False), nn.BatchNorm2d(base_width),
-                               nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
-    cin = base_width
-    for i, depth in enumerate(depths):
-        width = base_width * 2**i
-        for b in range(depth):
-            layers.append(block(cin, width, 2 if b == 0 and i > 0 else 1))
-            cin = width * block.expansion
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
-    return nn.Sequential(*layers)
 
 
 def resnet18(num_classes: int = 10) -> nn.Module:

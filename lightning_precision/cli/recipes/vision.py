@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from lightning_precision import _imports
 from lightning_precision.cli.recipes._base import ClassificationRecipe
 
-__all__ = ["Bottleneck", "ImageClassifier", "ResNet50Classifier", "VIT_SIZES", "ViT", "ViTClassifier", "resnet50"]
+__all__ = ["Bottleneck", "ImageClassifier", "ResNet50Classifier", "VIT_SIZES", "ViT", "ViTClassifier", "resnet",
+           "resnet50"]
 
 VIT_SIZES = {
     # name: (image_size, patch, dim, depth, heads, mlp_dim)
@@ -67,18 +68,27 @@ class Bottleneck(nn.Module):
         return self.relu(self.body(x) + self.down(x))
 
 
-def resnet50(channels: int, num_classes: int, base_width: int = 64) -> nn.Module:
-    """ResNet50 (He et al. 2016): bottleneck stages of 3, 4, 6, 3 blocks; ``base_width`` 64 is the standard network."""
+def resnet(block: type[nn.Module], depths: tuple[int, ...], num_classes: int = 10, base_width: int = 64,
+           channels: int = 3) -> nn.Module:
+    """torchvision's ResNet layout: a 7x7 stem and max-pool, stages of ``depths`` blocks whose width doubles from
+    ``base_width`` (the first block of every stage after the first halves the resolution), pooling, a linear head.
+    ``block(cin, width, stride)`` outputs ``width * block.expansion`` channels."""
     layers: list[nn.Module] = [nn.Conv2d(channels, base_width, 7, 2, 3, bias=False), nn.BatchNorm2d(base_width),
                                nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
     cin = base_width
-    for i, blocks in enumerate((3, 4, 6, 3)):
+    expansion = int(getattr(block, "expansion", 1))
+    for i, depth in enumerate(depths):
         width = base_width * 2**i
-        for b in range(blocks):
-            layers.append(Bottleneck(cin, width, 2 if b == 0 and i > 0 else 1))
-            cin = width * Bottleneck.expansion
+        for b in range(depth):
+            layers.append(block(cin, width, 2 if b == 0 and i > 0 else 1))
+            cin = width * expansion
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
     return nn.Sequential(*layers)
+
+
+def resnet50(channels: int, num_classes: int, base_width: int = 64) -> nn.Module:
+    """ResNet50 (He et al. 2016): bottleneck stages of 3, 4, 6, 3 blocks; ``base_width`` 64 is the standard network."""
+    return resnet(Bottleneck, (3, 4, 6, 3), num_classes, base_width, channels)
 
 
 def _torchvision_model(name: str, num_classes: int) -> nn.Module:
