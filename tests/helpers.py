@@ -66,6 +66,28 @@ class LitNet(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class LossRecorder(L.LightningModule):
+    """Cross-entropy of ``net`` (``logits`` says how a batch reaches it), SGD, every training loss kept in
+    ``losses``."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.losses: list[float] = []
+
+    def logits(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.logits(x, batch_idx).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
 def trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
     defaults = dict(
         accelerator="cpu",
@@ -211,10 +233,9 @@ def has_mxfp8() -> bool:
     from lightning_precision.fp8 import _torchao as lp_fp8
 
     try:
-        lp_fp8.mxfp8_linear_module()
+        return lp_fp8.mxfp8_linear_module() is not None
     except ImportError:
         return False
-    return True
 
 
 def fp8_recipe(recipe: str) -> Any:

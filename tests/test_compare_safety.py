@@ -324,16 +324,20 @@ def test_report_json_is_strict_json_and_says_nan_as_the_csv_does(tmp_path):
 # ------------------------------------------------------------------------------------- signals
 
 
-def _children(pid: int) -> list[int]:
+def _processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, process group) of every process, from /proc."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
+        found.append((int(stat.parent.name), fields[0], int(fields[1]), int(fields[2])))
     return found
+
+
+def _children(pid: int) -> list[int]:
+    return [p for p, _, parent, _ in _processes() if parent == pid]
 
 
 def _gone(pid: int) -> bool:
@@ -519,15 +523,7 @@ sys.exit(cli.main(sys.argv[5:]))
 
 def _group_left(pgid: int) -> list[int]:
     """The processes of a process group still running (zombies have ended)."""
-    left = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            left.append(int(stat.parent.name))
-    return left
+    return [p for p, state, _, group in _processes() if group == pgid and state != "Z"]
 
 
 def _run_at(tmp_path: Path, when: str, signals: str, argv: list, ignore: bool = False):

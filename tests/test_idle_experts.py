@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_precision import BF16MixedPrecision, FP8Precision, NoEffectWarning, PrecisionPlan
 from lightning_precision.callbacks import AmaxHistoryLogger, FP8Guard
-from tests.helpers import fp8_recipe
+from tests.helpers import LossRecorder, fp8_recipe
 
 pytest.importorskip("torchao")
 
@@ -42,20 +42,12 @@ class MoE(nn.Module):
         return self.head(out)
 
 
-class Lit(L.LightningModule):
+class Lit(LossRecorder):
     def __init__(self) -> None:
-        super().__init__()
-        self.net = MoE()
-        self.losses: list[float] = []
+        super().__init__(MoE())
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x, idle=batch_idx % 2 == 1).float(), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+    def logits(self, x, batch_idx):
+        return self.net(x, idle=batch_idx % 2 == 1)
 
 
 def loader(steps: int = STEPS) -> torch.utils.data.DataLoader:

@@ -20,6 +20,7 @@ from lightning_precision import FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.fp8._plan import LayerPlan, make_plan
 from lightning_precision.fp8._sensitivity import TORCHAO_EPS, CastSpec, cast_numerics, fp8_sensitivity
+from tests.helpers import LossRecorder
 
 pytest.importorskip("torchao")
 
@@ -43,20 +44,9 @@ class Outliers(nn.Module):
         return self.head(torch.relu(self.d(h))) + self.c(x)[:, :16] * 1e-21
 
 
-class Lit(L.LightningModule):
+class Lit(LossRecorder):
     def __init__(self) -> None:
-        super().__init__()
-        self.net = Outliers()
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x).float(), y)
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        super().__init__(Outliers())
 
 
 def batches(n: int, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
