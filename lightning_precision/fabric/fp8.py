@@ -788,10 +788,9 @@ class NVFP4Precision(FP8Precision):
         *,
         recipe: RecipeLike | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
-        layer_policy: FP8LayerPolicy | None = None,
-        module_filter: ModuleFilter | None = None,
-        skip_small_layers: bool = True,
-        skip_first_last: bool = True,
+        # Which layers: a policy, or its shorthands (as FP8Precision); or a plan.
+        layer_policy: FP8LayerPolicy | None = None, module_filter: ModuleFilter | None = None,
+        skip_small_layers: bool = True, skip_first_last: bool = True,
         layers: PlanLike | None = None,
         device: str | None = None,
         matmul_precision: MatmulPrecision | None = None,

@@ -26,6 +26,13 @@ _DTYPES: dict[str, tuple[torch.dtype, Any]] = {
 }
 
 
+
+def _check_choices(owner: str, dtype: str, ipex: object) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(f"`{owner}(dtype={dtype!r})`: use 'bf16' (recommended on XPU) or 'fp16'.")
+    if ipex not in (False, True, "auto"):
+        raise ValueError(f"`{owner}(ipex={ipex!r})`: use False, True or 'auto'.")
+
 class XPUPrecision(ScaledPrecision):
     """Mixed precision on Intel GPUs: ``Fabric(strategy=XPUAccelerator.strategy(devices=1), plugins=[XPUPrecision()])``.
 
@@ -58,19 +65,17 @@ class XPUPrecision(ScaledPrecision):
         *,
         dtype: Literal["bf16", "fp16"] = "bf16",
         ipex: bool | Literal["auto"] = False,
-        scaler: ScalerConfig | None = None,
-        skip_schedulers_on_overflow: bool = True,
+        # fp16 only: the loss scaler and what its skipped steps hold back.
+        scaler: ScalerConfig | None = None, skip_schedulers_on_overflow: bool = True,
         matmul_precision: MatmulPrecision | None = None,
         device: str = "xpu",
         reduce_dtype: torch.dtype = torch.float32,
+        # Skipped steps: the non-finite guard (bf16) and how many in a row stop the run (either dtype).
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
     ) -> None:
         owner = type(self).__name__
-        if dtype not in _DTYPES:
-            raise ValueError(f"`{owner}(dtype={dtype!r})`: use 'bf16' (recommended on XPU) or 'fp16'.")
-        if ipex not in (False, True, "auto"):
-            raise ValueError(f"`{owner}(ipex={ipex!r})`: use False, True or 'auto'.")
+        _check_choices(owner, dtype, ipex)
         if dtype == "bf16" and scaler is not None:
             # Refused, not ignored: a user who sets a scale believes the loss is scaled (as BF16MixedPrecision does).
             raise ValueError(
