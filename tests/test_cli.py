@@ -37,6 +37,28 @@ def test_each_precision_variant_combines_with_a_recipe(variant, tmp_path, monkey
     assert cli.main(["fit", *configs, *FEW_STEPS]) == 0
 
 
+@pytest.mark.parametrize("command", ["compare", "doctor", "plan", "fit"])
+def test_a_command_without_the_cli_extra_prints_the_one_install_line(command, monkeypatch, capsys):
+    """An install without the `cli` extra (a plugin user's): the real metadata check finds a requirement this install
+    does not meet (rich>=999 stands in for a missing package) and the command says how to get it, before importing
+    anything of the tool."""
+    from lightning_utilities.core.imports import RequirementCache
+
+    from lightning_precision import _imports
+
+    monkeypatch.setattr(_imports, "CLI_REQUIREMENTS", (RequirementCache("rich>=999"),))
+    assert cli.main([command]) == 1
+    err = capsys.readouterr().err
+    assert f"lightning-precision {command}: the command line needs rich>=999" in err
+    assert "pip install 'lightning-precision[cli]'" in err and "Traceback" not in err
+
+
+def test_this_install_has_the_cli_extra():
+    from lightning_precision import _imports
+
+    assert _imports.missing_cli_requirements() == []
+
+
 def test_unknown_command():
     assert cli.main(["train"]) == 2
 

@@ -22,3 +22,21 @@ def test_the_library_never_imports_the_tool():
     into_tool = {(a, b) for a, b_set in edges.items() for b in b_set
                  if b.startswith("lightning_precision.cli") and not a.startswith("lightning_precision.cli")}
     assert into_tool == set()
+
+
+def test_the_library_imports_none_of_the_tools_dependencies():
+    """The core dependencies are torch, Lightning, typing-extensions and PyYAML: no library module imports what the
+    `cli` extra installs, and matplotlib (the `plots` extra) only in the module that draws the callbacks' plots,
+    after `_imports` says how to install it."""
+    import ast
+
+    tool_only = {"jsonargparse", "rich", "transformers", "torchmetrics", "datasets", "matplotlib"}
+    found = set()
+    for name, path in import_graph.modules().items():
+        if name.startswith("lightning_precision.cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found |= {(name, n.split(".")[0]) for n in names if n.split(".")[0] in tool_only}
+    assert found == {("lightning_precision._plots", "matplotlib")}
