@@ -10,7 +10,7 @@ import pytest
 from lightning_precision import cli
 from tests.helpers import communicate
 
-pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
+pytestmark = pytest.mark.slow  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("precision-"))

@@ -22,7 +22,7 @@ import pytest
 from lightning_precision import _outdir, _report, _stop, cli, compare
 from tests.helpers import communicate
 
-pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
+pytestmark = pytest.mark.slow  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
