@@ -25,7 +25,7 @@ import sys
 import typing
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lightning_precision"
@@ -107,7 +107,7 @@ def _parameters(signature: inspect.Signature, skip_first: bool) -> str:
     return ", ".join(out)
 
 
-def _constructor(cls: type) -> Optional[Any]:
+def _constructor(cls: type) -> Any | None:
     """The ``__init__`` (or ``__new__``) a call of ``cls`` runs, when a class of this package defines it."""
     for klass in cls.__mro__:
         own = vars(klass).get("__init__") or vars(klass).get("__new__")
@@ -147,7 +147,7 @@ def _public_modules() -> dict[str, ModuleType]:
                                                                              (list, tuple))}
 
 
-def _home(modules: dict[str, ModuleType], module_name: str, name: str) -> Optional[str]:
+def _home(modules: dict[str, ModuleType], module_name: str, name: str) -> str | None:
     """The public module that defines ``module_name.name`` and exports it, or None if none does."""
     if _source_defines(modules[module_name], name):
         return module_name
@@ -182,7 +182,7 @@ def render() -> str:
     return "\n".join(lines).rstrip("\n")
 
 
-def current_section(text: Optional[str] = None) -> str:
+def current_section(text: str | None = None) -> str:
     """What docs/index.md holds between the markers."""
     text = INDEX.read_text() if text is None else text
     if START not in text or END not in text:

@@ -17,7 +17,7 @@ E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 def test_roll_amax_history_keeps_the_last_len_steps_like_te():
     history = torch.zeros(3)
     seen = []
-    for step, a in enumerate([5.0, 1.0, 2.0, 3.0, 0.5]):
+    for a in [5.0, 1.0, 2.0, 3.0, 0.5]:
         history[0] = a
         history, amax = roll_amax_history(history, "max")
         seen.append(float(amax))

@@ -586,5 +586,5 @@ def test_one_step_says_which_steps_were_timed_and_fp8_auto_that_never_ran_fp8(tm
     assert fp32["timed_steps"] == auto["timed_steps"] == 1 and fp32["untimed_steps"] == auto["untimed_steps"] == 0
     native_bf16 = report["meta"]["machine"]["cpu"]["native_bf16"]
     assert auto["fp8_layers"] > 0 and auto["fp8_steps"] == 0 and auto["emulated"] is (not native_bf16)
-    assert f"its one step was measured in bf16, before the plan: every matmul ran in bf16, so its figures are" \
-           f" bf16-mixed's" in " ".join(md.split())
+    assert "its one step was measured in bf16, before the plan: every matmul ran in bf16, so its figures are" \
+           " bf16-mixed's" in " ".join(md.split())

@@ -6,9 +6,8 @@ gated on transformer_engine and a CUDA device."""
 import lightning as L
 import pytest
 import torch
-from torch import nn
-
 from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
 
 from lightning_precision import FP8Precision
 from lightning_precision import fabric as lp_fabric

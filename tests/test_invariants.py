@@ -180,8 +180,9 @@ def test_fp8_counts_against_the_fp8_peak_and_other_plugins_are_left_to_lightning
     assert _plugin_to_compute_dtype(TrainerPrecision()) == torch.float32
 
 
-import lightning_precision.callbacks  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+import lightning_precision.callbacks  # noqa: E402
 
 CALLBACKS = discover(lightning_precision.callbacks, Callback)
 

@@ -137,7 +137,7 @@ def test_loss_fn_counts_the_flops_of_model_flops_per_step_and_leaves_the_run_unc
     (window,) = monitor.windows
     assert window.flops == 2 * by_hand
     # The count's forward changed no weight, running statistic or dropout mask of the run.
-    for (name, a), b in zip(measured.state_dict().items(), plain.state_dict().values()):
+    for (name, a), b in zip(measured.state_dict().items(), plain.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
 
 

@@ -65,7 +65,7 @@ def batches(n: int, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def loader(n: int) -> torch.utils.data.DataLoader:
-    x, y = (torch.cat(t) for t in zip(*batches(n)))
+    x, y = (torch.cat(t) for t in zip(*batches(n), strict=True))
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
 
 
