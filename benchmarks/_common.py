@@ -3,6 +3,7 @@ torchvision, so the benchmarks run on a bare CPU install."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import lightning as L
@@ -82,7 +83,8 @@ class ResNet18Module(L.LightningModule):
 
 def image_data(n: int, size: int, seed: int = 0) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g))
+    return torch.utils.data.TensorDataset(torch.randn(n, 3, size, size, generator=g),
+                                          torch.randint(0, 10, (n,), generator=g))
 
 
 class MLP(L.LightningModule):
@@ -93,7 +95,7 @@ class MLP(L.LightningModule):
         torch.manual_seed(0)
         dims = dims or (width,) * 5 + (10,)
         layers: list[nn.Module] = []
-        for i, (a, b) in enumerate(zip(dims, dims[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(dims)):
             layers += [nn.Linear(a, b)] + ([nn.GELU()] if i < len(dims) - 2 else [])
         self.net = nn.Sequential(*layers)
 

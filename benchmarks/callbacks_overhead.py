@@ -31,7 +31,6 @@ from lightning_precision.callbacks import AmaxHistoryLogger, ChannelsLast, Gradi
 from lightning_precision.functional import apply_channels_last, to_channels_last
 
 
-
 class ByHand(ResNet18Module):
     """Channels-last the way people write it without the callback."""
 
@@ -102,7 +101,8 @@ class AlternatingAmaxLogger(AmaxHistoryLogger):
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
 
-def fit(module: L.LightningModule, callbacks: list, steps: int, data, log_every: int = CADENCE, keep_all: bool = False) -> list[float]:
+def fit(module: L.LightningModule, callbacks: list, steps: int, data, log_every: int = CADENCE,
+        keep_all: bool = False) -> list[float]:
     timer = StepTimer()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, callbacks=[*callbacks, timer], logger=False,
@@ -136,8 +136,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--width", type=int, default=2048, help="MLP width for the AmaxHistoryLogger run")
-    parser.add_argument("--dims", default=None, help="MLP layer widths for the AmaxHistoryLogger run, e.g. 256,1024,1024,10"
-                                                      " (instead of --width)")
+    parser.add_argument("--dims", default=None, help="MLP layer widths for the AmaxHistoryLogger run, e.g."
+                        " 256,1024,1024,10 (instead of --width)")
     parser.add_argument("--only", choices=("monitor", "channels_last", "amax", "sample"), default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -146,8 +146,9 @@ if __name__ == "__main__":
           f"{args.size}x{args.size}, {args.rounds} rounds x {args.steps} steps (first {WARMUP} dropped)")
 
     if args.only in (None, "sample"):
-        # The what-if statistics on 65,536 elements of an 8192x8192 weight (256 MB): an element-wise strided view (before)
-        # against evenly spaced contiguous runs (now), same statistics. Strided, every element sits on its own page.
+        # The what-if statistics on 65,536 elements of an 8192x8192 weight (256 MB): an element-wise strided view
+        # (before) against evenly spaced contiguous runs (now), same statistics. Strided, every element sits on its own
+        # page.
         from lightning_precision.callbacks.amax import block_sample
         from lightning_precision.functional import multi_format_stats
 
@@ -155,7 +156,7 @@ if __name__ == "__main__":
         strided = weight.reshape(-1)[:: weight.numel() // 2**16]
         timings = {}
         for name, make in (("strided view", lambda: strided), ("contiguous runs", lambda: block_sample(weight, 2**16))):
-            make_and_measure = lambda: multi_format_stats(make(), ("e4m3fn",), torch.tensor(3.0))  # noqa: E731
+            make_and_measure = lambda make=make: multi_format_stats(make(), ("e4m3fn",), torch.tensor(3.0))  # noqa: E731
             for _ in range(3):
                 make_and_measure()
             start = time.perf_counter()
@@ -163,7 +164,8 @@ if __name__ == "__main__":
                 make_and_measure()
             timings[name] = (time.perf_counter() - start) / 20
         print(f"what-if sample of 65,536 elements: strided view {timings['strided view'] * 1e3:.2f} ms, contiguous runs"
-              f" {timings['contiguous runs'] * 1e3:.2f} ms per call ({timings['strided view'] / timings['contiguous runs']:.0f}x)")
+              f" {timings['contiguous runs'] * 1e3:.2f} ms per call"
+              f" ({timings['strided view'] / timings['contiguous runs']:.0f}x)")
     if args.only in (None, "monitor"):
         none, with_monitor = [], []
         for _ in range(args.rounds):
@@ -198,8 +200,9 @@ if __name__ == "__main__":
         step_time = statistics.mean(steps_timed) - own
         print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}): its own code takes {own * 1e3:.2f} ms"
               f" per step on average (logging steps included) = {1 + own / step_time:.3f} of the step without it")
-        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}): without {base * 1e3:.1f} ms; with: ordinary steps {ordinary * 1e3:.1f} ms,"
-              f" logging steps {measuring * 1e3:.1f} ms, amortised {amort * 1e3:.1f} ms; ratio {amort / base:.3f}"
+        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}): without {base * 1e3:.1f} ms; with: ordinary steps"
+              f" {ordinary * 1e3:.1f} ms, logging steps {measuring * 1e3:.1f} ms, amortised {amort * 1e3:.1f} ms;"
+              f" ratio {amort / base:.3f}"
               f" against the fits without it (goal <= 1.03)")
         # The same, measured inside one fit: odd steps with the logger, even steps without.
         alternating = AlternatingAmaxLogger(log_every_n_steps=CADENCE)
@@ -213,8 +216,9 @@ if __name__ == "__main__":
                 else:
                     (on if step % 2 == 1 else off).append(t)
         amort_ab = (statistics.median(on) * (CADENCE - 1) + statistics.mean(logging)) / CADENCE
-        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}), A/B inside one fit: without {statistics.median(off) * 1e3:.2f}"
-              f" ms, with {statistics.median(on) * 1e3:.2f} ms (logging steps {statistics.mean(logging) * 1e3:.1f} ms),"
+        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}), A/B inside one fit: without"
+              f" {statistics.median(off) * 1e3:.2f} ms, with {statistics.median(on) * 1e3:.2f} ms"
+              f" (logging steps {statistics.mean(logging) * 1e3:.1f} ms),"
               f" amortised ratio {amort_ab / statistics.median(off):.3f} (goal <= 1.03)")
     if args.only in ("monitor", "amax", "sample"):
         sys.exit(0)

@@ -32,9 +32,11 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the ranks' launcher is the tests' (tests/distributed.py): one place starts and kills them
+# The ranks' launcher is the tests' (tests/distributed.py): one place starts and kills them.
+sys.path.insert(0, str(ROOT))
 
 from tests.distributed import finish, start_ranks  # noqa: E402
+
 CONFIGS = ("fp32", "bf16 policy", "fp8 all-gather")
 DIMS, BATCH, WORLD, WARMUP, TIMEOUT_S = (1024, 4096, 1024), 32, 2, 3, 300
 # (module, function) -> (kind, the argument holding the full tensor: position, keyword). FSDP2 calls the first two

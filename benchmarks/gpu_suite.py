@@ -67,18 +67,19 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
+import itertools
 import json
 import logging
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -87,9 +88,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
+from lightning_precision._mfu import PeakChoice, choose_peak, compute_kind, model_flops_per_step, parse_peak_override
 from lightning_precision.callbacks import AmaxHistoryLogger, ChannelsLast, GradientUnderflowMonitor
 from lightning_precision.fp8._hardware import FP8_MIN_CAPABILITY
-from lightning_precision._mfu import PeakChoice, choose_peak, compute_kind, model_flops_per_step, parse_peak_override
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import resnet50  # noqa: E402
@@ -112,7 +113,7 @@ class TransformerShape:
     tokens: int
     batch: int
     classes: int
-    vocab: Optional[int] = None  # token ids in (an embedding) when set; else the stack takes embeddings
+    vocab: int | None = None  # token ids in (an embedding) when set; else the stack takes embeddings
 
 
 @dataclass(frozen=True)
@@ -310,7 +311,7 @@ class RunSpec:
     baseline: str  # the name of the row (same section) this one's speedup is against
     channels_last: bool = False
     compiled: bool = False
-    callback: Optional[str] = None  # "GradientUnderflowMonitor" or "AmaxHistoryLogger"
+    callback: str | None = None  # "GradientUnderflowMonitor" or "AmaxHistoryLogger"
 
 
 def _name(precision: str, channels_last: bool = False, compiled: bool = False) -> str:
@@ -361,14 +362,14 @@ class StepClock(Callback):
 
     @property
     def times(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in itertools.pairwise(self.marks)]
 
 
 class Unavailable(RuntimeError):
     """A row that cannot run here (said before building anything)."""
 
 
-def fp8_unavailable(settings: Settings) -> Optional[str]:
+def fp8_unavailable(settings: Settings) -> str | None:
     if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (pip install torchao)"
     if settings.emulate_fp8:
@@ -383,7 +384,7 @@ def fp8_unavailable(settings: Settings) -> Optional[str]:
     return None
 
 
-def make_plugin(spec: RunSpec, settings: Settings) -> Optional[Any]:
+def make_plugin(spec: RunSpec, settings: Settings) -> Any | None:
     if spec.precision == "32-true":
         return None
     if spec.precision == "bf16-mixed":
@@ -422,9 +423,9 @@ class Fit:
 
     times: list[float]  # seconds per timed step
     wall_s: float
-    peak_memory: Optional[int]  # bytes
+    peak_memory: int | None  # bytes
     peak: PeakChoice
-    fp8_layers: Optional[int]
+    fp8_layers: int | None
     linear_layers: int
 
 
@@ -499,29 +500,29 @@ class Row:
     precision: str
     channels_last: bool
     compiled: bool
-    callback: Optional[str]
+    callback: str | None
     baseline: str
     status: str  # "ok" or "failed"
-    reason: Optional[str] = None  # why it failed
-    ms_per_step: Optional[float] = None  # the median; the mean over whole periods for the monitors
+    reason: str | None = None  # why it failed
+    ms_per_step: float | None = None  # the median; the mean over whole periods for the monitors
     ms_stat: str = "median"
-    ms_median: Optional[float] = None
-    ms_mean: Optional[float] = None
+    ms_median: float | None = None
+    ms_mean: float | None = None
     steps_timed: int = 0
     fits: int = 0
     wall_s: float = 0.0
-    speedup: Optional[float] = None  # baseline ms / this row's ms
-    ratio: Optional[float] = None  # this row's ms / baseline ms (the monitors' overhead)
-    flops_per_step: Optional[int] = None
-    mfu: Optional[float] = None  # a fraction of the peak
+    speedup: float | None = None  # baseline ms / this row's ms
+    ratio: float | None = None  # this row's ms / baseline ms (the monitors' overhead)
+    flops_per_step: int | None = None
+    mfu: float | None = None  # a fraction of the peak
     mfu_note: str = ""  # the peak's source, or why MFU is n/a
-    peak_kind: Optional[str] = None
-    peak_tflops: Optional[float] = None
-    peak_memory_mib: Optional[float] = None
+    peak_kind: str | None = None
+    peak_tflops: float | None = None
+    peak_memory_mib: float | None = None
     memory_note: str = ""
-    fp8_layers: Optional[int] = None
-    fp8_emulated: Optional[bool] = None
-    linear_layers: Optional[int] = None
+    fp8_layers: int | None = None
+    fp8_emulated: bool | None = None
+    linear_layers: int | None = None
 
 
 def measured_row(spec: RunSpec, fits: list[Fit], flops: dict[str, Any], settings: Settings) -> Row:
@@ -647,7 +648,7 @@ def header(env: dict[str, Any]) -> str:
     return line
 
 
-def _fmt(value: Optional[float], pattern: str, missing: str = "n/a") -> str:
+def _fmt(value: float | None, pattern: str, missing: str = "n/a") -> str:
     return pattern.format(value) if value is not None else missing
 
 
@@ -714,7 +715,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", type=_sections, default=SECTIONS, help=f"comma-separated: {', '.join(SECTIONS)}")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="for the JSON and markdown")
@@ -774,7 +775,7 @@ def quiet() -> Iterator[None]:
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg, level in zip(loggers, levels):
+        for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
 
 
@@ -816,7 +817,7 @@ def run(specs: list[RunSpec], shapes: Shapes, settings: Settings) -> list[Row]:
     return with_baselines(rows)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_of(args)
     shapes = SMOKE_SHAPES if settings.smoke else full_shapes(args)

@@ -33,9 +33,8 @@ from _common import WARMUP, StepTimer  # noqa: E402
 from lightning_precision import FP8Precision
 from lightning_precision import fp8 as _fp8
 from lightning_precision.callbacks import FP8Guard
-from lightning_precision.fp8 import PrecisionPlan
 from lightning_precision.cli.recipes import RECIPES
-from lightning_precision.fp8 import fp8_sensitivity
+from lightning_precision.fp8 import PrecisionPlan, fp8_sensitivity
 
 
 def _loss(model: nn.Module, batch) -> torch.Tensor:

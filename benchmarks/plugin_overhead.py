@@ -15,9 +15,9 @@ difference of the two ratios.
 time of a step includes the time the process waited for a core, which the CPU time does not.
 
 ``--within-fit`` measures the non-finite guard's own cost where fit-to-fit noise cannot hide it: in one fit of
-``BF16MixedPrecision(skip_nonfinite=True)``, the guard is switched off on every other step (the plugin then steps as Lightning's does) and
-the two kinds of step are timed in both clocks; which parity runs the guard alternates from round to round. The ratio
-of the medians (guard on / off) per round is one paired sample.
+``BF16MixedPrecision(skip_nonfinite=True)``, the guard is switched off on every other step (the plugin then steps as
+Lightning's does) and the two kinds of step are timed in both clocks; which parity runs the guard alternates from round
+to round. The ratio of the medians (guard on / off) per round is one paired sample.
 
     python benchmarks/plugin_overhead.py [--rounds 10] [--steps 40] [--width 512] [--only bf16] [--clock wall|cpu]
                                          [--threads N] [--within-fit]
@@ -30,8 +30,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -43,7 +44,6 @@ from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, WARMUP, StepTimer  # noqa: E402
-
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
@@ -85,7 +85,7 @@ def run_group(variants: list[tuple[str, Callable[[], Any]]], rounds: int, steps:
     reference = variants[0][0]
     print(f"{'variant':<34}{'ms/step':>9}{'ratio (paired median)':>23}{'spread (min..max)':>20}")
     for label, _ in variants:
-        ratios = [a / b for a, b in zip(medians[label], medians[reference])]
+        ratios = [a / b for a, b in zip(medians[label], medians[reference], strict=True)]
         spread = f"{min(ratios):.3f}..{max(ratios):.3f}"
         print(f"{label:<34}{statistics.median(pooled[label]) * 1e3:>9.2f}{statistics.median(ratios):>23.3f}"
               f"{spread:>20}")
@@ -131,7 +131,8 @@ def within_fit(rounds: int, steps: int, width: int, data: TensorDataset) -> None
             toggle.times[key] = kept
         for c in CLOCKS:
             ratios[c].append(statistics.median(toggle.times[(True, c)]) / statistics.median(toggle.times[(False, c)]))
-    print(f"{'clock':<8}{'guard off (ms)':>16}{'guard on (ms)':>15}{'ratio (paired median)':>23}{'spread (min..max)':>20}")
+    print(f"{'clock':<8}{'guard off (ms)':>16}{'guard on (ms)':>15}{'ratio (paired median)':>23}"
+          f"{'spread (min..max)':>20}")
     for c in CLOCKS:
         off, on = statistics.median(pooled[(False, c)]) * 1e3, statistics.median(pooled[(True, c)]) * 1e3
         print(f"{c:<8}{off:>16.2f}{on:>15.2f}{statistics.median(ratios[c]):>23.3f}"

@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    monitor = GradientUnderflowMonitor(activations=True, measure_every_n_steps=1, log_every_n_steps=10, plot_path=args.out)
+    monitor = GradientUnderflowMonitor(activations=True, measure_every_n_steps=1, log_every_n_steps=10,
+                                       plot_path=args.out)
     trainer = L.Trainer(accelerator="cpu", max_steps=args.steps, plugins=[FP16MixedPrecision()], callbacks=[monitor],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         log_every_n_steps=10)

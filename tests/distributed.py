@@ -1,5 +1,5 @@
 """Run code on several ranks (gloo, CPU): one process per rank, started here, bounded in time. The one launcher of the
-FSDP2 tests (``run_ranks``) and of ``benchmarks/fsdp_bytes.py`` (``start_ranks``).
+FSDP2 tests (``run_scenarios``) and of ``benchmarks/fsdp_bytes.py`` (``start_ranks``).
 
 Each rank is an ordinary Python process with the environment a cluster launcher gives (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port), so Lightning uses it as it is instead of re-launching
@@ -84,14 +84,38 @@ def finish() -> None:
     os._exit(0)
 
 
-def run_ranks(scenario: dict[str, Any], out_dir: Path, world_size: int = 2, timeout: float = TIMEOUT_S) -> list[dict]:
-    """Run ``scenario`` with ``tests.fsdp_worker`` on ``world_size`` ranks; return each rank's ``rank{r}.json``."""
+def run_scenarios(scenarios: dict[str, dict[str, Any]], out_dir: Path, world_size: int = 2,
+                  timeout: float | None = None) -> dict[str, list[dict] | str]:
+    """Run ``scenarios`` one after the other in one launch of ``tests.fsdp_worker`` on ``world_size`` ranks (the
+    processes' start and the process group are paid once, not once per scenario). Returns, for each scenario, each
+    rank's ``<out_dir>/<name>/rank{r}.json``, or for one that did not finish, why: its ranks' exit codes and log tails
+    (the traceback), or the name of the scenario that failed before it in the same launch."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "scenario.json").write_text(json.dumps(scenario))
+    (out_dir / "scenarios.json").write_text(json.dumps(scenarios))
+    timeout = TIMEOUT_S + 30 * (len(scenarios) - 1) if timeout is None else timeout
     failed = start_ranks(["-m", "tests.fsdp_worker", str(out_dir)], out_dir, world_size, timeout)
-    if failed:
-        raise AssertionError(f"scenario {scenario}: {failed}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    results: dict[str, list[dict] | str] = {}
+    first_failure = None
+    for name, scenario in scenarios.items():
+        files = [out_dir / name / f"rank{r}.json" for r in range(world_size)]
+        if first_failure is None and all(f.exists() for f in files):
+            results[name] = [json.loads(f.read_text()) for f in files]
+        elif first_failure is None:
+            first_failure = name
+            results[name] = f"scenario {name} {scenario}: {failed}"
+        else:
+            results[name] = f"scenario {name} did not run: scenario {first_failure} failed before it in the same launch"
+    if failed and first_failure is None:  # every scenario finished, then a rank failed: the last one's test says so
+        results[name] = f"scenario {name} {scenario} finished, then: {failed}"
+    return results
+
+
+def run_ranks(scenario: dict[str, Any], out_dir: Path, world_size: int = 2, timeout: float = TIMEOUT_S) -> list[dict]:
+    """Run one ``scenario`` (``run_scenarios``); return each rank's results, its files in ``out_dir/run``."""
+    result = run_scenarios({"run": scenario}, out_dir, world_size, timeout)["run"]
+    if isinstance(result, str):
+        raise AssertionError(result)
+    return result
 
 
 def fit_spawned(trainer: Any, module: Any, data: Any, out_dir: Path, world_size: int = 2) -> list[dict]:

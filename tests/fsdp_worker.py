@@ -1,9 +1,10 @@
-"""One rank of a sharded-training scenario (``tests/distributed.py`` starts the ranks): FSDP2 on CPU with gloo.
+"""One rank of sharded-training scenarios (``tests/distributed.py`` starts the ranks): FSDP2 on CPU with gloo.
 
-The scenario (``<out_dir>/scenario.json``) names the API (``fabric``, ``trainer`` or ``torchao``: torchao's own FSDP2
-recipe written by hand), the plugin and what to inject; the rank writes what it saw to ``<out_dir>/rank<r>.json`` and
-rank 0 the full parameters to ``<out_dir>/params.pt``. Every global batch of 16 rows is split between the ranks, so
-the ranks together see exactly what one process on the whole batch sees (``reference`` runs that one process).
+A scenario names the API (``fabric``, ``trainer`` or ``torchao``: torchao's own FSDP2 recipe written by hand), the
+plugin and what to inject; the rank writes what it saw to ``<scenario dir>/rank<r>.json`` and rank 0 the full
+parameters to ``<scenario dir>/params.pt``. One launch runs several scenarios, one after the other (``main``). Every
+global batch of 16 rows is split between the ranks, so the ranks together see exactly what one process on the whole
+batch sees (``reference`` runs that one process).
 """
 
 from __future__ import annotations
@@ -142,11 +143,12 @@ def run_torchao(cfg: dict, rank: int, world: int) -> dict:
     """torchao's FSDP2 recipe, written by hand (its README): convert, fully_shard, precompute after each step."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from lightning_precision import _fsdp
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-    dist.init_process_group("gloo")
+    from lightning_precision import _fsdp
+
+    if not dist.is_initialized():  # an earlier scenario of the launch set it up
+        dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,))
     config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=cfg.get("float8_all_gather", True))
     model = convert_to_float8_training(make_model(), config=config)
@@ -247,9 +249,9 @@ def run_trainer(cfg: dict, rank: int, world: int) -> dict:
                                          save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=world, plugins=[plugin], max_steps=cfg["steps"], logger=False,
                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-                        callbacks=callbacks, enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False,
-                        log_every_n_steps=1,
-                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+                        callbacks=callbacks, enable_checkpointing=bool(cfg.get("save_every")),
+                        enable_progress_bar=False, log_every_n_steps=1, enable_model_summary=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=False)
     module = ShardedModule(cfg)
     conv_outputs: list[bool] = []
     record_conv_outputs(module.model, conv_outputs)
@@ -288,7 +290,8 @@ def run_gloo_average(cfg: dict, rank: int, world: int) -> dict:
     """Whether this torch's gloo averages in a reduce-scatter (FSDP2's gradient reduction), asked without our code."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     out = torch.zeros(1)
     dist.reduce_scatter_tensor(out, torch.full((world,), float(rank + 1)), op=dist.ReduceOp.AVG)
     return {"averages": out.item() == (world + 1) / 2}
@@ -322,10 +325,11 @@ def ours(w: warnings.WarningMessage) -> bool:
         ("GradientUnderflowMonitor", "AmaxHistoryLogger", "ChannelsLast"))
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    cfg = json.loads((out_dir / "scenario.json").read_text())
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def run_one(cfg: dict, out_dir: Path, rank: int, world: int) -> None:
+    """One scenario; what the rank saw goes to ``out_dir``. Global torch state a plugin sets (and a Fabric run, which
+    has no teardown, leaves set) is restored for the next scenario of the launch, as tests/conftest.py does."""
+    out_dir.mkdir(exist_ok=True)
+    dtype, matmul = torch.get_default_dtype(), torch.get_float32_matmul_precision()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -334,11 +338,31 @@ def main() -> None:
             if not cfg.get("expect_error"):
                 raise
             result = {"error": f"{type(err).__name__}: {err}"}
+    torch.set_default_dtype(dtype)
+    torch.set_float32_matmul_precision(matmul)
     result["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught if ours(w)})
     params = result.pop("params", None)
     if rank == 0 and params is not None:
         torch.save(params, out_dir / "params.pt")
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    """The launch's scenarios (``<out_dir>/scenarios.json``, name -> scenario), in order, each into
+    ``<out_dir>/<name>/``. A scenario that raises ends the rank, and so the launch (``start_ranks`` stops the
+    others)."""
+    import torch.distributed as dist
+
+    out_dir = Path(sys.argv[1])
+    scenarios = json.loads((out_dir / "scenarios.json").read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    environ = dict(os.environ)
+    for name, cfg in scenarios.items():
+        os.environ.clear()  # Lightning's environment removes WORLD_SIZE at a Trainer's teardown
+        os.environ.update(environ)
+        run_one(cfg, out_dir / name, rank, world)
+        if dist.is_initialized():
+            dist.barrier()  # the ranks start each scenario together
     finish()
 
 

@@ -27,7 +27,8 @@ import dataclasses
 import importlib.util
 import inspect
 import pickle
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import pytest
@@ -37,8 +38,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
 
-import lightning_precision.fabric
 import lightning_precision._plugins
+import lightning_precision.fabric
 from lightning_precision import ScalerConfig
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
@@ -97,11 +98,11 @@ class PluginSpec:
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     # The reference loop: torch.autocast("cpu", dtype), and a torch.amp.GradScaler("cpu", **scaler) unless None.
     dtype: torch.dtype = torch.bfloat16
-    scaler: Optional[dict[str, Any]] = None
+    scaler: dict[str, Any] | None = None
     # The reference's model conversion (fp8), done before its optimizer is built; and how to see that the plugin's
     # model was converted the same way.
-    convert: Optional[Callable[[nn.Module], None]] = None
-    converted: Optional[Callable[[nn.Module], bool]] = None
+    convert: Callable[[nn.Module], None] | None = None
+    converted: Callable[[nn.Module], bool] | None = None
     # Batches of the training data whose inputs overflow fp16 (the step is skipped, the scale backs off).
     overflow_batches: tuple[int, ...] = ()
     # Without a loss scaler: whether the plugin skips steps with inf/nan gradients (`skip_nonfinite`), as its reference
@@ -111,7 +112,7 @@ class PluginSpec:
     # Optional packages it needs (a missing one skips, naming the pip extra).
     requires: tuple[str, ...] = ()
     # The only admitted reason not to run: hardware that cannot exist here and cannot be emulated.
-    cannot_run_here: Optional[str] = None
+    cannot_run_here: str | None = None
     # Package bugs the checks found, "<fabric|plugins>.<check>" -> what is wrong: a strict xfail, so the check turns
     # red (XPASS) the day the bug is fixed, asking for the entry to go.
     known_bugs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -170,7 +171,7 @@ _EXTRAS = {"torchao": "fp8"}
 CHECKS = ("parity", "state_round_trip", "pickling", "no_grad_forward", "optimizer_params")
 
 
-def default_spec(cls: type) -> Optional[PluginSpec]:
+def default_spec(cls: type) -> PluginSpec | None:
     """The first spec variant of ``cls`` (what other shared tests build it with), or None without a spec."""
     return next(iter(SPECS.get(cls.__name__, {}).values()), None)
 
@@ -221,9 +222,9 @@ class Run:
     losses: list[float]
     net: nn.Module
     plugin: Any = None
-    scaler: Optional[torch.amp.GradScaler] = None
+    scaler: torch.amp.GradScaler | None = None
     optimizer: Any = None
-    grads: list[list[Optional[torch.Tensor]]] = dataclasses.field(default_factory=list)
+    grads: list[list[torch.Tensor | None]] = dataclasses.field(default_factory=list)
     output_dtypes: set[torch.dtype] = dataclasses.field(default_factory=set)  # the Trainer's model outputs
 
 
@@ -262,7 +263,7 @@ def _fabric(plugin: Any) -> L.Fabric:
 
 
 def fabric_fit(plugin: Any, spec: PluginSpec, steps: int = STEPS, teacher_first: bool = False,
-               one_region: bool = False, on_setup: Optional[Callable[[Any, nn.Module], None]] = None) -> Run:
+               one_region: bool = False, on_setup: Callable[[Any, nn.Module], None] | None = None) -> Run:
     """A real Fabric loop, the optimizer built before ``setup`` (as Fabric asks). ``one_region`` puts each iteration's
     forwards and loss in one autocast region (``fabric.autocast()``, as a Trainer's training_step is); otherwise only
     the wrapped model's own forward context autocasts. ``teacher_first`` runs a no_grad forward before the training
@@ -295,7 +296,7 @@ class _Recorder(LitNet):
     def __init__(self, teacher_first: bool = False) -> None:
         super().__init__(lr=LR)
         self.teacher_first = teacher_first
-        self.grads: list[list[Optional[torch.Tensor]]] = []
+        self.grads: list[list[torch.Tensor | None]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.teacher_first:
@@ -336,7 +337,7 @@ def assert_exactly_equal(actual: Any, expected: Any, what: str) -> None:
 def assert_same_params(a: nn.Module, b: nn.Module, what: str) -> None:
     pa, pb = list(a.parameters()), list(b.parameters())
     assert len(pa) == len(pb), f"{what}: {len(pa)} parameters vs {len(pb)}"
-    for i, (x, y) in enumerate(zip(pa, pb)):
+    for i, (x, y) in enumerate(zip(pa, pb, strict=True)):
         assert_exactly_equal(x.detach(), y.detach(), f"{what}, parameter {i}")
 
 
@@ -353,7 +354,7 @@ class PluginTester:
     """The checks, each for one plugin class and one spec; Trainer classes run real Trainer fits, Fabric classes real
     Fabric loops."""
 
-    def __init__(self, cls: type, spec: Optional[PluginSpec]) -> None:
+    def __init__(self, cls: type, spec: PluginSpec | None) -> None:
         if spec is None:
             pytest.fail(missing_spec_message(cls), pytrace=False)
         for package in spec.requires:
@@ -444,9 +445,9 @@ class PluginTester:
         with_teacher = fit(self.cls, self.make(), self.spec, steps=2, teacher_first=True, one_region=True)
         without = fit(self.cls, self.make(), self.spec, steps=2, one_region=True)
         assert len(with_teacher.grads) == len(without.grads) == 2
-        for step, (got, expected) in enumerate(zip(with_teacher.grads, without.grads)):
+        for step, (got, expected) in enumerate(zip(with_teacher.grads, without.grads, strict=True)):
             assert all(g is not None for g in got), f"step {step}: a parameter got no gradient"
-            for i, (g, e) in enumerate(zip(got, expected)):
+            for i, (g, e) in enumerate(zip(got, expected, strict=True)):
                 assert_exactly_equal(g, e, f"step {step}, gradient of parameter {i}")
         assert_exactly_equal(with_teacher.losses, without.losses, "losses")
         assert_same_params(with_teacher.net, without.net, "weights")
@@ -471,10 +472,10 @@ class PluginTester:
         optimized = [p for group in optimizer.param_groups for p in group["params"]]
         trainable = [p for p in net.parameters() if p.requires_grad]
         assert len(optimized) == len(trainable) > 0
-        assert all(a is b for a, b in zip(optimized, trainable)), "the optimizer holds other Parameters than the model"
+        assert all(a is b for a, b in zip(optimized, trainable, strict=True)), "the optimizer holds other Parameters than the model"
         if not self.trainer_class:
             x, y = next(iter(loader(make_data(1))))
             fabric.backward(nn.functional.cross_entropy(model(x), y))
             wrapped.step()
-        changed = [not torch.equal(a, b) for a, b in zip(before, net.parameters())]
+        changed = [not torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True)]
         assert all(changed), f"parameters {[i for i, c in enumerate(changed) if not c]} were not trained"

@@ -17,7 +17,7 @@ import sys
 import types
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,7 +87,7 @@ class _TEModule(nn.Module):
 
 
 class Linear(_TEModule):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, params_dtype: Optional[torch.dtype] = None,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, params_dtype: torch.dtype | None = None,
                  device: Any = "cuda", **kwargs: Any) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -100,8 +100,8 @@ class Linear(_TEModule):
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: Optional[bool] = None,
-                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False, device: Any = "cuda") -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool | None = None,
+                 params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False, device: Any = "cuda") -> None:
         super().__init__()
         self.hidden_size, self.eps = hidden_size, eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
@@ -115,7 +115,7 @@ AUTOCAST_CALLS: list[dict] = []
 
 
 @contextlib.contextmanager
-def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
              amax_reduction_group: Any = None, _graph: bool = False):
     AUTOCAST_CALLS.append({"enabled": enabled, "recipe": recipe})
     yield

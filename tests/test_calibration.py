@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_precision import FP8Precision, NoEffectWarning, PrecisionPlan
+from lightning_precision import FP8Precision, NoEffectWarning
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import FP8Guard
 from tests.test_plan import FP8_KW, Lit, Outliers, batches, fit, loader

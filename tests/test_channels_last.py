@@ -7,8 +7,8 @@ from torch import nn
 
 from lightning_precision import NoEffectWarning
 from lightning_precision.callbacks import ChannelsLast
-from lightning_precision.functional import apply_channels_last, to_channels_last
 from lightning_precision.callbacks.channels_last import is_channels_last
+from lightning_precision.functional import apply_channels_last, to_channels_last
 from tests.helpers import trainer
 
 

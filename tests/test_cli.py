@@ -10,7 +10,7 @@ import pytest
 import lightning_precision.cli as cli
 from tests.helpers import communicate
 
-pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
+pytestmark = pytest.mark.slow  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("precision-"))
@@ -268,7 +268,8 @@ def test_doctor_says_what_its_cpu_advice_rests_on_and_where_speed_is_measured(ca
 def test_doctor_advice_on_either_kind_of_cpu(native_bf16, capsys, monkeypatch):
     """Both kinds of CPU, whichever this one is: only the CPU's flags are stood in for (a CPU of the other kind cannot
     be had here); the command runs for real."""
-    from lightning_precision.cli import machine as lp_machine, doctor
+    from lightning_precision.cli import doctor
+    from lightning_precision.cli import machine as lp_machine
 
     def flags(real=lp_machine.cpu_info):
         isa = [name for name in real()["isa"] if "BF16" not in name] + (["AVX512-BF16"] if native_bf16 else [])

@@ -10,9 +10,11 @@ import signal
 
 import pytest
 
-from lightning_precision import PrecisionPlan
 import lightning_precision.cli as cli
-from lightning_precision.cli import child, compare_args, report as lp_report, rows as lp_rows, runner
+from lightning_precision import PrecisionPlan
+from lightning_precision.cli import child, compare_args, runner
+from lightning_precision.cli import report as lp_report
+from lightning_precision.cli import rows as lp_rows
 from lightning_precision.cli.rows import Row
 
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]
@@ -65,7 +67,7 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
         assert r["turn_ms_q1"] <= r["median_step_ms"] <= r["turn_ms_q3"]
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_precisions_take_turns_in_rotating_order(tmp_path, monkeypatch):
     """Blocks of steps alternate between the processes, so drift in the machine's speed hits every precision."""
     order = []
@@ -84,7 +86,7 @@ def test_precisions_take_turns_in_rotating_order(tmp_path, monkeypatch):
     assert order[:4] == ["32-true", "bf16-mixed", "bf16-mixed", "32-true"]
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_memory_does_not_follow_run_order(tmp_path):
     """Each precision is measured in its own process: running it first or last gives the same figure (in one shared
     process the first run paid for the allocator's growth: 20 MB first, 1 MB last)."""
@@ -99,7 +101,7 @@ def test_memory_does_not_follow_run_order(tmp_path):
         assert 0.5 < first / second < 2, (precision, first, second)  # once 20x (20 MB first, 1 MB last)
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, monkeypatch, capsys):
     """A precision's process dies mid-run (as under the out-of-memory killer): the others finish, its row says why in
     full under the table, and the plots still show it."""
@@ -126,7 +128,7 @@ def test_a_killed_precision_keeps_the_others_and_stays_in_the_report(tmp_path, m
     assert _no_children_left()
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_an_exception_in_a_run_reaches_the_parent_whole(monkeypatch):
     """What a run raises goes to the parent as one line with nothing cut, and the traceback beside it."""
     parent, child_end = multiprocessing.Pipe()
@@ -141,7 +143,7 @@ def test_an_exception_in_a_run_reaches_the_parent_whole(monkeypatch):
     assert "Traceback" in trace and "NotImplementedError" in trace
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_a_doomed_precision_fails_before_any_precision_starts(tmp_path, monkeypatch, capsys):
     """fp8 without torchao installed: said at once, with the install command, and no process is started for it."""
     from lightning_precision import _imports
@@ -160,7 +162,7 @@ def test_a_doomed_precision_fails_before_any_precision_starts(tmp_path, monkeypa
     assert row["error"] == "fp8 needs torchao, which is not installed: pip install 'lightning-precision[fp8]'"
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_fp8_auto_runs_beside_fp8_and_says_which_layers_it_chose(tmp_path, capsys):
     """fp8-auto is FP8Precision(layers="auto"): its first steps measure (in bf16) and are left out of its timings; the
     report says how many layers each fp8 run put in fp8 and keeps the plan fp8-auto made."""
@@ -180,7 +182,7 @@ def test_fp8_auto_runs_beside_fp8_and_says_which_layers_it_chose(tmp_path, capsy
         in " ".join(printed.split())
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_mfu_is_the_models_flops_over_the_step_time_against_the_peak_given(tmp_path, capsys):
     """On a CPU there is no peak (n/a, and why); with --peak-tflops the MFU is achieved over that peak, and the FLOPs
     per step are those torch.utils.flop_counter counts for the recipe's model on one batch."""
@@ -207,7 +209,7 @@ def test_mfu_is_the_models_flops_over_the_step_time_against_the_peak_given(tmp_p
     assert "images/s" in (out / "report.md").read_text()
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_text_throughput_counts_tokens():
     """DistilBERT's unit is the token: every position of the padded batch (what the model computes)."""
     from lightning_precision.cli.recipes import RECIPES
@@ -217,7 +219,7 @@ def test_text_throughput_counts_tokens():
     assert recipe.unit == "tokens" and recipe.units(batch) == 4 * recipe.data_args["max_length"] == batch[0].numel()
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_ctrl_c_stops_every_run_and_reports_what_they_reached(tmp_path, capsys, monkeypatch):
     """A real SIGINT to the comparison: every process stops, the partial figures are written and marked, the exit code
     says "interrupted", no process is left behind, and Ctrl-C works again afterwards."""
@@ -279,7 +281,7 @@ def _fail_if_trained(monkeypatch):
         (["--steps", "0"], r"--steps and --batch-size must be positive"),
     ],
 )
-@pytest.mark.tool
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2_before_any_training(args, message, tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -289,7 +291,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_training(args, message, tmp
     assert len(err.splitlines()) == 1 and re.search(message, err)
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_the_table_is_printed_before_the_files_are_written(tmp_path, capsys):
     out = tmp_path / "r"
     (out / "report.json").mkdir(parents=True)  # a real write failure after the training: a folder in the file's way
@@ -306,7 +308,7 @@ def _machine(bf16: bool, fp16: bool) -> dict:
     return {"cpu": {"native_bf16": bf16, "native_fp16": fp16}, "gpus": []}
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU defaults; a GPU machine keeps 16-mixed")
 def test_default_precisions_leave_out_emulated_fp16_with_a_reason():
     args = argparse.Namespace(accelerator="auto", emulate=False)
@@ -351,7 +353,7 @@ def test_a_row_reads_and_writes_the_report_keys_as_they_were(written):
         Row.from_dict({**written, "speed": 1.0})
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_quick_mode_and_defaults_are_resolved(tmp_path):
     args = compare_args.parse_args(["--quick", "--out", str(tmp_path / "r")])
     assert (args.steps, args.val_batches) == (compare_args.QUICK_STEPS, compare_args.QUICK_VAL_BATCHES)
@@ -407,12 +409,12 @@ META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes
      "bf16-mixed is the one to use here: 1.40x the speed of 32-true (interquartile 1.30-1.50x over 9 paired turns),"
      " validation accuracy 0.890 vs 0.900."),
 ])
-@pytest.mark.tool
+@pytest.mark.slow
 def test_the_verdict_claims_only_what_the_figures_resolve(rows, expected):
     assert lp_report.verdict(rows, META) == expected
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_flags_explain_themselves_under_the_table():
     rows = [_row("32-true", 1.0), _row("bf16-mixed", 1.1, (0.8, 1.4), False, noisy=True, spread=0.6),
             _row("16-mixed", 0.2, (0.1, 0.3), True, emulated=True), Row("fp8", error="x " * 80)]
@@ -425,7 +427,7 @@ def test_flags_explain_themselves_under_the_table():
     assert f"fp8 failed: {'x ' * 80}" in notes  # whole
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_default_precisions_on_a_gpu_without_bf16(monkeypatch):
     """A T4 (compute capability 7.5): bf16-mixed is left out with the plugin's own reason, 16-mixed runs. No GPU
     exists here: torch.cuda's answers are stand-ins (stated), the logic under them is real."""
@@ -456,7 +458,7 @@ def _command(argv, tmp_path, **kwargs):
                             env={**os.environ, "PYTHONPATH": str(root)}, **kwargs)
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_a_line_per_turn_when_stdout_is_not_a_terminal(tmp_path):
     """rich draws no progress bar where stdout is not a terminal, so a loaded machine's comparison was silent for its
     whole length (45 minutes once): a line per finished turn says each precision's steps and the time, as it happens
@@ -482,7 +484,7 @@ def test_a_line_per_turn_when_stdout_is_not_a_terminal(tmp_path):
     assert not [x for x in lines if re.search(r"━ +\d+/6 ", x)]  # no bar drawn at the end either
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_a_closed_pipe_does_not_end_the_comparison(tmp_path):
     """`compare | head -3`: the reader goes away after three lines, mid-run. Printing the next line made rich end the
     program (SystemExit(1)): the measurements were lost and no report was written. The comparison goes on quietly and
@@ -502,7 +504,7 @@ def test_a_closed_pipe_does_not_end_the_comparison(tmp_path):
     assert [r["steps_done"] for r in json.loads((out / "report.json").read_text())["results"]] == [6]
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_a_script_without_the_main_guard_is_told_so_in_one_line(tmp_path):
     """A script that calls compare at its top level, without `if __name__ == "__main__":`: each precision's process
     imports it again as it starts (multiprocessing's spawn), which ran the comparison again there. It was refused by the
@@ -549,7 +551,7 @@ def _rows_of(runs, steps=24):
     return {r.precision: r for r in rows}
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_speedup_ms_per_step_and_throughput_rank_the_precisions_alike():
     """The speedup was the median of the paired turn ratios and ms/step the median of all steps: with these turns
     bf16-mixed's paired median is 1.07x (faster) while its ms/step, samples/s and throughput bar say slower (25 ms
@@ -567,7 +569,7 @@ def test_speedup_ms_per_step_and_throughput_rank_the_precisions_alike():
     assert lp_report.cells(bf16)[3] == f"~0.80x [{bf16.speedup_q1:.2f}-{bf16.speedup_q3:.2f}]"
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_when_the_paired_turns_and_the_medians_disagree_the_report_says_why():
     """A machine whose speed changed during the run: paired turn by turn bf16-mixed is faster (the middle half of the
     ratios lies above 1x), the medians say slower. The speedup (the medians' ratio, as ms/step) is not called
@@ -585,7 +587,7 @@ def test_when_the_paired_turns_and_the_medians_disagree_the_report_says_why():
     assert "faster" not in lp_report.verdict(list(rows.values()), meta).split("No precision was measurably faster")[1]
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_an_fp8_run_with_no_fp8_layer_is_bf16_not_emulated():
     """fp8-auto that kept every layer in bf16 was marked "emulated" with 0 fp8 layers: it ran bf16-mixed's arithmetic,
     native on this (given) CPU, and the note says so."""
@@ -600,7 +602,7 @@ def test_an_fp8_run_with_no_fp8_layer_is_bf16_not_emulated():
     assert not any(n.startswith("emulated:") for n in notes)
 
 
-@pytest.mark.tool
+@pytest.mark.slow
 def test_one_step_says_which_steps_were_timed_and_fp8_auto_that_never_ran_fp8(tmp_path):
     """`--steps 1` said "first 3 steps untimed" while the one step was timed (there is no other): the schedule says
     every step was timed, warm-up included. fp8-auto's one step measured in bf16 before its plan applied: no step ran
@@ -619,5 +621,5 @@ def test_one_step_says_which_steps_were_timed_and_fp8_auto_that_never_ran_fp8(tm
     assert fp32["timed_steps"] == auto["timed_steps"] == 1 and fp32["untimed_steps"] == auto["untimed_steps"] == 0
     native_bf16 = report["meta"]["machine"]["cpu"]["native_bf16"]
     assert auto["fp8_layers"] > 0 and auto["fp8_steps"] == 0 and auto["emulated"] is (not native_bf16)
-    assert f"its one step was measured in bf16, before the plan: every matmul ran in bf16, so its figures are" \
-           f" bf16-mixed's" in " ".join(md.split())
+    assert "its one step was measured in bf16, before the plan: every matmul ran in bf16, so its figures are" \
+           " bf16-mixed's" in " ".join(md.split())

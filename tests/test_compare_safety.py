@@ -20,11 +20,14 @@ from pathlib import Path
 import pytest
 
 import lightning_precision.cli as cli
-from lightning_precision.cli import compare, outdir as lp_outdir, report as lp_report, runner, stop as lp_stop
+from lightning_precision.cli import compare, runner
+from lightning_precision.cli import outdir as lp_outdir
+from lightning_precision.cli import report as lp_report
+from lightning_precision.cli import stop as lp_stop
 from lightning_precision.cli.rows import Row
 from tests.helpers import communicate
 
-pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
+pytestmark = pytest.mark.slow  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1"]

@@ -14,8 +14,8 @@ import torch
 import lightning_precision
 from lightning_precision import NoEffectWarning, _imports
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.callbacks import ChannelsLast
 from lightning_precision._warnings import warn
+from lightning_precision.callbacks import ChannelsLast
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
 _TORCHAO = pytest.mark.skipif(not _imports.TORCHAO_AVAILABLE, reason="needs torchao (the [fp8] extra)")

@@ -37,9 +37,8 @@ def test_fp8_torchao_on_an_fp8_gpu():
     import pytest
 
     pytest.importorskip("torchao", reason="needs torchao (`pip install 'lightning-precision[fp8]'`)")
-    from tests.test_fp8 import FP8Net, fp8_data
-
     from lightning_precision import FP8Precision
+    from tests.test_fp8 import FP8Net, fp8_data
 
     model = FP8Net()
     trainer(FP8Precision(skip_small_layers=False), accelerator="cuda", max_steps=3).fit(model, fp8_data(3))
@@ -52,9 +51,8 @@ def test_fp8_transformer_engine_on_an_fp8_gpu():
 
     if not _te_importable():
         pytest.skip("needs transformer_engine with CUDA (`pip install 'lightning-precision[te]'`)")
-    from tests.test_fp8 import FP8Net, fp8_data
-
     from lightning_precision import FP8Precision
+    from tests.test_fp8 import FP8Net, fp8_data
 
     model = FP8Net()
     trainer(FP8Precision(backend="transformer_engine", recipe="current", skip_small_layers=False),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
+pytestmark = pytest.mark.slow  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOISE = ("Traceback", "Failed to load", "register_constant", "LeafSpec")

@@ -76,7 +76,7 @@ def test_gradient_clipping_sees_unscaled_gradients():
         model = LitNet()
         start = params(model)
         trainer(plugin, max_steps=1, gradient_clip_val=1e-3).fit(model, loader(make_data(1)))
-        updates[name] = torch.cat([(a - b).flatten() for a, b in zip(params(model), start)])
+        updates[name] = torch.cat([(a - b).flatten() for a, b in zip(params(model), start, strict=True)])
     torch.testing.assert_close(updates["fp16"], updates["fp32"], rtol=2e-2, atol=1e-7)
 
 

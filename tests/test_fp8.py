@@ -57,7 +57,7 @@ def hand_loop(recipe="tensorwise", steps=STEPS):
     convert_to_float8_training(net, config=config, module_filter_fn=lambda m, fqn: fqn == "2")
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     losses = []
-    for step, (x, y) in enumerate(fp8_data(steps)):
+    for x, y in fp8_data(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(net(x), y)
         losses.append(float(loss))

@@ -58,7 +58,7 @@ def test_tiny_gradients_train_under_fp16_compute_with_the_trainer():
     plugin = fp16_fp8()
     trainer(plugin, max_steps=2).fit(model, fp8_data(2))
     assert isinstance(model.net[2], Float8Linear) and type(model.net[4]) is nn.Linear  # fp16 around an fp8 layer
-    changed = [not torch.equal(a, b) for a, b in zip(before, params(model))]
+    changed = [not torch.equal(a, b) for a, b in zip(before, params(model), strict=True)]
     assert all(changed), f"parameters {[i for i, c in enumerate(changed) if not c]} never trained"
     assert plugin.loss_scale == 2.0**16 and plugin.skipped_steps == 0
 
@@ -73,7 +73,7 @@ def test_tiny_gradients_train_under_fp16_compute_with_fabric():
         opt.zero_grad()
         fabric.backward(nn.functional.cross_entropy(model(x), y) * TINY)
         opt.step()
-    assert all(not torch.equal(a, b) for a, b in zip(before, params(net)))
+    assert all(not torch.equal(a, b) for a, b in zip(before, params(net), strict=True))
     assert plugin.metrics()["precision/loss_scale"].item() == 2.0**16
     assert plugin.metrics()["precision/fp8_layers"].item() == 1.0
 

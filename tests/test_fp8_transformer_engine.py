@@ -6,9 +6,8 @@ gated on transformer_engine and a CUDA device."""
 import lightning as L
 import pytest
 import torch
-from torch import nn
-
 from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
 
 from lightning_precision import FP8Precision
 from lightning_precision import fabric as lp_fabric
@@ -177,8 +176,8 @@ def test_nvfp4_has_its_own_plugin_with_block_rules_and_a_blackwell_check(te, mon
 
 
 def test_nvfp4_says_its_own_name_when_no_layer_converts():
-    from lightning_precision.fp8._selection import warn_if_no_fp8 as _warn_if_no_fp8
     from lightning_precision._warnings import NoEffectWarning
+    from lightning_precision.fp8._selection import warn_if_no_fp8 as _warn_if_no_fp8
 
     with pytest.warns(NoEffectWarning, match=r"^NVFP4Precision: no linear layer runs in NVFP4"):
         _warn_if_no_fp8([], "NVFP4Precision", "NVFP4")

@@ -15,6 +15,8 @@ import torch
 
 from tests.helpers import rowwise_emulates_on_cpu
 
+pytestmark = pytest.mark.slow  # a benchmark script's smoke run (24 fits), not the library: CI runs it on one torch
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

@@ -10,8 +10,9 @@ and ``a`` gets its usual gradient; torchao's dynamic e5m2 scale cannot lift them
 from __future__ import annotations
 
 import csv
-import warnings
+import itertools
 import math
+import warnings
 
 import lightning as L
 import pytest
@@ -21,7 +22,6 @@ from torch import nn
 from lightning_precision import BF16MixedPrecision, FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import FP8Guard
-from lightning_precision.callbacks.guard import GuardEvent
 
 pytest.importorskip("torchao")
 
@@ -425,7 +425,7 @@ class Deep(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(self.DIMS, self.DIMS[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(self.DIMS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):

@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 
 import lightning_precision
-import lightning_precision.fabric
 import lightning_precision._plugins
+import lightning_precision.fabric
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 from tests.plugin_tester import FABRIC_PLUGINS, TRAINER_PLUGINS, default_spec, discover, make_runnable, plugin_id
 
@@ -180,8 +180,9 @@ def test_fp8_counts_against_the_fp8_peak_and_other_plugins_are_left_to_lightning
     assert _plugin_to_compute_dtype(TrainerPrecision()) == torch.float32
 
 
-import lightning_precision.callbacks  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+import lightning_precision.callbacks  # noqa: E402
 
 CALLBACKS = discover(lightning_precision.callbacks, Callback)
 

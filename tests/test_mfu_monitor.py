@@ -16,9 +16,9 @@ from torch.utils.data import TensorDataset
 
 import lightning_precision.callbacks.mfu as mfu_module
 from lightning_precision import BF16MixedPrecision
-from lightning_precision.callbacks import MFUMonitor
 from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step, peak_device_name, plugin_compute_dtype
 from lightning_precision._warnings import NoEffectWarning
+from lightning_precision.callbacks import MFUMonitor
 from tests.helpers import IN, OUT, LitNet, loader, make_data, trainer
 
 FLOPS = 5_000_000  # per micro-batch, as a user would pass it
@@ -137,7 +137,7 @@ def test_loss_fn_counts_the_flops_of_model_flops_per_step_and_leaves_the_run_unc
     (window,) = monitor.windows
     assert window.flops == 2 * by_hand
     # The count's forward changed no weight, running statistic or dropout mask of the run.
-    for (name, a), b in zip(measured.state_dict().items(), plain.state_dict().values()):
+    for (name, a), b in zip(measured.state_dict().items(), plain.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
 
 

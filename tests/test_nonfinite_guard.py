@@ -16,8 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 import lightning_precision
-from lightning_precision import BF16MixedPrecision, FP16MixedPrecision, SkippedStepsError
-from lightning_precision import _imports
+from lightning_precision import BF16MixedPrecision, FP16MixedPrecision, SkippedStepsError, _imports
 from lightning_precision import fabric as lp_fabric
 from tests import helpers
 from tests.helpers import LitNet, device_reads_per_step, loader, make_data, make_net, params, trainer
@@ -61,7 +60,7 @@ def test_a_nan_loss_is_skipped_counted_and_logged_instead_of_written_into_the_we
     t = trainer(plugin, max_steps=5, log_every_n_steps=1, callbacks=[rec])
     t.fit(model, loader(nan_data(5, (2,))))
     assert math.isnan(model.losses[2]) and all_finite(model)
-    assert all(torch.equal(a, b) for a, b in zip(rec.before[2], rec.after[2]))  # the NaN step changed nothing
+    assert all(torch.equal(a, b) for a, b in zip(rec.before[2], rec.after[2], strict=True))  # the NaN step changed nothing
     assert all(not torch.equal(rec.before[s][0], rec.after[s][0]) for s in (0, 1, 3, 4))  # the others trained
     assert plugin.skipped_steps == 1 and plugin.loss_scale is None  # skipped steps are real; no loss scale invented
     assert t.callback_metrics["precision/skipped_steps"].item() == 1
@@ -160,7 +159,7 @@ def test_gradient_clipping_sees_the_gradients_and_a_nan_step_is_still_skipped():
     ours, theirs = LitNet(), LitNet()
     trainer(BF16MixedPrecision(**GUARD), max_steps=4, gradient_clip_val=0.1).fit(ours, loader(make_data(4)))
     trainer(MixedPrecision("bf16-mixed", "cpu"), max_steps=4, gradient_clip_val=0.1).fit(theirs, loader(make_data(4)))
-    assert all(torch.equal(a, b) for a, b in zip(params(ours), params(theirs)))
+    assert all(torch.equal(a, b) for a, b in zip(params(ours), params(theirs), strict=True))
     model, plugin = LitNet(), BF16MixedPrecision(**GUARD)
     trainer(plugin, max_steps=4, gradient_clip_val=0.1).fit(model, loader(nan_data(4, (1,))))
     assert plugin.skipped_steps == 1 and all_finite(model)
@@ -184,7 +183,7 @@ def test_manual_optimization_with_two_optimizers_skips_only_the_poisoned_one():
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(3, 2, 8)), batch_size=None)
     trainer(plugin, max_steps=6).fit(model, data)  # the Trainer counts each optimizer's step
     assert all_finite(model.a) and all_finite(model.b)
-    assert all(not torch.equal(p, q) for p, q in zip(b_before, params(model.b)))  # b trained on every step
+    assert all(not torch.equal(p, q) for p, q in zip(b_before, params(model.b), strict=True))  # b trained on every step
     assert plugin.skipped_steps == 1  # one backward whose update saw an inf/nan, as the fp16 scaler counts
 
 
@@ -201,7 +200,7 @@ def test_lbfgs_trains_and_a_step_that_leaves_nan_weights_is_undone():
     before = params(model)
     trainer(plugin, max_steps=2).fit(model, loader(make_data(2)))
     assert len(model.losses) > 2  # LBFGS evaluated the closure several times per step
-    assert all(not torch.equal(a, b) for a, b in zip(before, params(model)))
+    assert all(not torch.equal(a, b) for a, b in zip(before, params(model), strict=True))
     assert plugin.skipped_steps == 0 and set(model.output_dtypes) == {torch.bfloat16}
 
     model, plugin = LBFGSNet(), BF16MixedPrecision(**GUARD)
@@ -229,7 +228,7 @@ def test_an_optimizer_that_requires_its_closure_steps_as_under_lightning():
     ours, theirs = ClosureNet(), ClosureNet()
     trainer(BF16MixedPrecision(**GUARD), max_steps=3).fit(ours, loader(make_data(3)))
     trainer(MixedPrecision("bf16-mixed", "cpu"), max_steps=3).fit(theirs, loader(make_data(3)))
-    assert all(torch.equal(a, b) for a, b in zip(params(ours), params(theirs)))
+    assert all(torch.equal(a, b) for a, b in zip(params(ours), params(theirs), strict=True))
     model, plugin = ClosureNet(), BF16MixedPrecision(**GUARD)
     trainer(plugin, max_steps=3).fit(model, loader(nan_data(3, (1,))))
     assert all_finite(model) and plugin.skipped_steps == 1
@@ -241,7 +240,7 @@ def test_lbfgs_under_fabric_with_a_closure():
     net = make_net()
     model, opt = fabric.setup(net, torch.optim.LBFGS(net.parameters(), lr=0.1, max_iter=3))
     for x, y in fabric.setup_dataloaders(loader(nan_data(3, (1,)))):
-        def closure():
+        def closure(x=x, y=y):
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
             fabric.backward(loss)
@@ -333,7 +332,7 @@ def test_an_optimizer_without_any_gradient_steps_as_under_lightning():
     before = params(model.a)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 2, 8)), batch_size=None)
     trainer(plugin, max_steps=4).fit(model, data)
-    assert all(not torch.equal(p, q) for p, q in zip(before, params(model.a))) and plugin.skipped_steps == 0
+    assert all(not torch.equal(p, q) for p, q in zip(before, params(model.a), strict=True)) and plugin.skipped_steps == 0
 
 
 class ComplexNet(LitNet):

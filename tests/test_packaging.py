@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.tool  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
+pytestmark = pytest.mark.slow  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a build reads: a copy of it is built, so the checkout gets no build/ or .egg-info/ of the test's.
@@ -104,3 +104,9 @@ def test_the_wheel_ships_the_license(wheel):
         (metadata,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
         headers = whl.read(metadata).decode().split("\n\n")[0].splitlines()
     assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
+
+
+def test_the_wheel_ships_its_type_information(wheel):
+    """PEP 561: without `py.typed` in the installed package, a user's mypy treats every name of it as Any."""
+    with zipfile.ZipFile(wheel) as whl:
+        assert "lightning_precision/py.typed" in whl.namelist()

@@ -55,7 +55,7 @@ def batches(n: int, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def loader(n: int) -> torch.utils.data.DataLoader:
-    x, y = (torch.cat(t) for t in zip(*batches(n)))
+    x, y = (torch.cat(t) for t in zip(*batches(n), strict=True))
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
 
 
@@ -350,8 +350,8 @@ def test_the_sums_every_rank_reduces_have_one_row_per_layer_whichever_ran():
     """Under DDP a layer may run on some ranks only (data-dependent routing): the tensor handed to the all-reduce must
     have the same shape on every rank (a rank's own set of rows would hang or mix layers), and a layer that ran on no
     rank is left out of the result. The reduce here records what it is given, as ``dist.all_reduce`` would see it."""
-    from lightning_precision.fp8._torchao import torchao_config
     from lightning_precision.fp8._sensitivity import SensitivityProbe
+    from lightning_precision.fp8._torchao import torchao_config
 
     model = Outliers()
     probe = SensitivityProbe({"a": model.a, "c": model.c}, torchao_config("tensorwise", emulate=True))

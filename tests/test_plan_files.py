@@ -157,8 +157,8 @@ def test_two_processes_saving_one_path_never_fail_and_it_always_loads_whole(tmp_
 
 
 def test_plan_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
-    from lightning_precision.cli import plan  # where the command looks make_plan up
     import lightning_precision.cli as cli
+    from lightning_precision.cli import plan  # where the command looks make_plan up
 
     monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking --out"))
     (tmp_path / "file.txt").write_text("a file, not a folder")
@@ -172,7 +172,7 @@ def test_plan_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, 
         assert err.splitlines() == [err] and err.startswith("lightning-precision plan: error: ") and why in err, err
 
 
-@pytest.mark.tool  # the plan command's process and output
+@pytest.mark.slow  # the plan command's process and output
 def test_plan_prints_the_measured_plan_when_writing_it_fails(tmp_path):
     """The write fails for real after measuring: the command runs with a file-size limit (RLIMIT_FSIZE) below the
     plan's size, so the plan's write fails with EFBIG as a full disk fails with ENOSPC. The measurement is printed
@@ -404,7 +404,7 @@ def _plan_command(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
-@pytest.mark.tool  # the plan command's process and output
+@pytest.mark.slow  # the plan command's process and output
 def test_plan_without_emulate_on_the_embedded_default_refuses_before_measuring_and_keeps_the_earlier_plan(tmp_path):
     """Every linear layer of the embedded ViT is under the fp8-GPU size thresholds: without --emulate nothing is left to
     measure. The command says so in one line with the fix (--emulate), exit 2, before measuring; the emulated plan
@@ -422,7 +422,7 @@ def test_plan_without_emulate_on_the_embedded_default_refuses_before_measuring_a
     assert (tmp_path / "plan-vit.yaml").read_bytes() == before
 
 
-@pytest.mark.tool  # the plan command's process and output
+@pytest.mark.slow  # the plan command's process and output
 def test_plan_piped_into_head_exits_quietly_and_still_writes_the_plan(tmp_path):
     """`plan ... | head -1`: the reader closes the pipe after the first line, while the command measures; the table
     printed next used to raise BrokenPipeError (a traceback, exit 1, no plan file). Now the rest of the output goes

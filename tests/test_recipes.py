@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
-from lightning_precision.cli.recipes import RECIPES, DistilBertClassifier, ImageClassificationData, TextClassificationData
+from lightning_precision.cli.recipes import (
+    RECIPES,
+    DistilBertClassifier,
+    ImageClassificationData,
+    TextClassificationData,
+)
 from lightning_precision.cli.recipes.data import _build_tokenizer, _synthetic_reviews
 
 SMALL = {"distilbert": {"num_samples": 256}, "vit": {"num_samples": 256}, "resnet50": {"num_samples": 256}}
@@ -49,7 +54,7 @@ def test_embedded_task_is_learned(name):
 
 def test_synthetic_reviews_labels_follow_the_words():
     texts, labels = _synthetic_reviews(200, seed=3)
-    for text, label in zip(texts, labels):
+    for text, label in zip(texts, labels, strict=True):
         pos = sum(w in "good great excellent wonderful superb lovely brilliant enjoyable delightful moving charming fine".split() for w in text.split())
         neg = len([w for w in text.split() if w in "bad awful terrible boring dull poor weak horrible tedious messy bland clumsy".split()])
         assert label == int(pos > neg) and pos != neg
@@ -77,7 +82,7 @@ def test_pretrained_is_honoured_from_a_local_path(tmp_path):
     original = DistilBertClassifier(size="tiny")
     original.net.save_pretrained(tmp_path / "model")
     loaded = DistilBertClassifier(pretrained=str(tmp_path / "model"))
-    for a, b in zip(original.net.state_dict().values(), loaded.net.state_dict().values()):
+    for a, b in zip(original.net.state_dict().values(), loaded.net.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
 
 

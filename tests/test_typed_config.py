@@ -51,7 +51,7 @@ def test_a_scaler_config_trains_exactly_as_the_same_flat_arguments():
         weights.append(params(model))
         scales.append(plugin.loss_scale)
     assert scales[0] == scales[1] == 2.0**12  # grew twice and hit max_scale: the config's bounds are in force
-    for a, b in zip(*weights):
+    for a, b in zip(*weights, strict=True):
         assert torch.equal(a, b)
 
 

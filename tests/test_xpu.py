@@ -178,7 +178,7 @@ def test_bf16_trains_on_a_real_fit_and_resumes(tmp_path):
     assert set(model.output_dtypes) == {torch.bfloat16}
     resumed = LitNet()
     trainer(XPUPrecision(device="cpu"), max_epochs=1).fit(resumed, loader(make_data(2)), ckpt_path=tmp_path / "x.ckpt")
-    assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(model)))
+    assert all(torch.equal(a, b) for a, b in zip(params(resumed), params(model), strict=True))
 
 
 def test_fp16_without_fp64_says_use_bf16():
@@ -258,7 +258,7 @@ def test_bf16_has_no_scaler_so_a_closure_optimizer_trains_as_with_lightning():
     before = [p.detach().clone() for p in model.parameters()]
     trainer(XPUPrecision(device="cpu"), max_steps=2).fit(model, loader(make_data(2)))
     assert len(model.losses) > 2  # LBFGS evaluated the closure several times per step
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert set(model.output_dtypes) == {torch.bfloat16}
     with pytest.raises(ValueError, match="LBFGS"):
         trainer(XPUPrecision(dtype="fp16", device="cpu"), max_steps=1).fit(_LBFGSNet(), loader(make_data(1)))

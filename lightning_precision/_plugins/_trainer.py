@@ -28,7 +28,7 @@ LIGHTNING_AMP_KEY = "MixedPrecision"
 _LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")
 
 
-class TrainerHooks(TrainerPrecision, FabricCore):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class TrainerHooks(TrainerPrecision, FabricCore):
     """Mixed into ``class X(TrainerHooks, FabricX)``: Trainer hooks first, Fabric behaviour after (see MRO)."""
 
     @override
@@ -38,22 +38,22 @@ class TrainerHooks(TrainerPrecision, FabricCore):  # type: ignore[misc]  # Train
         # Strategies call this after moving the model: the first moment its device is known, and the one step that
         # resolves it (hardware checks, FSDP2's checks).
         self._module_ref = weakref.ref(model)
-        self.resolve_device()  # type: ignore[attr-defined]
+        self.resolve_device()
         return super().connect(model, optimizers, lr_schedulers)
 
     def _install_throughput_dtype(self) -> None:
-        super()._install_throughput_dtype()  # type: ignore[misc]
+        super()._install_throughput_dtype()
         install_throughput_dtype(TRAINER_THROUGHPUT_MODULE, AutocastPrecision)
 
     @override
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        with self._backward_scope():  # type: ignore[attr-defined]
+        with self._backward_scope():
             super().backward(tensor, model, optimizer, *args, **kwargs)
 
     @override
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         # Fabric accepts any Precision, Trainer plugins included, and then fails deep inside `fabric.backward`.
         if not isinstance(module, pl.LightningModule):
             name = type(self).__name__

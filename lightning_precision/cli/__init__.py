@@ -189,7 +189,7 @@ def _fit(argv: list[str]) -> int:
     ignore_known_harmless()
 
     class CLI(LightningCLI):
-        def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
+        def add_arguments_to_parser(self, parser) -> None:
             parser.add_argument("--precision", choices=list(_FIT_PRECISIONS), default=None,
                                 help="train in this precision with lightning-precision's plugin, replacing the one the"
                                      " configuration sets (null: keep the configuration's)")

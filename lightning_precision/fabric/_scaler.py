@@ -192,7 +192,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
         flags = [f for state in states for f in state["found_inf_per_device"].values()]
         if not flags or self._scale is None:
             return None
-        return sum(f.to(self._scale.device, non_blocking=True) for f in flags)  # type: ignore[return-value]
+        return sum(f.to(self._scale.device, non_blocking=True) for f in flags)
 
     def _step_and_record(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``GradScaler.step``, remembering whether the optimizer stepped. torch reads the answer on the host anyway
