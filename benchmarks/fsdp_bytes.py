@@ -1,4 +1,4 @@
-"""FSDP2 bytes communicated per training step, and step time, under three precision set-ups (issue 11).
+"""FSDP2 bytes communicated per training step, and step time, under three precision set-ups.
 
 FSDP2 (``fully_shard``) on CPU, gloo, 2 ranks, through Fabric's ``ModelParallelStrategy``; the same bias-free MLP
 1024-4096-1024 (8.4M parameters), batch 32 per rank, SGD. Every ``nn.Linear`` is sharded, then the root.

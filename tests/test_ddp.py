@@ -56,7 +56,7 @@ def test_ddp_gloo_two_processes_agree(tmp_path, plugin_cls):
 
 def test_ddp_bf16_a_nan_on_one_rank_is_skipped_on_every_rank(tmp_path):
     """Rank 0's loss turns NaN at step 2; the all-reduce carries the NaN into rank 1's gradients: the non-finite guard
-    skips that step on both ranks, their replicas stay identical and finite, and both count it (issue 23, item 12)."""
+    skips that step on both ranks, their replicas stay identical and finite, and both count it."""
     t = trainer(BF16MixedPrecision(skip_nonfinite=True), strategy="ddp_spawn", devices=2, max_steps=5)
     reports = fit_spawned(t, RankReport(str(tmp_path), poison=float("nan")), loader(make_data(10)), tmp_path)
     assert reports[0]["weights"] == reports[1]["weights"]

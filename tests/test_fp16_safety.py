@@ -234,7 +234,7 @@ def test_lightnings_plugin_resumes_our_checkpoint_with_its_scale(tmp_path):
 
 
 def test_the_scaler_overrides_no_private_method_of_torchs():
-    """Issue 14: whether a step ran is seen through the optimizer's public step post-hook, not by overriding
+    """Whether a step ran is seen through the optimizer's public step post-hook, not by overriding
     ``GradScaler._maybe_opt_step``; this fails if a private override comes back."""
     from lightning_precision.fabric._scaler import TrackingGradScaler
 
@@ -243,7 +243,7 @@ def test_the_scaler_overrides_no_private_method_of_torchs():
     assert overridden == set()
 
 
-# ---- checkpoints that no scaler saved (issue 23, item 17) -------------------------------------------------------------
+# ---- checkpoints that no scaler saved --------------------------------------------------------------------------------
 
 
 def _saved_state():

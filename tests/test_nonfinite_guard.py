@@ -116,7 +116,7 @@ def test_the_guard_is_opt_in_and_without_it_the_plugin_is_lightnings():
     [
         ({"skip_nonfinite": "yes"}, r"BF16MixedPrecision\(skip_nonfinite='yes'\)`: pass True or False"),
         ({"max_consecutive_skips": 0}, r"BF16MixedPrecision\(max_consecutive_skips=0\)` is invalid.*positive int"),
-        # the guard's limit without the guard was ignored in silence (issue 23, items 12 and 18)
+        # the guard's limit without the guard was ignored in silence
         ({"max_consecutive_skips": 3}, r"BF16MixedPrecision\(max_consecutive_skips=3\)`.*skips nothing.*skip_nonfinite"
                                        r"=True"),
         ({"max_consecutive_skips": None}, r"BF16MixedPrecision\(max_consecutive_skips=None\)`.*skip_nonfinite=True"),

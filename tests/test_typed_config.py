@@ -1,4 +1,4 @@
-"""Typed configuration (issue 14, item 1): ``ScalerConfig`` beside the flat arguments, keyword-only constructors, and
+"""Typed configuration: ``ScalerConfig`` beside the flat arguments, keyword-only constructors, and
 the Trainer classes showing their real signatures."""
 
 from __future__ import annotations
