@@ -8,9 +8,7 @@ import importlib.util
 import os
 import sys
 import warnings
-from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -63,20 +61,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 
 
 def deprecated(old: str, new: str) -> None:
-    """Say once per call site that ``old`` is now ``new``."""
+    """Say once per call site that ``old`` is now ``new``: for a name of a released version only (an unreleased one is
+    renamed outright). The test suite turns these warnings into errors."""
     warn(f"`{old}` is deprecated and will be removed after 0.2: use `{new}`.", DeprecationWarning)
-
-
-def _deprecated_alias(function: Callable[..., Any], old: str) -> Callable[..., Any]:
-    """``function`` under its old public name: the same call, with a ``DeprecationWarning``."""
-
-    @functools.wraps(function)
-    def alias(*args: Any, **kwargs: Any) -> Any:
-        deprecated(old, function.__name__)
-        return function(*args, **kwargs)
-
-    alias.__name__ = old
-    return alias
 
 
 # Warnings of the libraries beneath us that a user of our command line can do nothing about, by message. Lightning
