@@ -99,21 +99,24 @@ def test_version_and_help_import_neither_torch_nor_lightning():
     assert proc.stdout.startswith("lightning-precision 0.1.0 (torch ")
 
 
-@pytest.mark.parametrize("first_use", [
-    "lightning_precision.XPUPrecision",
-    "lightning_precision.FP16MixedPrecision",
-    "__import__('lightning_precision.fabric').fabric.BF16MixedPrecision",
-    "__import__('lightning_precision.callbacks').callbacks.ChannelsLast",
-    "__import__('lightning_precision.cli.recipes').cli.recipes.RECIPES",
+@pytest.mark.parametrize(("first_use", "registries"), [
+    ("lightning_precision.XPUPrecision", "fabric trainer"),
+    ("lightning_precision.FP16MixedPrecision", "fabric trainer"),
+    ("__import__('lightning_precision.fabric').fabric.BF16MixedPrecision", "fabric"),
+    ("__import__('lightning_precision.callbacks').callbacks.ChannelsLast", "fabric trainer"),
+    ("__import__('lightning_precision.cli.recipes').cli.recipes.RECIPES", "fabric trainer"),
 ])
-def test_the_first_use_of_the_package_registers_xpu(first_use):
+def test_the_first_use_of_the_package_registers_xpu(first_use, registries):
     """`import lightning_precision` loads its names on first use (so `--version` imports no torch): the first name
-    used, or an import of a subpackage, still registers accelerator="xpu" with both of Lightning's registries."""
+    used, or an import of a subpackage, still registers accelerator="xpu" with Lightning's registries: Fabric's always,
+    the Trainer's with the Trainer's side (the Fabric plugins import nothing of `lightning.pytorch`)."""
     script = ("import lightning_precision\n"
               f"{first_use}\n"
+              "import sys\n"
               "from lightning.fabric.accelerators import ACCELERATOR_REGISTRY\n"
+              "assert 'xpu' in ACCELERATOR_REGISTRY\n"
               "from lightning.pytorch.accelerators import AcceleratorRegistry\n"
-              "assert 'xpu' in ACCELERATOR_REGISTRY and 'xpu' in AcceleratorRegistry\n")
+              f"assert ('xpu' in AcceleratorRegistry) == {'trainer' in registries}\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
