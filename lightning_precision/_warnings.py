@@ -12,7 +12,7 @@ from types import FrameType
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-__all__ = ["NoEffectWarning"]
+__all__ = ["NoEffectWarning", "process_rank"]
 
 
 class NoEffectWarning(UserWarning):
@@ -50,13 +50,19 @@ def _user_stacklevel() -> int:
     return 2
 
 
+def process_rank() -> int:
+    """This process's global rank, as Lightning's rank-zero utilities hold it (an attribute their typing does not
+    declare; 0 before a launcher sets it)."""
+    return int(getattr(rank_zero_only, "rank", 0))  # noqa: B009
+
+
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` on global rank zero (every rank would say the same), attributed to the user's code.
 
     Python attributes a warning to a fixed number of frames up; ours are raised from inside Lightning and torch hooks,
     so that would name Lightning's ``strategy.py``, whose line the user cannot act on (nor filter by module).
     """
-    if getattr(rank_zero_only, "rank", 0) == 0:
+    if process_rank() == 0:
         warnings.warn(message, category, stacklevel=_user_stacklevel())
 
 

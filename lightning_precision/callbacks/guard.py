@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -22,7 +22,7 @@ from lightning_precision._accumulator import all_reduce
 from lightning_precision._checks import is_positive_int
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._upstream.lightning import batches_that_stepped, should_update_logs
-from lightning_precision._warnings import NoEffectWarning, warn
+from lightning_precision._warnings import NoEffectWarning, process_rank, warn
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.fp8._plan import PlanRule, demotions, measured_numbers, plan_suffix
 from lightning_precision.fp8._selection import BLOCK_SCALED
@@ -58,10 +58,6 @@ class GuardEvent:
     reason: str
 
 
-
-def _process_rank() -> int:
-    """This process's rank, as Lightning's rank-zero utilities set it (an attribute their typing does not declare)."""
-    return int(getattr(rank_zero_only, "rank", 0))  # noqa: B009
 
 class FP8Guard(Callback):
     """Watches the layers ``FP8Precision`` runs in fp8 and moves one back to high precision when its measured fp8
@@ -116,7 +112,7 @@ class FP8Guard(Callback):
 
     def _check_plan_path(self) -> None:
         """Prove, on rank zero and before any step, that the plan can be written where it will be."""
-        if self._checked or _process_rank() != 0:
+        if self._checked or process_rank() != 0:
             return
         if self.plan_path is not None:
             check_writable_file(self.plan_path, f"FP8Guard(plan_path={str(self.plan_path)!r})")
@@ -154,7 +150,7 @@ class FP8Guard(Callback):
             return []
         probe.close()
         sensitivity = probe.result(all_reduce)  # the step's micro-batches, committed as one batch
-        if probe.dropped and _process_rank() == 0:
+        if probe.dropped and process_rank() == 0:
             judged = "not judged" if not probe.batches else \
                 f"judged on the {probe.batches} process(es) whose values were finite"
             warn(f"FP8Guard: step {step} is {judged}: a non-finite input, loss or gradient reached the fp8 layers on"
@@ -163,7 +159,7 @@ class FP8Guard(Callback):
         # Nothing measured on any process, and here not even a call without tokens: the hooks did not run at all.
         if not sensitivity and not probe.dropped and not probe.ran and not self._blind:
             self._blind = True
-            if _process_rank() == 0:
+            if process_rank() == 0:
                 warn(f"FP8Guard: step {step} was measured, but none of the {len(probe.layers)} fp8 layers' forward"
                      " hooks ran with gradients on (the step's forward ran under no_grad, or did not reach them), so"
                      " nothing is watched.", NoEffectWarning)
@@ -173,7 +169,7 @@ class FP8Guard(Callback):
         events = [GuardEvent(step, fqn, failed[fqn]) for fqn in moved]
         self.events.extend(events)
         if events:
-            if _process_rank() == 0:
+            if process_rank() == 0:
                 warn(f"FP8Guard: step {step}: {len(events)} layer(s) moved back to {plugin.compute_dtype}: "
                      + "; ".join(f"{e.fqn} ({e.reason})" for e in events))
             self._save_during_fit(plugin)  # at once: a run that dies later keeps what was learned
@@ -184,7 +180,7 @@ class FP8Guard(Callback):
         default file is created at this first write), on rank zero; returns where, or None: on other ranks, before
         conversion, while ``layers="auto"`` has not decided, or with Fabric and neither ``path`` nor ``plan_path``."""
         plan = plugin.plan_in_force()
-        if plan is None or _process_rank() != 0:
+        if plan is None or process_rank() != 0:
             return None
         target = Path(path) if path is not None else self.plan_file
         created = False
