@@ -27,12 +27,15 @@ from lightning_precision.fp8._selection import (
 __all__ = [
     "MXFP8_FLAG",
     "MXFP8_TOKENS",
+    "MARKS_RAN",
     "NO_TOKENS_CLASS",
+    "RAN_FLAG",
     "MXFP8Recipe",
     "convert_with_torchao",
     "demote_torchao_layer",
     "float8_all_gather_possible",
     "float8_linear_class",
+    "mark_ran",
     "mxfp8_after_first_step",
     "mxfp8_linear_module",
     "run_outside_inference_mode",
@@ -84,6 +87,18 @@ def restore_inference_mode(module: nn.Module, args: Any, output: Any) -> None:
 
 _INFERENCE_HOOKS = "_lightning_precision_inference_hooks"
 
+# Whether a converted layer's forward has run (``ForwardWatch`` reads it after each backward). Every call writes True
+# and no call reads it: under torch.compile a module attribute the graph reads is guarded on (and its change
+# recompiles), one it only writes is not. The layer classes below set it in their forward (``MARKS_RAN``); other
+# layers (Transformer Engine's) get ``mark_ran`` as a forward pre-hook that stays, since removing a hook recompiles too.
+RAN_FLAG = "_lightning_precision_ran"
+MARKS_RAN = "_lightning_precision_marks_ran"
+
+
+def mark_ran(module: nn.Module, *args: Any) -> None:
+    """Record that ``module``'s forward ran (``RAN_FLAG``); a forward pre-hook's signature."""
+    module.__dict__[RAN_FLAG] = True  # not nn.Module.__setattr__: a plain attribute, set at every call
+
 
 def run_outside_inference_mode(layer: nn.Module) -> None:
     """Make ``layer`` (a torchao ``Float8Linear``) work under ``torch.inference_mode``: see above."""
@@ -106,7 +121,8 @@ def demote_torchao_layer(layer: nn.Module) -> None:
     for handle in getattr(layer, _INFERENCE_HOOKS, ()):
         handle.remove()
     layer.__dict__.pop(_INFERENCE_HOOKS, None)
-    for attribute in (MXFP8_FLAG, "kernel_preference", "scale_calculation_mode", "wgrad_with_hp", *_MXFP8_RECORD):
+    for attribute in (MXFP8_FLAG, RAN_FLAG, "kernel_preference", "scale_calculation_mode", "wgrad_with_hp",
+                      *_MXFP8_RECORD):
         layer.__dict__.pop(attribute, None)
     layer.__class__ = nn.Linear
 
@@ -186,10 +202,12 @@ def float8_linear_class() -> type:
 
         class Float8LinearNoTokens(Float8Linear):  # type: ignore[misc,valid-type]  # torchao's class, found at run time
             def forward(self, input: torch.Tensor) -> torch.Tensor:
+                mark_ran(self)
                 if input.numel() == 0:
                     return nn.functional.linear(input, self.weight, self.bias)
                 return super().forward(input)
 
+        setattr(Float8LinearNoTokens, MARKS_RAN, True)
         Float8LinearNoTokens.__name__ = Float8Linear.__name__
         Float8LinearNoTokens.__qualname__ = NO_TOKENS_CLASS
         Float8LinearNoTokens.__module__ = "lightning_precision.fp8"  # where pickles find it (its `__getattr__`)
@@ -272,6 +290,7 @@ def _autocast_mxfp8_class(base: type) -> type:
             _mxfp8_name: str | None
 
             def forward(self, input: torch.Tensor) -> torch.Tensor:
+                mark_ran(self)
                 device = input.device.type
                 dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else input.dtype
                 tokens = input.numel() // max(input.shape[-1], 1)
@@ -283,11 +302,12 @@ def _autocast_mxfp8_class(base: type) -> type:
                         self._mxfp8_warned = True
                         warn(_mxfp8_fallback_message(self._mxfp8_name, tokens, dtype), NoEffectWarning)
                     return nn.functional.linear(input, self.weight, self.bias)
-                if training and not self._mxfp8_ran:
+                if training:  # written, not read (see RAN_FLAG): a read would recompile the step after it changes
                     self._mxfp8_ran = True
                 with torch.autocast(device, enabled=False):  # torchao's casts take contiguous tensors only
                     return _mxfp8_forward(self, input.to(dtype).contiguous(), self.weight.to(dtype))
 
+        setattr(AutocastMXFP8Linear, MARKS_RAN, True)
         _MXFP8_CLASS[base] = AutocastMXFP8Linear
     return _MXFP8_CLASS[base]
 

@@ -3,13 +3,10 @@ expert no token reached yet) is not reported as fp8 until it does."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 from torch import nn
 
 from lightning_precision._warnings import NoEffectWarning, warn
-from lightning_precision.fp8._torchao import MXFP8_FLAG
+from lightning_precision.fp8._torchao import MARKS_RAN, MXFP8_FLAG, RAN_FLAG, mark_ran
 
 __all__ = ["NEVER_RAN", "ForwardWatch", "warn_never_ran"]
 
@@ -18,51 +15,56 @@ NEVER_RAN = ("converted, but its forward did not run in the first training step 
 
 
 class ForwardWatch:
-    """Counts forward calls of the layers chosen for fp8. ``settle()`` (at the first backward) returns the layers that
-    have not run and keeps watching only them; ``ran()`` (at each later backward) returns those that have run since:
-    a layer no input reached at first (an expert a mixture of experts does not call while no token is routed to it)
-    computes in fp8 from the step it runs. The hooks are bound methods (the model pickles) and leave as layers run.
-    Until the backward after their first call (the first backward; later for an idle expert), MXFP8 layers leave their
-    fallback warnings to the plugin, which gives them once it knows what ran (``mxfp8_after_first_step``); ``close()``
-    hands them back to the layers still watched."""
+    """Which of the layers chosen for fp8 have run. ``settle()`` (at the first backward) returns the layers that have
+    not run and keeps watching only them; ``ran()`` (at each later backward) returns those that have run since: a
+    layer no input reached at first (an expert a mixture of experts does not call while no token is routed to it)
+    computes in fp8 from the step it runs.
+
+    Each layer records its own calls in a flag its forward writes (``RAN_FLAG``; a forward pre-hook for layers whose
+    class does not, Transformer Engine's), read here on the host after each backward. Nothing on the model changes
+    when a layer is found to have run: dynamo guards on a module's hooks, so hooks taken off after the first step
+    compiled the model a second time. Until the backward after their first call (the first backward; later for an
+    idle expert), MXFP8 layers leave their fallback warnings to the plugin, which gives them once it knows what ran
+    (``mxfp8_after_first_step``); ``close()`` hands them back to the layers still watched."""
 
     def __init__(self, layers: dict[str, nn.Module]) -> None:
         self.layers = layers
-        self.calls = dict.fromkeys(layers, 0)
         self.settled = False
+        self._watched = list(layers)  # not run yet
+        self._handles = []
         for m in layers.values():
+            m.__dict__[RAN_FLAG] = False  # as `mark_ran` writes it: runs from this conversion on count
+            if not getattr(type(m), MARKS_RAN, False):
+                self._handles.append(m.register_forward_pre_hook(mark_ran))  # a function: the model pickles
             if getattr(m, MXFP8_FLAG, False):
                 setattr(m, "_mxfp8_quiet", True)  # noqa: B010  (an MXFP8 layer's attribute, not nn.Module's)
-        self._handles = {fqn: m.register_forward_pre_hook(functools.partial(self._count, fqn))
-                         for fqn, m in layers.items()}
-
-    def _count(self, fqn: str, module: nn.Module, args: Any) -> None:
-        self.calls[fqn] += 1
 
     def ran(self) -> list[str]:
         """The layers watched that have run, no longer watched."""
-        ran = [fqn for fqn in self._handles if self.calls[fqn]]
-        for fqn in ran:
-            self._handles.pop(fqn).remove()
+        ran = [fqn for fqn in self._watched if getattr(self.layers[fqn], RAN_FLAG, False)]
+        self._watched = [fqn for fqn in self._watched if fqn not in ran]
         return ran
 
     def settle(self) -> list[str]:
         """At the first backward: the layers that have not run (still watched)."""
         self.settled = True
         self.ran()
-        return list(self._handles)
+        return list(self._watched)
 
     @property
     def watching(self) -> bool:
-        return bool(self._handles)
+        return bool(self._watched)
 
     def close(self) -> None:
-        for fqn, handle in self._handles.items():
+        """The layers are converted again (or no longer the plugin's): their pre-hooks go."""
+        for handle in self._handles:
             handle.remove()
+        self._handles.clear()
+        for fqn in self._watched:
             # Its MXFP8 fallbacks were left to the plugin, which no longer watches it: the layer says them itself again.
             if getattr(self.layers[fqn], MXFP8_FLAG, False):
                 setattr(self.layers[fqn], "_mxfp8_quiet", False)  # noqa: B010  (as above)
-        self._handles.clear()
+        self._watched = []
 
 
 def warn_never_ran(paths: list[str]) -> None:
@@ -74,5 +76,3 @@ def warn_never_ran(paths: list[str]) -> None:
         " step they run. `plugin.layer_decisions` lists them as high precision until they do.",
         NoEffectWarning,
     )
-
-
