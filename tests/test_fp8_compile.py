@@ -207,3 +207,18 @@ def test_compiled_mxfp8_layers_compile_nothing_after_the_first_step():
     torch._dynamo.reset()
     assert graphs[1:] == graphs[:1] * (STEPS - 1)
     assert plugin.metrics()["precision/fp8_layers"].item() == 3
+
+
+def test_a_model_saved_whole_with_the_earlier_watch_hook_still_loads(tmp_path):
+    """Earlier releases watched with ``ForwardWatch._count`` as a pre-hook and left it on a layer that never ran: a
+    model saved whole (``torch.save(model)``) after such a fit pickles it by name, so the name stays loadable."""
+    import functools
+
+    from lightning_precision.fp8._watch import ForwardWatch
+
+    layer = nn.Linear(4, 4)
+    watch = ForwardWatch.__new__(ForwardWatch)  # as unpickled: the earlier release's fields do not matter
+    layer.register_forward_pre_hook(functools.partial(watch._count, "unused"))
+    torch.save(layer, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    torch.testing.assert_close(loaded(torch.ones(1, 4)), layer(torch.ones(1, 4)))

@@ -3,6 +3,8 @@ expert no token reached yet) is not reported as fp8 until it does."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from lightning_precision._warnings import NoEffectWarning, warn
@@ -38,6 +40,10 @@ class ForwardWatch:
                 self._handles.append(m.register_forward_pre_hook(mark_ran))  # a function: the model pickles
             if getattr(m, MXFP8_FLAG, False):
                 setattr(m, "_mxfp8_quiet", True)  # noqa: B010  (an MXFP8 layer's attribute, not nn.Module's)
+
+    def _count(self, fqn: str, module: nn.Module, args: Any) -> None:
+        """Does nothing. Earlier releases watched with this bound method as a forward pre-hook and left it on layers
+        that never ran, so a model saved whole (``torch.save(model)``) after such a fit holds it: it still loads."""
 
     def ran(self) -> list[str]:
         """The layers watched that have run, no longer watched."""
