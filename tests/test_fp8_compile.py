@@ -118,13 +118,13 @@ def test_a_compiled_fp8_model_is_as_many_graphs_as_torchaos_own_conversion_with_
     """The plugin watched which layers ran with forward pre-hooks it removed after the first backward: dynamo guards
     on a module's hooks, so the second step compiled the model again (2 graphs against torchao's 1)."""
     plugin = FabricFP8Precision(**FP8_KW)
-    assert fabric_graphs(plugin) == torchao_graphs() == 1
+    assert fabric_graphs(plugin) == torchao_graphs()  # 1 on torch 2.13: the goal is torchao's count, any torch
     assert plugin.metrics()["precision/fp8_layers"].item() == 3
 
 
 def test_a_compiled_fp8_model_is_as_many_graphs_as_torchaos_own_conversion_with_the_trainer():
     plugin = FP8Precision(**FP8_KW)
-    assert trainer_graphs(plugin) == torchao_graphs() == 1
+    assert trainer_graphs(plugin) == torchao_graphs()
     assert plugin.metrics()["precision/fp8_layers"].item() == 3
 
 
@@ -136,7 +136,7 @@ def test_compiled_a_layer_whose_forward_never_runs_is_still_reported(loop):
     run = fabric_graphs if loop == "fabric" else trainer_graphs
     with pytest.warns(NoEffectWarning, match=r"did not run their forward in the first training step: (net\.)?unused"):
         graphs = run(plugin, unused=True)
-    assert graphs == torchao_graphs(unused=True) == 1
+    assert graphs == torchao_graphs(unused=True)
     assert [d.fqn.removeprefix("net.") for d in plugin.layer_decisions if d.fp8] == ["a", "b", "c"]
     assert plugin.metrics()["precision/fp8_layers"].item() == 3
 
@@ -154,7 +154,7 @@ def test_rowwise_scaling_is_as_many_graphs_as_torchaos_own_conversion_too():
     for x in batches():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             compiled(x).float().square().mean().backward()
-    assert fabric_graphs(FabricFP8Precision(recipe=recipe, **FP8_KW)) == counter.frame_count == 1
+    assert fabric_graphs(FabricFP8Precision(recipe=recipe, **FP8_KW)) == counter.frame_count
 
 
 def test_transformer_engine_layers_keep_their_watch_hook_and_the_model_pickles(monkeypatch):

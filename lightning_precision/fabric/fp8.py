@@ -755,7 +755,7 @@ class FP8Precision(ScaledPrecision):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_forward_watch"] = None  # hook handles stay with the process that set them
+        state["_forward_watch"] = None  # its layers and pre-hook handles stay with the process that set them
         state["_scales"] = None  # found again when the model is sharded in the new process
         state["_calibration"] = None  # hooks too; a spawned process starts measuring at its own setup
         state["_root"] = None  # a weak reference; set again when the new process converts
