@@ -9,7 +9,9 @@ time per variant and of the paired ratios against the peer):
   the Fabric plugin's own methods (``forward_context``, ``backward``, ``optimizer_step``; the update happens at the
   next backward), torch's as its documentation writes the loop (``scaler.scale(loss).backward()``,
   ``scaler.step(opt)``, ``scaler.update()``). The peer is torch's scaler on the same model: the goal is <= 1.05.
-  A plain fp32 loop (no autocast, no scaler) is timed beside them so that the scaler's own share can be read off.
+  Beside them: the plugin's scaler alone (``plugin.scaler``) driven by torch's loop, which tells the scaler's own cost
+  from the plugin's (autocast context, backward scope); and a plain fp32 loop (no autocast, no scaler), so that the
+  share of autocast and scaler in the step can be read off.
 - ``fabric``: a training loop with ``Fabric(plugins=[FP16MixedPrecision()])`` against the same loop written by hand
   with ``torch.autocast("cpu", torch.float16)`` and ``torch.amp.GradScaler("cpu")``, on a small MLP (widths
   ``--width``, 5 layers, batch 32), in CPU time. Fabric with Lightning's own ``MixedPrecision("16-mixed")`` runs beside
@@ -19,7 +21,7 @@ CPU time (``time.process_time``: this process, its threads together) is the cloc
 time of a step includes the time it waited for a core. ``--device cuda`` runs the same code on a GPU (the clock is then
 wall time, with a synchronisation at the end of each block of steps).
 
-    python benchmarks/scaler_cost.py [--mode cycle|fabric|both] [--rounds 15] [--steps 200] [--width 128]
+    python benchmarks/scaler_cost.py [--mode cycle|fabric|both] [--rounds 100] [--steps 20] [--width 128]
                                      [--device cpu] [--threads 1]
 """
 
@@ -68,10 +70,12 @@ def _sgd(net: nn.Module) -> torch.optim.Optimizer:
 # -- cycle: the scaler's full cycle on a tiny model ------------------------------------------------------------------
 
 
-def cycle_torch(device: str) -> Loop:
+def cycle_torch(device: str, ours: bool = False) -> Loop:
     net = _tiny(device)
     opt = _sgd(net)
-    scaler = torch.amp.GradScaler(device)
+    # ours=True: the plugin's scaler (``plugin.scaler``, a GradScaler subclass) in torch's own loop, without the plugin.
+    scaler = lp_fabric.FP16MixedPrecision(device=device).scaler if ours else torch.amp.GradScaler(device)
+    assert scaler is not None
     x, y = _data(4, 16, device)
 
     def run(steps: int) -> None:
@@ -178,7 +182,7 @@ def _iqr(values: list[float]) -> tuple[float, float]:
 def compare(title: str, variants: dict[str, Loop], peer: str, rounds: int, steps: int, device: str) -> None:
     clock = _clock(device)
     for run in variants.values():  # warm-up: allocator, autocast caches, lazy state
-        run(max(steps // 4, 5))
+        run(50)
     per_step: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):
@@ -186,12 +190,12 @@ def compare(title: str, variants: dict[str, Loop], peer: str, rounds: int, steps
             t0 = clock()
             variants[name](steps)
             per_step[name].append((clock() - t0) / steps)
-    print(f"\n{title} ({rounds} rounds of {steps} steps; per step, median [IQR]; ratio: paired per round)")
-    print(f"{'variant':<44}{'µs/step':>22}{'/ ' + peer:>34}")
+    print(f"\n{title} ({rounds} rounds of {steps} steps; per step, median [IQR]; ratio to {peer}: paired per round)")
+    print(f"{'variant':<46}{'µs/step':>22}{'ratio':>18}")
     for name in names:
         times = per_step[name]
         lo, hi = _iqr(times)
-        line = f"{name:<44}{statistics.median(times) * 1e6:>9.1f} [{lo * 1e6:.1f}-{hi * 1e6:.1f}]"
+        line = f"{name:<46}{statistics.median(times) * 1e6:>9.1f} [{lo * 1e6:.1f}-{hi * 1e6:.1f}]"
         if name != peer:
             ratios = [a / b for a, b in zip(times, per_step[peer], strict=True)]
             rlo, rhi = _iqr(ratios)
@@ -202,8 +206,8 @@ def compare(title: str, variants: dict[str, Loop], peer: str, rounds: int, steps
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["cycle", "fabric", "both"], default="both")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=200, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     parser.add_argument("--width", type=int, default=128, help="the fabric mode's MLP width")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (same code)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -222,6 +226,7 @@ def main() -> None:
         compare("Scaler cycle, tiny model (Linear 16-16-16, batch 4)", {
             "torch.amp.GradScaler": cycle_torch(args.device),
             "ours (FP16MixedPrecision, Fabric plugin)": cycle_ours(args.device),
+            "ours, its scaler alone in torch's loop": cycle_torch(args.device, ours=True),
             "plain fp32 loop (no autocast, no scaler)": cycle_plain(args.device),
         }, "torch.amp.GradScaler", args.rounds, args.steps, args.device)
     if args.mode in ("fabric", "both"):

@@ -10,12 +10,14 @@ import pickle
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_precision import ScalerConfig
 from lightning_precision import fabric as lp_fabric
+from lightning_precision.fabric._scaler import TrackingGradScaler
 from tests.test_scaler_numbers import CONFIG, FACTORS, GOLDEN, _batch, _fabric_run, _loss, _net, _state
 
 
@@ -130,3 +132,53 @@ def _resumed_run(plugin: Any, start: int) -> list[Any]:
         opt.step()
         trace.append((plugin.step_was_skipped, _state(plugin)))
     return trace
+
+
+class _NoWeakRef:
+    """An optimizer-like wrapper without weak references (``__slots__``) nor hooks."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+
+    @property
+    def param_groups(self) -> Any:
+        return self.inner.param_groups
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.step(*args, **kwargs)
+
+
+def test_an_optimizer_without_weak_references_or_hooks_steps_and_counts_the_same():
+    traces = []
+    for wrap in (False, True):
+        plugin = lp_fabric.FP16MixedPrecision(scaler=CONFIG)
+        net = plugin.convert_module(_net())
+        opt: Any = torch.optim.SGD(net.parameters(), lr=0.01)
+        opt = _NoWeakRef(opt) if wrap else opt
+        trace = []
+        for step in range(16):
+            net.zero_grad()
+            x, y = _batch(step)
+            with plugin.forward_context():
+                out = net(x)
+            plugin.backward(_loss(net, out, y, step), net)
+            plugin.optimizer_step(opt)
+            trace.append((plugin.step_was_skipped, _state(plugin)))
+        traces.append(trace)
+    assert traces[0] == traces[1]
+    assert [t[0] for t in traces[0]] == [t[0] for t in GOLDEN["fabric-sgd-every"][:16]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch disables a cuda scaler only where CUDA is absent")
+def test_a_scaler_torch_disabled_is_built_and_steps_the_optimizer():
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = TrackingGradScaler("cuda", CONFIG)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    before = net[0].weight.detach().clone()
+    nn.functional.mse_loss(net(torch.ones(2, 4)), torch.zeros(2, 2)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(before, net[0].weight) and not scaler.step_was_skipped(opt)

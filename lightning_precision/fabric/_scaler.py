@@ -173,7 +173,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
         self._seen: weakref.WeakKeyDictionary[Optimizer, StepSeen] = weakref.WeakKeyDictionary()
         # torch's growth tracker, followed on the host while every update's answer is known there; None from the first
         # update whose answer only the device knows (then every update is bounded) until a state read gives it back.
-        self._host_tracker: int | None = self._init_growth_tracker
+        self._host_tracker: int | None = 0  # torch's starts at 0 (and a disabled scaler has none)
         # Set by `update_before_every_step`: the scale this backward's gradients carry, and whether that update saw an
         # inf; cleared by `scale` (the next backward).
         self._carried: torch.Tensor | None = None
@@ -220,8 +220,12 @@ class TrackingGradScaler(torch.amp.GradScaler):
         """``GradScaler.step``, remembering whether the optimizer stepped. torch reads the answer on the host anyway
         for ordinary optimizers (one sync, inside ``step``); a step post-hook, public since torch 2.0, sees it for free.
         Fused optimizers (which unscale inside ``step`` and are always called) and optimizers without hooks are not
-        recorded: asked, they read the device."""
-        seen = self._seen.get(optimizer)
+        recorded: asked, they read the device. The hook is registered at the optimizer's first step here and stays
+        (a :class:`StepSeen`, cleared before each step)."""
+        try:
+            seen = self._seen.get(optimizer)
+        except TypeError:  # an optimizer without weak references: not recorded, as one without hooks
+            return super().step(optimizer, *args, **kwargs)
         if seen is None:
             register = getattr(optimizer, "register_step_post_hook", None)
             if not self._enabled or register is None or optimizer_handles_unscaling(optimizer):
