@@ -5,9 +5,9 @@ Three holes of torch's scaler are closed here:
 
 - **The scale is bounded.** At a scale <= 2**-128, ``1/scale`` is inf in fp32, and torch's unscale checks gradients for
   inf *before* multiplying, so a clean step computes ``0 * inf = nan`` into every weight, unflagged. 144 non-finite
-  steps in a row with torch's defaults get there. After every update the scale is clamped to
-  ``[min_scale, max_scale]`` (an
-  on-device op: no synchronisation); arguments and checkpoints are validated against the same bounds.
+  steps in a row with torch's defaults get there. After every update that can move the scale (a backoff or a growth)
+  it is clamped to ``[min_scale, max_scale]`` (an on-device op: no synchronisation); arguments and checkpoints are
+  validated against the same bounds.
 - **A run that skips every step stops.** After ``max_consecutive_skips`` skipped steps in a row it raises
   :class:`SkippedStepsError` instead of training nothing (at ``min_scale`` fp16 flushes almost every gradient, and the
   scale takes ``growth_interval`` clean steps to double).
@@ -20,8 +20,8 @@ listed in ``_upstream/torch.py`` with their canary, and overrides no private met
 the optimizer's public step post-hook (registered once per optimizer: registering and removing one every step cost as
 much as the rest of the bookkeeping together). The host also follows torch's growth tracker while every answer is on
 the host, so the bound is applied (one device op) only on the updates that can move the scale, a backoff or a growth.
-The non-finite guard (the scaler of plugins without loss scaling) records its
-check where ``unscale_`` does, with torch's own kernel.
+The non-finite guard (the scaler of plugins without loss scaling) records its check where ``unscale_`` does, with
+torch's own kernel.
 """
 
 from __future__ import annotations
