@@ -5,9 +5,9 @@ Three holes of torch's scaler are closed here:
 
 - **The scale is bounded.** At a scale <= 2**-128, ``1/scale`` is inf in fp32, and torch's unscale checks gradients for
   inf *before* multiplying, so a clean step computes ``0 * inf = nan`` into every weight, unflagged. 144 non-finite
-  steps in a row with torch's defaults get there. After every update the scale is clamped to
-  ``[min_scale, max_scale]`` (an
-  on-device op: no synchronisation); arguments and checkpoints are validated against the same bounds.
+  steps in a row with torch's defaults get there. After every update that can move the scale (a backoff or a growth)
+  it is clamped to ``[min_scale, max_scale]`` (an on-device op: no synchronisation); arguments and checkpoints are
+  validated against the same bounds.
 - **A run that skips every step stops.** After ``max_consecutive_skips`` skipped steps in a row it raises
   :class:`SkippedStepsError` instead of training nothing (at ``min_scale`` fp16 flushes almost every gradient, and the
   scale takes ``growth_interval`` clean steps to double).
@@ -17,14 +17,18 @@ Three holes of torch's scaler are closed here:
 
 It uses its base's own state (``_per_optimizer_states``, ``_scale``, ...) and torch's check-and-unscale kernel, all
 listed in ``_upstream/torch.py`` with their canary, and overrides no private method; whether a step ran is seen through
-the optimizer's public step post-hook. The non-finite guard (the scaler of plugins without loss scaling) records its
-check where ``unscale_`` does, with torch's own kernel.
+the optimizer's public step post-hook (registered once per optimizer: registering and removing one every step cost as
+much as the rest of the bookkeeping together). The host also follows torch's growth tracker while every answer is on
+the host, so the bound is applied (one device op) only on the updates that can move the scale, a backoff or a growth.
+The non-finite guard (the scaler of plugins without loss scaling) records its check where ``unscale_`` does, with
+torch's own kernel.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +136,19 @@ def resolve_scaler_config(owner: str, scaler: ScalerConfig | None, **flat: Any) 
     return config
 
 
+class StepSeen:
+    """An optimizer's step post-hook, registered once: ``stepped`` is set when the optimizer's step ran, and cleared by
+    the scaler before each of its ``step`` calls. Holds nothing else, so the optimizer keeps no scaler alive."""
+
+    __slots__ = ("stepped",)
+
+    def __init__(self) -> None:
+        self.stepped = False
+
+    def __call__(self, *_: Any) -> None:
+        self.stepped = True
+
+
 class TrackingGradScaler(torch.amp.GradScaler):
     def __init__(self, device: str, config: ScalerConfig, enabled: bool = True, owner: str = "GradScaler") -> None:
         super().__init__(
@@ -152,6 +169,11 @@ class TrackingGradScaler(torch.amp.GradScaler):
         self._streak: torch.Tensor | int = 0  # skipped updates in a row; back to an int at the first clean host answer
         self._unread_updates = 0
         self._host_skipped: dict[int, bool] = {}
+        # The post-hook of each optimizer stepped through this scaler (weak keys: it goes with the optimizer).
+        self._seen: weakref.WeakKeyDictionary[Optimizer, StepSeen] = weakref.WeakKeyDictionary()
+        # torch's growth tracker, followed on the host while every update's answer is known there; None from the first
+        # update whose answer only the device knows (then every update is bounded) until a state read gives it back.
+        self._host_tracker: int | None = 0  # torch's starts at 0 (and a disabled scaler has none)
         # Set by `update_before_every_step`: the scale this backward's gradients carry, and whether that update saw an
         # inf; cleared by `scale` (the next backward).
         self._carried: torch.Tensor | None = None
@@ -198,17 +220,21 @@ class TrackingGradScaler(torch.amp.GradScaler):
         """``GradScaler.step``, remembering whether the optimizer stepped. torch reads the answer on the host anyway
         for ordinary optimizers (one sync, inside ``step``); a step post-hook, public since torch 2.0, sees it for free.
         Fused optimizers (which unscale inside ``step`` and are always called) and optimizers without hooks are not
-        recorded: asked, they read the device."""
-        register = getattr(optimizer, "register_step_post_hook", None)
-        if not self._enabled or register is None or optimizer_handles_unscaling(optimizer):
-            return super().step(optimizer, *args, **kwargs)
-        stepped: list[bool] = []
-        handle = register(lambda *_: stepped.append(True))
+        recorded: asked, they read the device. The hook is registered at the optimizer's first step here and stays
+        (a :class:`StepSeen`, cleared before each step)."""
         try:
-            output = super().step(optimizer, *args, **kwargs)
-        finally:
-            handle.remove()
-        self._host_skipped[id(optimizer)] = not stepped
+            seen = self._seen.get(optimizer)
+        except TypeError:  # an optimizer without weak references: not recorded, as one without hooks
+            return super().step(optimizer, *args, **kwargs)
+        if seen is None:
+            register = getattr(optimizer, "register_step_post_hook", None)
+            if not self._enabled or register is None or optimizer_handles_unscaling(optimizer):
+                return super().step(optimizer, *args, **kwargs)
+            seen = self._seen[optimizer] = StepSeen()
+            register(seen)
+        seen.stepped = False
+        output = super().step(optimizer, *args, **kwargs)
+        self._host_skipped[id(optimizer)] = not seen.stepped
         return output
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
@@ -245,21 +271,42 @@ class TrackingGradScaler(torch.amp.GradScaler):
             self._steps = self._steps + 1
             self._streak = (self._streak + 1) * skipped
         self._host_skipped.clear()
-        self._update_scale()
+        self._update_scale(self._scale_may_move(host))
         self._check_streak()
 
-    def _update_scale(self) -> None:
-        """torch's update (back off or grow, and forget this iteration's flags), then the bounds."""
+    def _scale_may_move(self, skipped: bool | None) -> bool:
+        """Whether this update may change the scale (a backoff, or a growth), following torch's growth tracker on the
+        host as its update kernel moves it: reset on a skip, else one more, and reset on growing at exactly
+        ``growth_interval``. ``skipped`` None (only the device knows) loses track: every update may move it then."""
+        tracker = self._host_tracker
+        if skipped is None or tracker is None:
+            self._host_tracker = None
+            return True
+        tracker += 1
+        if skipped or tracker == self.config.growth_interval:
+            self._host_tracker = 0
+            return True
+        self._host_tracker = tracker
+        return False
+
+    def _update_scale(self, may_move: bool) -> None:
+        """torch's update (back off or grow, and forget this iteration's flags), then the bounds where it may have moved
+        the scale: a scale it left alone is where the last bound put it."""
         super().update()
-        if self._scale is not None:
+        if may_move and self._scale is not None:
             self._scale.clamp_(self.config.min_scale, self.config.max_scale)
 
     def _host_answer(self) -> bool | None:
         """Whether this iteration skipped, if every optimizer stepped since the last update answered on the host."""
-        ids = list(self._per_optimizer_states)
-        if not ids or any(i not in self._host_skipped for i in ids):
+        if not self._per_optimizer_states:
             return None
-        return any(self._host_skipped[i] for i in ids)
+        answer = False
+        for i in self._per_optimizer_states:  # a plain loop: this runs every step, and generators cost more here
+            skipped = self._host_skipped.get(i)
+            if skipped is None:
+                return None
+            answer = answer or skipped
+        return answer
 
     def _check_streak(self) -> None:
         limit = self.config.max_consecutive_skips
@@ -286,6 +333,15 @@ class TrackingGradScaler(torch.amp.GradScaler):
             " `max_consecutive_skips=None` to train on regardless."
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_seen"] = None  # weak references do not pickle; the copy steps other optimizers anyway
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._seen = weakref.WeakKeyDictionary()
+
     def skipped_tensor(self) -> torch.Tensor:
         """Skipped optimizer steps, on the scale's device when it exists (no synchronisation)."""
         return torch.as_tensor(self._skipped, device=self._scale.device if self._scale is not None else "cpu")
@@ -299,6 +355,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return {}
         state = super().state_dict()
+        self._host_tracker = state["_growth_tracker"]  # read from the device by torch: in step with it again
         state["skipped_steps"] = int(self._skipped)
         state["optimizer_steps"] = int(self._steps)
         state["consecutive_skips"] = int(self._streak)
@@ -351,7 +408,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
         # torch grows the scale when the tracker reaches growth_interval exactly: a tracker saved under a larger
         # interval would pass the new one and never grow again (until an overflow). Such a tracker is due: it grows
         # next.
-        self._init_growth_tracker = min(tracker, config.growth_interval - 1)
+        self._init_growth_tracker = self._host_tracker = min(tracker, config.growth_interval - 1)
         self._init_scale = bounded
         if self._scale is not None:
             self._scale.fill_(bounded)
@@ -396,7 +453,7 @@ class NonFiniteGuard(TrackingGradScaler):
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self._create_scale(params[0].device if params else torch.device("cpu"))
 
-    def _update_scale(self) -> None:
+    def _update_scale(self, may_move: bool) -> None:
         self._per_optimizer_states.clear()  # what torch's update does last; the scale stays 1
 
     def unscale_(self, optimizer: Optimizer) -> None:
