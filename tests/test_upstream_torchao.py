@@ -41,8 +41,8 @@ def test_the_mxfp8_matmul_computes_a_linear_emulated_with_its_gradients():
     torch.manual_seed(0)
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
-    y = upstream.mxfp8_scaled_mm(x, w, kernel_preference=upstream.kernel_preference(emulated=True),
-                                 scale_calculation_mode=upstream.rceil_scale_mode(), wgrad_with_hp=False)
+    y = upstream.mxfp8_scaled_mm()(x, w, kernel_preference=upstream.kernel_preference(emulated=True),
+                                   scale_calculation_mode=upstream.rceil_scale_mode(), wgrad_with_hp=False)
     ref = x.float() @ w.float().t()
     assert y.shape == (32, 64)
     assert ((y.float() - ref).norm() / ref.norm()).item() < 0.1

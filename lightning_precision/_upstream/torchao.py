@@ -7,6 +7,7 @@ autocast-aware forward calls its matmul function directly. ``tests/test_upstream
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning_precision import _imports
@@ -24,10 +25,11 @@ def mxfp8_linear_module() -> Any:
     return _imports.import_quietly("torchao.prototype.moe_training.mxfp8_linear")
 
 
-def mxfp8_scaled_mm(input: Any, weight: Any, **kwargs: Any) -> Any:
-    """``_to_mxfp8_then_scaled_mm``: what ``MXFP8Linear.forward`` calls with ``self.weight`` as it is; called here with
-    the weight in the input's dtype (an fp32 weight beside a bf16 input fails inside torchao)."""
-    return mxfp8_linear_module()._to_mxfp8_then_scaled_mm(input, weight, **kwargs)
+def mxfp8_scaled_mm() -> Callable[..., Any]:
+    """``_to_mxfp8_then_scaled_mm``: what ``MXFP8Linear.forward`` calls with ``self.weight`` as it is; called by our
+    layer with the weight in the input's dtype (an fp32 weight beside a bf16 input fails inside torchao). Resolved once
+    per layer class: an import inside a compiled forward breaks its graph at every call."""
+    return mxfp8_linear_module()._to_mxfp8_then_scaled_mm
 
 
 def kernel_preference(emulated: bool) -> Any:

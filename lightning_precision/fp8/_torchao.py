@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,6 +288,7 @@ def _autocast_mxfp8_class(base: type) -> type:
             _mxfp8_quiet: bool
             _mxfp8_ran: bool
             _mxfp8_name: str | None
+            scaled_mm = staticmethod(upstream.mxfp8_scaled_mm())  # resolved here: not an import in each forward
 
             def forward(self, input: torch.Tensor) -> torch.Tensor:
                 mark_ran(self)
@@ -305,7 +306,7 @@ def _autocast_mxfp8_class(base: type) -> type:
                 if training:  # written, not read (see RAN_FLAG): a read would recompile the step after it changes
                     self._mxfp8_ran = True
                 with torch.autocast(device, enabled=False):  # torchao's casts take contiguous tensors only
-                    return _mxfp8_forward(self, input.to(dtype).contiguous(), self.weight.to(dtype))
+                    return _mxfp8_forward(self, input.to(dtype).contiguous(), self.weight.to(dtype), self.scaled_mm)
 
         setattr(AutocastMXFP8Linear, MARKS_RAN, True)
         _MXFP8_CLASS[base] = AutocastMXFP8Linear
@@ -365,13 +366,12 @@ def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype, 
     return {fqn: _short_reason(tokens, dtype) for fqn, tokens in short.items()}
 
 
-def _mxfp8_forward(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _mxfp8_forward(layer: nn.Module, input: torch.Tensor, weight: torch.Tensor,
+                   scaled_mm: Callable[..., Any]) -> torch.Tensor:
     """``MXFP8Linear.forward`` with the weight in the input's dtype: torchao's forward passes ``self.weight`` as is,
     so its (prototype) matmul function is called directly, as that forward does."""
-    mxfp8_linear_module()  # fails with the version if this torchao has none
-    output = upstream.mxfp8_scaled_mm(input, weight, kernel_preference=layer.kernel_preference,
-                                      scale_calculation_mode=layer.scale_calculation_mode,
-                                      wgrad_with_hp=layer.wgrad_with_hp)
+    output = scaled_mm(input, weight, kernel_preference=layer.kernel_preference,
+                       scale_calculation_mode=layer.scale_calculation_mode, wgrad_with_hp=layer.wgrad_with_hp)
     return output if layer.bias is None else output + layer.bias.to(output.dtype)
 
 
