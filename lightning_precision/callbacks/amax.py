@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
+from lightning_precision._amax_stats import block_sample, pooled_stats, shared_sample
 from lightning_precision._checks import is_positive_int
 from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
@@ -24,31 +25,13 @@ from lightning_precision.fp8._selection import HYBRID_FORMAT, TENSORS, functiona
 from lightning_precision.functional import (
     CastStats,
     delayed_scale,
-    measurable_values,
     multi_format_stats,
     multi_scale_stats,
 )
 
 __all__ = ["AmaxHistoryLogger", "block_sample"]
 
-_BLOCK_ALIGN = 32  # a multiple of every block format's block size
-
 _FP8_MAX = torch.tensor([FORMATS[HYBRID_FORMAT[t]].max for t in TENSORS])
-
-
-def block_sample(t: Tensor, limit: int | None, block: int = 1024) -> Tensor:
-    """At most ``limit`` elements of ``t``: evenly spaced contiguous runs of ``block`` elements, copied into one
-    contiguous tensor (deterministic). Whole runs keep cache lines and vector units full: an element-wise strided view
-    of the same size was 45x slower to measure on a CPU."""
-    flat = measurable_values(t)
-    n = flat.numel()
-    if limit is None or n <= limit:
-        return flat
-    block = max(1, min(block, limit))
-    count = max(1, limit // block)
-    step = max(block, (n - block) // max(count - 1, 1))
-    step -= step % _BLOCK_ALIGN  # runs start on MXFP8/NVFP4 block boundaries, so the block what-if sees real blocks
-    return flat.unfold(0, block, step)[:count].reshape(-1)
 
 
 def _block_format(name: str) -> object:
@@ -187,7 +170,8 @@ class AmaxHistoryLogger(Callback):
         self._modules: list[nn.Module] = []
         self._te_layers: list[int] = []
         self._handles: list[Any] = []
-        self._capture: list[dict[str, Tensor]] | None = None
+        # per layer and tensor kind: (the tensor, or under FSDP a copy of its sample; its real number of elements)
+        self._capture: list[dict[str, tuple[Tensor, int]]] | None = None
         self._last_whatif: dict[str, Tensor] = {}
         self._copy_weights = False
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
@@ -308,25 +292,30 @@ class AmaxHistoryLogger(Callback):
         return metrics
 
     def _what_if(self, current: Tensor, delayed: Tensor) -> dict[str, Tensor]:
-        """Underflow/overflow fractions of this step's tensors cast with the delayed scale vs the current one. The
-        samples of one tensor kind are measured together, each element at its layer's scale."""
+        """Underflow/overflow fractions of this step's tensors cast with the delayed scale vs the current one, and in
+        each block format. Per tensor kind, one sample shared by all layers (``shared_sample``: every element when
+        they fit in ``what_if_sample``), measured in one pass, each element at its layer's scale."""
         jit = delayed_scale(current, self._fp8_max, self.margin)  # the current (just-in-time) scale: this step's amax
+        blocks = [get_format(f) for f in self.block_formats]
         out = {}
         for k, tensor in enumerate(TENSORS):
-            parts = [(i, block_sample(captured[tensor], self.what_if_sample))
-                     for i, captured in enumerate(self._capture or []) if tensor in captured]
-            if not parts:
+            captured = [(i, c[tensor]) for i, c in enumerate(self._capture or []) if tensor in c]
+            if not captured:
                 continue
-            sample = torch.cat([part.float() for _, part in parts])
-            lengths = torch.tensor([part.numel() for _, part in parts], device=sample.device)
-            rows = torch.tensor([i for i, _ in parts], device=sample.device)
-            scales = [s[rows, k].repeat_interleave(lengths) for s in (delayed, jit)]
-            per_kind = dict(zip(("delayed", "current"), multi_scale_stats(sample, HYBRID_FORMAT[tensor], scales),
-                                strict=True))
-            if self.block_formats:  # each layer's sample at its own blocks, NVFP4 scaled by that tensor's amax
-                per_layer = [multi_format_stats(part, self.block_formats, tensor_amax=current[i, k])
-                             for i, part in parts]
-                per_kind.update({f: _sum(layer[f] for layer in per_layer) for f in self.block_formats})
+            rows = [i for i, _ in captured]
+            parts = shared_sample([t for _, (t, _) in captured], [n for _, (_, n) in captured], self.what_if_sample)
+            index = torch.tensor(rows, device=current.device)
+            pooled = pooled_stats(parts, HYBRID_FORMAT[tensor], [delayed[index, k], jit[index, k]],
+                                  [b for b in blocks if isinstance(b, BlockFormat)], current[index, k])
+            if pooled is None:  # float64 tensors: per layer
+                per_layer = [dict(zip(("delayed", "current"), multi_scale_stats(
+                    part.float(), HYBRID_FORMAT[tensor], [delayed[i, k], jit[i, k]]), strict=True)) |
+                    multi_format_stats(part, self.block_formats, tensor_amax=current[i, k])
+                    for i, part in zip(rows, parts, strict=True)]
+                per_kind = {kind: _sum(layer[kind] for layer in per_layer) for kind in per_layer[0]}
+            else:
+                per_kind = {"delayed": pooled["0"], "current": pooled["1"]}
+                per_kind.update({f: pooled[f] for f in self.block_formats})
             for kind, stats in per_kind.items():
                 out[f"precision/fp8_whatif/{tensor}/{kind}/underflow"] = stats.underflow_fraction
                 out[f"precision/fp8_whatif/{tensor}/{kind}/overflow"] = stats.overflow_fraction
@@ -392,10 +381,10 @@ class AmaxHistoryLogger(Callback):
                 self._record(i, 1, _values(module.weight))
             if self._capture is not None:
                 if x is not None:
-                    self._capture[i]["input"] = x.detach()
+                    self._capture[i]["input"] = (x.detach(), x.numel())
                 weight = _values(module.weight).detach()
-                self._capture[i]["weight"] = block_sample(weight, self.what_if_sample).clone() if self._copy_weights \
-                    else weight
+                self._capture[i]["weight"] = (block_sample(weight, self.what_if_sample).clone() if self._copy_weights
+                                              else weight, weight.numel())
 
         return hook
 
@@ -411,7 +400,7 @@ class AmaxHistoryLogger(Callback):
             return
         self._record(i, 2, g)
         if self._capture is not None:
-            self._capture[i]["grad_output"] = g.detach()
+            self._capture[i]["grad_output"] = (g.detach(), g.numel())
 
     def save(self, directory: str) -> tuple[str, str]:
         """Write ``amax_history.pt`` (layers, history oldest first, scales) and ``amax_history.png`` (layers that

@@ -1,0 +1,160 @@
+"""AmaxHistoryLogger's amortised cost: training steps of an MLP with and without the logger, side by side in one
+process (alternated blocks of steps, paired rounds, median and IQR), at the default cadence (one logging step with the
+what-if in ``--cadence``), and against its limit: one read of the tensors it measures.
+
+Each round runs ``--steps`` steps without the logger, then ``--steps`` with it attached (the same model, optimizer and
+data; the logger's hooks are removed between blocks), in the Fabric way (``capturing`` before the forward, ``end_step``
+after the backward, the logged values read to the host in one read as the Trainer callback does). Times are CPU time of
+this process (``time.process_time``; on CUDA, wall time after a synchronize), which other processes on a shared machine
+disturb less than wall time. Per round:
+
+- ordinary: the median step with the logger over the median step without it;
+- logging: the mean logging step over the median step without it;
+- amortised: ``((cadence - 1) * ordinary + logging) / cadence``, the issue's figure (goal 1.03);
+- one read: the logger's per-step cost (ordinary step with minus without) against one read of the same tensors
+  (``t.abs().amax()`` for every input, weight and output gradient of the step: what any exact amax must at least do).
+
+    python benchmarks/amax_cost.py --threads 1                        # MLP 256-1024-1024-10
+    python benchmarks/amax_cost.py --threads 1 --layers 16 --width 512
+    python benchmarks/amax_cost.py --threads 1 --whatif-only           # the logging step alone: what-if on / off
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from lightning_precision.callbacks import AmaxHistoryLogger
+
+
+def mlp(dims: tuple[int, ...], device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(len(dims) - 1):
+        layers += [nn.Linear(dims[i], dims[i + 1])] + ([nn.GELU()] if i < len(dims) - 2 else [])
+    return nn.Sequential(*layers).to(device)
+
+
+class Clock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4)
+    return q[0], statistics.median(xs), q[2]
+
+
+def run_block(net, opt, data, clock, steps: int, logger: AmaxHistoryLogger | None, cadence: int, start: int,
+              ) -> tuple[list[float], list[float]]:
+    """(ordinary step times, logging step times) of ``steps`` steps."""
+    ordinary, logging = [], []
+    x, y = data
+    for s in range(start, start + steps):
+        log = logger is not None and (s + 1) % cadence == 0
+        t0 = clock()
+        if logger is not None:
+            logger.capturing(log)
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        if logger is not None:
+            metrics = logger.end_step(log)
+            if log and metrics:
+                torch.stack([v.float() for v in metrics.values()]).tolist()  # one device read, as the callback does
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        (logging if log else ordinary).append(clock() - t0)
+    return ordinary, logging
+
+
+def one_read(net, data, clock, reps: int = 5) -> float:
+    """Seconds of one read of what the logger measures in a step: every linear layer's input, weight and output
+    gradient, ``abs().amax()`` each (the tensors captured once, outside the timing)."""
+    captured: list[torch.Tensor] = []
+    handles = []
+    for m in net.modules():
+        if isinstance(m, nn.Linear):
+            handles.append(m.register_forward_pre_hook(lambda mod, a: captured.extend([a[0].detach(), mod.weight])))
+            handles.append(m.register_full_backward_hook(lambda mod, gi, go: captured.append(go[0].detach())))
+    x, y = data
+    nn.functional.cross_entropy(net(x), y).backward()
+    net.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    times = []
+    for _ in range(reps):
+        t0 = clock()
+        for t in captured:
+            t.abs().amax()
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", default="256,1024,1024,10", help="layer widths (ignored with --layers)")
+    parser.add_argument("--layers", type=int, default=None, help="a deep MLP: this many linear layers of --width")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100, help="steps per block (a round: one block each way)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cadence", type=int, default=50)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dims = (args.width,) * args.layers + (10,) if args.layers else tuple(int(d) for d in args.dims.split(","))
+    net = mlp(dims, device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(args.batch, dims[0], generator=g).to(device),
+            torch.randint(0, dims[-1], (args.batch,), generator=g).to(device))
+    clock = Clock(device)
+    logger = AmaxHistoryLogger()
+    name = f"MLP {'-'.join(map(str, dims))}" if len(dims) <= 6 else f"MLP {len(dims) - 1} x {args.width}"
+    print(f"{name}, batch {args.batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
+          f" {args.rounds} rounds x {args.steps} steps each way, cadence {args.cadence}")
+    run_block(net, opt, data, clock, 10, None, args.cadence, 0)  # warm-up
+    logger.attach(net)
+    run_block(net, opt, data, clock, 10, logger, 2, 0)
+    logger.detach()
+    rows: dict[str, list[float]] = {k: [] for k in ("without ms", "ordinary", "logging", "amortised", "cost us",
+                                                     "read us", "cost / read")}
+    step = 0
+    for _ in range(args.rounds):
+        without, _ = run_block(net, opt, data, clock, args.steps, None, args.cadence, step)
+        logger.attach(net)
+        ordinary, logging = run_block(net, opt, data, clock, args.steps, logger, args.cadence, step)
+        logger.detach()
+        step += args.steps
+        base, plain = statistics.median(without), statistics.median(ordinary)
+        log_step = statistics.mean(logging) if logging else plain
+        read = one_read(net, data, clock)
+        rows["without ms"].append(base * 1e3)
+        rows["ordinary"].append(plain / base)
+        rows["logging"].append(log_step / base)
+        rows["amortised"].append(((args.cadence - 1) * plain + log_step) / args.cadence / base)
+        rows["cost us"].append((plain - base) * 1e6)
+        rows["read us"].append(read * 1e6)
+        rows["cost / read"].append((plain - base) / read)
+    for key, xs in rows.items():
+        lo, mid, hi = quartiles(xs)
+        print(f"  {key:12s} median {mid:9.3f}  IQR [{lo:.3f}, {hi:.3f}]")
+
+
+if __name__ == "__main__":
+    main()
