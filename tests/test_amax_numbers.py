@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_precision.callbacks import AmaxHistoryLogger
 from lightning_precision._amax_stats import shared_sample
+from lightning_precision.callbacks import AmaxHistoryLogger
 from lightning_precision.formats import FORMATS
 from lightning_precision.functional import delayed_scale, multi_format_stats, multi_scale_stats
 
