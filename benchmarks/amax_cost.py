@@ -2,17 +2,17 @@
 process (alternated blocks of steps, paired rounds, median and IQR), at the default cadence (one logging step with the
 what-if in ``--cadence``), and against its limit: one read of the tensors it measures.
 
-Each round runs ``--steps`` steps without the logger, then ``--steps`` with it attached (the same model, optimizer and
-data; the logger's hooks are removed between blocks), in the Fabric way (``capturing`` before the forward, ``end_step``
-after the backward, the logged values read to the host in one read as the Trainer callback does). Times are CPU time of
-this process (``time.process_time``; on CUDA, wall time after a synchronize), which other processes on a shared machine
-disturb less than wall time. Per round:
+Two identical models (same seed, optimizer, data), one with the logger attached, step in turn: each round is
+``--steps`` pairs of steps, so machine drift hits both alike. The logger is driven the Fabric way (``capturing`` before
+the forward, ``end_step`` after the backward, the logged values read to the host in one read as the Trainer callback
+does). Times are CPU time of this process (``time.process_time``; on CUDA, wall time after a synchronize), which other
+processes on a shared machine disturb less than wall time. Per round:
 
 - ordinary: the median step with the logger over the median step without it;
 - logging: the mean logging step over the median step without it;
 - amortised: ``((cadence - 1) * ordinary + logging) / cadence``, the issue's figure (goal 1.03);
 - one read: the logger's per-step cost (ordinary step with minus without) against one read of the same tensors
-  (``t.abs().amax()`` for every input, weight and output gradient of the step: what any exact amax must at least do).
+  (``torch.aminmax`` of every input, weight and output gradient of the step: what any exact amax must at least do).
 
     python benchmarks/amax_cost.py --threads 1                        # MLP 256-1024-1024-10
     python benchmarks/amax_cost.py --threads 1 --layers 16 --width 512
@@ -57,31 +57,26 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
-def run_block(net, opt, data, clock, steps: int, logger: AmaxHistoryLogger | None, cadence: int, start: int,
-              ) -> tuple[list[float], list[float]]:
-    """(ordinary step times, logging step times) of ``steps`` steps."""
-    ordinary, logging = [], []
+def train_step(net, opt, data, clock, logger: AmaxHistoryLogger | None, log: bool) -> float:
     x, y = data
-    for s in range(start, start + steps):
-        log = logger is not None and (s + 1) % cadence == 0
-        t0 = clock()
-        if logger is not None:
-            logger.capturing(log)
-        loss = nn.functional.cross_entropy(net(x), y)
-        loss.backward()
-        if logger is not None:
-            metrics = logger.end_step(log)
-            if log and metrics:
-                torch.stack([v.float() for v in metrics.values()]).tolist()  # one device read, as the callback does
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        (logging if log else ordinary).append(clock() - t0)
-    return ordinary, logging
+    t0 = clock()
+    if logger is not None:
+        logger.capturing(log)
+    nn.functional.cross_entropy(net(x), y).backward()
+    if logger is not None:
+        metrics = logger.end_step(log)
+        if log and metrics:
+            torch.stack([v.float() for v in metrics.values()]).tolist()  # one device read, as the callback does
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return clock() - t0
 
 
 def one_read(net, data, clock, reps: int = 5) -> float:
     """Seconds of one read of what the logger measures in a step: every linear layer's input, weight and output
-    gradient, ``abs().amax()`` each (the tensors captured once, outside the timing)."""
+    gradient, one ``torch.aminmax`` each (the tensors captured once, outside the timing). ``aminmax`` reads each
+    element once and writes no temporary: the cheapest exact amax on a CPU (``abs().amax()`` writes |x| first), so
+    ``cost / read`` near 1 means the logger costs little beyond the read its definition needs."""
     captured: list[torch.Tensor] = []
     handles = []
     for m in net.modules():
@@ -97,7 +92,7 @@ def one_read(net, data, clock, reps: int = 5) -> float:
     for _ in range(reps):
         t0 = clock()
         for t in captured:
-            t.abs().amax()
+            torch.aminmax(t)
         times.append(clock() - t0)
     return statistics.median(times)
 
@@ -108,7 +103,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="a deep MLP: this many linear layers of --width")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=100, help="steps per block (a round: one block each way)")
+    parser.add_argument("--steps", type=int, default=100, help="pairs of steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cadence", type=int, default=50)
     parser.add_argument("--device", default="cpu")
@@ -118,8 +113,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dims = (args.width,) * args.layers + (10,) if args.layers else tuple(int(d) for d in args.dims.split(","))
-    net = mlp(dims, device)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    plain, net = mlp(dims, device), mlp(dims, device)
+    plain_opt, opt = torch.optim.AdamW(plain.parameters(), lr=1e-4), torch.optim.AdamW(net.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     data = (torch.randn(args.batch, dims[0], generator=g).to(device),
             torch.randint(0, dims[-1], (args.batch,), generator=g).to(device))
@@ -128,29 +123,32 @@ def main() -> None:
     name = f"MLP {'-'.join(map(str, dims))}" if len(dims) <= 6 else f"MLP {len(dims) - 1} x {args.width}"
     print(f"{name}, batch {args.batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" {args.rounds} rounds x {args.steps} steps each way, cadence {args.cadence}")
-    run_block(net, opt, data, clock, 10, None, args.cadence, 0)  # warm-up
     logger.attach(net)
-    run_block(net, opt, data, clock, 10, logger, 2, 0)
-    logger.detach()
+    for s in range(10):  # warm-up, logging steps included
+        train_step(plain, plain_opt, data, clock, None, False)
+        train_step(net, opt, data, clock, logger, s % 2 == 1)
     rows: dict[str, list[float]] = {k: [] for k in ("without ms", "ordinary", "logging", "amortised", "cost us",
                                                      "read us", "cost / read")}
     step = 0
     for _ in range(args.rounds):
-        without, _ = run_block(net, opt, data, clock, args.steps, None, args.cadence, step)
-        logger.attach(net)
-        ordinary, logging = run_block(net, opt, data, clock, args.steps, logger, args.cadence, step)
-        logger.detach()
-        step += args.steps
-        base, plain = statistics.median(without), statistics.median(ordinary)
-        log_step = statistics.mean(logging) if logging else plain
-        read = one_read(net, data, clock)
+        without: list[float] = []
+        ordinary: list[float] = []
+        logging: list[float] = []
+        for _ in range(args.steps):
+            log = (step + 1) % args.cadence == 0
+            without.append(train_step(plain, plain_opt, data, clock, None, False))
+            (logging if log else ordinary).append(train_step(net, opt, data, clock, logger, log))
+            step += 1
+        base, with_ = statistics.median(without), statistics.median(ordinary)
+        log_step = statistics.mean(logging) if logging else with_
+        read = one_read(plain, data, clock)
         rows["without ms"].append(base * 1e3)
-        rows["ordinary"].append(plain / base)
+        rows["ordinary"].append(with_ / base)
         rows["logging"].append(log_step / base)
-        rows["amortised"].append(((args.cadence - 1) * plain + log_step) / args.cadence / base)
-        rows["cost us"].append((plain - base) * 1e6)
+        rows["amortised"].append(((args.cadence - 1) * with_ + log_step) / args.cadence / base)
+        rows["cost us"].append((with_ - base) * 1e6)
         rows["read us"].append(read * 1e6)
-        rows["cost / read"].append((plain - base) / read)
+        rows["cost / read"].append((with_ - base) / read)
     for key, xs in rows.items():
         lo, mid, hi = quartiles(xs)
         print(f"  {key:12s} median {mid:9.3f}  IQR [{lo:.3f}, {hi:.3f}]")

@@ -34,6 +34,21 @@ __all__ = ["AmaxHistoryLogger", "block_sample"]
 _FP8_MAX = torch.tensor([FORMATS[HYBRID_FORMAT[t]].max for t in TENSORS])
 
 
+def _write_plan(key: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """For a step's records (entry of each, in order): the distinct entries, and where an entry was recorded more than
+    once, a gather [entries, most calls] of record positions (padded with the position past the end, a zero) whose
+    row max is the entry's amax."""
+    entries = list(dict.fromkeys(key))
+    if len(entries) == len(key):
+        return torch.tensor(entries, device=device), None
+    positions: dict[int, list[int]] = {e: [] for e in entries}
+    for r, e in enumerate(key):
+        positions[e].append(r)
+    width = max(len(p) for p in positions.values())
+    gather = [positions[e] + [len(key)] * (width - len(positions[e])) for e in entries]
+    return torch.tensor(entries, device=device), torch.tensor(gather, device=device)
+
+
 def _block_format(name: str) -> object:
     try:
         return get_format(name)
@@ -175,7 +190,7 @@ class AmaxHistoryLogger(Callback):
         self._last_whatif: dict[str, Tensor] = {}
         self._copy_weights = False
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
-        self._index_cache: dict[tuple[int, ...], Tensor] = {}
+        self._index_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         self._fp8_max = _FP8_MAX
         self.last_metrics: dict[str, float] = {}
         self._weights_seen: set[int] = set()
@@ -356,11 +371,17 @@ class AmaxHistoryLogger(Callback):
         if not self._records:
             return
         key = tuple(j for j, _ in self._records)
-        index = self._index_cache.get(key)
-        if index is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern, not per step
-            index = self._index_cache[key] = torch.tensor(key, device=slot.device)
+        plan = self._index_cache.get(key)
+        if plan is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern, not per step
+            plan = self._index_cache[key] = _write_plan(key, slot.device)
+        entries, gather = plan
         extremes = torch.stack([v for _, pair in self._records for v in pair]).view(-1, 2)
-        slot.scatter_reduce_(0, index, extremes.abs().amax(dim=1).to(slot), reduce="amax")
+        amax = extremes.abs().amax(dim=1).to(slot)
+        if gather is not None:  # an entry recorded more than once (accumulation, a re-used layer): the max of its calls
+            amax = torch.cat([amax, amax.new_zeros(1)])[gather].amax(dim=1)
+        # the slot is zero until this write (cleared above, or fresh): a copy is the max with it. scatter_reduce_
+        # ("amax") did the same at several times the cost of everything else here on a CPU.
+        slot.index_copy_(0, entries, amax)
         last = self.state["last_nonzero"].view(-1)
         last.copy_(torch.where(slot > 0, slot, last))
         self._records.clear()
