@@ -1,22 +1,24 @@
 """AmaxHistoryLogger's amortised cost: training steps of an MLP with and without the logger, side by side in one
-process (alternated blocks of steps, paired rounds, median and IQR), at the default cadence (one logging step with the
+process (alternated step by step, paired rounds, median and IQR), at the default cadence (one logging step with the
 what-if in ``--cadence``), and against its limit: one read of the tensors it measures.
 
-Two identical models (same seed, optimizer, data), one with the logger attached, step in turn: each round is
-``--steps`` pairs of steps, so machine drift hits both alike. The logger is driven the Fabric way (``capturing`` before
-the forward, ``end_step`` after the backward, the logged values read to the host in one read as the Trainer callback
-does). Times are CPU time of this process (``time.process_time``; on CUDA, wall time after a synchronize), which other
+Three identical models (same seed, optimizer, data) step in turn: one bare, one with only the reads an exact amax
+needs (``read_hooks``), one with the logger attached; each round is ``--steps`` such triples, so machine drift hits all
+alike. The logger is driven the Fabric way (``capturing`` before the forward, ``end_step`` after the backward, the
+logged values read to the host in one read as the Trainer callback does). Times are CPU time of this process (``time.process_time``; on CUDA, wall time after a synchronize), which other
 processes on a shared machine disturb less than wall time. Per round:
 
 - ordinary: the median step with the logger over the median step without it;
 - logging: the mean logging step over the median step without it;
 - amortised: ``((cadence - 1) * ordinary + logging) / cadence``, the issue's figure (goal 1.03);
-- one read: the logger's per-step cost (ordinary step with minus without) against one read of the same tensors
-  (``torch.aminmax`` of every input, weight and output gradient of the step: what any exact amax must at least do).
+- read: the step with only the reads over the step without: the limit, what any exact amax of every input, weight
+  and output gradient must at least cost (``torch.aminmax`` of each, in the same hooks, in the same step);
+- cost / read: the logger's per-step cost (ordinary step with minus without) over the reads' (1: nothing but the
+  reads).
 
     python benchmarks/amax_cost.py --threads 1                        # MLP 256-1024-1024-10
     python benchmarks/amax_cost.py --threads 1 --layers 16 --width 512
-    python benchmarks/amax_cost.py --threads 1 --whatif-only           # the logging step alone: what-if on / off
+    python benchmarks/amax_cost.py --threads 1 --layers 64 --width 512 --block-formats ""   # no block what-if
 """
 
 from __future__ import annotations
@@ -72,29 +74,20 @@ def train_step(net, opt, data, clock, logger: AmaxHistoryLogger | None, log: boo
     return clock() - t0
 
 
-def one_read(net, data, clock, reps: int = 5) -> float:
-    """Seconds of one read of what the logger measures in a step: every linear layer's input, weight and output
-    gradient, one ``torch.aminmax`` each (the tensors captured once, outside the timing). ``aminmax`` reads each
-    element once and writes no temporary: the cheapest exact amax on a CPU (``abs().amax()`` writes |x| first), so
-    ``cost / read`` near 1 means the logger costs little beyond the read its definition needs."""
-    captured: list[torch.Tensor] = []
-    handles = []
+def read_hooks(net: nn.Module) -> None:
+    """The least an exact amax of every linear layer's input, weight and output gradient costs: one ``torch.aminmax``
+    each, in the same hooks the logger uses, nothing kept. ``aminmax`` reads each element once and writes no
+    temporary (``abs().amax()`` writes |x| first): the cheapest exact amax on a CPU."""
+    def pre(module, args):
+        torch.aminmax(args[0].detach()), torch.aminmax(module.weight.detach())
+
+    def post(module, args, out):
+        out.register_hook(lambda g: torch.aminmax(g))
+
     for m in net.modules():
         if isinstance(m, nn.Linear):
-            handles.append(m.register_forward_pre_hook(lambda mod, a: captured.extend([a[0].detach(), mod.weight])))
-            handles.append(m.register_full_backward_hook(lambda mod, gi, go: captured.append(go[0].detach())))
-    x, y = data
-    nn.functional.cross_entropy(net(x), y).backward()
-    net.zero_grad(set_to_none=True)
-    for h in handles:
-        h.remove()
-    times = []
-    for _ in range(reps):
-        t0 = clock()
-        for t in captured:
-            torch.aminmax(t)
-        times.append(clock() - t0)
-    return statistics.median(times)
+            m.register_forward_pre_hook(pre)
+            m.register_forward_hook(post)
 
 
 def main() -> None:
@@ -103,9 +96,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="a deep MLP: this many linear layers of --width")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=100, help="pairs of steps per round")
+    parser.add_argument("--steps", type=int, default=100, help="triples of steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cadence", type=int, default=50)
+    parser.add_argument("--what-if-sample", default="65536", help="the logger's what_if_sample ('none': all)")
+    parser.add_argument("--block-formats", default="mxfp8,nvfp4", help="the logger's block_formats ('' for none)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -113,36 +108,42 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dims = (args.width,) * args.layers + (10,) if args.layers else tuple(int(d) for d in args.dims.split(","))
-    plain, net = mlp(dims, device), mlp(dims, device)
-    plain_opt, opt = torch.optim.AdamW(plain.parameters(), lr=1e-4), torch.optim.AdamW(net.parameters(), lr=1e-4)
+    plain, bare, net = mlp(dims, device), mlp(dims, device), mlp(dims, device)
+    read_hooks(bare)
+    plain_opt, bare_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain, bare, net))
     g = torch.Generator().manual_seed(0)
     data = (torch.randn(args.batch, dims[0], generator=g).to(device),
             torch.randint(0, dims[-1], (args.batch,), generator=g).to(device))
     clock = Clock(device)
-    logger = AmaxHistoryLogger()
+    sample = None if args.what_if_sample.lower() == "none" else int(args.what_if_sample)
+    logger = AmaxHistoryLogger(what_if_sample=sample, block_formats=tuple(f for f in args.block_formats.split(",") if f))
     name = f"MLP {'-'.join(map(str, dims))}" if len(dims) <= 6 else f"MLP {len(dims) - 1} x {args.width}"
     print(f"{name}, batch {args.batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" {args.rounds} rounds x {args.steps} steps each way, cadence {args.cadence}")
     logger.attach(net)
     for s in range(10):  # warm-up, logging steps included
         train_step(plain, plain_opt, data, clock, None, False)
+        train_step(bare, bare_opt, data, clock, None, False)
         train_step(net, opt, data, clock, logger, s % 2 == 1)
-    rows: dict[str, list[float]] = {k: [] for k in ("without ms", "ordinary", "logging", "amortised", "cost us",
-                                                     "read us", "cost / read")}
+    rows: dict[str, list[float]] = {k: [] for k in ("without ms", "read", "ordinary", "logging", "amortised",
+                                                     "cost us", "read us", "cost / read")}
     step = 0
     for _ in range(args.rounds):
         without: list[float] = []
+        reads: list[float] = []
         ordinary: list[float] = []
         logging: list[float] = []
         for _ in range(args.steps):
             log = (step + 1) % args.cadence == 0
             without.append(train_step(plain, plain_opt, data, clock, None, False))
+            reads.append(train_step(bare, bare_opt, data, clock, None, False))
             (logging if log else ordinary).append(train_step(net, opt, data, clock, logger, log))
             step += 1
         base, with_ = statistics.median(without), statistics.median(ordinary)
         log_step = statistics.mean(logging) if logging else with_
-        read = one_read(plain, data, clock)
+        read = statistics.median(reads) - base
         rows["without ms"].append(base * 1e3)
+        rows["read"].append(statistics.median(reads) / base)
         rows["ordinary"].append(with_ / base)
         rows["logging"].append(log_step / base)
         rows["amortised"].append(((args.cadence - 1) * with_ + log_step) / args.cadence / base)
