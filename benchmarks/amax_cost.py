@@ -5,8 +5,9 @@ what-if in ``--cadence``), and against its limit: one read of the tensors it mea
 Three identical models (same seed, optimizer, data) step in turn: one bare, one with only the reads an exact amax
 needs (``read_hooks``), one with the logger attached; each round is ``--steps`` such triples, so machine drift hits all
 alike. The logger is driven the Fabric way (``capturing`` before the forward, ``end_step`` after the backward, the
-logged values read to the host in one read as the Trainer callback does). Times are CPU time of this process (``time.process_time``; on CUDA, wall time after a synchronize), which other
-processes on a shared machine disturb less than wall time. Per round:
+logged values read to the host in one read as the Trainer callback does). Times are CPU time of this process
+(``time.process_time``; on CUDA, wall time after a synchronize), which other processes on a shared machine disturb
+less than wall time. Per round:
 
 - ordinary: the median step with the logger over the median step without it;
 - logging: the mean logging step over the median step without it;
@@ -116,7 +117,8 @@ def main() -> None:
             torch.randint(0, dims[-1], (args.batch,), generator=g).to(device))
     clock = Clock(device)
     sample = None if args.what_if_sample.lower() == "none" else int(args.what_if_sample)
-    logger = AmaxHistoryLogger(what_if_sample=sample, block_formats=tuple(f for f in args.block_formats.split(",") if f))
+    block_formats = tuple(f for f in args.block_formats.split(",") if f)
+    logger = AmaxHistoryLogger(what_if_sample=sample, block_formats=block_formats)
     name = f"MLP {'-'.join(map(str, dims))}" if len(dims) <= 6 else f"MLP {len(dims) - 1} x {args.width}"
     print(f"{name}, batch {args.batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
           f" {args.rounds} rounds x {args.steps} steps each way, cadence {args.cadence}")
