@@ -82,8 +82,11 @@ def read_hooks(net: nn.Module) -> None:
     def pre(module, args):
         torch.aminmax(args[0].detach()), torch.aminmax(module.weight.detach())
 
+    def read(g):
+        torch.aminmax(g)
+
     def post(module, args, out):
-        out.register_hook(lambda g: torch.aminmax(g))
+        out.register_hook(read)
 
     for m in net.modules():
         if isinstance(m, nn.Linear):

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_precision.formats import BlockFormat
-from lightning_precision.functional import CastStats, measurable_values, multi_scale_stats
+from lightning_precision.formats import BlockFormat, NumberFormat, get_format
+from lightning_precision.functional import CastStats, measurable_values
 
 # A multiple of every block format's block size (MXFP8 32, NVFP4 16): runs of the sample start on block boundaries and
 # each layer's part of the pooled sample is padded to it, so no block spans two layers.
@@ -46,20 +46,18 @@ def shared_sample(tensors: Sequence[Tensor], numels: Sequence[int], limit: int |
             for flat, n in zip(flats, numels, strict=True)]
 
 
-def _unpadded(stats: CastStats, pad: int) -> CastStats:
-    """Stats of a pooled sample less its zero padding: padding counts only as elements and exact zeros (a zero is at
-    most every flush bound, so it cancels out of the underflow count, and finite, so out of the non-finite one)."""
-    return CastStats(stats.numel - pad, stats.exact_zero - pad, stats.underflow, stats.overflow, stats.nonfinite)
-
-
-def _block_counts(a: Tensor, f: BlockFormat, tensor_amax: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(at most the flush bound, at least the overflow bound) of |x| values ``a`` (a whole number of blocks) times
+def _block_counts(a: Tensor, f: BlockFormat, tensor_amax: Tensor | None) -> list[Tensor]:
+    """[at most the flush bound, at least the overflow bound] of |x| values ``a`` (a whole number of blocks) times
     their blocks' multipliers; ``tensor_amax`` per block (NVFP4's tensor scale of the layer the block belongs to).
     Non-finite values set no block scale."""
     blocks = a.view(-1, f.block_size)
     amax = torch.where(blocks <= torch.finfo(a.dtype).max, blocks, 0.0).amax(-1)
     m = blocks * f.block_multipliers(amax, tensor_amax)[:, None]
-    return torch.count_nonzero(m <= f.element.flush_bound), torch.count_nonzero(m >= f.element.overflow_bound)
+    return [torch.count_nonzero(m <= f.element.flush_bound), torch.count_nonzero(m >= f.element.overflow_bound)]
+
+
+# Elements measured at a time: bounds the temporaries when every element is measured (``what_if_sample=None``).
+CHUNK = 2**20  # a multiple of RUN
 
 
 def pooled_stats(parts: Sequence[Tensor], fmt: str, scales: Sequence[Tensor], block_formats: Sequence[BlockFormat],
@@ -67,10 +65,13 @@ def pooled_stats(parts: Sequence[Tensor], fmt: str, scales: Sequence[Tensor], bl
     """Cast statistics of the flat ``parts`` (one per layer) together: in ``fmt`` at each of ``scales`` (one value per
     part: every part at its layer's scale), keyed ``"0"``, ``"1"``, ...; and in each block format (each part's blocks
     at their own scales, NVFP4's tensor scale from the part's ``tensor_amax``), keyed by its name. The counts equal
-    the sums of the per-part statistics. None where one pass cannot hold them (float64 parts, whose block casts the
-    pooled fp32 pass would round differently): measure per part then."""
+    the sums of the per-part ``multi_scale_stats`` and ``multi_format_stats``: |x|, zeros and non-finite values are
+    counted once for all. None where one pass cannot hold them (float64 parts, whose casts the pooled fp32 pass would
+    round differently): measure per part then."""
     if any(p.dtype == torch.float64 for p in parts):
         return None
+    f = get_format(fmt)
+    assert isinstance(f, NumberFormat), fmt  # one scale per element: e4m3fn or e5m2
     align = RUN if block_formats else 1
     sizes = [p.numel() + (-p.numel() % align) for p in parts]
     pad = sum(sizes) - sum(p.numel() for p in parts)
@@ -81,19 +82,31 @@ def pooled_stats(parts: Sequence[Tensor], fmt: str, scales: Sequence[Tensor], bl
         offset += size
     # one host-to-device copy per logging step (a logging step reads the device anyway)
     lengths = torch.tensor(sizes, device=pool.device)
-    per_element = [s.repeat_interleave(lengths, output_size=pool.numel()) for s in scales]
-    out = {str(j): _unpadded(s, pad) for j, s in enumerate(multi_scale_stats(pool, fmt, per_element))}
-    if not block_formats:
-        return out
-    a = pool.abs()
+    per_element = [s.float().repeat_interleave(lengths, output_size=pool.numel()) for s in scales]
+    per_block = {b.name: tensor_amax.float().repeat_interleave(torch.div(lengths, b.block_size, rounding_mode="floor"),
+                                                               output_size=pool.numel() // b.block_size)
+                 for b in block_formats if b.tensor_scale}
     count = torch.count_nonzero
-    zeros, finite, inf = count(a == 0), count(a <= torch.finfo(a.dtype).max), count(a == math.inf)
+    total: Tensor | None = None
+    for start in range(0, pool.numel(), CHUNK):
+        end = min(start + CHUNK, pool.numel())
+        a = pool[start:end].abs()
+        passes = [count(a == 0), count(a <= torch.finfo(a.dtype).max), count(a == math.inf)]
+        for s in per_element:
+            m = a * s[start:end]
+            passes += [count(m <= f.flush_bound), count(m >= f.overflow_bound)]
+        for b in block_formats:
+            tamax = per_block[b.name][start // b.block_size : end // b.block_size] if b.name in per_block else None
+            passes += _block_counts(a, b, tamax)
+        counts = torch.stack(passes)
+        total = counts if total is None else total + counts
+    assert total is not None  # a pool holds at least one run
     numel = torch.zeros((), dtype=torch.int64, device=pool.device) + pool.numel()
-    for f in block_formats:
-        tamax = None
-        if f.tensor_scale:
-            tamax = tensor_amax.float().repeat_interleave(torch.div(lengths, f.block_size, rounding_mode="floor"),
-                                                          output_size=pool.numel() // f.block_size)
-        under, over = _block_counts(a, f, tamax)
-        out[f.name] = _unpadded(CastStats(numel, zeros, under - zeros, over - inf, numel - finite), pad)
+    zeros, finite, inf = total[0], total[1], total[2]
+    out = {}
+    for j, name in enumerate([str(j) for j in range(len(scales))] + [b.name for b in block_formats]):
+        under, over = total[3 + 2 * j], total[4 + 2 * j]
+        # at most the flush bound: zeros too (subtracted); at least the overflow bound: inf too (subtracted). The
+        # padding counts only as elements and zeros: it cancels out of the underflow and non-finite counts.
+        out[name] = CastStats(numel - pad, zeros - pad, under - zeros, over - inf, numel - finite)
     return out

@@ -149,13 +149,17 @@ def same(a, b):
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-@pytest.mark.parametrize(("history_len", "algo", "margin", "sample", "block_formats"), [
-    (3, "max", 0, None, ("mxfp8", "nvfp4")),
-    (4, "most_recent", 1, None, ("mxfp8_floor",)),
-    (2, "max", 0, 256, ("mxfp8", "nvfp4")),  # sampled: 256 elements of each kind shared by the layers
-    (5, "max", 2, 2**16, ()),
+@pytest.mark.parametrize(("history_len", "algo", "margin", "sample", "block_formats", "chunk"), [
+    (3, "max", 0, None, ("mxfp8", "nvfp4"), None),
+    (3, "max", 0, None, ("mxfp8", "nvfp4"), 64),  # measured 64 elements at a time, as a pool above 2**20 is
+    (4, "most_recent", 1, None, ("mxfp8_floor",), None),
+    (2, "max", 0, 256, ("mxfp8", "nvfp4"), None),  # sampled: 256 elements of each kind shared by the layers
+    (5, "max", 2, 2**16, (), 96),
 ])
-def test_history_scales_and_every_metric_equal_the_reference(history_len, algo, margin, sample, block_formats):
+def test_history_scales_and_every_metric_equal_the_reference(history_len, algo, margin, sample, block_formats, chunk,
+                                                             monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr("lightning_precision._amax_stats.CHUNK", chunk)
     model = Parallel()
     logger = AmaxHistoryLogger(history_len=history_len, amax_compute_algo=algo, margin=margin,
                                what_if_sample=sample, block_formats=block_formats)

@@ -116,9 +116,12 @@ class AmaxHistoryLogger(Callback):
         margin: TE's ``margin``, a whole number >= 0: the scale is divided by ``2**margin``.
         log_every_n_steps: ``None`` follows the Trainer.
         what_if: compute the delayed-versus-current cast statistics on logging steps.
-        what_if_sample: compute them on at most this many elements per tensor, taken as evenly spaced contiguous runs;
-            ``None`` uses every element. At 2**16 a fraction p is estimated within about ``2 * sqrt(p / 65536)``;
-            whole weight matrices would make the logging step cost several ordinary steps.
+        what_if_sample: compute them, per tensor kind (input, weight, gradient), on one sample of about this many
+            elements shared by all layers in proportion to their sizes (evenly spaced runs of 32, block-aligned;
+            deterministic); every element (exact) where a kind's tensors together hold at most this many; ``None``
+            uses every element. At 2**16 a fraction p is estimated within about ``2 * sqrt(p / 65536)`` (the block
+            formats, whose flushes depend on each block's max: ``2 * sqrt(p / 2048)``); measuring every layer whole
+            would make the logging step cost several ordinary steps.
         block_formats: block-scaled formats the what-if also asks about (``"mxfp8"``, ``"mxfp8_floor"``,
             ``"nvfp4"``; ``()`` for none): would this run's tensors survive MXFP8 or NVFP4?
         save_dir: if set, ``amax_history.pt`` and ``amax_history.png`` are written there at the end of training (the
@@ -383,7 +386,7 @@ class AmaxHistoryLogger(Callback):
         # ("amax") did the same at several times the cost of everything else here on a CPU.
         slot.index_copy_(0, entries, amax)
         last = self.state["last_nonzero"].view(-1)
-        last.copy_(torch.where(slot > 0, slot, last))
+        torch.where(slot > 0, slot, last, out=last)
         self._records.clear()
         self._weights_seen.clear()
 
