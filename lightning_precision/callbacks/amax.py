@@ -192,6 +192,11 @@ class AmaxHistoryLogger(Callback):
         self._capture: list[dict[str, tuple[Tensor, int]]] | None = None
         self._last_whatif: dict[str, Tensor] = {}
         self._copy_weights = False
+        # This step's extremes: fp32 tensors write (min, max) straight into a preallocated row per entry (first call of
+        # the step); other dtypes and repeated calls go to `_records`. See `_record`.
+        self._extremes = torch.zeros(0, 2)
+        self._extreme_rows: list[tuple[Tensor, Tensor]] = []
+        self._written: set[int] = set()
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
         self._index_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         self._fp8_max = _FP8_MAX
@@ -250,13 +255,16 @@ class AmaxHistoryLogger(Callback):
                           torch.zeros(len(names), 3, device=device))
             self._pos, self._stale_slot = 0, False
         else:  # resumed: keep the restored state
-            self._declare(self._ring.to(device), self._last_nonzero.to(device))
+            self._declare(self._ring.to(device, torch.float32), self._last_nonzero.to(device, torch.float32))
         self._modules = [m for _, m in found]
         # FSDP2 frees a gathered weight's storage after the forward: the what-if keeps a copy of its sample instead.
         self._copy_weights = is_sharded(model)
         self._te_layers = [i for i, m in enumerate(self._modules) if hasattr(m, "fp8_meta")]
         self._ran = [False] * len(found)
         self._index_cache.clear()
+        self._extremes = torch.zeros(len(names) * 3, 2, device=device)
+        self._extreme_rows = [(row[0], row[1]) for row in self._extremes]
+        self._written.clear()
         # Copied once: a per-step host-to-device copy would sync the stream.
         self._fp8_max = _FP8_MAX.to(device)
         for i, (_, module) in enumerate(found):
@@ -359,35 +367,44 @@ class AmaxHistoryLogger(Callback):
             self._ran[i] = True
 
     def _record(self, i: int, k: int, t: Tensor) -> None:
-        # One fused reduction per tensor, gathered into the history once per step (see _flush): small per-element ops
-        # on a device tensor cost more than the reduction itself on small layers.
-        # One pass, no |t| temporary (vector_norm(inf) is 10x slower on CPU); combined into amax once per step.
-        self._records.append((i * 3 + k, torch.aminmax(t.detach())))
+        # One reduction per tensor, one pass with no |t| temporary (abs().amax() writes |t| first; vector_norm(inf) is
+        # 10x slower on CPU), combined into the history once per step (see _flush). An fp32 tensor's first call in the
+        # step writes its extremes into this step's preallocated row: no allocation, nothing to gather at the flush.
+        j = i * 3 + k
+        t = t.detach()
+        if t.dtype == torch.float32 and type(t) is Tensor and j not in self._written \
+                and t.device == self._extremes.device:
+            self._written.add(j)
+            torch.aminmax(t, out=self._extreme_rows[j])
+        else:  # another dtype (bf16 activations), a tensor subclass, or a repeated call (accumulation, re-used layer)
+            self._records.append((j, torch.aminmax(t)))
 
     def _flush(self) -> None:
         """Write this step's recorded amaxes into its ring slot (max over repeated calls: accumulation, re-used
-        layers), in place, and remember each entry's last non-zero amax."""
+        layers), in place, and remember each entry's last non-zero amax. Ordinary fp32 steps: five small ops, whatever
+        the number of layers (each distinct op costs tens of microseconds on a CPU right after a backward, whose
+        matrix products have evicted the caches)."""
         slot = self.state["ring"][self._pos].view(-1)
-        if self._stale_slot:
-            slot.zero_()
-            self._stale_slot = False
-        if not self._records:
-            return
-        key = tuple(j for j, _ in self._records)
-        plan = self._index_cache.get(key)
-        if plan is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern, not per step
-            plan = self._index_cache[key] = _write_plan(key, slot.device)
-        entries, gather = plan
-        extremes = torch.stack([v for _, pair in self._records for v in pair]).view(-1, 2)
-        amax = extremes.abs().amax(dim=1).to(slot)
-        if gather is not None:  # an entry recorded more than once (accumulation, a re-used layer): the max of its calls
-            amax = torch.cat([amax, amax.new_zeros(1)])[gather].amax(dim=1)
-        # the slot is zero until this write (cleared above, or fresh): a copy is the max with it. scatter_reduce_
-        # ("amax") did the same at several times the cost of everything else here on a CPU.
-        slot.index_copy_(0, entries, amax)
+        # every entry: the preallocated rows (zero where nothing was written) replace the slot's stale values
+        torch.amax(self._extremes.abs(), dim=1, out=slot)
+        self._stale_slot = False
+        if self._written:
+            self._extremes.zero_()
+            self._written.clear()
+        if self._records:
+            key = tuple(j for j, _ in self._records)
+            plan = self._index_cache.get(key)
+            if plan is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern
+                plan = self._index_cache[key] = _write_plan(key, slot.device)
+            entries, gather = plan
+            extremes = torch.stack([v for _, pair in self._records for v in pair]).view(-1, 2)
+            amax = extremes.abs().amax(dim=1).to(slot)
+            if gather is not None:  # an entry recorded more than once: the max of its calls
+                amax = torch.cat([amax, amax.new_zeros(1)])[gather].amax(dim=1)
+            slot.index_copy_(0, entries, torch.maximum(slot.index_select(0, entries), amax))
+            self._records.clear()
         last = self.state["last_nonzero"].view(-1)
         torch.where(slot > 0, slot, last, out=last)
-        self._records.clear()
         self._weights_seen.clear()
 
     def _input_hook(self, i: int) -> Any:
