@@ -13,6 +13,8 @@ from torch import Tensor
 from lightning_precision.formats import BlockFormat, NumberFormat, get_format
 from lightning_precision.functional import CastStats, measurable_values
 
+__all__ = ["CHUNK", "RUN", "block_sample", "pooled_stats", "shared_sample"]
+
 # A multiple of every block format's block size (MXFP8 32, NVFP4 16): runs of the sample start on block boundaries and
 # each layer's part of the pooled sample is padded to it, so no block spans two layers.
 RUN = 32
