@@ -11,7 +11,7 @@ less than wall time. Per round:
 
 - ordinary: the median step with the logger over the median step without it;
 - logging: the mean logging step over the median step without it;
-- amortised: ``((cadence - 1) * ordinary + logging) / cadence``, the issue's figure (goal 1.03);
+- amortised: ``((cadence - 1) * ordinary + logging) / cadence`` (goal 1.03);
 - read: the step with only the reads over the step without: the limit, what any exact amax of every input, weight
   and output gradient must at least cost (``torch.aminmax`` of each, in the same hooks, in the same step);
 - cost / read: the logger's per-step cost (ordinary step with minus without) over the reads' (1: nothing but the
