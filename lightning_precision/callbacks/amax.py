@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
+from lightning_precision._amax_stats import block_sample, pooled_stats, shared_sample
 from lightning_precision._checks import is_positive_int
 from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
@@ -24,31 +25,28 @@ from lightning_precision.fp8._selection import HYBRID_FORMAT, TENSORS, functiona
 from lightning_precision.functional import (
     CastStats,
     delayed_scale,
-    measurable_values,
     multi_format_stats,
     multi_scale_stats,
 )
 
 __all__ = ["AmaxHistoryLogger", "block_sample"]
 
-_BLOCK_ALIGN = 32  # a multiple of every block format's block size
-
 _FP8_MAX = torch.tensor([FORMATS[HYBRID_FORMAT[t]].max for t in TENSORS])
 
 
-def block_sample(t: Tensor, limit: int | None, block: int = 1024) -> Tensor:
-    """At most ``limit`` elements of ``t``: evenly spaced contiguous runs of ``block`` elements, copied into one
-    contiguous tensor (deterministic). Whole runs keep cache lines and vector units full: an element-wise strided view
-    of the same size was 45x slower to measure on a CPU."""
-    flat = measurable_values(t)
-    n = flat.numel()
-    if limit is None or n <= limit:
-        return flat
-    block = max(1, min(block, limit))
-    count = max(1, limit // block)
-    step = max(block, (n - block) // max(count - 1, 1))
-    step -= step % _BLOCK_ALIGN  # runs start on MXFP8/NVFP4 block boundaries, so the block what-if sees real blocks
-    return flat.unfold(0, block, step)[:count].reshape(-1)
+def _write_plan(key: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """For a step's records (entry of each, in order): the distinct entries, and where an entry was recorded more than
+    once, a gather [entries, most calls] of record positions (padded with the position past the end, a zero) whose
+    row max is the entry's amax."""
+    entries = list(dict.fromkeys(key))
+    if len(entries) == len(key):
+        return torch.tensor(entries, device=device), None
+    positions: dict[int, list[int]] = {e: [] for e in entries}
+    for r, e in enumerate(key):
+        positions[e].append(r)
+    width = max(len(p) for p in positions.values())
+    gather = [positions[e] + [len(key)] * (width - len(positions[e])) for e in entries]
+    return torch.tensor(entries, device=device), torch.tensor(gather, device=device)
 
 
 def _block_format(name: str) -> object:
@@ -118,9 +116,12 @@ class AmaxHistoryLogger(Callback):
         margin: TE's ``margin``, a whole number >= 0: the scale is divided by ``2**margin``.
         log_every_n_steps: ``None`` follows the Trainer.
         what_if: compute the delayed-versus-current cast statistics on logging steps.
-        what_if_sample: compute them on at most this many elements per tensor, taken as evenly spaced contiguous runs;
-            ``None`` uses every element. At 2**16 a fraction p is estimated within about ``2 * sqrt(p / 65536)``;
-            whole weight matrices would make the logging step cost several ordinary steps.
+        what_if_sample: compute them, per tensor kind (input, weight, gradient), on one sample of about this many
+            elements shared by all layers in proportion to their sizes (evenly spaced runs of 32, block-aligned;
+            deterministic); every element (exact) where a kind's tensors together hold at most this many; ``None``
+            uses every element. At 2**16 a fraction p is estimated within about ``2 * sqrt(p / 65536)`` (the block
+            formats, whose flushes depend on each block's max: ``2 * sqrt(p / 2048)``); measuring every layer whole
+            would make the logging step cost several ordinary steps.
         block_formats: block-scaled formats the what-if also asks about (``"mxfp8"``, ``"mxfp8_floor"``,
             ``"nvfp4"``; ``()`` for none): would this run's tensors survive MXFP8 or NVFP4?
         save_dir: if set, ``amax_history.pt`` and ``amax_history.png`` are written there at the end of training (the
@@ -187,11 +188,17 @@ class AmaxHistoryLogger(Callback):
         self._modules: list[nn.Module] = []
         self._te_layers: list[int] = []
         self._handles: list[Any] = []
-        self._capture: list[dict[str, Tensor]] | None = None
+        # per layer and tensor kind: (the tensor, or under FSDP a copy of its sample; its real number of elements)
+        self._capture: list[dict[str, tuple[Tensor, int]]] | None = None
         self._last_whatif: dict[str, Tensor] = {}
         self._copy_weights = False
+        # This step's extremes: fp32 tensors write (min, max) straight into a preallocated row per entry (first call of
+        # the step); other dtypes and repeated calls go to `_records`. See `_record`.
+        self._extremes = torch.zeros(0, 2)
+        self._extreme_rows: list[tuple[Tensor, Tensor]] = []
+        self._written: set[int] = set()
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
-        self._index_cache: dict[tuple[int, ...], Tensor] = {}
+        self._index_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         self._fp8_max = _FP8_MAX
         self.last_metrics: dict[str, float] = {}
         self._weights_seen: set[int] = set()
@@ -248,13 +255,16 @@ class AmaxHistoryLogger(Callback):
                           torch.zeros(len(names), 3, device=device))
             self._pos, self._stale_slot = 0, False
         else:  # resumed: keep the restored state
-            self._declare(self._ring.to(device), self._last_nonzero.to(device))
+            self._declare(self._ring.to(device, torch.float32), self._last_nonzero.to(device, torch.float32))
         self._modules = [m for _, m in found]
         # FSDP2 frees a gathered weight's storage after the forward: the what-if keeps a copy of its sample instead.
         self._copy_weights = is_sharded(model)
         self._te_layers = [i for i, m in enumerate(self._modules) if hasattr(m, "fp8_meta")]
         self._ran = [False] * len(found)
         self._index_cache.clear()
+        self._extremes = torch.zeros(len(names) * 3, 2, device=device)
+        self._extreme_rows = [(row[0], row[1]) for row in self._extremes]
+        self._written.clear()
         # Copied once: a per-step host-to-device copy would sync the stream.
         self._fp8_max = _FP8_MAX.to(device)
         for i, (_, module) in enumerate(found):
@@ -308,25 +318,30 @@ class AmaxHistoryLogger(Callback):
         return metrics
 
     def _what_if(self, current: Tensor, delayed: Tensor) -> dict[str, Tensor]:
-        """Underflow/overflow fractions of this step's tensors cast with the delayed scale vs the current one. The
-        samples of one tensor kind are measured together, each element at its layer's scale."""
+        """Underflow/overflow fractions of this step's tensors cast with the delayed scale vs the current one, and in
+        each block format. Per tensor kind, one sample shared by all layers (``shared_sample``: every element when
+        they fit in ``what_if_sample``), measured in one pass, each element at its layer's scale."""
         jit = delayed_scale(current, self._fp8_max, self.margin)  # the current (just-in-time) scale: this step's amax
+        blocks = [get_format(f) for f in self.block_formats]
         out = {}
         for k, tensor in enumerate(TENSORS):
-            parts = [(i, block_sample(captured[tensor], self.what_if_sample))
-                     for i, captured in enumerate(self._capture or []) if tensor in captured]
-            if not parts:
+            captured = [(i, c[tensor]) for i, c in enumerate(self._capture or []) if tensor in c]
+            if not captured:
                 continue
-            sample = torch.cat([part.float() for _, part in parts])
-            lengths = torch.tensor([part.numel() for _, part in parts], device=sample.device)
-            rows = torch.tensor([i for i, _ in parts], device=sample.device)
-            scales = [s[rows, k].repeat_interleave(lengths) for s in (delayed, jit)]
-            per_kind = dict(zip(("delayed", "current"), multi_scale_stats(sample, HYBRID_FORMAT[tensor], scales),
-                                strict=True))
-            if self.block_formats:  # each layer's sample at its own blocks, NVFP4 scaled by that tensor's amax
-                per_layer = [multi_format_stats(part, self.block_formats, tensor_amax=current[i, k])
-                             for i, part in parts]
-                per_kind.update({f: _sum(layer[f] for layer in per_layer) for f in self.block_formats})
+            rows = [i for i, _ in captured]
+            parts = shared_sample([t for _, (t, _) in captured], [n for _, (_, n) in captured], self.what_if_sample)
+            index = torch.tensor(rows, device=current.device)
+            pooled = pooled_stats(parts, HYBRID_FORMAT[tensor], [delayed[index, k], jit[index, k]],
+                                  [b for b in blocks if isinstance(b, BlockFormat)], current[index, k])
+            if pooled is None:  # float64 tensors: per layer
+                per_layer = [dict(zip(("delayed", "current"), multi_scale_stats(
+                    part.float(), HYBRID_FORMAT[tensor], [delayed[i, k], jit[i, k]]), strict=True)) |
+                    multi_format_stats(part, self.block_formats, tensor_amax=current[i, k])
+                    for i, part in zip(rows, parts, strict=True)]
+                per_kind = {kind: _sum(layer[kind] for layer in per_layer) for kind in per_layer[0]}
+            else:
+                per_kind = {"delayed": pooled["0"], "current": pooled["1"]}
+                per_kind.update({f: pooled[f] for f in self.block_formats})
             for kind, stats in per_kind.items():
                 out[f"precision/fp8_whatif/{tensor}/{kind}/underflow"] = stats.underflow_fraction
                 out[f"precision/fp8_whatif/{tensor}/{kind}/overflow"] = stats.overflow_fraction
@@ -352,29 +367,44 @@ class AmaxHistoryLogger(Callback):
             self._ran[i] = True
 
     def _record(self, i: int, k: int, t: Tensor) -> None:
-        # One fused reduction per tensor, gathered into the history once per step (see _flush): small per-element ops
-        # on a device tensor cost more than the reduction itself on small layers.
-        # One pass, no |t| temporary (vector_norm(inf) is 10x slower on CPU); combined into amax once per step.
-        self._records.append((i * 3 + k, torch.aminmax(t.detach())))
+        # One reduction per tensor, one pass with no |t| temporary (abs().amax() writes |t| first; vector_norm(inf) is
+        # 10x slower on CPU), combined into the history once per step (see _flush). An fp32 tensor's first call in the
+        # step writes its extremes into this step's preallocated row: no allocation, nothing to gather at the flush.
+        j = i * 3 + k
+        t = t.detach()
+        if t.dtype == torch.float32 and type(t) is Tensor and j not in self._written \
+                and t.device == self._extremes.device:
+            self._written.add(j)
+            torch.aminmax(t, out=self._extreme_rows[j])
+        else:  # another dtype (bf16 activations), a tensor subclass, or a repeated call (accumulation, re-used layer)
+            self._records.append((j, torch.aminmax(t)))
 
     def _flush(self) -> None:
         """Write this step's recorded amaxes into its ring slot (max over repeated calls: accumulation, re-used
-        layers), in place, and remember each entry's last non-zero amax."""
+        layers), in place, and remember each entry's last non-zero amax. Ordinary fp32 steps: five small ops, whatever
+        the number of layers (each distinct op costs tens of microseconds on a CPU right after a backward, whose
+        matrix products have evicted the caches)."""
         slot = self.state["ring"][self._pos].view(-1)
-        if self._stale_slot:
-            slot.zero_()
-            self._stale_slot = False
-        if not self._records:
-            return
-        key = tuple(j for j, _ in self._records)
-        index = self._index_cache.get(key)
-        if index is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern, not per step
-            index = self._index_cache[key] = torch.tensor(key, device=slot.device)
-        extremes = torch.stack([v for _, pair in self._records for v in pair]).view(-1, 2)
-        slot.scatter_reduce_(0, index, extremes.abs().amax(dim=1).to(slot), reduce="amax")
+        # every entry: the preallocated rows (zero where nothing was written) replace the slot's stale values
+        torch.amax(self._extremes.abs(), dim=1, out=slot)
+        self._stale_slot = False
+        if self._written:
+            self._extremes.zero_()
+            self._written.clear()
+        if self._records:
+            key = tuple(j for j, _ in self._records)
+            plan = self._index_cache.get(key)
+            if plan is None:  # a host-to-device copy from pageable memory syncs the stream: once per pattern
+                plan = self._index_cache[key] = _write_plan(key, slot.device)
+            entries, gather = plan
+            extremes = torch.stack([v for _, pair in self._records for v in pair]).view(-1, 2)
+            amax = extremes.abs().amax(dim=1).to(slot)
+            if gather is not None:  # an entry recorded more than once: the max of its calls
+                amax = torch.cat([amax, amax.new_zeros(1)])[gather].amax(dim=1)
+            slot.index_copy_(0, entries, torch.maximum(slot.index_select(0, entries), amax))
+            self._records.clear()
         last = self.state["last_nonzero"].view(-1)
-        last.copy_(torch.where(slot > 0, slot, last))
-        self._records.clear()
+        torch.where(slot > 0, slot, last, out=last)
         self._weights_seen.clear()
 
     def _input_hook(self, i: int) -> Any:
@@ -392,10 +422,10 @@ class AmaxHistoryLogger(Callback):
                 self._record(i, 1, _values(module.weight))
             if self._capture is not None:
                 if x is not None:
-                    self._capture[i]["input"] = x.detach()
+                    self._capture[i]["input"] = (x.detach(), x.numel())
                 weight = _values(module.weight).detach()
-                self._capture[i]["weight"] = block_sample(weight, self.what_if_sample).clone() if self._copy_weights \
-                    else weight
+                self._capture[i]["weight"] = (block_sample(weight, self.what_if_sample).clone() if self._copy_weights
+                                              else weight, weight.numel())
 
         return hook
 
@@ -411,7 +441,7 @@ class AmaxHistoryLogger(Callback):
             return
         self._record(i, 2, g)
         if self._capture is not None:
-            self._capture[i]["grad_output"] = g.detach()
+            self._capture[i]["grad_output"] = (g.detach(), g.numel())
 
     def save(self, directory: str) -> tuple[str, str]:
         """Write ``amax_history.pt`` (layers, history oldest first, scales) and ``amax_history.png`` (layers that
