@@ -145,6 +145,39 @@ def test_checkpoint_resume_continues_the_history(tmp_path):
     torch.testing.assert_close(resumed.chronological_history()[:3], first.chronological_history())
 
 
+def test_a_restored_logger_has_the_scale_and_history_of_the_live_one():
+    """Between steps the ring's oldest slot still counts in the scale in effect; a checkpoint that saved it zeroed gave
+    a restored logger a window of one step less, so a different scale (silently) right after a resume."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    inputs = [torch.randn(4, 8) * k for k in (1.0, 1.0, 1.0, 50.0, 1.0, 1.0, 1.0, 1.0)]
+
+    def step(logger, net, x):
+        logger.capturing(True)
+        net(x).sum().backward()
+        net.zero_grad()
+        logger.end_step(log=False)
+
+    live = AmaxHistoryLogger(history_len=3)
+    live.attach(model)
+    for x in inputs[:6]:  # the large step is the oldest of the 3-step window now
+        step(live, model, x)
+    restored = AmaxHistoryLogger(history_len=3)
+    restored.load_state_dict(copy.deepcopy(live.state_dict()))
+    twin = copy.deepcopy(model)
+    restored.attach(twin)
+    torch.testing.assert_close(restored.scale, live.scale, rtol=0, atol=0)
+    torch.testing.assert_close(restored.history, live.history, rtol=0, atol=0)
+    for x in inputs[6:]:  # both go on alike as the large step ages out
+        step(live, model, x)
+        step(restored, twin, x)
+        torch.testing.assert_close(restored.scale, live.scale, rtol=0, atol=0)
+        torch.testing.assert_close(restored.chronological_history(), live.chronological_history()[-len(
+            restored.chronological_history()):], rtol=0, atol=0)
+
+
 def test_save_writes_history_and_plot(tmp_path):
     logger = AmaxHistoryLogger(history_len=4, save_dir=str(tmp_path))
     trainer(None, max_steps=3, log_every_n_steps=1, callbacks=[logger]).fit(LitNet(), loader(make_data(3)))

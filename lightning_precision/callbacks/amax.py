@@ -508,10 +508,14 @@ class AmaxHistoryLogger(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        history, scale = self.history, self.scale
+        # The history as the ring holds it: between steps, row 0 is the window's oldest step, which the scale in
+        # effect still counts until the next step overwrites it (`stale`). Saved zeroed, a restored logger computed its
+        # next scale from one step less than the live one.
+        ring, scale = self._ring, self.scale
         return {
             "layers": list(self.layers),
-            "history": None if history is None else history.cpu(),
+            "history": None if ring is None else ring.roll(-self._pos, 0).cpu(),
+            "stale": self._stale_slot,
             "scale": None if scale is None else scale.cpu(),
             "last_nonzero": None if self._last_nonzero is None else self._last_nonzero.cpu(),
             "steps": self.steps,
@@ -521,7 +525,8 @@ class AmaxHistoryLogger(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.layers = list(state_dict["layers"])
         ring, last_nonzero = state_dict["history"], state_dict.get("last_nonzero")
-        self._pos, self._stale_slot, self.steps = 0, False, state_dict["steps"]
+        # Checkpoints without "stale" saved row 0 zeroed: nothing stale to count.
+        self._pos, self._stale_slot, self.steps = 0, bool(state_dict.get("stale", False)), state_dict["steps"]
         self.state = Accumulator()
         if ring is not None:  # a checkpoint of 0.1 has no last_nonzero: the window's newest amax
             self._declare(ring, last_nonzero if last_nonzero is not None else ring.amax(dim=0))
