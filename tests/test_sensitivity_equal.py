@@ -1,0 +1,127 @@
+"""The sensitivity probe (``fp8_sensitivity``, ``layers="auto"``) measures the same numbers as the probe it replaced.
+
+tests/sensitivity_reference.py keeps the measurement as it was written first; here it hooks the same layers as the
+probe under test, on the same forward and backward passes, and every figure (SQNR, underflow and overflow fractions,
+output and input-gradient errors, batches kept and dropped) must be the same float, and the plan made from them the
+same plan. Edge tensors: zeros, subnormals, outlier channels that flush the rest, a layer that gets no tokens, batches
+with inf and nan (left out), bf16, fp16 and fp32 inputs, every per-tensor and per-row recipe. Real torchao, emulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_precision.fabric import FP8Precision
+from lightning_precision.fp8 import PrecisionPlan
+from lightning_precision.fp8._sensitivity import SensitivityProbe, probe_config
+from tests.sensitivity_reference import ReferenceProbe
+
+pytest.importorskip("torchao")
+
+
+class Routed(nn.Module):
+    """Linear layers of several shapes (with and without bias), one fed by outlier channels, and an ``expert`` that
+    sees only the rows routed to it (none, in some batches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(32, 64)
+        self.expert = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 48)
+        self.head = nn.Linear(48, 16, bias=False)
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = torch.cat([h[:, :2] * 300, h[:, 2:]], dim=1)  # outlier channels into the expert and b
+        routed = torch.zeros_like(h)
+        routed[route] = self.expert(h[route])
+        return self.head(torch.relu(self.b(h + routed)))
+
+
+def edge_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(7):
+        x = torch.randn(24, 32, generator=g) * (1.0 if i % 2 else 8.0)
+        route = torch.rand(24, generator=g) > 0.5
+        if i == 1:
+            x[:4] = 0.0  # zero rows
+            x[4:8] = torch.tensor(1e-40)  # fp32 and bf16 subnormals
+            x[8, 0] = 6e4  # near fp16's max
+        if i == 2:
+            route[:] = False  # the expert gets no tokens
+        if i == 3:
+            x[5, 7] = float("inf")  # a fault of the data: left out
+        if i == 5:
+            x[2, 2] = float("nan")
+        out.append((x, route))
+    return out
+
+
+def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(*batch).float().pow(2).mean()
+
+
+def figures(result: dict) -> list:
+    """Every float of every layer, as text: ``repr`` keeps a float exactly, and nan equals nan."""
+    return [(fqn, repr(dataclasses.astuple(s))) for fqn, s in result.items()]
+
+
+@pytest.mark.parametrize(("recipe", "autocast"), [
+    ("tensorwise", torch.bfloat16), ("tensorwise", torch.float16), ("tensorwise", None),
+    ("rowwise", torch.bfloat16), ("rowwise", None), ("rowwise_with_gw_hp", None),
+])
+def test_the_probe_measures_what_the_reference_measures(recipe, autocast):
+    model = Routed()
+    layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    config = probe_config(recipe)
+    probe = SensitivityProbe(layers, config, keep_outputs=True)
+    reference = ReferenceProbe(layers, config)
+    for batch in edge_batches():
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = loss_of(model, batch)
+        outputs, probe.outputs = probe.outputs, []
+        torch.autograd.grad(loss, outputs, allow_unused=True)  # as fp8_sensitivity does: no parameter's .grad
+        probe.commit()
+        reference.commit()
+    probe.close()
+    reference.close()
+    measured, expected = probe.result(), reference.result()
+    assert set(measured) == set(layers) and (probe.batches, probe.dropped) == (reference.batches, reference.dropped)
+    assert (probe.batches, probe.dropped) == (5, 2)  # the inf and the nan batch
+    assert figures(measured) == figures(expected)
+    # The subnormals and the outliers flush values: the edge is exercised.
+    assert any(n.underflow > 0 for s in measured.values() for n in s.tensors().values())
+
+
+def test_layers_auto_makes_the_plan_the_reference_numbers_make():
+    """A Fabric loop under ``FP8Precision(layers="auto")``: the weights move between the measured batches (the
+    optimizer steps), the reference measures beside the plugin's probe, and the plan it decides is the plugin's."""
+    plugin = FP8Precision(layers="auto", calibration_batches=5, emulate=True, skip_small_layers=False,
+                          skip_first_last=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = Routed()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1e-5))
+    raw = model.module
+    layers = {fqn: m for fqn, m in raw.named_modules() if isinstance(m, nn.Linear)}
+    reference = ReferenceProbe(layers, plugin._probe_config())
+    decisions = None
+    with pytest.warns(UserWarning, match="2 of the 5 batches"):
+        for batch in edge_batches()[:5]:  # the plan is made at the fifth step
+            decisions = decisions or plugin._calibration.decisions
+            fabric.backward(loss_of(model, batch))
+            reference.commit()
+            optimizer.step()
+            optimizer.zero_grad()
+    reference.close()
+    assert plugin.plan is not None and plugin.plan.batches == 3
+    expected = PrecisionPlan.decide(decisions, reference.result(), plugin.plan_rule, plugin.scaling_family,
+                                    high=plugin._high)
+    assert plugin.plan == expected or repr(plugin.plan) == repr(expected)
+    assert plugin.plan.fp8_layers == {"expert"}  # the rule kept the others in bf16: the figures matter
