@@ -115,11 +115,9 @@ def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     fp64 buffer for both powers, ``|x| < inf`` for ``isfinite``."""
     x = t.detach().float()
     x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
+    finite = x.abs() < math.inf  # isfinite (nan and inf compare false), in a third of its time
+    x = torch.where(finite, x, 0.0)
     magnitude = x.abs()
-    finite = magnitude < math.inf  # isfinite: nan and inf compare false
-    not_finite = ~finite
-    x = x.masked_fill(not_finite, 0.0)
-    magnitude.masked_fill_(not_finite, 0.0)
     amax = magnitude.amax(dim=-1, keepdim=True) if spec.axiswise else magnitude.amax()
     del magnitude
     fmax = torch.finfo(spec.dtype).max
@@ -132,7 +130,7 @@ def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     del q
     signal = _squares_sum(x, buffer)
     # torch.full, not torch.tensor: a host-to-device copy from pageable memory would wait for the device.
-    return torch.stack([signal, noise, nonzero.sum().double(), underflow.double(), not_finite.sum().double(),
+    return torch.stack([signal, noise, nonzero.sum().double(), underflow.double(), (~finite).sum().double(),
                         torch.full((), x.numel(), dtype=torch.float64, device=x.device)])
 
 
