@@ -10,6 +10,7 @@ with inf and nan (left out), bf16, fp16 and fp32 inputs, every per-tensor and pe
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import lightning as L
 import pytest
@@ -18,7 +19,7 @@ from torch import nn
 
 from lightning_precision.fabric import FP8Precision
 from lightning_precision.fp8 import PrecisionPlan
-from lightning_precision.fp8._sensitivity import SensitivityProbe, probe_config
+from lightning_precision.fp8._sensitivity import SensitivityProbe, fp8_sensitivity, probe_config
 from tests.sensitivity_reference import ReferenceProbe
 
 pytest.importorskip("torchao")
@@ -139,3 +140,47 @@ def test_rowwise_with_gw_hp_measures_a_layer_whose_input_is_fp32_under_bf16_auto
     result = fp8_sensitivity(nn.Linear(64, 32), [torch.randn(8, 64)], recipe="rowwise_with_gw_hp",
                              loss_fn=lambda m, b: m(b).float().pow(2).sum())
     assert 0 < result[""].grad_input_error < 0.2 and 0 < result[""].output_error < 0.2
+
+
+# ---- under torch.compile: measuring runs eagerly, and says so once ---------------------------------------------------
+
+
+def fabric_auto_fit(compiled: bool, steps: int = 4) -> FP8Precision:
+    plugin = FP8Precision(layers="auto", calibration_batches=3, emulate=True, skip_small_layers=False,
+                          skip_first_last=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = Routed()
+    # The eager backend: dynamo's frames and guards as inductor's, without its minutes of code generation.
+    model, optimizer = fabric.setup(torch.compile(model, backend="eager") if compiled else model,
+                                    torch.optim.SGD(model.parameters(), lr=1e-5))
+    for batch in edge_batches()[:steps]:
+        fabric.backward(loss_of(model, batch))
+        optimizer.step()
+        optimizer.zero_grad()
+    return plugin
+
+
+def test_calibration_of_a_compiled_model_says_once_that_it_runs_eagerly(monkeypatch):
+    from torch._dynamo import eval_frame
+
+    from lightning_precision.fp8 import _sensitivity
+
+    monkeypatch.setattr(_sensitivity._Eager, "said", False, raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plugin = fabric_auto_fit(compiled=True)
+        fp8_sensitivity(torch.compile(Routed(), backend="eager"), edge_batches()[:1], loss_fn=loss_of)
+    said = [w for w in seen if "runs the compiled model eagerly" in str(w.message)]
+    assert len(said) == 1 and said[0].category is UserWarning  # three measured batches and a measurement: once
+    assert plugin.plan is not None and eval_frame._stance.stance == "default"  # compiled again after the plan
+
+
+def test_calibration_of_an_eager_model_says_nothing_about_compiling(monkeypatch):
+    from lightning_precision.fp8 import _sensitivity
+
+    monkeypatch.setattr(_sensitivity._Eager, "said", False, raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plugin = fabric_auto_fit(compiled=False)
+    assert plugin.plan is not None
+    assert not [w for w in seen if "compiled" in str(w.message)]

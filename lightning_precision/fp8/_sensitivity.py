@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -213,10 +215,12 @@ def fp8_grad_input(fp8: Any, grad_output: Tensor) -> Tensor:
 
 
 class _Eager:
-    """How many probes are open, and the compiler stance to restore when the last one closes."""
+    """How many probes are open, the compiler stance to restore when the last one closes, and whether this process
+    was told that compiled code ran eagerly while measured."""
 
     open = 0
     stance: Any = None
+    said = False
 
 
 def _run_eagerly(on: bool) -> None:
@@ -226,7 +230,7 @@ def _run_eagerly(on: bool) -> None:
     a model with more shapes than ``torch._dynamo.config.recompile_limit`` (8) hit it at the first measured step.
     Eagerly nothing is compiled, and the compiled model's cache is left as it was: the steps after run the graph
     compiled before, without a recompile. Only the measured steps pay (FP8Guard's one in ``every_n_steps``,
-    ``layers="auto"``'s first batches)."""
+    ``layers="auto"``'s first batches); ``_say_eager`` says so, once."""
     if on:
         if _Eager.open == 0:
             _Eager.stance = torch.compiler.set_stance("force_eager")  # set now; it holds the stance it replaced
@@ -236,6 +240,30 @@ def _run_eagerly(on: bool) -> None:
     if _Eager.open == 0:
         stance, _Eager.stance = _Eager.stance, None
         stance.__exit__(None, None, None)  # the stance before the first probe
+
+
+def _inside_compiled_code() -> bool:
+    """Whether a caller up the stack is a ``torch.compile``d function or module (dynamo's ``compile_wrapper``, which
+    under the ``force_eager`` stance calls the original eagerly): a look at the frames, no device work."""
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "__file__", None)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "compile_wrapper" and frame.f_code.co_filename == wrapper:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _say_eager() -> None:
+    """Once per process, the first time a measured layer runs inside compiled code: the measured steps run eagerly
+    (docs/plan.md, "Under torch.compile")."""
+    if _Eager.said or not _inside_compiled_code():
+        return
+    _Eager.said = True
+    warn("fp8 measurement (layers='auto' calibration, FP8Guard's measured steps, fp8_sensitivity) runs the compiled"
+         " model eagerly: its hooks would break the graph at every measured layer and recompile per layer shape."
+         " The compiled graph is kept and runs again, without a recompile, once measuring stops; only the measured"
+         " steps pay their eager time.")
 
 
 class SensitivityProbe:
@@ -355,6 +383,7 @@ class SensitivityProbe:
             if not torch.is_grad_enabled() or not isinstance(x, Tensor) or not isinstance(output, Tensor):
                 return
             self.ran = True
+            _say_eager()
             if x.numel() == 0:  # no tokens reached this layer (an idle expert): nothing to measure, nothing to cast
                 return
             n = _NUMERIC_FIELDS
