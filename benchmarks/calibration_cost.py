@@ -11,11 +11,13 @@ optimizer step, ``zero_grad``. The two alternate step by step; each round's rati
 the bf16 step's next to it (CPU time of this process on a CPU: other processes on a shared machine disturb it less;
 wall time with a device synchronize on a GPU); median and IQR over the rounds. Goal: <= 2.
 
-Peak memory: the largest sum of the live tensor storages during one step (a ``TorchDispatchMode`` that watches every
-storage an operator returns, by weak reference), plus what lives across steps (parameters, optimizer states, the
-probe's sums), for each loop; the ratio of the two. Goal: <= 1.15. Temporaries made inside a tensor subclass's own
-dispatch (torchao's emulated fp8 matmul upcasts its operands) are not seen by the mode: on a GPU,
-``torch.cuda.max_memory_allocated`` is printed beside it and sees everything.
+Peak memory, two ways. Tensors: the largest sum of the live tensor storages during one step (a ``TorchDispatchMode``
+that watches every storage an operator returns, by weak reference), plus what lives across steps (parameters,
+optimizer states, the probe's sums), for each loop; the ratio of the two. Goal: <= 1.15. Temporaries made inside a
+tensor subclass's own dispatch (torchao's emulated fp8 matmul upcasts its operands) are not seen by the mode: on a
+GPU, ``torch.cuda.max_memory_allocated`` is printed beside it and sees everything. Process (CPU): each loop alone in
+a child process of its own, 5 steps: the peak resident set (``VmHWM``, reset before the first step) above the
+resident set before the first step, which also holds what the allocator keeps of freed temporaries.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 import weakref
@@ -107,6 +111,25 @@ class Loop:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def plugin(name: str, args: argparse.Namespace) -> Any:
+    if name == "bf16":
+        return BF16MixedPrecision()
+    return FP8Precision(layers="auto", recipe=args.recipe, calibration_batches=10**9, emulate=True,
+                        skip_small_layers=False, skip_first_last=False)
+
+
+def status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def rss_above_start(name: str) -> int:
+    """Peak resident bytes above those before the first step, of ``name``'s loop alone in a child process."""
+    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", name], capture_output=True, text=True,
+                         check=True).stdout
+    return int(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -116,18 +139,27 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--recipe", default="tensorwise")
+    parser.add_argument("--child", choices=["bf16", "auto"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
 
-    bf16 = Loop(BF16MixedPrecision(), args)
-    auto = Loop(FP8Precision(layers="auto", recipe=args.recipe, calibration_batches=10**9, emulate=True,
-                             skip_small_layers=False, skip_first_last=False), args)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(args.batch, args.width, generator=g).to(device),
                 torch.randn(args.batch, args.width, generator=g).to(device)) for _ in range(4)]
+    if args.child:
+        loop = Loop(plugin(args.child, args), args)
+        with open("/proc/self/clear_refs", "w") as f:  # the peak resident set starts again from here
+            f.write("5")
+        before = status_kib("VmRSS")
+        for i in range(5):
+            loop.step(*batches[i % len(batches)])
+        print((status_kib("VmHWM") - before) * 1024)
+        return
+    bf16 = Loop(plugin("bf16", args), args)
+    auto = Loop(plugin("auto", args), args)
 
     def timed(loop: Loop, i: int) -> float:
         if cuda:
@@ -182,6 +214,10 @@ def main() -> None:
     mib = {k: v / 2**20 for k, v in peaks.items()}
     print(f"peak tensor memory (MiB) bf16 {mib['bf16']:.1f}, calibration {mib['auto']:.1f}:"
           f" {mib['auto'] / mib['bf16']:.3f}x (+{mib['auto'] - mib['bf16']:.1f} MiB)   goal <= 1.15")
+    if device.type == "cpu" and sys.platform == "linux":
+        rss = {name: rss_above_start(name) / 2**20 for name in ("bf16", "auto")}
+        print(f"peak RSS above start (MiB) bf16 {rss['bf16']:.1f}, calibration {rss['auto']:.1f}:"
+              f" {rss['auto'] / rss['bf16']:.3f}x (+{rss['auto'] - rss['bf16']:.1f} MiB)")
     if cuda:
         dev = {k: v / 2**20 for k, v in device_peaks.items()}
         print(f"cuda max_memory_allocated (MiB) bf16 {dev['bf16']:.1f}, calibration {dev['auto']:.1f}:"
