@@ -74,13 +74,13 @@ class ReferenceProbe(SensitivityProbe):
             self._add(fqn, slice(3 * n, 3 * n + 2), torch.stack([(y8.float() - ref).double().pow(2).sum(),
                                                                 ref.double().pow(2).sum()]), finite)
             if output.requires_grad:
-                output.register_hook(self._backward(fqn, x8, y8, w))
+                output.register_hook(self._reference_backward(fqn, x8, y8, w))
                 if self.keep_outputs:
                     self.outputs.append(output)
 
         return hook
 
-    def _backward(self, fqn: str, x8: Tensor, y8: Tensor, w: Tensor) -> Callable[[Tensor], None]:
+    def _reference_backward(self, fqn: str, x8: Tensor, y8: Tensor, w: Tensor) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             n = FIELDS
             cast_g = reference_cast_numerics(grad, self.specs["grad_output"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import cast
 
 import lightning as L
 import pytest
@@ -117,13 +118,14 @@ def test_layers_auto_makes_the_plan_the_reference_numbers_make():
     decisions = None
     with pytest.warns(UserWarning, match="2 of the 5 batches"):
         for batch in edge_batches()[:5]:  # the plan is made at the fifth step
+            assert plugin._calibration is not None
             decisions = decisions or plugin._calibration.decisions
             fabric.backward(loss_of(model, batch))
             reference.commit()
             optimizer.step()
             optimizer.zero_grad()
     reference.close()
-    assert plugin.plan is not None and plugin.plan.batches == 3
+    assert plugin.plan is not None and plugin.plan.batches == 3 and decisions is not None
     expected = PrecisionPlan.decide(decisions, reference.result(), plugin.plan_rule, plugin.scaling_family,
                                     high=plugin._high)
     assert plugin.plan == expected or repr(plugin.plan) == repr(expected)
@@ -151,7 +153,7 @@ def fabric_auto_fit(compiled: bool, steps: int = 4) -> FP8Precision:
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = Routed()
     # The eager backend: dynamo's frames and guards as inductor's, without its minutes of code generation.
-    model, optimizer = fabric.setup(torch.compile(model, backend="eager") if compiled else model,
+    model, optimizer = fabric.setup(cast(nn.Module, torch.compile(model, backend="eager")) if compiled else model,
                                     torch.optim.SGD(model.parameters(), lr=1e-5))
     for batch in edge_batches()[:steps]:
         fabric.backward(loss_of(model, batch))
@@ -169,7 +171,7 @@ def test_calibration_of_a_compiled_model_says_once_that_it_runs_eagerly(monkeypa
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         plugin = fabric_auto_fit(compiled=True)
-        fp8_sensitivity(torch.compile(Routed(), backend="eager"), edge_batches()[:1], loss_fn=loss_of)
+        fp8_sensitivity(cast(nn.Module, torch.compile(Routed(), backend="eager")), edge_batches()[:1], loss_fn=loss_of)
     said = [w for w in seen if "runs the compiled model eagerly" in str(w.message)]
     assert len(said) == 1 and said[0].category is UserWarning  # three measured batches and a measurement: once
     assert plugin.plan is not None and eval_frame._stance.stance == "default"  # compiled again after the plan
@@ -184,3 +186,26 @@ def test_calibration_of_an_eager_model_says_nothing_about_compiling(monkeypatch)
         plugin = fabric_auto_fit(compiled=False)
     assert plugin.plan is not None
     assert not [w for w in seen if "compiled" in str(w.message)]
+
+
+def test_a_replaced_weight_is_measured_not_the_one_the_fp8_copy_was_made_over():
+    """The probe keeps one fp8 copy per layer over views of its weight and bias: an optimizer's in-place update is
+    seen through them, and a weight replaced (``.data`` set, a new Parameter) makes a new copy."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16)
+    config = probe_config("tensorwise")
+    probe, reference = SensitivityProbe({"l": layer}, config), ReferenceProbe({"l": layer}, config)
+    for change in (None, "in place", ".data", "parameter"):
+        if change == "in place":
+            with torch.no_grad():
+                layer.weight.mul_(3.0)
+        elif change == ".data":
+            layer.weight.data = layer.weight.data * -2.0
+        elif change == "parameter":
+            layer.bias = nn.Parameter(torch.full((16,), 5.0))
+        layer(torch.randn(8, 32)).pow(2).sum().backward()
+        probe.commit()
+        reference.commit()
+        assert figures(probe.result()) == figures(reference.result()), change
+    probe.close()
+    reference.close()
