@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -39,6 +41,7 @@ __all__ = [
     "TensorNumerics",
     "cast_numerics",
     "cast_specs",
+    "fp8_grad_input",
     "fp8_sensitivity",
     "probe_config",
     "torchao_scale",
@@ -96,23 +99,45 @@ def torchao_scale(amax: Tensor, fmax: float, pow2: bool = False) -> Tensor:
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
+def _squares_sum(t: Tensor, buffer: Tensor | None = None) -> Tensor:
+    """The sum of ``t``'s squares in fp64 (each square exact: an fp32 value squared fits fp64's mantissa), summed as
+    ``t.double().pow(2).sum()`` sums them, so the same float; ``buffer``: an fp64 tensor of ``t``'s shape to hold the
+    squares (no new one)."""
+    d = buffer.copy_(t) if buffer is not None else t.double()
+    return d.mul_(d).sum()
+
+
 def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     """``[signal power, noise power, non-zero, underflow, non-finite, elements]`` of casting ``t`` to fp8 as torchao
     does (scale ``max / max(amax, EPS)`` in fp64 then fp32, rounded down to a power of two if asked, saturating cast),
-    in fp64 on ``t``'s device. Non-finite values are left out of the powers."""
+    in fp64 on ``t``'s device. Non-finite values are left out of the powers.
+
+    Each figure is the one the straightforward expression gives (tests/sensitivity_reference.py keeps it, and
+    tests/test_sensitivity_equal.py holds this to it), computed with fewer passes and temporaries: in-place steps, one
+    fp64 buffer for both powers, ``|x| < inf`` for ``isfinite``."""
     x = t.detach().float()
     x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    finite = torch.isfinite(x)
-    x = torch.where(finite, x, torch.zeros_like(x))
-    amax = x.abs().amax(dim=-1, keepdim=True) if spec.axiswise else x.abs().amax()
+    # Each temporary goes as soon as it is read: the peak is what a layer's measurement adds to the step's.
+    finite = x.abs() < math.inf  # isfinite (nan and inf compare false), in a third of its time
+    not_finite = (~finite).sum()
+    x = torch.where(finite, x, 0.0)
+    del finite
+    magnitude = x.abs()
+    amax = magnitude.amax(dim=-1, keepdim=True) if spec.axiswise else magnitude.amax()
+    del magnitude
     fmax = torch.finfo(spec.dtype).max
     scale = torchao_scale(amax, fmax, spec.pow2)
-    q = (x * scale).clamp(-fmax, fmax).to(spec.dtype).float()
-    noise = (q / scale - x).double().pow(2).sum()
+    q = (x * scale).clamp_(-fmax, fmax).to(spec.dtype).float()
     nonzero = x != 0
+    counts = torch.stack([nonzero.sum(), (nonzero & (q == 0)).sum(), not_finite]).double()
+    del nonzero
+    buffer = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    noise = _squares_sum(q.div_(scale).sub_(x), buffer)
+    del q
+    signal = _squares_sum(x, buffer)
     # torch.full, not torch.tensor: a host-to-device copy from pageable memory would wait for the device.
-    return torch.stack([x.double().pow(2).sum(), noise, nonzero.sum().double(), (nonzero & (q == 0)).sum().double(),
-                        (~finite).sum().double(), torch.full((), x.numel(), dtype=torch.float64, device=x.device)])
+    return torch.cat([torch.stack([signal, noise]), counts,
+                      torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)])
 
 
 @dataclass(frozen=True)
@@ -159,11 +184,47 @@ def _relative(err: float, ref: float) -> float:
     return math.sqrt(err / ref)
 
 
+def _error_powers(fp8_result: Tensor, ref: Tensor) -> Tensor:
+    """``[||fp8 - ref||^2, ||ref||^2]`` in fp64 (``ref`` fp32), through one fp64 buffer."""
+    buffer = torch.empty(ref.shape, dtype=torch.float64, device=ref.device)
+    error = _squares_sum(fp8_result.float().sub_(ref) if fp8_result.dtype != torch.float32 else fp8_result - ref,
+                         buffer)
+    return torch.stack([error, _squares_sum(ref, buffer)])
+
+
+def fp8_grad_input(fp8: Any, grad_output: Tensor) -> Tensor:
+    """The input gradient a torchao ``Float8Linear`` computes in its backward, for ``grad_output``: its casts of the
+    output gradient (``cast_config_grad_output``) and of the weight (``cast_config_weight_for_grad_input``), and their
+    matmul, as ``matmul_with_hp_or_float8_args.backward`` does them, without the weight gradient that backward also
+    computes (the probe reads only the input gradient: a third of the work, and an fp32 input beside a bf16 output
+    gradient made that hp weight gradient fail). tests/test_sensitivity_equal.py holds it to torchao's own backward."""
+    scaling = _imports.import_quietly("torchao.float8.float8_scaling_utils")
+    roles = _imports.import_quietly("torchao.float8.float8_training_tensor").GemmInputRole
+    disabled = _imports.import_quietly("torchao.float8.config").ScalingType.DISABLED
+    config, mm_config = fp8.config, fp8.linear_mm_config
+
+    def cast(t: Tensor, cast_config: Any, role: Any) -> Any:
+        if cast_config.scaling_type is disabled:
+            return t
+        return scaling.hp_tensor_to_float8_dynamic(
+            t, cast_config.target_dtype, mm_config, gemm_input_role=role,
+            scaling_granularity=cast_config.scaling_granularity,
+            axiswise_dim=scaling.get_maybe_axiswise_dim(-1, cast_config.scaling_granularity),
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+
+    shape = grad_output.shape
+    g = cast(grad_output.reshape(-1, shape[-1]), config.cast_config_grad_output, roles.GRAD_OUTPUT)
+    w = cast(fp8.weight.t(), config.cast_config_weight_for_grad_input, roles.WEIGHT)
+    return torch.mm(g, w.t()).reshape(*shape[:-1], -1)
+
+
 class _Eager:
-    """How many probes are open, and the compiler stance to restore when the last one closes."""
+    """How many probes are open, the compiler stance to restore when the last one closes, and whether this process
+    was told that compiled code ran eagerly while measured."""
 
     open = 0
     stance: Any = None
+    said = False
 
 
 def _run_eagerly(on: bool) -> None:
@@ -173,7 +234,7 @@ def _run_eagerly(on: bool) -> None:
     a model with more shapes than ``torch._dynamo.config.recompile_limit`` (8) hit it at the first measured step.
     Eagerly nothing is compiled, and the compiled model's cache is left as it was: the steps after run the graph
     compiled before, without a recompile. Only the measured steps pay (FP8Guard's one in ``every_n_steps``,
-    ``layers="auto"``'s first batches)."""
+    ``layers="auto"``'s first batches); ``_say_eager`` says so, once."""
     if on:
         if _Eager.open == 0:
             _Eager.stance = torch.compiler.set_stance("force_eager")  # set now; it holds the stance it replaced
@@ -183,6 +244,30 @@ def _run_eagerly(on: bool) -> None:
     if _Eager.open == 0:
         stance, _Eager.stance = _Eager.stance, None
         stance.__exit__(None, None, None)  # the stance before the first probe
+
+
+def _inside_compiled_code() -> bool:
+    """Whether a caller up the stack is a ``torch.compile``d function or module (dynamo's ``compile_wrapper``, which
+    under the ``force_eager`` stance calls the original eagerly): a look at the frames, no device work."""
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "__file__", None)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "compile_wrapper" and frame.f_code.co_filename == wrapper:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _say_eager() -> None:
+    """Once per process, the first time a measured layer runs inside compiled code: the measured steps run eagerly
+    (docs/plan.md, "Under torch.compile")."""
+    if _Eager.said or not _inside_compiled_code():
+        return
+    _Eager.said = True
+    warn("fp8 measurement (layers='auto' calibration, FP8Guard's measured steps, fp8_sensitivity) runs the compiled"
+         " model eagerly: its hooks would break the graph at every measured layer and recompile per layer shape."
+         " The compiled graph is kept and runs again, without a recompile, once measuring stops; only the measured"
+         " steps pay their eager time.")
 
 
 class SensitivityProbe:
@@ -223,6 +308,7 @@ class SensitivityProbe:
         self.keep_outputs = keep_outputs
         self.outputs: list[Tensor] = []  # this step's layer outputs: where a gradient-only backward must reach
         self._handles: list[Any] = []
+        self._copies: dict[nn.Module, tuple[tuple, nn.Module]] = {}  # per layer: its fp8 copy, and what it copied
         self._open = False
         self.reopen()
 
@@ -244,6 +330,7 @@ class SensitivityProbe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._copies.clear()  # views of the layers' weights: a replaced weight is not kept alive by them
         self._open = False
         _run_eagerly(False)
 
@@ -276,13 +363,23 @@ class SensitivityProbe:
 
     def _fp8_copy(self, layer: nn.Linear) -> nn.Module:
         """torchao's ``Float8Linear`` over the layer's current weight and bias (views, no gradient of their own): the
-        layer's forward and backward in fp8, without touching its parameters or their ``.grad``."""
+        layer's forward in fp8, without touching its parameters or their ``.grad``. Made once per layer and kept while
+        the layer's parameters are the same tensors (views: an optimizer's in-place update is seen); made again when
+        one is replaced (``.data`` set, the model moved)."""
+        key = (layer.weight, layer.weight.data_ptr(), layer.bias,
+               layer.bias.data_ptr() if layer.bias is not None else None)
+        kept = self._copies.get(layer)
+        if kept is not None and all(a is b if isinstance(a, Tensor) else a == b for a, b in zip(kept[0], key,
+                                                                                                 strict=True)):
+            return kept[1]
         convert = _imports.import_quietly("torchao.float8").convert_to_float8_training
         shadow = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
         shadow.weight = nn.Parameter(layer.weight.detach(), requires_grad=False)
         if layer.bias is not None:
             shadow.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
-        return convert(shadow, config=self.config)
+        copy = convert(shadow, config=self.config)
+        self._copies[layer] = (key, copy)
+        return copy
 
     def _forward(self, fqn: str) -> Callable[..., None]:
         def hook(module: nn.Linear, args: tuple, output: Any) -> None:
@@ -290,39 +387,43 @@ class SensitivityProbe:
             if not torch.is_grad_enabled() or not isinstance(x, Tensor) or not isinstance(output, Tensor):
                 return
             self.ran = True
+            _say_eager()
             if x.numel() == 0:  # no tokens reached this layer (an idle expert): nothing to measure, nothing to cast
                 return
             n = _NUMERIC_FIELDS
-            cast_x, cast_w = cast_numerics(x, self.specs["input"]), cast_numerics(module.weight, self.specs["weight"])
-            x8 = x.detach().requires_grad_()
-            y8 = self._fp8_copy(module)(x8)
+            x = x.detach()
+            xf = x.float()  # once: the input's numerics and the fp32 reference both read it
+            cast_x, cast_w = cast_numerics(xf, self.specs["input"]), cast_numerics(module.weight, self.specs["weight"])
+            fp8 = self._fp8_copy(module)
+            with torch.no_grad():  # the fp8 input gradient is computed in the backward hook: no graph is kept
+                y8 = fp8(x)
             w = module.weight.detach().float()
             b = module.bias.detach().float() if module.bias is not None else None
             with torch.autocast(x.device.type, enabled=False):  # the hook runs inside the forward's autocast
-                ref = nn.functional.linear(x.detach().float(), w, b)
+                ref = nn.functional.linear(xf, w, b)
+            del xf
             finite = (cast_x[4] == 0) & (cast_w[4] == 0) & torch.isfinite(ref).all()
             self._add(fqn, slice(0, n), cast_x, finite)
             self._add(fqn, slice(n, 2 * n), cast_w, finite)
-            self._add(fqn, slice(3 * n, 3 * n + 2), torch.stack([(y8.float() - ref).double().pow(2).sum(),
-                                                                ref.double().pow(2).sum()]), finite)
+            self._add(fqn, slice(3 * n, 3 * n + 2), _error_powers(y8, ref), finite)
             if output.requires_grad:
-                output.register_hook(self._backward(fqn, x8, y8, w))
+                output.register_hook(self._backward(fqn, fp8, x.dtype, y8.dtype, w))
                 if self.keep_outputs:
                     self.outputs.append(output)
 
         return hook
 
-    def _backward(self, fqn: str, x8: Tensor, y8: Tensor, w: Tensor) -> Callable[[Tensor], None]:
+    def _backward(self, fqn: str, fp8: nn.Module, input_dtype: torch.dtype, output_dtype: torch.dtype,
+                  w: Tensor) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             n = _NUMERIC_FIELDS
             cast_g = cast_numerics(grad, self.specs["grad_output"])
-            (g8,) = torch.autograd.grad(y8, x8, grad.to(y8.dtype))
+            g8 = fp8_grad_input(fp8, grad.to(output_dtype)).to(input_dtype)
             with torch.autocast(grad.device.type, enabled=False):
                 ref = grad.detach().float() @ w
             finite = (cast_g[4] == 0) & torch.isfinite(ref).all()
             self._add(fqn, slice(2 * n, 3 * n), cast_g, finite)
-            self._add(fqn, slice(3 * n + 2, 3 * n + 4), torch.stack([(g8.float() - ref).double().pow(2).sum(),
-                                                                    ref.double().pow(2).sum()]), finite)
+            self._add(fqn, slice(3 * n + 2, 3 * n + 4), _error_powers(g8, ref), finite)
 
         return hook
 
