@@ -151,3 +151,29 @@ def test_layouts_and_block_formats_keep_their_numbers():
     mixed = multi_format_stats(x, ("fp16", "mxfp8"))
     assert _tuple(mixed["fp16"]) == _reference(x, "fp16")
     assert _tuple(mixed["mxfp8"]) == _tuple(multi_format_stats(x, ("mxfp8",))["mxfp8"])
+
+
+@pytest.mark.parametrize("scale", (torch.tensor(2.0**16), torch.tensor(1000.0), torch.tensor(2.0**-3)), ids=repr)
+def test_a_scale_read_only_on_the_device_gives_the_same_numbers(monkeypatch, scale):
+    """On a GPU a tensor scale is not read on the host: its bounds stay on the device, each a cut of its own (the path
+    run here on the CPU by declaring every tensor scale unreadable)."""
+    real = functional._scale_key
+    monkeypatch.setattr(functional, "_scale_key", lambda s, d: None if isinstance(s, torch.Tensor) else real(s, d))
+    x = _edge(torch.float32)
+    per_format, scaled, hist = gradient_stats(x, ELEMENTWISE, scale)
+    assert _tuple(scaled) == _reference(x, "fp16", scale)
+    assert all(_tuple(per_format[name]) == _reference(x, name) for name in ELEMENTWISE)
+    assert torch.equal(hist, _reference_histogram(x))
+
+
+@pytest.mark.parametrize("scale", (None, 2.0**16, 1000.0, torch.tensor(3.0)), ids=repr)
+def test_the_key_steps_at_every_bound_and_power_of_two(scale):
+    """The invariant the counts rest on: below each bit pattern asked (a bound, a power of two) the key is smaller."""
+    fmts = [FORMATS[n] for n in ELEMENTWISE]
+    bounds, plan, keys = functional._plan_for([(fmts, None), ([FORMATS["fp16"]], scale)], torch.device("cpu"))
+    queries = torch.cat([bounds.flatten(), functional._POWER_BITS])
+    asked = queries[(queries > 0) & (queries <= functional.INF_BITS + 1)]
+    assert torch.all(plan.key(asked - 1) < plan.key(asked))
+    assert torch.equal(plan.key(queries), keys.int())
+    every = torch.arange(0, 2**31 - 1, 4099, dtype=torch.int32)  # and it never decreases
+    assert torch.all(plan.key(every)[1:] >= plan.key(every)[:-1])
