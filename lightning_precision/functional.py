@@ -136,7 +136,7 @@ def _named(tensors: TensorsLike) -> dict[str, Tensor]:
 # Elements per pass. Every temporary is a few bytes per element of one chunk (about 20 in all), so the extra memory of a
 # measurement stays near 20 MB whatever the size of the tensor, and a chunk stays in cache between the passes.
 CHUNK = 2**20
-PASS_CHUNK = 2**15  # the single pass's smallest chunk: below it, the cost of an op's call outweighs its work
+PASS_CHUNK = 2**16  # the single pass's smallest chunk: below it, the cost of an op's call outweighs its work
 
 # Exponent histograms: one bin per power of two, log2|x| in [HIST_MIN, HIST_MAX), covering fp32 subnormals to max.
 HIST_MIN, HIST_MAX = -150, 129
