@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lightning_precision import functional
+from lightning_precision import _single_pass, functional
 from lightning_precision.formats import FORMATS
 from lightning_precision.functional import (
     HIST_MAX,
@@ -157,8 +157,8 @@ def test_layouts_and_block_formats_keep_their_numbers():
 def test_a_scale_read_only_on_the_device_gives_the_same_numbers(monkeypatch, scale):
     """On a GPU a tensor scale is not read on the host: its bounds stay on the device, each a cut of its own (the path
     run here on the CPU by declaring every tensor scale unreadable)."""
-    real = functional._scale_key
-    monkeypatch.setattr(functional, "_scale_key", lambda s, d: None if isinstance(s, torch.Tensor) else real(s, d))
+    real = _single_pass._scale_key
+    monkeypatch.setattr(_single_pass, "_scale_key", lambda s, d: None if isinstance(s, torch.Tensor) else real(s, d))
     x = _edge(torch.float32)
     per_format, scaled, hist = gradient_stats(x, ELEMENTWISE, scale)
     assert _tuple(scaled) == _reference(x, "fp16", scale)
@@ -170,9 +170,9 @@ def test_a_scale_read_only_on_the_device_gives_the_same_numbers(monkeypatch, sca
 def test_the_key_steps_at_every_bound_and_power_of_two(scale):
     """The invariant the counts rest on: below each bit pattern asked (a bound, a power of two) the key is smaller."""
     fmts = [FORMATS[n] for n in ELEMENTWISE]
-    bounds, plan, keys = functional._plan_for([(fmts, None), ([FORMATS["fp16"]], scale)], torch.device("cpu"))
-    queries = torch.cat([bounds.flatten(), functional._POWER_BITS])
-    asked = queries[(queries > 0) & (queries <= functional.INF_BITS + 1)]
+    bounds, plan, keys = _single_pass._plan_for([(fmts, None), ([FORMATS["fp16"]], scale)], torch.device("cpu"))
+    queries = torch.cat([bounds.flatten(), _single_pass._POWER_BITS])
+    asked = queries[(queries > 0) & (queries <= _single_pass.INF_BITS + 1)]
     assert torch.all(plan.key(asked - 1) < plan.key(asked))
     assert torch.equal(plan.key(queries), keys.int())
     every = torch.arange(0, 2**31 - 1, 4099, dtype=torch.int32)  # and it never decreases
