@@ -7,13 +7,12 @@ of an eighth; values log-uniform over 2**-40 .. 2**20 with random signs and a fe
 histogram bins are hit) is measured by the monitor's measuring step (``measure_gradients`` with a loss scale, then
 ``compute``, which reads the counts: every format's counts, the scaled fp16 counts and the exponent histogram), and read
 once: ``torch._foreach_norm(grads, inf)``, the least any measurement of |g| must do (each element read once, its
-magnitude taken, one reduction, no temporary), in the same process, alternated, in paired rounds. CPU time per variant (``time.process_time``;
-the wall clock on a GPU, synchronised); the ratio is taken per round, printed as median [IQR].
+magnitude taken, one reduction, no temporary), in the same process, alternated, in paired rounds. CPU time per variant
+(``time.process_time``; the wall clock on a GPU, synchronised); the ratio is taken per round, printed as median [IQR].
 
 Extra peak memory: in a fresh process per size, the peak over the gradients themselves while one measuring step runs
-(resident set on the CPU, reset through ``/proc/self/clear_refs`` once the gradients exist;
-``max_memory_allocated`` on a
-GPU), as a multiple of the largest gradient.
+(resident set on the CPU, reset through ``/proc/self/clear_refs`` once the gradients exist; ``max_memory_allocated``
+on a GPU), as a multiple of the largest gradient.
 """
 
 from __future__ import annotations
