@@ -223,8 +223,9 @@ def single_pass(flat: Tensor, questions: Sequence[tuple[Sequence[AnyFormat], flo
     """For a flat bf16, fp16 or fp32 tensor: for each (formats, scale) asked, ``_counts``'s row of |x| * scale (int64
     [3 + 2n]); and the exponent histogram of |x|. One key and one bincount per chunk, whatever the questions."""
     bounds, plan, query_keys = _plan_for(questions, flat.device)
-    # Chunks of a fortieth of the tensor (four int32 buffers: a tenth of the fp32 tensor), from PASS_CHUNK to max_chunk
-    step = min(max_chunk, max(PASS_CHUNK, flat.numel() // 40))
+    # Chunks of a 48th of the tensor (four int32 buffers: a twelfth of the fp32 tensor, the bincount's and the small
+    # tensors' room below a tenth), from PASS_CHUNK to max_chunk
+    step = min(max_chunk, max(PASS_CHUNK, flat.numel() // 48))
     work = torch.empty(4, min(step, flat.numel()), dtype=torch.int32, device=flat.device)
     hist = None
     for start in range(0, flat.numel(), step):
