@@ -245,7 +245,8 @@ def single_pass(flat: Tensor, questions: Sequence[tuple[Sequence[AnyFormat], flo
     return rows, _histogram_from(below[2 * k :])
 
 
-def in_one_pass(flat: Tensor, formats: Sequence[AnyFormat]) -> bool:
-    """Whether ``single_pass`` measures it: bf16, fp16 or fp32 values, formats with one scale per tensor."""
+def in_one_pass(flat: Tensor, formats: Sequence[AnyFormat], scale: float | Tensor | None = None) -> bool:
+    """Whether ``single_pass`` measures it: bf16, fp16 or fp32 values, formats with one scale per tensor, one scale
+    for all of it (a scale per element is multiplied in chunk by chunk)."""
     return flat.dtype in (torch.float32, torch.bfloat16, torch.float16) and flat.numel() > 0 and \
-        all(isinstance(f, NumberFormat) for f in formats)
+        all(isinstance(f, NumberFormat) for f in formats) and not (isinstance(scale, Tensor) and scale.numel() != 1)

@@ -288,7 +288,7 @@ def multi_format_stats(
     fmts = [get_format(f) for f in formats]
     flat = measurable_values(tensor)
     numel = torch.zeros((), dtype=torch.int64, device=flat.device) + flat.numel()
-    if in_one_pass(flat, fmts):
+    if in_one_pass(flat, fmts, scale):
         row = single_pass(flat, [(fmts, scale)], CHUNK)[0][0]
         return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, row, len(fmts)), strict=True)}
     if tensor_amax is None:
@@ -415,7 +415,7 @@ def gradient_stats(
     flat = measurable_values(tensor)
     device = flat.device
     numel = torch.zeros((), dtype=torch.int64, device=device) + flat.numel()
-    if in_one_pass(flat, fmts):
+    if in_one_pass(flat, fmts, scale):
         fp16 = FORMATS["fp16"]
         questions: list[tuple[Sequence[AnyFormat], float | Tensor | None]] = [(fmts, None)]
         rows, histogram = single_pass(flat, questions + ([([fp16], scale)] if scale is not None else []), CHUNK)

@@ -177,3 +177,11 @@ def test_the_key_steps_at_every_bound_and_power_of_two(scale):
     assert torch.equal(plan.key(queries), keys.int())
     every = torch.arange(0, 2**31 - 1, 4099, dtype=torch.int32)  # and it never decreases
     assert torch.all(plan.key(every)[1:] >= plan.key(every)[:-1])
+
+
+def test_a_scale_per_element_is_multiplied_in_as_before():
+    x = _edge(torch.float32)[:500]
+    scale = torch.exp2(torch.arange(500, dtype=torch.float32) % 40 - 20)
+    stats = multi_format_stats(x, ("fp16", "e4m3fn"), scale)
+    assert _tuple(stats["fp16"]) == _reference(x, "fp16", scale)
+    assert _tuple(stats["e4m3fn"]) == _reference(x, "e4m3fn", scale)
