@@ -6,6 +6,10 @@
    against its own ordinary steps (what the measuring adds, free of fit-to-fit noise). Goal ratio <= 1.03.
 2. AmaxHistoryLogger (every step: amax hooks; logging steps: what-if casts) on a 5-layer MLP, same amortisation.
    Goal ratio <= 1.03.
+1b. GradientUnderflowMonitor at the default cadence on a small MLP (512 x4, then 10) under the bf16 and fp16 plugins
+   (``--only monitor_mlp``): the monitor's own CPU time (its hooks: the fp16 probe backward, the measuring, ``compute``
+   and the logging), summed over whole fits, against the rest of the step's CPU time: 1 + own / (step - own); and the
+   same fits with and without it, alternated (CPU time per step, amortised as in 1). Goal ratio <= 1.03.
 3. ChannelsLast callback vs converting by hand (model and each batch in the training step) vs contiguous:
    goal: the callback's speedup over contiguous >= 95% of the by-hand speedup.
 
@@ -76,6 +80,58 @@ class TimedAmaxLogger(AmaxHistoryLogger):
         return self._timed(super().on_train_batch_start)(*args)
 
 
+class TimedMonitor(GradientUnderflowMonitor):
+    """Adds up the CPU time spent in the monitor's hooks (the probe backward runs inside ``on_before_backward``): the
+    main thread's (``thread_time``, 0.6 us a call here; ``process_time`` costs 17 us, which would count as the
+    monitor's; with one torch thread all of its work runs there)."""
+
+    seconds = 0.0
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if name not in ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step"):
+            return attr
+
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                TimedMonitor.seconds += time.thread_time() - start
+
+        return timed
+
+
+def monitor_mlp(rounds: int, steps: int, batch: int) -> None:
+    """Row 1b: the monitor at its default cadence on a small MLP, under the bf16 and fp16 plugins."""
+    from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
+
+    dims = (512,) * 5 + (10,)
+    n = batch * steps
+    mlp_data = torch.utils.data.TensorDataset(torch.randn(n, dims[0]), torch.randint(0, dims[-1], (n,)))
+    for name, plugin in (("bf16", BF16MixedPrecision), ("fp16", FP16MixedPrecision)):
+        own, total, pairs = [], [], []
+        for r in range(rounds):
+            runs = ["without", "with"] if r % 2 == 0 else ["with", "without"]
+            step: dict[str, float] = {}
+            for label in runs:
+                TimedMonitor.seconds = 0.0
+                times = fit(MLP(dims=dims), [TimedMonitor()] if label == "with" else [], steps, mlp_data,
+                            keep_all=True, plugins=[plugin()], clock=time.process_time)
+                if label == "with":
+                    own.append(TimedMonitor.seconds)
+                    total.append(sum(times))
+                    step[label] = amortised([times])[0]
+                else:
+                    step[label] = statistics.median(times[WARMUP:])
+            pairs.append(step["with"] / step["without"])
+        own_ratio = statistics.median(1 + o / (t - o) for o, t in zip(own, total, strict=True))
+        print(f"GradientUnderflowMonitor (MLP {'-'.join(map(str, dims))}, batch {batch}, {name} plugin, log every"
+              f" {CADENCE}): its own CPU time {statistics.median(own) / steps * 1e3:.3f} ms per step = {own_ratio:.3f}"
+              f" of the step without it; paired fits with / without (amortised CPU time per step): median"
+              f" {statistics.median(pairs):.3f} over {len(pairs)} pairs (goal <= 1.03)")
+
+
 class AlternatingAmaxLogger(AmaxHistoryLogger):
     """Measures on odd steps only (the logging steps, (step + 1) % 50 == 0, are odd); on even steps its hooks return at
     once. Comparing the two kinds of step inside one fit cancels the fit-to-fit drift of a shared machine (the baseline
@@ -102,10 +158,10 @@ class AlternatingAmaxLogger(AmaxHistoryLogger):
 
 
 def fit(module: L.LightningModule, callbacks: list, steps: int, data, log_every: int = CADENCE,
-        keep_all: bool = False) -> list[float]:
-    timer = StepTimer()
+        keep_all: bool = False, plugins: list | None = None, clock=time.perf_counter) -> list[float]:
+    timer = StepTimer(clock=clock)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, callbacks=[*callbacks, timer], logger=False,
+        accelerator="cpu", devices=1, max_steps=steps, callbacks=[*callbacks, timer], logger=False, plugins=plugins,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=log_every,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=args.batch))
@@ -138,8 +194,11 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=2048, help="MLP width for the AmaxHistoryLogger run")
     parser.add_argument("--dims", default=None, help="MLP layer widths for the AmaxHistoryLogger run, e.g."
                         " 256,1024,1024,10 (instead of --width)")
-    parser.add_argument("--only", choices=("monitor", "channels_last", "amax", "sample"), default=None)
+    parser.add_argument("--only", choices=("monitor", "monitor_mlp", "channels_last", "amax", "sample"), default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     data = image_data(args.batch * args.steps, args.size)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ResNet18 fp32, batch {args.batch}, "
@@ -166,6 +225,8 @@ if __name__ == "__main__":
         print(f"what-if sample of 65,536 elements: strided view {timings['strided view'] * 1e3:.2f} ms, contiguous runs"
               f" {timings['contiguous runs'] * 1e3:.2f} ms per call"
               f" ({timings['strided view'] / timings['contiguous runs']:.0f}x)")
+    if args.only in (None, "monitor_mlp"):
+        monitor_mlp(args.rounds, args.steps, args.batch)
     if args.only in (None, "monitor"):
         none, with_monitor = [], []
         for _ in range(args.rounds):
@@ -220,7 +281,7 @@ if __name__ == "__main__":
               f" {statistics.median(off) * 1e3:.2f} ms, with {statistics.median(on) * 1e3:.2f} ms"
               f" (logging steps {statistics.mean(logging) * 1e3:.1f} ms),"
               f" amortised ratio {amort_ab / statistics.median(off):.3f} (goal <= 1.03)")
-    if args.only in ("monitor", "amax", "sample"):
+    if args.only in ("monitor", "monitor_mlp", "amax", "sample"):
         sys.exit(0)
 
     c = compare({

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_precision._channels_last import apply_channels_last, to_channels_last
 from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
+from lightning_precision._single_pass import HIST_MAX, HIST_MIN, in_one_pass, single_pass
 from lightning_precision.fabric._scaler import MAX_LOG2_SCALE
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format
 from lightning_precision.fp8._selection import select_fp8_layers
@@ -137,8 +138,6 @@ def _named(tensors: TensorsLike) -> dict[str, Tensor]:
 # measurement stays near 20 MB whatever the size of the tensor, and a chunk stays in cache between the passes.
 CHUNK = 2**20
 
-# Exponent histograms: one bin per power of two, log2|x| in [HIST_MIN, HIST_MAX), covering fp32 subnormals to max.
-HIST_MIN, HIST_MAX = -150, 129
 
 
 def measurable_values(tensor: Tensor) -> Tensor:
@@ -288,6 +287,10 @@ def multi_format_stats(
     """
     fmts = [get_format(f) for f in formats]
     flat = measurable_values(tensor)
+    numel = torch.zeros((), dtype=torch.int64, device=flat.device) + flat.numel()
+    if in_one_pass(flat, fmts, scale):
+        row = single_pass(flat, [(fmts, scale)], CHUNK)[0][0]
+        return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, row, len(fmts)), strict=True)}
     if tensor_amax is None:
         tensor_amax = _tensor_amax(flat, fmts)
     if tensor_amax is not None and (isinstance(scale, Tensor) or scale != 1.0):
@@ -299,7 +302,6 @@ def multi_format_stats(
             a = a.mul_(scale)  # a tensor scale stays on the device
         counts = _counts(a, fmts, tensor_amax)
         total = counts if total is None else total + counts
-    numel = torch.zeros((), dtype=torch.int64, device=flat.device) + flat.numel()
     if total is None:
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=flat.device)
     return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)), strict=True)}
@@ -411,6 +413,14 @@ def gradient_stats(
     """
     fmts = [get_format(f) for f in formats]
     flat = measurable_values(tensor)
+    device = flat.device
+    numel = torch.zeros((), dtype=torch.int64, device=device) + flat.numel()
+    if in_one_pass(flat, fmts, scale):
+        fp16 = FORMATS["fp16"]
+        questions: list[tuple[Sequence[AnyFormat], float | Tensor | None]] = [(fmts, None)]
+        rows, histogram = single_pass(flat, questions + ([([fp16], scale)] if scale is not None else []), CHUNK)
+        per_format = {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, rows[0], len(fmts)), strict=True)}
+        return per_format, _stats_from_counts(numel, rows[1], 1)[0] if scale is not None else None, histogram
     tensor_amax = _tensor_amax(flat, fmts)
     total = scaled_total = hist = None
     for chunk in _chunks(flat):
@@ -421,8 +431,6 @@ def gradient_stats(
         if scale is not None:
             scaled = _counts(a.mul_(scale), (FORMATS["fp16"],))
             scaled_total = scaled if scaled_total is None else scaled_total + scaled
-    device = flat.device
-    numel = torch.zeros((), dtype=torch.int64, device=device) + flat.numel()
     if total is None or hist is None:  # an empty tensor
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=device)
         hist = torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64, device=device)
@@ -487,7 +495,14 @@ def exponent_histogram(tensors: TensorsLike, scale: float | Tensor = 1.0) -> Ten
     """
     hist = not_counted = None
     for tensor in _named(tensors).values():
-        for chunk in _chunks(measurable_values(tensor)):
+        flat = measurable_values(tensor)
+        if not isinstance(scale, Tensor) and scale == 1.0 and in_one_pass(flat, ()):
+            h = single_pass(flat, [((), None)], CHUNK)[1]
+            hist = h if hist is None else hist + h
+            zero = torch.zeros((), dtype=torch.int64, device=flat.device)
+            not_counted = zero if not_counted is None else not_counted
+            continue
+        for chunk in _chunks(flat):
             a = _magnitudes(chunk)  # as gradient_stats sees them: fp64 stays fp64
             if isinstance(scale, Tensor) or scale != 1.0:
                 a = a.mul_(scale)

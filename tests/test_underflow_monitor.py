@@ -82,6 +82,27 @@ def test_measures_only_on_logging_steps_and_warns_once_with_advice():
     assert (advice.scale, advice.underflow, advice.overflow) == (scale, under, over)
 
 
+@pytest.mark.parametrize(("measure_every", "expected"), [(None, [3, 6]), (2, [2, 4, 6])])
+def test_an_ordinary_step_costs_one_cadence_check(monkeypatch, measure_every, expected):
+    """The step's decision is taken once, at its first batch, and the optimizer step reuses it (twice it asked again);
+    with a cadence of its own the logging steps are still asked apart, and what is measured and logged is the same."""
+    from lightning_precision.callbacks import underflow
+
+    checks = []
+    real = underflow.on_cadence
+    monkeypatch.setattr(underflow, "on_cadence", lambda *a: (checks.append(1), real(*a))[1])
+    monitor = GradientUnderflowMonitor(warn_threshold=1.0, measure_every_n_steps=measure_every)
+    measured, logged = [], []
+    original = monitor.measure_gradients
+    monitor.measure_gradients = lambda *a, **k: (measured.append(len(checks)), original(*a, **k))
+    original_compute = monitor.compute
+    monitor.compute = lambda *a, **k: (logged.append(1), original_compute(*a, **k))[1]
+    t = trainer(None, max_steps=6, log_every_n_steps=3, callbacks=[monitor])
+    t.fit(TinyGrads(), loader(make_data(6)))
+    assert len(measured) == len(expected) and len(logged) == 2
+    assert len(checks) == (6 if measure_every is None else 12)
+
+
 def test_activation_gradients_are_measured_scaled_under_fp16(tmp_path):
     monitor = GradientUnderflowMonitor(activations=True, plot_path=str(tmp_path / "hist.png"), warn_threshold=1.0)
     t = trainer(FP16MixedPrecision(), max_steps=2, log_every_n_steps=2, callbacks=[monitor])

@@ -263,6 +263,7 @@ class GradientUnderflowMonitor(Callback):
         self._probe_scale: Tensor | None = None
         self._probe_activations: Tensor | None = None
         self._probe_due = False
+        self._measure_due = False  # this step measures (set at the step's first batch)
         self._failed: set[str] = set()
 
     @property
@@ -551,7 +552,8 @@ class GradientUnderflowMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        measure = on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps)
+        # Decided once a step (it answers the same until the optimizer step): ordinary steps cost one check.
+        self._measure_due = measure = on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps)
         self._probe_due = measure and self.probe_factor is not None and _fp16_backward(trainer.precision_plugin)
         if self.activations:
             self.capturing(measure, _loss_scale_of(trainer.precision_plugin) if measure else None)
@@ -576,13 +578,14 @@ class GradientUnderflowMonitor(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.capturing(False)
-        if on_cadence(trainer, self.measure_every_n_steps or self.log_every_n_steps):
+        if self._measure_due:
             # FSDP2 gradients are DTensor shards: each rank counts its own, and the sum across ranks counts each once.
             # Replicated ones (DDP) enter the histogram from rank zero only, for the same reason.
             grads = {n: local_shard(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
             self.measure_gradients(grads, _loss_scale_of(trainer.precision_plugin),
                                    histogram=trainer.is_global_zero or is_sharded(pl_module))
-        if not on_cadence(trainer, self.log_every_n_steps):
+        logs = self._measure_due if self.measure_every_n_steps is None else on_cadence(trainer, self.log_every_n_steps)
+        if not logs:
             return
         metrics = self.compute(_across_processes(trainer))
         if not metrics:
