@@ -88,7 +88,7 @@ for name in names:
 from lightning_precision.cli.runner import PRELOAD
 for module in PRELOAD:
     __import__(module)
-print(sorted(set(called)))
+print(sorted(set(called)), flush=True)
 """
 
 
@@ -160,3 +160,26 @@ def test_a_precisions_process_runs_in_the_parents_environment_of_now(monkeypatch
     process.join(timeout=60)
     assert "LIGHTNING_PRECISION_TEST_PROBE" not in started  # forked from the server: its environment
     assert {name: ran.get(name) for name in os.environ} == dict(os.environ)  # and what seed_everything added
+
+
+def _where_am_i(conn):
+    from lightning_precision.cli import preload
+
+    conn.send(preload.in_fork_server())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server: spawned")
+def test_the_fork_server_is_recognised_so_that_it_ends_without_tearing_down():
+    """The server ends with ``os._exit`` (seconds of torch's and Lightning's teardown saved, during which the output it
+    shares with the command stayed open): only there, never in the command (whose output must be flushed)."""
+    from lightning_precision.cli import preload
+
+    runner.preload()
+    ctx = runner.context()
+    parent, end = ctx.Pipe()
+    process = ctx.Process(target=_where_am_i, args=(end,), daemon=True)
+    process.start()
+    assert parent.poll(120) and parent.recv() is True  # forked from the server: its __main__
+    process.join(timeout=60)
+    assert not preload.in_fork_server()

@@ -28,10 +28,11 @@ __all__ = ["GRACE_S", "PRELOAD", "Run", "advance", "context", "preload", "run_al
 
 GRACE_S = 5.0  # after a signal, how long a process may take to reach its next turn before it is killed
 
-# What the fork server imports. Only modules that leave CUDA alone as they import (tests/test_compare.py checks it): a
-# process forked from one in which CUDA started cannot use CUDA. So not the recipes' model libraries (transformers
-# imports torchao, which asks torch.cuda.is_available() as it loads): each run imports those itself.
-PRELOAD = ("torch", "lightning", "lightning_precision.cli.child")
+# What the fork server imports: torch, Lightning and the child's side of compare. Only modules that leave CUDA alone as
+# they import (tests/test_compare_overhead.py checks it): a process forked from one in which CUDA started cannot use
+# CUDA. So not the recipes' model libraries (transformers imports torchao, which asks torch.cuda.is_available() as it
+# loads): each run imports those itself.
+PRELOAD = ("lightning_precision.cli.preload",)
 
 OnStep = Callable[[int], None]
 
