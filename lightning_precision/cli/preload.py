@@ -4,6 +4,7 @@ forked ready to build its recipe; and the server's quick end."""
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 
@@ -29,3 +30,6 @@ if in_fork_server():
     # waits): it has nothing to flush or close, so it ends at once. Its processes never run this: multiprocessing ends
     # each with os._exit.
     atexit.register(os._exit, 0)
+    # What the server imported stays as it is: out of the garbage collector's sight, which would otherwise walk it (and
+    # so copy its memory page by page) in every process forked from the server (the gc module's advice for fork).
+    gc.freeze()
