@@ -188,10 +188,15 @@ def _fp8_layers(plugin: Any) -> dict[str, Any]:
             **({"fp8_plan": plan.to_dict()} if plan is not None else {})}
 
 
-def run_child(conn: Any, recipe: str, precision: str, args: argparse.Namespace) -> None:
-    """A spawned process's whole life: one precision's run, taking turns when the parent says "go". Messages to the
+def run_child(conn: Any, recipe: str, precision: str, args: argparse.Namespace,
+              environ: dict[str, str] | None = None) -> None:
+    """A precision's process's whole life: one precision's run, taking turns when the parent says "go". Messages to the
     parent: ``("yield",)`` at each turn's end, ``("block", times, losses, peak_mb)``, then ``("done", figures)`` or
-    ``("error", line, traceback)``."""
+    ``("error", line, traceback)``. ``environ``: the parent's environment, taken as this process's own before anything
+    reads it (a process forked from the fork server starts with the server's)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     # Ctrl-C and SIGTERM are the parent's to handle: it stops every run at once and writes what they reached. Ignored,
     # and blocked (from the process's start, ``runner.start``, and again here): Lightning's SIGTERM handler, installed
     # at every fit, never runs either (it would end this run as an error, or swallow the signal and keep running).

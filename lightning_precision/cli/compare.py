@@ -112,6 +112,7 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
 
     from lightning_precision.cli import report
 
+    runner.preload()  # the processes' imports, in the fork server, while this process measures the batch
     try:
         with stop.raising():  # nothing runs yet (measuring the batch takes seconds): a signal ends it at once
             machine, meta, doomed, out = _prepare(args, argv)

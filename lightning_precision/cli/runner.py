@@ -1,6 +1,11 @@
 """The parent's side of ``lightning-precision compare``: one process per precision (``child.run_child``), taking turns
 in an order that rotates every round, the progress shown as they go, and every process ended on the way out, whatever
-happened: asked to stop at its next turn, killed after a grace period or at a second signal."""
+happened: asked to stop at its next turn, killed after a grace period or at a second signal.
+
+The processes are forked from multiprocessing's fork server, which imports what a run needs (``PRELOAD``: torch,
+Lightning, this package) once, while the parent measures the batch, instead of once per precision: each run still has
+a process of its own (its own memory, its own crash), forked from a server that has run nothing but those imports.
+Where there is no fork server (Windows), each process is spawned and imports them itself."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import argparse
 import datetime
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -18,9 +24,15 @@ from lightning_precision.cli.compare_args import UsageError, block_size
 from lightning_precision.cli.spawn import NO_MAIN_GUARD_EXIT, no_main_guard_message
 from lightning_precision.cli.stop import Interrupted, Stop, signals_blocked
 
-__all__ = ["GRACE_S", "Run", "advance", "run_all", "start", "stop_all"]
+__all__ = ["GRACE_S", "PRELOAD", "Run", "advance", "context", "preload", "run_all", "start", "stop_all"]
 
 GRACE_S = 5.0  # after a signal, how long a process may take to reach its next turn before it is killed
+
+# What the fork server imports: torch, Lightning and the child's side of compare. Only modules that leave CUDA alone as
+# they import (tests/test_compare_overhead.py checks it): a process forked from one in which CUDA started cannot use
+# CUDA. So not the recipes' model libraries (transformers imports torchao, which asks torch.cuda.is_available() as it
+# loads): each run imports those itself.
+PRELOAD = ("lightning_precision.cli.preload",)
 
 OnStep = Callable[[int], None]
 
@@ -153,20 +165,50 @@ def stop_all(runs: list[Run], stop: Stop, grace: float = GRACE_S) -> None:
         run.drain()
 
 
-def start(recipe: str, precision: str, args: argparse.Namespace) -> Run:
-    """Start one precision's process (``child.run_child``); it reports once ready for its first turn."""
-    context = multiprocessing.get_context("spawn")  # fork after torch has threads can deadlock; CUDA needs spawn too
-    parent, child = context.Pipe()
-    process = context.Process(target=run_child, args=(child, recipe, precision, args), daemon=True,
-                              name=f"compare-{precision}")
-    # Born with SIGINT and SIGTERM blocked: a signal sent to the whole process group (Ctrl-C in a terminal, timeout,
-    # SLURM) must not end it while it imports, before ``run_child`` ignores them. multiprocessing starts its resource
-    # tracker at the first start() and then unblocks both signals instead of restoring the mask it found: started
-    # first, it leaves the mask alone.
+def context() -> Any:
+    """Where the precisions' processes come from: the fork server, preloaded with ``PRELOAD``, where the platform has
+    one; else spawn. Never a plain fork of the parent: it has run torch (threads, possibly CUDA) by then."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    forkserver = multiprocessing.get_context("forkserver")
+    forkserver.set_forkserver_preload(list(PRELOAD))  # taken when the server starts (a running one is kept as it is)
+    return forkserver
+
+
+def _unblockable_helpers() -> None:
+    """multiprocessing starts its resource tracker at the first process (or fork server) it starts, and then unblocks
+    SIGINT and SIGTERM instead of restoring the mask it found: started first, it leaves the mask alone."""
     if hasattr(signal, "pthread_sigmask"):
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
+
+
+def preload() -> None:
+    """Start the fork server now, so that it imports ``PRELOAD`` while the parent does its own work (measuring the
+    batch); nothing where processes are spawned. Born with the stop signals blocked, as each process is (``start``):
+    the server, and every process forked from it, outlives a Ctrl-C to the process group until the parent has stopped
+    the runs; it ends when the parent and its processes have."""
+    if context().get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    _unblockable_helpers()
+    with signals_blocked():
+        forkserver.ensure_running()
+
+
+def start(recipe: str, precision: str, args: argparse.Namespace) -> Run:
+    """Start one precision's process (``child.run_child``); it reports once ready for its first turn."""
+    ctx = context()
+    parent, child = ctx.Pipe()
+    # The parent's environment as it is now: a process forked from the server would otherwise have the server's, taken
+    # when it started (a script may set CUDA_VISIBLE_DEVICES between two comparisons).
+    process = ctx.Process(target=run_child, args=(child, recipe, precision, args, dict(os.environ)), daemon=True,
+                          name=f"compare-{precision}")
+    # Born with SIGINT and SIGTERM blocked: a signal sent to the whole process group (Ctrl-C in a terminal, timeout,
+    # SLURM) must not end it while it starts, before ``run_child`` ignores them.
+    _unblockable_helpers()
     with signals_blocked():
         process.start()
     child.close()

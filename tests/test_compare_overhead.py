@@ -1,0 +1,185 @@
+"""`lightning-precision compare` made cheaper to start, with the same numbers: the FLOPs per step of each recipe's
+embedded default, and the rows of a real comparison equal to those of each precision trained in a process spawned as
+the comparison used to (importing torch and Lightning itself); each precision still in a process of its own."""
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lightning_precision.cli as cli
+from lightning_precision.cli import child, runner
+from lightning_precision.cli.compare import measure_batch
+from lightning_precision.cli.compare_args import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Counted with the code that counted them before the processes were forked from a preloaded server (same recipe, same
+# batch shape): an integer each, the same on every machine.
+FLOPS = {
+    ("distilbert", 32): (906_780_672, "tokens", 1536),
+    ("vit", 8): (210_794_496, "images", 8),
+    ("resnet50", 4): (118_555_648, "images", 4),
+}
+
+
+@pytest.mark.parametrize(("recipe", "batch_size"), list(FLOPS))
+def test_the_flops_per_step_and_the_units_per_batch_are_todays(recipe, batch_size):
+    flops, unit, units = FLOPS[recipe, batch_size]
+    measured = measure_batch(parse_args(["--recipe", recipe, "--batch-size", str(batch_size)]))
+    assert measured == {"model_flops_per_step": flops, "unit": unit, "units_per_batch": units}
+
+
+def _train_spawned(conn, recipe, precision, args):
+    """The reference: ``child.train`` in a process that imports everything itself, as every run's process did."""
+    losses = []
+    result = child.train(recipe, precision, args, on_block=lambda times, block, peak: losses.extend(block))
+    conn.send((result, losses))
+
+
+# The figures of a row that do not depend on time or memory: what must not change when the processes start faster.
+NUMBERS = ("losses", "val_acc", "val_samples", "grad_underflow_fp16", "grad_underflow_fp16_scaled", "skipped_steps",
+           "steps_done", "compute_kind")
+
+
+@pytest.mark.slow
+def test_the_rows_of_the_embedded_default_are_those_of_a_spawned_run(tmp_path):
+    """The embedded default (DistilBERT on generated reviews): every number of every row, and the FLOPs, are those of
+    the same precision trained in a process spawned the old way."""
+    out = tmp_path / "r"
+    argv = ["--steps", "4", "--val-batches", "1", "--precisions", "32-true,bf16-mixed"]
+    assert cli.main(["compare", *argv, "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["meta"]["model_flops_per_step"] == FLOPS["distilbert", 32][0]
+    args = parse_args(argv)
+    context = multiprocessing.get_context("spawn")
+    for row in report["results"]:
+        parent, end = context.Pipe()
+        process = context.Process(target=_train_spawned, args=(end, "distilbert", row["precision"], args))
+        process.start()
+        assert parent.poll(300), row["precision"]
+        result, losses = parent.recv()
+        process.join(timeout=60)
+        expected = {**{k: result[k] for k in NUMBERS if k in result}, "losses": losses, "steps_done": 4,
+                    "compute_kind": "fp32" if result["compute_dtype"] == "torch.float32" else "bf16"}
+        assert {k: row.get(k) for k in NUMBERS} == expected, row["precision"]
+
+
+# ------------------------------------------------------------------------------------ the processes, forked from a server
+
+PRELOAD_PROBE = """
+import sys
+import torch
+
+called = []
+# torch.cuda's functions (not its classes, not its private helpers such as _is_compiled, which reads how torch was
+# built), and the one private function that starts CUDA
+names = [n for n in dir(torch.cuda) if callable(getattr(torch.cuda, n)) and n[0].islower()] + ["_lazy_init"]
+for name in names:
+    def record(*args, _name=name, _real=getattr(torch.cuda, name), **kwargs):
+        called.append(_name)
+        return _real(*args, **kwargs)
+    setattr(torch.cuda, name, record)
+from lightning_precision.cli.runner import PRELOAD
+for module in PRELOAD:
+    __import__(module)
+print(sorted(set(called)), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_fork_servers_imports_leave_cuda_alone():
+    """A process forked from one in which CUDA started cannot use CUDA: what the server imports must not ask torch.cuda
+    anything (transformers' import does: torchao asks ``torch.cuda.is_available()``). No GPU here: the calls into
+    torch.cuda's functions are recorded instead of watching the driver."""
+    done = subprocess.run([sys.executable, "-c", PRELOAD_PROBE], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def _precision_processes(monkeypatch):
+    """Record each precision's process: its pid and its parent's, read while it runs."""
+    seen = []
+    real = runner.start
+
+    def start(recipe, precision, args):
+        run = real(recipe, precision, args)
+        with open(f"/proc/{run.process.pid}/stat") as f:
+            seen.append((run.process.pid, int(f.read().rsplit(")", 1)[1].split()[1])))
+        return run
+
+    monkeypatch.setattr(runner, "start", start)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the processes' parents from /proc")
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server: spawned")
+def test_each_precision_is_a_process_of_its_own_forked_from_the_preloaded_server(tmp_path, monkeypatch):
+    """Not the parent, not one another: each precision's process is forked from the one fork server, which has only
+    imported (so nothing of one run is in another's process, and its memory and its crash are its own)."""
+    seen = _precision_processes(monkeypatch)
+    argv = ["compare", "--recipe", "vit", "--steps", "2", "--batch-size", "8", "--val-batches", "0"]
+    for out in ("a", "b"):  # a second comparison in the same process forks from the same server
+        assert cli.main([*argv, "--precisions", "32-true,bf16-mixed", "--out", str(tmp_path / out)]) == 0
+    pids, parents = zip(*seen, strict=True)
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+    assert len(set(parents)) == 1 and parents[0] != os.getpid() and parents[0] not in pids
+
+
+def _environ_after_run_child(conn, args, environ):
+    """A precision's process that fails at once (no such recipe): the environment it started with, and the one it ran
+    in."""
+    started = dict(os.environ)
+    child.run_child(conn, "no-such-recipe", "32-true", args, environ)
+    conn.send((started, dict(os.environ)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server: spawned")
+def test_a_precisions_process_runs_in_the_parents_environment_of_now(monkeypatch):
+    """The fork server's environment is the parent's when the server started; a script that sets a variable between
+    two comparisons (CUDA_VISIBLE_DEVICES) has its runs see it, as spawned processes did."""
+    runner.preload()  # the server started before the variable is set (or earlier, by another test)
+    monkeypatch.setenv("LIGHTNING_PRECISION_TEST_PROBE", "set after the server started")
+    ctx = runner.context()
+    parent, end = ctx.Pipe()
+    args = argparse.Namespace(seed=0, batch_size=8, data_dir=None, steps=2, emulate=False, accelerator="cpu",
+                              val_batches=0)
+    process = ctx.Process(target=_environ_after_run_child, args=(end, args, dict(os.environ)), daemon=True)
+    process.start()
+    assert parent.poll(120)
+    assert parent.recv()[0] == "error"  # the run failed, as asked
+    started, ran = parent.recv()
+    process.join(timeout=60)
+    assert "LIGHTNING_PRECISION_TEST_PROBE" not in started  # forked from the server: its environment
+    assert {name: ran.get(name) for name in os.environ} == dict(os.environ)  # and what seed_everything added
+
+
+def _where_am_i(conn):
+    from lightning_precision.cli import preload
+
+    conn.send(preload.in_fork_server())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server: spawned")
+def test_the_fork_server_is_recognised_so_that_it_ends_without_tearing_down():
+    """The server ends with ``os._exit`` (seconds of torch's and Lightning's teardown saved, during which the output it
+    shares with the command stayed open): only there, never in the command (whose output must be flushed)."""
+    from lightning_precision.cli import preload
+
+    runner.preload()
+    ctx = runner.context()
+    parent, end = ctx.Pipe()
+    process = ctx.Process(target=_where_am_i, args=(end,), daemon=True)
+    process.start()
+    assert parent.poll(120) and parent.recv() is True  # forked from the server: its __main__
+    process.join(timeout=60)
+    assert not preload.in_fork_server()
