@@ -67,16 +67,10 @@ def _sgd(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9, foreach=False)
 
 
-# -- cycle: the scaler's full cycle on a tiny model ------------------------------------------------------------------
-
-
-def cycle_torch(device: str, ours: bool = False) -> Loop:
-    net = _tiny(device)
-    opt = _sgd(net)
-    # ours=True: the plugin's scaler (``plugin.scaler``, a GradScaler subclass) in torch's own loop, without the plugin.
-    scaler = lp_fabric.FP16MixedPrecision(device=device).scaler if ours else torch.amp.GradScaler(device)
-    assert scaler is not None
-    x, y = _data(4, 16, device)
+def _torch_loop(net: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                data: tuple[torch.Tensor, torch.Tensor], device: str) -> Loop:
+    """The loop torch's documentation writes for a GradScaler."""
+    x, y = data
 
     def run(steps: int) -> None:
         for _ in range(steps):
@@ -88,6 +82,18 @@ def cycle_torch(device: str, ours: bool = False) -> Loop:
             scaler.update()
 
     return run
+
+
+# -- cycle: the scaler's full cycle on a tiny model ------------------------------------------------------------------
+
+
+def cycle_torch(device: str, ours: bool = False) -> Loop:
+    net = _tiny(device)
+    opt = _sgd(net)
+    # ours=True: the plugin's scaler (``plugin.scaler``, a GradScaler subclass) in torch's own loop, without the plugin.
+    scaler = lp_fabric.FP16MixedPrecision(device=device).scaler if ours else torch.amp.GradScaler(device)
+    assert scaler is not None
+    return _torch_loop(net, opt, scaler, _data(4, 16, device), device)
 
 
 def cycle_ours(device: str) -> Loop:
@@ -129,18 +135,7 @@ def hand_loop(device: str, width: int) -> Loop:
     net = _mlp(width, device)
     opt = _sgd(net)
     scaler = torch.amp.GradScaler(device)
-    x, y = _data(32, width, device)
-
-    def run(steps: int) -> None:
-        for _ in range(steps):
-            opt.zero_grad()
-            with torch.autocast(device, torch.float16):
-                loss = nn.functional.cross_entropy(net(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-
-    return run
+    return _torch_loop(net, opt, scaler, _data(32, width, device), device)
 
 
 def fabric_loop(plugin_factory: Callable[[], object], device: str, width: int) -> Loop:
