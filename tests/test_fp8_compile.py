@@ -151,9 +151,16 @@ def test_rowwise_scaling_is_as_many_graphs_as_torchaos_own_conversion_too():
     convert_to_float8_training(model, config=dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
                                                                  emulate=True))
     compiled = torch.compile(model, backend=counter)
-    for x in batches():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            compiled(x).float().square().mean().backward()
+    try:
+        for x in batches():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                compiled(x).float().square().mean().backward()
+    except torch._dynamo.exc.TorchRuntimeError as err:
+        torch._dynamo.reset()
+        if "axiswise scaling is not supported" not in str(err):
+            raise
+        pytest.skip("this torchao's own rowwise layers do not compile (torchao 0.11: aten._to_copy with axiswise scaling"
+                    " is not supported): no peer to count against")
     assert fabric_graphs(FabricFP8Precision(recipe=recipe, **FP8_KW)) == counter.frame_count
 
 

@@ -26,6 +26,23 @@ from tests.sensitivity_reference import ReferenceProbe
 pytest.importorskip("torchao")
 
 
+def skip_where_torchao_rowwise_cannot_autocast() -> None:
+    """torchao 0.11's per-row fp8 layer fails under autocast in its own forward ("aten._to_copy.default with axiswise
+    scaling is not supported yet"): neither probe can measure it there."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    layer = nn.Sequential(nn.Linear(32, 32))
+    convert_to_float8_training(layer, config=dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"),
+                                                                 emulate=True))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(torch.randn(32, 32))
+    except AssertionError as err:
+        if "axiswise scaling is not supported" not in str(err):
+            raise
+        pytest.skip(f"this torchao's rowwise fp8 layer does not run under autocast ({err})")
+
+
 class Routed(nn.Module):
     """Linear layers of several shapes (with and without bias, on 2-d and 3-d inputs), one fed by outlier channels, and an ``expert`` that
     sees only the rows routed to it (none, in some batches)."""
@@ -82,6 +99,8 @@ def figures(result: dict) -> list:
     ("rowwise", torch.bfloat16), ("rowwise", None), ("rowwise_with_gw_hp", None),
 ])
 def test_the_probe_measures_what_the_reference_measures(recipe, autocast):
+    if recipe != "tensorwise" and autocast is not None:
+        skip_where_torchao_rowwise_cannot_autocast()
     model = Routed()
     layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     config = probe_config(recipe)
@@ -138,6 +157,7 @@ def test_rowwise_with_gw_hp_measures_a_layer_whose_input_is_fp32_under_bf16_auto
     the same dtype"). The probe reads only the input gradient, and no longer computes the weight's."""
     from lightning_precision.fp8._sensitivity import fp8_sensitivity
 
+    skip_where_torchao_rowwise_cannot_autocast()
     torch.manual_seed(0)
     result = fp8_sensitivity(nn.Linear(64, 32), [torch.randn(8, 64)], recipe="rowwise_with_gw_hp",
                              loss_fn=lambda m, b: m(b).float().pow(2).sum())

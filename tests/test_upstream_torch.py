@@ -117,3 +117,22 @@ def test_torchao_keeps_no_precomputed_scale_on_a_fresh_fp8_weight():
                                        config=Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True))[0]
     assert isinstance(layer.weight, fsdp_utils.WeightWithDynamicFloat8CastTensor)
     assert layer.weight._precomputed_scale is None
+
+
+def test_a_call_inside_a_compiled_module_is_seen_also_when_it_runs_eagerly():
+    """``inside_compiled_call`` finds dynamo's wrapper on the stack: when compiled code runs under the ``force_eager``
+    stance (how measuring runs it), and not for the same module uncompiled."""
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(upstream.inside_compiled_call())
+            return x + 1
+
+    module = Probe()
+    module(torch.ones(2))
+    compiled = torch.compile(module, backend="eager")
+    with torch.compiler.set_stance("force_eager"):
+        compiled(torch.ones(2))
+    torch._dynamo.reset()
+    assert seen == [False, True]

@@ -48,3 +48,26 @@ def test_the_mxfp8_matmul_computes_a_linear_emulated_with_its_gradients():
     assert ((y.float() - ref).norm() / ref.norm()).item() < 0.1
     y.float().sum().backward()
     assert x.grad is not None and w.grad is not None and torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_float8_casts_of_the_backward_give_torchaos_own_input_gradient(recipe):
+    """``float8_dynamic_cast``'s casts of the output gradient and the weight, multiplied, are the input gradient
+    torchao's ``Float8Linear`` backward computes (the sensitivity probe computes only that half of it)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lightning_precision.fp8._sensitivity import fp8_grad_input
+
+    to_float8, axiswise_dim, roles = upstream.float8_dynamic_cast()
+    assert callable(to_float8) and callable(axiswise_dim) and {"GRAD_OUTPUT", "WEIGHT"} <= set(roles.__members__)
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    convert_to_float8_training(layer, config=config)
+    x = torch.randn(16, 64, requires_grad=True)
+    grad_output = torch.randn(16, 32)
+    layer(x).backward(grad_output)
+    assert x.grad is not None
+    torch.testing.assert_close(fp8_grad_input(layer[0], grad_output), x.grad, rtol=0, atol=0)

@@ -11,6 +11,8 @@ A subclass's use of its base's state cannot move here; the canary pins each of t
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ __all__ = [
     "dtensor_local_tensor",
     "fsdp_mp_policy",
     "grad_scaler_scale",
+    "inside_compiled_call",
     "non_finite_check_and_unscale_",
     "sparse_values",
     "version_counter",
@@ -80,3 +83,21 @@ def xpu_is_compiled() -> bool:
     """Whether this torch was built with XPU support (``torch.xpu._is_compiled``): ``is_available()`` is also false
     when the build has it but no device is visible, and the error must say which of the two to fix."""
     return bool(torch.xpu._is_compiled())
+
+
+# The function dynamo wraps a compiled function or module in (``torch/_dynamo/eval_frame.py``): ``compile_wrapper``
+# from torch 2.9 or so, ``_fn`` before. Under the ``force_eager`` stance it calls the original eagerly.
+_COMPILE_WRAPPERS = ("compile_wrapper", "_fn")
+
+
+def inside_compiled_call() -> bool:
+    """Whether a caller up the stack is a ``torch.compile``d function or module, also when it runs eagerly (the
+    ``force_eager`` stance): ``torch.compiler.is_compiling()`` answers only while dynamo traces. A look at the frames
+    for dynamo's wrapper, no device work."""
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "__file__", None)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _COMPILE_WRAPPERS and frame.f_code.co_filename == wrapper:
+            return True
+        frame = frame.f_back
+    return False

@@ -12,7 +12,8 @@ from typing import Any
 
 from lightning_precision import _imports
 
-__all__ = ["FLOAT8_EPS", "kernel_preference", "mxfp8_linear_module", "mxfp8_scaled_mm", "rceil_scale_mode"]
+__all__ = ["FLOAT8_EPS", "float8_dynamic_cast", "kernel_preference", "mxfp8_linear_module", "mxfp8_scaled_mm",
+           "rceil_scale_mode"]
 
 # torchao clamps amax to this before dividing (``torchao.float8.float8_utils.EPS``, not exported): a tensor whose amax
 # is below it gets a capped scale, and its values may flush to zero. Copied (torchao is optional); the canary compares.
@@ -41,3 +42,16 @@ def kernel_preference(emulated: bool) -> Any:
 def rceil_scale_mode() -> Any:
     """``ScaleCalculationMode.RCEIL``: the e8m0 block scale rounded up, as MXFP8 training takes it (prototype)."""
     return _imports.import_quietly("torchao.prototype.mx_formats.config").ScaleCalculationMode.RCEIL
+
+
+def float8_dynamic_cast() -> tuple[Callable[..., Any], Callable[..., Any], Any]:
+    """``(hp_tensor_to_float8_dynamic, get_maybe_axiswise_dim, GemmInputRole)``: the casts ``Float8Linear``'s backward
+    makes (``matmul_with_hp_or_float8_args.backward``), which the sensitivity probe runs for the input gradient alone
+    (torchao has no public route to half of that backward). ``GemmInputRole`` lives in ``float8_training_tensor``, in
+    ``float8_tensor`` before (torchao 0.11)."""
+    scaling = _imports.import_quietly("torchao.float8.float8_scaling_utils")
+    try:
+        tensors = _imports.import_quietly("torchao.float8.float8_training_tensor")
+    except ModuleNotFoundError:
+        tensors = _imports.import_quietly("torchao.float8.float8_tensor")
+    return scaling.hp_tensor_to_float8_dynamic, scaling.get_maybe_axiswise_dim, tensors.GemmInputRole

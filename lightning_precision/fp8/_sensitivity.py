@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -25,6 +23,8 @@ from torch import Tensor, nn
 
 from lightning_precision import _imports
 from lightning_precision._accumulator import Accumulator, Reduce, as_reduce_op
+from lightning_precision._upstream import torchao as upstream
+from lightning_precision._upstream.torch import inside_compiled_call
 from lightning_precision._upstream.torchao import FLOAT8_EPS
 from lightning_precision._warnings import warn
 from lightning_precision.formats import NumberFormat, get_format
@@ -198,18 +198,17 @@ def fp8_grad_input(fp8: Any, grad_output: Tensor) -> Tensor:
     matmul, as ``matmul_with_hp_or_float8_args.backward`` does them, without the weight gradient that backward also
     computes (the probe reads only the input gradient: a third of the work, and an fp32 input beside a bf16 output
     gradient made that hp weight gradient fail). tests/test_sensitivity_equal.py holds it to torchao's own backward."""
-    scaling = _imports.import_quietly("torchao.float8.float8_scaling_utils")
-    roles = _imports.import_quietly("torchao.float8.float8_training_tensor").GemmInputRole
+    to_float8, axiswise_dim, roles = upstream.float8_dynamic_cast()
     disabled = _imports.import_quietly("torchao.float8.config").ScalingType.DISABLED
     config, mm_config = fp8.config, fp8.linear_mm_config
 
     def cast(t: Tensor, cast_config: Any, role: Any) -> Any:
         if cast_config.scaling_type is disabled:
             return t
-        return scaling.hp_tensor_to_float8_dynamic(
+        return to_float8(
             t, cast_config.target_dtype, mm_config, gemm_input_role=role,
             scaling_granularity=cast_config.scaling_granularity,
-            axiswise_dim=scaling.get_maybe_axiswise_dim(-1, cast_config.scaling_granularity),
+            axiswise_dim=axiswise_dim(-1, cast_config.scaling_granularity),
             round_scales_to_power_of_2=config.round_scales_to_power_of_2)
 
     shape = grad_output.shape
@@ -246,22 +245,10 @@ def _run_eagerly(on: bool) -> None:
         stance.__exit__(None, None, None)  # the stance before the first probe
 
 
-def _inside_compiled_code() -> bool:
-    """Whether a caller up the stack is a ``torch.compile``d function or module (dynamo's ``compile_wrapper``, which
-    under the ``force_eager`` stance calls the original eagerly): a look at the frames, no device work."""
-    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "__file__", None)
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "compile_wrapper" and frame.f_code.co_filename == wrapper:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _say_eager() -> None:
     """Once per process, the first time a measured layer runs inside compiled code: the measured steps run eagerly
     (docs/plan.md, "Under torch.compile")."""
-    if _Eager.said or not _inside_compiled_code():
+    if _Eager.said or not inside_compiled_call():
         return
     _Eager.said = True
     warn("fp8 measurement (layers='auto' calibration, FP8Guard's measured steps, fp8_sensitivity) runs the compiled"
