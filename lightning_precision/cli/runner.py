@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -258,6 +260,39 @@ def start(recipe: str, precision: str, args: argparse.Namespace) -> Run:
     return Run(precision, process, parent)
 
 
+def _started(start_one: Callable[[], Run], stop: Stop) -> Run:
+    """``start_one()``, in a thread of its own, the signals watched meanwhile. A process forked from the fork server
+    starts once the server has finished its imports (seconds, more on a network file system), with the stop signals
+    blocked in the thread that starts it: a Ctrl-C, even a second one, waited for those imports. Now a signal ends the
+    server (the process is never forked, or already was: then it is returned, for ``stop_all`` to end); ``Interrupted``
+    if it was not started."""
+    started: list[Run] = []
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        # The signals blocked here for good: taken by this thread, a signal waited for the next one the main thread took
+        # (CPython then tells only its own thread that one is pending).
+        with signals_blocked():
+            try:
+                started.append(start_one())
+            except BaseException as err:  # raised here, in the caller's thread
+                failed.append(err)
+
+    thread = threading.Thread(target=target, name="compare-start", daemon=True)
+    thread.start()
+    ended = False
+    while thread.is_alive():
+        if stop.signum is not None and not ended:
+            end_server()
+            ended = True
+        thread.join(0.1)
+    if failed:
+        if ended:  # the server ended under it
+            raise Interrupted
+        raise failed[0]
+    return started[0]
+
+
 def advance(progress: Any, task: Any, steps: int) -> None:
     """The progress bar of one precision moved by ``steps``. Where stdout is not a terminal (a pipe, a log file, a batch
     job) rich draws nothing until the end: a line per finished turn says how far each precision is."""
@@ -288,7 +323,7 @@ def run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop
         for p in precisions:
             if stop.signum is not None:
                 raise Interrupted
-            runs[p] = start(args.recipe, p, args)
+            runs[p] = _started(functools.partial(start, args.recipe, p, args), stop)
         for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
             run.wait(_no_step, stop)
             if run.no_main_guard:  # every process would end so: one line, as for any argument the runs refuse
