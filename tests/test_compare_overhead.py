@@ -141,11 +141,13 @@ def test_each_precision_is_a_process_of_its_own_forked_from_the_preloaded_server
     imported (so nothing of one run is in another's process, and its memory and its crash are its own)."""
     seen = _precision_processes(monkeypatch)
     argv = ["compare", "--recipe", "vit", "--steps", "2", "--batch-size", "8", "--val-batches", "0"]
-    for out in ("a", "b"):  # a second comparison in the same process forks from the same server
+    runner.end_server()  # one another test left running: each comparison here starts its own
+    for out in ("a", "b"):  # a second comparison in the same process forks from a server of its own (started anew)
         assert cli.main([*argv, "--precisions", "32-true,bf16-mixed", "--out", str(tmp_path / out)]) == 0
     pids, parents = zip(*seen, strict=True)
     assert len(set(pids)) == 4 and os.getpid() not in pids
-    assert len(set(parents)) == 1 and parents[0] != os.getpid() and parents[0] not in pids
+    assert parents[0] == parents[1] and parents[2] == parents[3] and parents[0] != parents[2]
+    assert not {os.getpid(), *pids} & set(parents)
 
 
 def _environ_after_run_child(conn, args, environ):
@@ -198,3 +200,82 @@ def test_the_fork_server_is_recognised_so_that_it_ends_without_tearing_down():
     assert parent.poll(120) and parent.recv() is True  # forked from the server: its __main__
     process.join(timeout=60)
     assert not preload.in_fork_server()
+
+
+def _servers_of(pid: int) -> list[int]:
+    """The fork servers that process ``pid`` started and that still run (a zombie has ended)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"multiprocessing.forkserver" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+# Run in a process of its own (no server of another test's): compare refused after its fork server started (the data
+# folder holds no data set, found as the batch is measured), then the servers of this process still running.
+REFUSED = """
+import os, sys
+import lightning_precision.cli as cli
+from tests.test_compare_overhead import _servers_of
+print(cli.main(sys.argv[1:]), _servers_of(os.getpid()))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the processes' parents from /proc")
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server: spawned")
+def test_a_refused_comparison_leaves_no_fork_server_running(tmp_path):
+    """The server outlived the refusal (still importing torch, then idle until the Python process ended): in a script
+    that goes on, a process left behind; on the command line, the output it shares held open (`compare | tee` waited
+    for the rest of its imports)."""
+    (tmp_path / "empty").mkdir()
+    argv = ["compare", "--recipe", "vit", "--steps", "2", "--batch-size", "8", "--data-dir", str(tmp_path / "empty"),
+            "--out", str(tmp_path / "r")]
+    done = subprocess.run([sys.executable, "-c", REFUSED, *argv], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.splitlines()[-1] == "2 []", done.stdout + done.stderr
+    assert "first batch cannot be made" in done.stderr
+
+
+# Two comparisons in one Python process, the second asked for another thread count; each run records the thread count
+# it trains with (``child.train`` wrapped at the top level: each precision's process imports this script as it starts).
+THREADS = """
+import os, sys
+import torch
+from lightning_precision.cli import child
+
+real = child.train
+
+def train(*args, **kwargs):
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{os.environ['OMP_NUM_THREADS']}:{torch.get_num_threads()} ")
+    return real(*args, **kwargs)
+
+child.train = train
+if __name__ == "__main__":
+    import lightning_precision.cli as cli
+
+    for threads in ("1", "2"):
+        os.environ["OMP_NUM_THREADS"] = threads
+        assert cli.main(sys.argv[2:] + ["--out", "r" + threads]) == 0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server: spawned")
+def test_each_comparison_trains_with_the_thread_count_asked_for_then(tmp_path):
+    """OpenMP reads OMP_NUM_THREADS once, as torch loads: in the fork server. A second comparison in one process forked
+    from the first one's server, and trained with 1 thread where 2 were asked for (its timings silently those of
+    another setting); spawned processes had read it anew."""
+    script, seen = tmp_path / "threads.py", tmp_path / "seen.txt"
+    script.write_text(THREADS)
+    argv = ["compare", "--recipe", "vit", "--steps", "2", "--batch-size", "8", "--val-batches", "0", "--precisions",
+            "32-true"]
+    done = subprocess.run([sys.executable, str(script), str(seen), *argv], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert seen.read_text().split() == ["1:1", "2:2"]

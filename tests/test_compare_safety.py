@@ -855,3 +855,57 @@ def test_a_run_refused_for_a_held_folder_removes_nothing_the_other_run_made(tmp_
     _write(out, loss=1.0)
     first.__exit__(None, None, None)
     assert sorted(os.listdir(out)) == sorted(lp_report.FILES) and os.listdir(tmp_path / "a" / "b") == ["c"]
+
+
+# Run by the test below in a process group of its own: a fork server whose imports take until the test releases them
+# (a module of the test's added to what it imports); a file made as the first precision's process starts.
+SLOW_SERVER = """
+import sys
+from pathlib import Path
+import lightning_precision.cli as cli
+from lightning_precision.cli import runner
+
+runner.PRELOAD = (*runner.PRELOAD, "slow_import")
+starting, real_start = Path(sys.argv[1]), runner.start
+
+def start(*args):
+    starting.write_text("")
+    return real_start(*args)
+
+runner.start = start
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@linux_only
+def test_ctrl_c_while_the_fork_server_still_imports_ends_the_command_at_once(tmp_path):
+    """The first precision's process starts once the fork server has finished importing torch and Lightning (seconds,
+    more on a network file system): a Ctrl-C then, even a second one, waited for those imports, signals blocked. Here
+    the server's imports last until the test releases them (at most 300 s): the command ends on the Ctrl-C, with its
+    one line, and leaves no process, the server included."""
+    out, release = tmp_path / "r", tmp_path / "release"
+    (tmp_path / "slow_import.py").write_text(
+        "import os, time\n"
+        f"deadline = time.monotonic() + 300\n"
+        f"while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.1)\n")
+    log = open(tmp_path / "log.txt", "w")
+    starting = tmp_path / "starting"
+    run = subprocess.Popen([sys.executable, "-c", SLOW_SERVER, str(starting), "compare", *TINY, "--precisions",
+                            "32-true", "--out", str(out)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not starting.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # well into the wait for the server
+        os.killpg(run.pid, signal.SIGINT)  # as a terminal sends Ctrl-C
+        code = _finish(run, timeout=60)  # the server's imports last 300 s unless released
+    finally:
+        release.write_text("")
+        log.close()
+    printed = (tmp_path / "log.txt").read_text()
+    assert code == 130, printed
+    assert printed.endswith("lightning-precision compare: interrupted (Ctrl-C) before any precision reported a step:"
+                            f" nothing written, {str(out)!r} keeps what it held.\n"), printed
+    assert "Traceback" not in printed and _group_left(run.pid) == [] and not out.exists()

@@ -75,6 +75,8 @@ def main(argv: list[str], stop: Stop | None = None) -> int:
             folder = held.enter_context(claim_folder(args.out, "--out", FILES))
         except ValueError as err:
             raise UsageError(str(err)) from None
+        # the processes' imports, in the fork server, while this process measures the batch; ended with the command
+        held.enter_context(runner.fork_server())
         code = _compare(args, argv, folder, stop)
     return stop.exit_code(code)
 
@@ -112,7 +114,6 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
 
     from lightning_precision.cli import report
 
-    runner.preload()  # the processes' imports, in the fork server, while this process measures the batch
     try:
         with stop.raising():  # nothing runs yet (measuring the batch takes seconds): a signal ends it at once
             machine, meta, doomed, out = _prepare(args, argv)

@@ -10,13 +10,16 @@ Where there is no fork server (Windows), each process is spawned and imports the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_precision.cli.child import run_child
@@ -24,7 +27,8 @@ from lightning_precision.cli.compare_args import UsageError, block_size
 from lightning_precision.cli.spawn import NO_MAIN_GUARD_EXIT, no_main_guard_message
 from lightning_precision.cli.stop import Interrupted, Stop, signals_blocked
 
-__all__ = ["GRACE_S", "PRELOAD", "Run", "advance", "context", "preload", "run_all", "start", "stop_all"]
+__all__ = ["GRACE_S", "PRELOAD", "Run", "advance", "context", "end_server", "fork_server", "preload", "run_all",
+           "start", "stop_all"]
 
 GRACE_S = 5.0  # after a signal, how long a process may take to reach its next turn before it is killed
 
@@ -184,18 +188,59 @@ def _unblockable_helpers() -> None:
         resource_tracker.ensure_running()
 
 
-def preload() -> None:
+def preload() -> bool:
     """Start the fork server now, so that it imports ``PRELOAD`` while the parent does its own work (measuring the
     batch); nothing where processes are spawned. Born with the stop signals blocked, as each process is (``start``):
     the server, and every process forked from it, outlives a Ctrl-C to the process group until the parent has stopped
-    the runs; it ends when the parent and its processes have."""
+    the runs. True if this call started it (none was running)."""
     if context().get_start_method() != "forkserver":
-        return
+        return False
     from multiprocessing import forkserver
 
+    before = _server_pid()
     _unblockable_helpers()
     with signals_blocked():
         forkserver.ensure_running()
+    return _server_pid() != before
+
+
+def _server() -> Any:
+    """multiprocessing's one fork server object: its pid and ``_stop`` have no public name."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver
+
+
+def _server_pid() -> int | None:
+    return getattr(_server(), "_forkserver_pid", None)
+
+
+def end_server() -> None:
+    """End the fork server now, also in the middle of its imports (it has nothing to flush: ``preload``), and reap it;
+    the processes forked from it are not its to end. The next process to start starts a new one."""
+    pid = _server_pid()
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    try:
+        _server()._stop()  # closes its pipe, reaps it, forgets its address
+    except ChildProcessError:  # reaped already (a SIGCHLD handler of the caller's)
+        _server()._forkserver_pid = None
+
+
+@contextlib.contextmanager
+def fork_server() -> Iterator[None]:
+    """``preload`` for one comparison: a server it starts ends with it, on every way out. Otherwise it outlived the
+    command by the rest of its imports after a usage error or a Ctrl-C (holding the output open: `compare | tee`
+    waited), and a second comparison in one Python process forked from a server started with the first one's
+    environment: libgomp reads OMP_NUM_THREADS as torch loads, so its runs had the first one's thread count."""
+    started = preload()
+    try:
+        yield
+    finally:
+        if started:
+            end_server()
 
 
 def start(recipe: str, precision: str, args: argparse.Namespace) -> Run:
@@ -213,6 +258,39 @@ def start(recipe: str, precision: str, args: argparse.Namespace) -> Run:
         process.start()
     child.close()
     return Run(precision, process, parent)
+
+
+def _started(start_one: Callable[[], Run], stop: Stop) -> Run:
+    """``start_one()``, in a thread of its own, the signals watched meanwhile. A process forked from the fork server
+    starts once the server has finished its imports (seconds, more on a network file system), with the stop signals
+    blocked in the thread that starts it: a Ctrl-C, even a second one, waited for those imports. Now a signal ends the
+    server (the process is never forked, or already was: then it is returned, for ``stop_all`` to end); ``Interrupted``
+    if it was not started."""
+    started: list[Run] = []
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        # The signals blocked here for good: taken by this thread, a signal waited for the next one the main thread took
+        # (CPython then tells only its own thread that one is pending).
+        with signals_blocked():
+            try:
+                started.append(start_one())
+            except BaseException as err:  # raised here, in the caller's thread
+                failed.append(err)
+
+    thread = threading.Thread(target=target, name="compare-start", daemon=True)
+    thread.start()
+    ended = False
+    while thread.is_alive():
+        if stop.signum is not None and not ended:
+            end_server()
+            ended = True
+        thread.join(0.1)
+    if failed:
+        if ended:  # the server ended under it
+            raise Interrupted
+        raise failed[0]
+    return started[0]
 
 
 def advance(progress: Any, task: Any, steps: int) -> None:
@@ -245,7 +323,7 @@ def run_all(args: argparse.Namespace, precisions: list[str], progress: Any, stop
         for p in precisions:
             if stop.signum is not None:
                 raise Interrupted
-            runs[p] = start(args.recipe, p, args)
+            runs[p] = _started(functools.partial(start, args.recipe, p, args), stop)
         for run in runs.values():  # up to its first turn: imports, model, data, Trainer; untimed, side by side
             run.wait(_no_step, stop)
             if run.no_main_guard:  # every process would end so: one line, as for any argument the runs refuse
