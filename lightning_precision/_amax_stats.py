@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_precision._blocks import block_scaled
 from lightning_precision.formats import BlockFormat, NumberFormat, get_format
 from lightning_precision.functional import CastStats, measurable_values
 
@@ -50,11 +51,8 @@ def shared_sample(tensors: Sequence[Tensor], numels: Sequence[int], limit: int |
 
 def _block_counts(a: Tensor, f: BlockFormat, tensor_amax: Tensor | None) -> list[Tensor]:
     """[at most the flush bound, at least the overflow bound] of |x| values ``a`` (a whole number of blocks) times
-    their blocks' multipliers; ``tensor_amax`` per block (NVFP4's tensor scale of the layer the block belongs to).
-    Non-finite values set no block scale."""
-    blocks = a.view(-1, f.block_size)
-    amax = torch.where(blocks <= torch.finfo(a.dtype).max, blocks, 0.0).amax(-1)
-    m = blocks * f.block_multipliers(amax, tensor_amax)[:, None]
+    their blocks' multipliers; ``tensor_amax`` per block (NVFP4's tensor scale of the layer the block belongs to)."""
+    m = block_scaled(a, f, tensor_amax)
     return [torch.count_nonzero(m <= f.element.flush_bound), torch.count_nonzero(m >= f.element.overflow_bound)]
 
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_precision._blocks import block_scaled
 from lightning_precision._channels_last import apply_channels_last, to_channels_last
 from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
 from lightning_precision._single_pass import HIST_MAX, HIST_MIN, in_one_pass, single_pass
@@ -184,22 +185,11 @@ def _counts(a: Tensor, formats: Sequence[AnyFormat], tensor_amax: Tensor | None 
     passes = [count(a == 0), count(a <= torch.finfo(a.dtype).max), count(a == math.inf)]
     for f in formats:
         if isinstance(f, BlockFormat):
-            m, f = _block_scaled(a, f, tensor_amax), f.element
+            m, f = block_scaled(a, f, tensor_amax), f.element
         else:
             m = a
         passes += [count(m <= f.flush_bound), count(m >= f.overflow_bound)]
     return torch.stack(passes)
-
-
-def _block_scaled(a: Tensor, f: BlockFormat, tensor_amax: Tensor | None) -> Tensor:
-    """|x| values ``a`` (fp32, one chunk: a whole number of blocks but for the tensor's tail) times their blocks'
-    multipliers. Blocks are consecutive elements in memory order: for a row-major matrix whose rows are a multiple of
-    the block (every layer MX and NVFP4 can run), exactly the row blocks the real casts use. Non-finite values are
-    reported apart and set no scale."""
-    pad = -a.numel() % f.block_size
-    blocks = torch.nn.functional.pad(a, (0, pad)).view(-1, f.block_size)
-    amax = torch.where(blocks <= torch.finfo(a.dtype).max, blocks, 0.0).amax(-1)
-    return (blocks * f.block_multipliers(amax, tensor_amax)[:, None]).view(-1)[: a.numel()]
 
 
 def _elementwise(fmt: FormatLike, caller: str) -> NumberFormat:
