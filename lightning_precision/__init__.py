@@ -19,7 +19,9 @@ __version__ = "0.1.0"
 # Each public name and the module that defines it.
 _SOURCE = {
     "BF16MixedPrecision": "lightning_precision._plugins",
+    "BF16TruePrecision": "lightning_precision._plugins",
     "FP16MixedPrecision": "lightning_precision._plugins",
+    "FP16TruePrecision": "lightning_precision._plugins",
     "FP8LayerPolicy": "lightning_precision.fp8",
     "FP8Precision": "lightning_precision._plugins",
     "NVFP4Precision": "lightning_precision._plugins",
@@ -35,7 +37,9 @@ _SOURCE = {
 
 __all__ = [
     "BF16MixedPrecision",
+    "BF16TruePrecision",
     "FP16MixedPrecision",
+    "FP16TruePrecision",
     "FP8LayerPolicy",
     "FP8Precision",
     "NVFP4Precision",
@@ -54,8 +58,10 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
     from lightning_precision._plugins import (
         BF16MixedPrecision,
+        BF16TruePrecision,
         FP8Precision,
         FP16MixedPrecision,
+        FP16TruePrecision,
         NVFP4Precision,
         XPUPrecision,
     )

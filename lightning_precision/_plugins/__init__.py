@@ -2,8 +2,11 @@
 
 import lightning_precision._accelerators.trainer  # noqa: F401  (registers accelerator="xpu" where the name is free)
 from lightning_precision._plugins.bf16_mixed import BF16MixedPrecision
+from lightning_precision._plugins.bf16_true import BF16TruePrecision
 from lightning_precision._plugins.fp8 import FP8Precision, NVFP4Precision
 from lightning_precision._plugins.fp16_mixed import FP16MixedPrecision
+from lightning_precision._plugins.fp16_true import FP16TruePrecision
 from lightning_precision._plugins.xpu import XPUPrecision
 
-__all__ = ["BF16MixedPrecision", "FP16MixedPrecision", "FP8Precision", "NVFP4Precision", "XPUPrecision"]
+__all__ = ["BF16MixedPrecision", "BF16TruePrecision", "FP16MixedPrecision", "FP16TruePrecision", "FP8Precision",
+           "NVFP4Precision", "XPUPrecision"]

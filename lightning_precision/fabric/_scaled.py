@@ -67,6 +67,9 @@ class ScaledPrecision(AutocastPrecision):
     pattern for several optimizers; updating after each optimizer would unscale the second with the new scale).
     """
 
+    # The loss scaler's class (the true-precision plugins check in `unscale_` and unscale inside their step).
+    scaler_class: type[TrackingGradScaler] = TrackingGradScaler
+
     def __init__(
         self,
         compute_dtype: torch.dtype,
@@ -99,7 +102,7 @@ class ScaledPrecision(AutocastPrecision):
         # model's device is known, then rebuilt there with its state.
         self._scaler: TrackingGradScaler | None = None
         if scaler is not None:
-            self._scaler = TrackingGradScaler(device or "cpu", scaler, owner=owner)
+            self._scaler = self.scaler_class(device or "cpu", scaler, owner=owner)
         elif skip_nonfinite:
             self._scaler = NonFiniteGuard(device or "cpu", max_consecutive_skips, owner=owner)
         self.step_was_skipped = False
@@ -116,7 +119,7 @@ class ScaledPrecision(AutocastPrecision):
         if self._scaler is not None and self._scaler.device_type != device_type:
             state = self._scaler.state_dict()
             owner = type(self).__name__
-            self._scaler = (TrackingGradScaler(device_type, self._scaler.config, owner=owner) if self.scaler_config
+            self._scaler = (self.scaler_class(device_type, self._scaler.config, owner=owner) if self.scaler_config
                            else NonFiniteGuard(device_type, self._scaler.config.max_consecutive_skips, owner=owner))
             self._scaler.load_state_dict(state)
 

@@ -42,8 +42,8 @@ from lightning_precision._upstream.lightning import optimizer_handles_unscaling
 from lightning_precision._upstream.torch import grad_scaler_scale, non_finite_check_and_unscale_, sparse_values
 from lightning_precision._warnings import warn
 
-__all__ = ["MAX_LOG2_SCALE", "NonFiniteGuard", "ScalerConfig", "SkippedStepsError", "TrackingGradScaler",
-           "resolve_scaler_config", "scale_of"]
+__all__ = ["MAX_LOG2_SCALE", "InStepScaler", "NonFiniteGuard", "ScalerConfig", "SkippedStepsError",
+           "TrackingGradScaler", "resolve_scaler_config", "scale_of"]
 
 
 class SkippedStepsError(RuntimeError):
@@ -178,6 +178,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
         # inf; cleared by `scale` (the next backward).
         self._carried: torch.Tensor | None = None
         self._early_found: torch.Tensor | None = None
+        self._ones: dict[torch.device, torch.Tensor] = {}  # a factor of 1 per device, for the check at scale 1
 
     def scale(self, outputs: Any) -> Any:
         self._carried = self._early_found = None
@@ -236,6 +237,65 @@ class TrackingGradScaler(torch.amp.GradScaler):
         output = super().step(optimizer, *args, **kwargs)
         self._host_skipped[id(optimizer)] = not seen.stepped
         return output
+
+    def record_check(self, optimizer: Optimizer) -> None:
+        """Whether ``optimizer``'s gradients hold inf or nan, recorded where torch's ``unscale_`` records it for
+        ``step`` and ``update``, without unscaling: torch's fused check-and-unscale kernel, once per (device, dtype)
+        group of gradients, multiplying by 1 (exact), without torch's per-parameter bookkeeping, which cost more than
+        the check on small models. Its flag is all-reduced across ranks for sharded (DTensor) gradients, as in torch's
+        ``unscale_``. Sparse gradients are checked through their values, complex ones (which the kernel cannot take)
+        through their real views, fp16 ones as they are (times 1 loses nothing). The non-finite guard's ``unscale_``,
+        and the check of plugins that unscale inside their own step (the true-precision plugins: fp16 gradients
+        stay scaled, and are unscaled in fp32)."""
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update(), or"
+                               " step() has.")
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    grad = sparse_values(grad)
+                elif grad.is_complex():
+                    grad = torch.view_as_real(grad)
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        found_per_device: dict[torch.device, torch.Tensor] = {}
+        for (device, _), grads in groups.items():
+            if device not in found_per_device:
+                found_per_device[device] = torch.zeros((), device=device)
+            non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
+        state["found_inf_per_device"] = found_per_device
+        state["stage"] = OptState.UNSCALED
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), device=device)
+        return one
+
+    def step_checked(self, optimizer: Optimizer, step: Callable[[], Any]) -> bool:
+        """After ``record_check``: ``step()`` unless the gradients held inf or nan (one read of the device, as torch's
+        own ``step`` reads it), recorded as ``step`` records it for ``update``. Returns whether it stepped."""
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            self.record_check(optimizer)
+        found = self._found_inf(optimizer)
+        skipped = bool(found is not None and found.item() > 0)
+        if not state["found_inf_per_device"] and self._scale is not None:  # no gradient: a clean (empty) step
+            state["found_inf_per_device"] = {self._scale.device: torch.zeros((), device=self._scale.device)}
+        if not skipped:
+            step()
+        state["stage"] = OptState.STEPPED
+        self._host_skipped[id(optimizer)] = skipped
+        return not skipped
+
+    def carried_scale(self) -> torch.Tensor:
+        """The scale the current gradients carry (on its device): the live one, or the one before an update applied
+        between two optimizers' steps on one backward (``update_before_every_step``)."""
+        return self._carried if self._carried is not None else scale_of(self)
 
     def step_was_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` was skipped. Free for ordinary optimizers; reads the device for fused
@@ -336,6 +396,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_seen"] = None  # weak references do not pickle; the copy steps other optimizers anyway
+        state["_ones"] = {}  # made again where the copy runs
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -420,6 +481,14 @@ class TrackingGradScaler(torch.amp.GradScaler):
         self._unread_updates = 0
 
 
+class InStepScaler(TrackingGradScaler):
+    """The loss scaler of a plugin that unscales inside its own step, in fp32 (the true-precision plugins: unscaled in
+    place, fp16 gradients would flush): ``unscale_`` records the inf/nan check only, the gradients stay scaled."""
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        self.record_check(optimizer)
+
+
 class NonFiniteGuard(TrackingGradScaler):
     """The scaler of a plugin that scales no loss (bf16, fp8 in bf16, XPU in bf16), kept for its guarantee: a step whose
     gradients hold inf or nan is skipped instead of written into every weight, counted, and a run that skips
@@ -430,7 +499,6 @@ class NonFiniteGuard(TrackingGradScaler):
 
     def __init__(self, device: str, max_consecutive_skips: int | None, owner: str = "GradScaler") -> None:
         super().__init__(device, ScalerConfig(init_scale=1.0, max_consecutive_skips=max_consecutive_skips), owner=owner)
-        self._ones: dict[torch.device, torch.Tensor] = {}  # the inverse scale, 1, per device
 
     def scale(self, outputs: Any) -> Any:
         self._create_scale(outputs.device)
@@ -456,47 +524,14 @@ class NonFiniteGuard(TrackingGradScaler):
     def _update_scale(self, may_move: bool) -> None:
         self._per_optimizer_states.clear()  # what torch's update does last; the scale stays 1
 
-    def unscale_(self, optimizer: Optimizer) -> None:
-        """The check alone (at a scale of 1 there is nothing to unscale), recorded where torch's ``unscale_`` records it
-        for ``step`` and ``update``: torch's fused check-and-unscale kernel, once per (device, dtype) group of
-        gradients, multiplying by 1 (exact), without torch's per-parameter bookkeeping, which cost more than the check
-        on small models. Its flag is all-reduced across ranks for sharded (DTensor) gradients, as in torch's
-        ``unscale_``. Sparse gradients are checked through their values, complex ones (which the kernel cannot take)
-        through their real views, fp16 ones as they are (times 1 loses nothing)."""
+    def step_checked(self, optimizer: Optimizer, step: Callable[[], Any]) -> bool:
         self._create_scale_for(optimizer)
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not OptState.READY:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update(), or"
-                               " step() has.")
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    grad = sparse_values(grad)
-                elif grad.is_complex():
-                    grad = torch.view_as_real(grad)
-                groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        found_per_device: dict[torch.device, torch.Tensor] = {}
-        for (device, _), grads in groups.items():
-            if device not in found_per_device:
-                found_per_device[device] = torch.zeros((), device=device)
-            non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
-        state["found_inf_per_device"] = found_per_device
-        state["stage"] = OptState.UNSCALED
+        return super().step_checked(optimizer, step)
 
-    def _one(self, device: torch.device) -> torch.Tensor:
-        one = self._ones.get(device)
-        if one is None:
-            one = self._ones[device] = torch.ones((), device=device)
-        return one
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_ones"] = {}  # made again where the copy runs
-        return state
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """The check alone (at a scale of 1 there is nothing to unscale): ``record_check``."""
+        self._create_scale_for(optimizer)
+        self.record_check(optimizer)
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         self._create_scale_for(optimizer)

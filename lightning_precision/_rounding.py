@@ -1,0 +1,65 @@
+"""How a value computed in fp32 lands in a 16-bit tensor: plainly (nearest), stochastically, or with a remainder that
+keeps what rounding dropped.
+
+Pure functions on plain tensors (a sharded weight's local part), used by the true-precision optimizer step for weights
+and for 16-bit optimizer states.
+
+- **nearest**: ``x.to(dtype)``. An update under half an ulp of the weight returns the weight unchanged: at 1.0, bf16's
+  ulp is 2**-7, so an AdamW step of 1e-4 never lands (Lightning's ``bf16-true`` stalls).
+- **stochastic**: rounds up with probability equal to the distance from the lower neighbour over the gap, so the
+  rounded value equals the fp32 value on average and small updates land in proportion. bf16 is the upper half of fp32:
+  16 random bits added to the fp32 bit pattern, then truncated (one integer add). fp16 is not: the neighbour on the
+  value's side is taken with ``nextafter``, with probability ``error / gap``.
+- **compensated**: the 16-bit weight plus a 16-bit remainder. bf16: the remainder is the low half of the fp32 bit
+  pattern, signed, so weight and remainder give back the fp32 value exactly (the weight is its nearest bf16). fp16: the
+  remainder ``x - fp16(x)`` kept in bf16 (fp32's range: fp16 would flush the remainder of a weight under 2**-3 or so),
+  about 19 bits of the value instead of fp32's 24.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["UPDATES", "join_remainder", "split_remainder", "stochastic_round"]
+
+UPDATES = ("stochastic", "compensated", "nearest")
+_LOW_HALF = 1 << 16
+
+
+def stochastic_round(value: Tensor, dtype: torch.dtype, generator: torch.Generator) -> Tensor:
+    """``value`` (fp32) rounded to ``dtype`` (bf16 or fp16) stochastically: unbiased, with random bits from
+    ``generator``. Non-finite values stay non-finite."""
+    if dtype == torch.bfloat16:
+        noise = torch.randint(0, _LOW_HALF, value.shape, dtype=torch.int32, device=value.device, generator=generator)
+        bits = value.view(torch.int32) + noise
+        return bits.bitwise_and_(-_LOW_HALF).view(torch.float32).to(torch.bfloat16)
+    near = value.to(dtype)
+    error = value - near.float()
+    toward = torch.where(error > 0, torch.inf, -torch.inf).to(dtype)
+    other = torch.nextafter(near, toward)
+    gap = other.float() - near.float()  # never 0 where error is not 0; inf beyond the format's largest value
+    chance = torch.where(error != 0, error / gap, 0.0)
+    draw = torch.rand(value.shape, dtype=torch.float32, device=value.device, generator=generator)
+    return torch.where(draw < chance, other, near)
+
+
+def split_remainder(value: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``value`` (fp32) as its nearest ``dtype`` and a 16-bit remainder (int16) such that
+    ``join_remainder(weight, remainder)`` gives ``value`` back: exactly for bf16, to about 19 bits for fp16."""
+    if dtype == torch.bfloat16:
+        bits = value.view(torch.int32)
+        # Rounding in bit space: the upper half, rounded half up, so that the signed remainder fits 16 bits.
+        high = (bits + (_LOW_HALF >> 1)).bitwise_right_shift_(16)
+        low = bits - high.bitwise_left_shift(16)
+        return high.to(torch.int16).view(torch.bfloat16), low.to(torch.int16)
+    weight = value.to(dtype)
+    return weight, (value - weight.float()).to(torch.bfloat16).view(torch.int16)
+
+
+def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
+    """The fp32 value a 16-bit ``weight`` and its ``remainder`` (from ``split_remainder``) stand for."""
+    if weight.dtype == torch.bfloat16:
+        high = weight.view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
+        return high.add_(remainder.to(torch.int32)).view(torch.float32)
+    return weight.float() + remainder.view(torch.bfloat16).float()

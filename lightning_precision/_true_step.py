@@ -1,0 +1,327 @@
+"""The optimizer step of the true-precision plugins: the user's own optimizer, stepped in fp32 on 16-bit weights.
+
+Weights and gradients live in bf16/fp16, optimizer states in the dtype asked for. At each step, a chunk of parameters
+at a time (``step_chunk`` elements: the transient memory is bounded by it, not by the model):
+
+1. each weight is widened to fp32 (its remainder added back under ``update="compensated"``), its gradient too (unscaled
+   and clipped in fp32), its states decoded to fp32;
+2. those fp32 stand-ins replace the parameters in the optimizer's groups, and its own ``step()`` runs on them: any
+   ``torch.optim`` optimizer, with its hyperparameters, foreach/fused kernels and schedulers as configured;
+3. the new fp32 weights land in the 16-bit weights by the chosen rounding, an element whose new value is not finite
+   keeping its old one (nothing non-finite is ever written), and the states are encoded again.
+
+A step whose gradients hold inf/nan never gets here: the plugin skips it (and an fp16 plugin backs its scale off).
+
+What the step keeps beside the user's states lives in the optimizer's own state, so that every checkpoint (the
+Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation), ``lp.rounds`` (how many
+times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the rank, it
+seeds the stochastic rounding, so that a resumed run draws the same numbers as one never stopped), ``lp.exp.<state>``
+(the power of two an fp16 state is stored at, so that Adam's second moment does not flush to zero), and
+``lp.hi.<state>``/``lp.lo.<state>`` (an fp32 state's two 16-bit halves). Every tensor among them is kept in the
+weight's dtype (integers as bit patterns, exponents as small integers that dtype holds exactly):
+``Optimizer.load_state_dict`` casts every state tensor to its parameter's dtype, and a cast to the same dtype changes
+no bit. 8-bit states (torchao's ``OptimState8bit``) keep their codes through that cast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_precision import _imports
+from lightning_precision._rounding import join_remainder, split_remainder, stochastic_round
+
+__all__ = ["OPTIMIZER_STATES", "STATE_PREFIX", "ClipRequest", "TrueStep", "is_own_key", "own_state_bytes"]
+
+OPTIMIZER_STATES = ("weight", "float32", "8bit")
+STATE_PREFIX = "lp."
+_REMAINDER = STATE_PREFIX + "remainder"
+_ROUNDS = STATE_PREFIX + "rounds"
+_EXP = STATE_PREFIX + "exp."
+_HIGH = STATE_PREFIX + "hi."
+_LOW = STATE_PREFIX + "lo."
+# States that are never negative: torchao's unsigned 8-bit map gives them its 256 codes.
+_NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
+_BLOCK = 256  # torchao's 8-bit block; smaller tensors (and those not a whole number of blocks) stay 16-bit
+_MIN_8BIT = 4096  # torchao's own low-bit optimizers keep tensors under 4096 elements in full precision
+# An fp16 state is stored times 2**e, with e chosen so that its largest element lands in [2**13, 2**14): headroom below
+# 65504, and 2**-24 * 2**-13 of the largest element still representable.
+_FP16_TOP = 14
+
+
+def is_own_key(key: Any) -> bool:
+    return isinstance(key, str) and key.startswith(STATE_PREFIX)
+
+
+@dataclass(frozen=True)
+class ClipRequest:
+    """Gradient clipping asked for this step, done in fp32 inside it: ``max_norm`` (total norm of ``norm_type``) or
+    ``max_value`` (each element)."""
+
+    max_norm: float | None = None
+    norm_type: float = 2.0
+    max_value: float | None = None
+
+
+def _local(tensor: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: Tensor, local: Tensor) -> Tensor:
+    """``local`` as the parameter is: a DTensor with its mesh and placements when it is one (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _is_sharded(param: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _seed(seed: int, index: int, rounds: int, rank: int) -> int:
+    """A 63-bit seed per (plugin seed, parameter, step, rank): splitmix64's finaliser over their combination."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + rounds * 0x94D049BB133111EB + rank) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & (2**63 - 1)
+
+
+def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
+    """A state the step converts: a floating tensor of the parameter's shape (not a step counter, not ours)."""
+    return (isinstance(value, Tensor) and not is_own_key(key) and key != "step" and param.dim() > 0
+            and value.shape == param.shape and (value.is_floating_point() or _is_8bit(value)))
+
+
+def _is_8bit(value: Any) -> bool:
+    return type(value).__name__ == "OptimState8bit"
+
+
+def own_state_bytes(value: Any) -> int:
+    """Bytes a state tensor holds on this rank (an 8-bit state's codes, block scales and map)."""
+    if not isinstance(value, Tensor):
+        return 0
+    local = _local(value)
+    if _is_8bit(local):
+        parts: tuple[Tensor, ...] = (local.codes, local.scale, local.qmap)  # type: ignore[attr-defined]
+        return sum(t.numel() * t.element_size() for t in parts)
+    return local.numel() * local.element_size()
+
+
+class TrueStep:
+    """Steps an optimizer in fp32 on 16-bit parameters. ``dtype``: the weights' dtype; ``update``: how a new value lands
+    (``_rounding``); ``states``: the optimizer states' storage (``OPTIMIZER_STATES``)."""
+
+    def __init__(self, dtype: torch.dtype, update: str, states: str, seed: int, step_chunk: int) -> None:
+        self.dtype, self.update, self.states = dtype, update, states
+        self.seed, self.step_chunk = seed, step_chunk
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._8bit: Any = None
+
+    # --- the step -------------------------------------------------------------------------------------------------
+
+    def step(self, optimizer: Optimizer, grad_factor: Tensor | None, clip: ClipRequest | None) -> None:
+        """One step of ``optimizer`` (its gradients checked finite by the caller). ``grad_factor``: multiplies each
+        gradient in fp32 (the inverse loss scale), before clipping."""
+        index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+        params = [p for p in index if p.grad is not None]
+        factor = grad_factor
+        if clip is not None and clip.max_norm is not None:
+            factor = self._norm_factor(params, factor, clip)
+        max_value = clip.max_value if clip is not None else None
+        for chunk in self._chunks(params):
+            self._step_chunk(optimizer, chunk, index, factor, max_value)
+
+    def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
+        chunk: list[Tensor] = []
+        size = 0
+        for p in params:
+            n = _local(p).numel()
+            if chunk and size + n > self.step_chunk:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(p)
+            size += n
+        if chunk:
+            yield chunk
+
+    @staticmethod
+    def _norm_factor(params: list[Tensor], factor: Tensor | None, clip: ClipRequest) -> Tensor | None:
+        """``factor`` times the clipping coefficient of the total gradient norm, computed in fp32 (a 16-bit norm of
+        fp16 gradients at a loss scale overflows). A DTensor's norm is reduced across its mesh."""
+        if not params:
+            return factor
+        from torch.distributed.tensor import DTensor
+
+        norms = []
+        for p in params:
+            norm = torch.linalg.vector_norm(p.grad, clip.norm_type, dtype=torch.float32)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        device = _local(params[0]).device
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), clip.norm_type)
+        if factor is not None:
+            total = total * factor
+        coefficient = (clip.max_norm / (total + 1e-6)).clamp(max=1.0)
+        return coefficient if factor is None else factor * coefficient
+
+    def _step_chunk(self, optimizer: Optimizer, chunk: list[Tensor], index: dict[Tensor, int],
+                    factor: Tensor | None, max_value: float | None) -> None:
+        members = set(chunk)
+        stand_ins: dict[Tensor, Tensor] = {}
+        stored: dict[Tensor, dict[str, Any]] = {}
+        groups = [group["params"] for group in optimizer.param_groups]
+        state = optimizer.state
+        try:
+            with torch.no_grad():
+                for p in chunk:
+                    stored[p] = state.pop(p) if p in state else {}
+                    stand_in = _like(p, self._widen(p, stored[p]))
+                    stand_in.grad = _like(p, self._grad(p, factor, max_value))
+                    stand_ins[p] = stand_in
+                    state[stand_in] = self._decode(p, stored[p])
+            for group, params in zip(optimizer.param_groups, groups, strict=True):
+                group["params"] = [stand_ins[p] for p in params if p in members]
+            optimizer.step()
+        except BaseException:
+            for p in chunk:  # nothing written: the parameters and their states as they were
+                if p in stand_ins:
+                    state.pop(stand_ins[p], None)
+                if p in stored:
+                    state[p] = stored[p]
+            raise
+        finally:
+            for group, params in zip(optimizer.param_groups, groups, strict=True):
+                group["params"] = params
+        with torch.no_grad():
+            for p in chunk:
+                self._commit(p, stand_ins[p], state.pop(stand_ins[p]), stored[p], index[p])
+                state[p] = stored[p]
+
+    def _widen(self, p: Tensor, own: dict[str, Any]) -> Tensor:
+        local = _local(p)
+        if local.dtype == torch.float32:  # a layer kept in fp32 (the layer policy): stepped as it is
+            return local.detach().clone()
+        remainder = own.get(_REMAINDER)
+        if self.update == "compensated" and remainder is not None:
+            return join_remainder(local, _local(remainder).view(torch.int16))
+        return local.float()
+
+    @staticmethod
+    def _grad(p: Tensor, factor: Tensor | None, max_value: float | None) -> Tensor:
+        grad = _local(p.grad).float()  # type: ignore[arg-type]
+        if factor is not None:
+            grad.mul_(factor.to(grad.device))
+        if max_value is not None:
+            grad.clamp_(-max_value, max_value)
+        return grad
+
+    @staticmethod
+    def _decode(p: Tensor, stored: dict[str, Any]) -> dict[str, Any]:
+        """The parameter's states as its optimizer keeps them, in fp32 where they are stored otherwise."""
+        states: dict[str, Any] = {}
+        for key, value in stored.items():
+            if isinstance(key, str) and key.startswith(_HIGH):
+                name = key[len(_HIGH):]
+                high = _local(value).view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
+                low = _local(stored[_LOW + name]).view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+                states[name] = _like(p, high.bitwise_or_(low).view(torch.float32))
+            elif is_own_key(key) or not _is_moment(key, value, p):
+                if not is_own_key(key):
+                    states[key] = value
+            else:
+                local = _local(value)
+                if _is_8bit(local):
+                    widened = local.dequantize()
+                else:
+                    widened = local.float()
+                    exponent = stored.get(_EXP + str(key))
+                    if exponent is not None:
+                        widened = torch.ldexp(widened, -_local(exponent).to(widened.device, torch.int32))
+                states[key] = _like(p, widened)
+        return states
+
+    def _commit(self, p: Tensor, stand_in: Tensor, new_state: dict[str, Any], own: dict[str, Any],
+                index: int) -> None:
+        """Land the stepped fp32 weight and states in their storage; ``own`` (the parameter's state from before the
+        step, holding our keys) becomes its state."""
+        old = _local(p)
+        new = _local(stand_in)
+        generator = None
+        if old.dtype != torch.float32 and self.update != "nearest":
+            rounds = int(own.get(_ROUNDS, 0))
+            generator = self._generator(new.device)
+            generator.manual_seed(_seed(self.seed, index, rounds, _rank() if _is_sharded(p) else 0))
+            own[_ROUNDS] = rounds + 1
+        # An element the optimizer left non-finite keeps its value: nothing non-finite is written.
+        new = torch.where(torch.isfinite(new), new, self._widen(p, own))
+        for key in [k for k in own if not is_own_key(k)]:
+            del own[key]
+        if old.dtype == torch.float32:
+            old.copy_(new)
+        elif self.update == "compensated":
+            weight, remainder = split_remainder(new, old.dtype)
+            old.copy_(weight)
+            own[_REMAINDER] = _like(p, remainder.view(old.dtype))
+        elif self.update == "stochastic":
+            old.copy_(stochastic_round(new, old.dtype, generator))  # type: ignore[arg-type]
+        else:
+            old.copy_(new)
+        for key, value in new_state.items():
+            encoded = self._encode(key, value, p, own, generator)
+            if encoded is not None:
+                own[key] = encoded
+
+    def _encode(self, key: Any, value: Any, p: Tensor, own: dict[str, Any], generator: torch.Generator | None) -> Any:
+        weight_dtype = _local(p).dtype
+        if not _is_moment(key, value, p) or weight_dtype == torch.float32:
+            return value
+        local = _local(value).float()
+        if self.states == "float32":
+            bits = local.contiguous().view(torch.int32)
+            own[_HIGH + str(key)] = _like(p, bits.bitwise_right_shift(16).to(torch.int16).view(weight_dtype))
+            own[_LOW + str(key)] = _like(p, bits.to(torch.int16).view(weight_dtype))
+            return None
+        if self.states == "8bit" and local.numel() >= _MIN_8BIT and local.numel() % _BLOCK == 0:
+            quantized = self._optim_state_8bit().zeros(local.shape, signed=key not in _NON_NEGATIVE,
+                                                       block_size=_BLOCK, device=local.device)
+            quantized.copy_(local)
+            return _like(p, quantized)
+        if weight_dtype == torch.float16:
+            # fp16 would flush a second moment of small gradients to zero (and the next update would divide by ~0):
+            # stored at a power of two that puts its largest element near 2**14, one for the whole (sharded) tensor so
+            # that a checkpoint holds one value for every rank.
+            largest = value.abs().amax()
+            largest = _local(largest.full_tensor() if _is_sharded(largest) else largest)
+            exponent = torch.where(largest > 0, _FP16_TOP - torch.frexp(largest).exponent, 0).to(torch.int32)
+            local = torch.ldexp(local, exponent.to(local.device))
+            own[_EXP + str(key)] = exponent.to(weight_dtype)  # a small integer: exact in fp16
+        if generator is not None:
+            return _like(p, stochastic_round(local.contiguous(), weight_dtype, generator))
+        return _like(p, local.to(weight_dtype))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
+        return generator
+
+    def _optim_state_8bit(self) -> Any:
+        if self._8bit is None:
+            self._8bit = _imports.import_quietly("torchao.optim.subclass_8bit").OptimState8bit
+        return self._8bit
