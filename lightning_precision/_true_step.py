@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_precision import _imports
+from lightning_precision._fsdp import local_shard
 from lightning_precision._rounding import join_remainder, split_remainder, stochastic_round
 
 __all__ = ["OPTIMIZER_STATES", "STATE_PREFIX", "ClipRequest", "TrueStep", "is_own_key", "own_state_bytes"]
@@ -69,9 +70,9 @@ class ClipRequest:
 
 
 def _local(tensor: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_shard(tensor)
+    assert local is not None
+    return local
 
 
 def _like(param: Tensor, local: Tensor) -> Tensor:
