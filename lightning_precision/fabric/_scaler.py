@@ -265,7 +265,9 @@ class TrackingGradScaler(torch.amp.GradScaler):
         found_per_device: dict[torch.device, torch.Tensor] = {}
         for (device, _), grads in groups.items():
             if device not in found_per_device:
-                found_per_device[device] = torch.zeros((), device=device)
+                # fp32 whatever the default dtype: manual optimization steps inside a true-precision plugin's forward
+                # context, where new tensors default to bf16/fp16 (and torch's kernel takes only fp32 flags and factors).
+                found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
             non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
         state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED
@@ -273,7 +275,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
     def _one(self, device: torch.device) -> torch.Tensor:
         one = self._ones.get(device)
         if one is None:
-            one = self._ones[device] = torch.ones((), device=device)
+            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
         return one
 
     def step_checked(self, optimizer: Optimizer, step: Callable[[], Any]) -> bool:
@@ -285,7 +287,8 @@ class TrackingGradScaler(torch.amp.GradScaler):
         found = self._found_inf(optimizer)
         skipped = bool(found is not None and found.item() > 0)
         if not state["found_inf_per_device"] and self._scale is not None:  # no gradient: a clean (empty) step
-            state["found_inf_per_device"] = {self._scale.device: torch.zeros((), device=self._scale.device)}
+            state["found_inf_per_device"] = {self._scale.device: torch.zeros((), dtype=torch.float32,
+                                                                             device=self._scale.device)}
         if not skipped:
             step()
         state["stage"] = OptState.STEPPED
@@ -561,8 +564,8 @@ class NonFiniteGuard(TrackingGradScaler):
                 for p, before in zip(params, saved, strict=True):
                     p.copy_(before)
         device = self._scale.device if self._scale is not None else torch.device("cpu")
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {device: torch.tensor(float(bad),
-                                                                                                   device=device)}
+        found = torch.tensor(float(bad), dtype=torch.float32, device=device)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {device: found}
         self._host_skipped[id(optimizer)] = bad
         return output
 
