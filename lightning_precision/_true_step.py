@@ -303,7 +303,7 @@ class TrueStep:
                                                        block_size=_BLOCK, device=local.device)
             quantized.copy_(local)
             return _like(p, quantized)
-        if weight_dtype == torch.float16:
+        if weight_dtype == torch.float16 and value.numel() > 0:  # (an empty state has no largest element)
             # fp16 would flush a second moment of small gradients to zero (and the next update would divide by ~0):
             # stored at a power of two that puts its largest element near 2**14, one for the whole (sharded) tensor so
             # that a checkpoint holds one value for every rank.
