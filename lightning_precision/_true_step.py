@@ -17,10 +17,12 @@ Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the com
 times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the rank, it
 seeds the stochastic rounding, so that a resumed run draws the same numbers as one never stopped), ``lp.exp.<state>``
 (the power of two an fp16 state is stored at, so that Adam's second moment does not flush to zero), and
-``lp.hi.<state>``/``lp.lo.<state>`` (an fp32 state's two 16-bit halves). Every tensor among them is kept in the
-weight's dtype (integers as bit patterns, exponents as small integers that dtype holds exactly):
-``Optimizer.load_state_dict`` casts every state tensor to its parameter's dtype, and a cast to the same dtype changes
-no bit. 8-bit states (torchao's ``OptimState8bit``) keep their codes through that cast.
+``lp.hi.<state>``/``lp.lo.<state>`` (an fp32 state's two 16-bit halves), ``lp.q8.<state>``/``lp.q8scale.<state>``
+(an 8-bit state's codes, two to an element, and its fp32 block scales: torchao's ``OptimState8bit`` quantizes and
+dequantizes, but is not what is stored, because ``torch.load`` cannot rebuild a tensor subclass under the callable
+``map_location`` that Lightning's Trainer and ``fabric.load`` pass). Every tensor among them is kept in the weight's
+dtype (integers as bit patterns, exponents as small integers that dtype holds exactly): ``Optimizer.load_state_dict``
+casts every state tensor to its parameter's dtype, and a cast to the same dtype changes no bit.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ _ROUNDS = STATE_PREFIX + "rounds"
 _EXP = STATE_PREFIX + "exp."
 _HIGH = STATE_PREFIX + "hi."
 _LOW = STATE_PREFIX + "lo."
+_CODES = STATE_PREFIX + "q8."
+_SCALES = STATE_PREFIX + "q8scale."
 # States that are never negative: torchao's unsigned 8-bit map gives them its 256 codes.
 _NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
 _BLOCK = 256  # torchao's 8-bit block; smaller tensors (and those not a whole number of blocks) stay 16-bit
@@ -134,6 +138,7 @@ class TrueStep:
         self.seed, self.step_chunk = seed, step_chunk
         self._generators: dict[torch.device, torch.Generator] = {}
         self._8bit: Any = None
+        self._qmaps: dict[tuple[bool, torch.device], Tensor] = {}
 
     # --- the step -------------------------------------------------------------------------------------------------
 
@@ -232,8 +237,7 @@ class TrueStep:
             grad.clamp_(-max_value, max_value)
         return grad
 
-    @staticmethod
-    def _decode(p: Tensor, stored: dict[str, Any]) -> dict[str, Any]:
+    def _decode(self, p: Tensor, stored: dict[str, Any]) -> dict[str, Any]:
         """The parameter's states as its optimizer keeps them, in fp32 where they are stored otherwise."""
         states: dict[str, Any] = {}
         for key, value in stored.items():
@@ -242,12 +246,14 @@ class TrueStep:
                 high = _local(value).view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
                 low = _local(stored[_LOW + name]).view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
                 states[name] = _like(p, high.bitwise_or_(low).view(torch.float32))
+            elif isinstance(key, str) and key.startswith(_CODES):
+                states[key[len(_CODES):]] = _like(p, self._dequantize(p, key[len(_CODES):], value, stored))
             elif is_own_key(key) or not _is_moment(key, value, p):
                 if not is_own_key(key):
                     states[key] = value
             else:
                 local = _local(value)
-                if _is_8bit(local):
+                if _is_8bit(local):  # the state of a torchao 8-bit optimizer the user chose
                     widened = local.dequantize()
                 else:
                     widened = local.float()
@@ -302,7 +308,9 @@ class TrueStep:
             quantized = self._optim_state_8bit().zeros(local.shape, signed=key not in _NON_NEGATIVE,
                                                        block_size=_BLOCK, device=local.device)
             quantized.copy_(local)
-            return _like(p, quantized)
+            own[_CODES + str(key)] = quantized.codes.reshape(-1).view(torch.int16).view(weight_dtype)
+            own[_SCALES + str(key)] = quantized.scale.view(torch.int16).view(weight_dtype)
+            return None
         if weight_dtype == torch.float16 and value.numel() > 0:  # (an empty state has no largest element)
             # fp16 would flush a second moment of small gradients to zero (and the next update would divide by ~0):
             # stored at a power of two that puts its largest element near 2**14, one for the whole (sharded) tensor so
@@ -321,6 +329,19 @@ class TrueStep:
         if generator is None:
             generator = self._generators[device] = torch.Generator(device=device)
         return generator
+
+    def _dequantize(self, p: Tensor, key: str, codes: Tensor, stored: dict[str, Any]) -> Tensor:
+        """An 8-bit state (``lp.q8.<key>`` and ``lp.q8scale.<key>``) in fp32, through torchao's own dequantization."""
+        local = _local(p)
+        signed = key not in _NON_NEGATIVE
+        qmap = self._qmaps.get((signed, local.device))
+        if qmap is None:  # torchao's map of 256 values, the same for every state of a sign
+            qmap = self._optim_state_8bit().zeros((_BLOCK,), signed=signed, block_size=_BLOCK, device=local.device).qmap
+            self._qmaps[(signed, local.device)] = qmap
+        scale = stored[_SCALES + key].view(torch.int16).view(torch.float32)
+        quantized = self._optim_state_8bit()(codes.view(torch.int16).view(torch.uint8).reshape(local.shape), scale,
+                                              qmap, signed)
+        return quantized.dequantize()
 
     def _optim_state_8bit(self) -> Any:
         if self._8bit is None:
