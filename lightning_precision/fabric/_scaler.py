@@ -266,7 +266,7 @@ class TrackingGradScaler(torch.amp.GradScaler):
         for (device, _), grads in groups.items():
             if device not in found_per_device:
                 # fp32 whatever the default dtype: manual optimization steps inside a true-precision plugin's forward
-                # context, where new tensors default to bf16/fp16 (and torch's kernel takes only fp32 flags and factors).
+                # context, where new tensors default to bf16/fp16 (torch's kernel takes only fp32 flags and factors).
                 found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
             non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
         state["found_inf_per_device"] = found_per_device
