@@ -13,6 +13,14 @@ loss that autocast runs in fp32 anyway, and scale, unscale and step through the 
 without loss scaling skip a step whose gradients hold inf/nan (``skip_nonfinite``, their guard at a scale of 1, which
 multiplies by 1: exact); their reference skips such a step by hand, and their specs feed a NaN batch so that it does.
 
+The true-precision plugins do not autocast: their reference casts the model and the inputs to the 16-bit dtype, and
+steps by one of three hand-written recipes (``PluginSpec.true_step``), each what one of their settings must do exactly:
+``"lightning"``, the optimizer on the 16-bit weights (Lightning's ``bf16-true``: ``update="nearest"``); ``"master"``,
+fp32 master weights of which the model holds the nearest bf16 (``update="compensated"`` with fp32 states: weight and
+remainder are the fp32 weight); ``"widened"``, each step on the 16-bit weights widened to fp32, gradients unscaled by
+torch's ``GradScaler`` in fp32, the result rounded to nearest (``update="nearest"`` with fp32 states, fp16). Their
+stochastic rounding (the default) has no hand-written twin here; tests/test_true_precision.py checks it against fp32.
+
 Each check was seen to fail on a copy of the package broken on purpose: autocast disabled (parity, every plugin); the
 scaler growing one step late (fp16 parity); ``load_state_dict`` ignoring the scaler state (round-trip); ``__getstate__``
 losing the compute dtype (pickling); the autocast weight cache switched on, on torch 2.7 (no_grad forward); the fp8
@@ -113,6 +121,8 @@ class PluginSpec:
     requires: tuple[str, ...] = ()
     # The only admitted reason not to run: hardware that cannot exist here and cannot be emulated.
     cannot_run_here: str | None = None
+    # A true-precision plugin (16-bit weights, no autocast): its reference recipe (module docstring), else None.
+    true_step: str | None = None
     # Package bugs the checks found, "<fabric|plugins>.<check>" -> what is wrong: a strict xfail, so the check turns
     # red (XPASS) the day the bug is fixed, asking for the entry to go.
     known_bugs: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -161,6 +171,18 @@ SPECS: dict[str, dict[str, PluginSpec]] = {
     },
     # FP8Precision with Transformer Engine's NVFP4 recipe: TE needs CUDA, NVFP4 a Blackwell GPU, and nothing emulates
     # it. Its own logic runs against the TE stand-in (tests/test_fp8_transformer_engine.py).
+    # Always guarded (no `skip_nonfinite` argument): each variant is fed a batch to skip. The plugins' default,
+    # stochastic rounding, runs every check but parity (it has no hand-written twin) in tests/test_true_precision.py.
+    "BF16TruePrecision": {
+        "nearest": PluginSpec(kwargs={"update": "nearest"}, true_step="lightning", guard=True, nan_batches=_NAN_BATCHES),
+        "compensated-float32": PluginSpec(kwargs={"update": "compensated", "optimizer_states": "float32"},
+                                          true_step="master", guard=True, nan_batches=_NAN_BATCHES),
+    },
+    "FP16TruePrecision": {
+        "nearest-float32": PluginSpec(kwargs={"update": "nearest", "optimizer_states": "float32", **_SCALER},
+                                      dtype=torch.float16, scaler=dict(_SCALER), true_step="widened",
+                                      overflow_batches=_OVERFLOW_BATCHES),
+    },
     "NVFP4Precision": {
         "te-nvfp4": PluginSpec(cannot_run_here="needs Transformer Engine and compute capability 10.0 (no emulation)"),
     },
@@ -232,8 +254,53 @@ def _sgd(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)  # LitNet.configure_optimizers' optimizer
 
 
+def _nearest_bf16_ties_away(value: torch.Tensor) -> torch.Tensor:
+    """fp32 to its nearest bf16, a tie rounded away from zero (torch's cast rounds it to even): the upper half of the
+    bits after adding half the lower half's range, which is how a compensated weight holds its fp32 value."""
+    bits = value.view(torch.int32)
+    return (bits + (1 << 15)).bitwise_right_shift(16).to(torch.int16).view(torch.bfloat16)
+
+
+def true_reference_loop(spec: PluginSpec, steps: int = STEPS) -> Run:
+    """The hand-written recipes of the true-precision plugins (module docstring): the model and the inputs in the
+    16-bit dtype, no autocast, the loss in fp32, a step with inf/nan gradients skipped."""
+    net = make_net(0).to(spec.dtype)
+    params = list(net.parameters())
+    if spec.true_step == "lightning":
+        stepped = params
+    else:  # the fp32 weights the optimizer steps: kept ("master") or taken from the 16-bit ones each step ("widened")
+        stepped = [nn.Parameter(p.detach().float()) for p in params]
+    optimizer = torch.optim.SGD(stepped, lr=LR, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **spec.scaler) if spec.scaler is not None else None
+    losses = []
+    for x, y in loader(spec.data(steps)):
+        loss = nn.functional.cross_entropy(net(x.to(spec.dtype)).float(), y)
+        losses.append(float(loss))
+        net.zero_grad()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        with torch.no_grad():
+            for wide, p in zip(stepped, params, strict=True):
+                if spec.true_step == "widened":
+                    wide.copy_(p.float())
+                if wide is not p:
+                    wide.grad = p.grad.float()
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # fp32 gradients: unscaled in fp32
+            scaler.step(optimizer)
+            scaler.update()
+        elif all(torch.isfinite(p.grad).all() for p in params):
+            optimizer.step()
+        if spec.true_step != "lightning":
+            with torch.no_grad():
+                for wide, p in zip(stepped, params, strict=True):
+                    p.copy_(_nearest_bf16_ties_away(wide) if spec.true_step == "master" else wide.to(p.dtype))
+    return Run(losses, net, scaler=scaler, optimizer=optimizer)
+
+
 def reference_loop(spec: PluginSpec, steps: int = STEPS) -> Run:
     """The plain PyTorch recipe the plugin must reproduce: autocast, a GradScaler for fp16, the fp8 conversion."""
+    if spec.true_step is not None:
+        return true_reference_loop(spec, steps)
     net = make_net(0)
     if spec.convert is not None:
         spec.convert(net)
@@ -279,7 +346,8 @@ def fabric_fit(plugin: Any, spec: PluginSpec, steps: int = STEPS, teacher_first:
             if teacher_first:
                 with torch.no_grad():
                     model(x)
-            loss = nn.functional.cross_entropy(model(x), y)
+            # The loss in fp32 (autocast runs it so anyway; a true-precision model's output is 16-bit in one region).
+            loss = nn.functional.cross_entropy(model(x).float(), y)
         run.losses.append(float(loss))
         optimizer.zero_grad()
         fabric.backward(loss)
@@ -299,10 +367,16 @@ class _Recorder(LitNet):
         self.grads: list[list[torch.Tensor | None]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
         if self.teacher_first:
             with torch.no_grad():
-                self(batch[0])
-        return super().training_step(batch, batch_idx)
+                self(x)
+        out = self(x)
+        self.output_dtypes.append(out.dtype)
+        # The loss in fp32, as in the reference (autocast runs it so anyway; a true-precision output is 16-bit).
+        loss = nn.functional.cross_entropy(out.float(), y)
+        self.losses.append(float(loss))
+        return loss
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.grads.append([p.grad.clone() if p.grad is not None else None for p in self.net.parameters()])
@@ -347,7 +421,7 @@ def _probe_input() -> torch.Tensor:
 
 def forward_in(plugin: Any, net: nn.Module) -> torch.Tensor:
     with torch.no_grad(), plugin.forward_context():
-        return net(_probe_input())
+        return net(plugin.convert_input(_probe_input()))  # (a true-precision plugin's model takes 16-bit inputs)
 
 
 class PluginTester:

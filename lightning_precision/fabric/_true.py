@@ -227,6 +227,18 @@ class TruePrecision(ScaledPrecision):
         return None
 
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Weak references do not pickle (ddp_spawn pickles the plugin): the copy knows no layer, and hooks the ones of
+        # the model it converts (hooks registered twice on one layer cast what is already cast: a no-op).
+        state = super().__getstate__()
+        state["_kept"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._kept = weakref.WeakSet()
+
+
 def _plain_step(optimizer: Optimizer, clip: ClipRequest | None) -> None:
     if clip is not None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
