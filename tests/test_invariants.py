@@ -23,8 +23,17 @@ def _param(cls):
 
 
 ALL = [_param(cls) for cls in FABRIC_PLUGINS + TRAINER_PLUGINS]
-# Each plugin's standard precision string and the dtype autocast must run in.
-EXPECTED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# Each plugin's standard precision string and the dtype it computes in: autocast's for the mixed plugins, the weights'
+# and the default dtype's for the true ones (no autocast).
+EXPECTED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16,
+            "16-true": torch.float16}
+
+
+def is_true(cls: type) -> bool:
+    """A true-precision plugin: 16-bit weights and default dtype instead of autocast (no `matmul_precision`: nothing
+    but a layer kept in fp32 runs an fp32 matmul). Told by the precision string of an instance (some classes set it
+    in `__init__`)."""
+    return make(cls).precision.endswith("-true")
 OWN_DEVICE = {"XPUPrecision"}
 make = make_runnable
 
@@ -54,6 +63,15 @@ def test_answers_the_logging_questions(cls):
 def test_precision_string_and_compute_dtype(cls):
     plugin = make(cls)
     assert EXPECTED[plugin.precision] == plugin.compute_dtype
+    if is_true(cls):
+        net = plugin.convert_module(make_net())
+        assert {p.dtype for p in net.parameters()} == {plugin.compute_dtype}
+        with plugin.forward_context():
+            assert torch.get_default_dtype() == plugin.compute_dtype and not torch.is_autocast_enabled("cpu")
+            assert torch.zeros(1).dtype == plugin.compute_dtype  # tensors made in the forward pass
+            assert net(plugin.convert_input(torch.randn(2, 16))).dtype == plugin.compute_dtype
+        assert torch.get_default_dtype() == torch.float32
+        return
     with plugin.forward_context():
         assert torch.get_autocast_dtype("cpu") == plugin.compute_dtype
         assert make_net()(torch.randn(2, 16)).dtype == plugin.compute_dtype
@@ -62,11 +80,14 @@ def test_precision_string_and_compute_dtype(cls):
 @pytest.mark.parametrize("cls", ALL)
 def test_state_restored_after_an_exception_in_the_forward_context(cls):
     torch.set_float32_matmul_precision("highest")
-    plugin = make(cls, matmul_precision="medium")
+    plugin = make(cls) if is_true(cls) else make(cls, matmul_precision="medium")
     default_dtype = torch.get_default_dtype()
     with pytest.raises(RuntimeError, match="boom"):
         with plugin.forward_context():
-            assert torch.get_float32_matmul_precision() == "medium"
+            if is_true(cls):
+                assert torch.get_default_dtype() == plugin.compute_dtype
+            else:
+                assert torch.get_float32_matmul_precision() == "medium"
             raise RuntimeError("boom")
     assert torch.get_default_dtype() == default_dtype
     assert not torch.is_autocast_enabled("cpu")
@@ -87,6 +108,8 @@ def _record_matmul_precision(net, seen):
 @pytest.mark.parametrize("cls", ALL)
 def test_matmul_precision_holds_in_forward_and_backward_and_is_restored(cls):
     """Fabric never calls the plugin's teardown: the setting must not outlive the passes it is for."""
+    if is_true(cls):
+        pytest.skip(f"{cls.__name__} takes no matmul_precision (no fp32 matmul but in a layer kept fp32)")
     torch.set_float32_matmul_precision("highest")
     plugin = make(cls, matmul_precision="medium")
     seen = []
