@@ -694,3 +694,46 @@ def test_a_compiled_model_trains():
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
         assert plugin.skipped_steps == 0
 
+
+
+@pytest.mark.parametrize("make", [
+    lambda: lightning_precision.BF16TruePrecision(update="compensated"),
+    lambda: lightning_precision.FP16TruePrecision(),
+], ids=["bf16-compensated", "fp16"])
+def test_gradient_accumulation_tracks_fp32(make):
+    """Two micro-batches an optimizer step (Lightning averages them): 100 optimizer steps of the problem track fp32's
+    100 steps, each parameter rounded once an optimizer step."""
+    plugin = make()
+    model, t = fit_regression(plugin, steps=100, accumulate_grad_batches=2)
+    assert t.global_step == 100 and len(model.losses) == 200
+    assert int(t.optimizers[0].state[model.layer.weight]["lp.rounds"]) == 100
+    assert plugin.skipped_steps == 0
+    minimum = EACH_OPTIMIZER["fp16" if isinstance(plugin, lpf.FP16TruePrecision) else "bf16-compensated"]
+    assert progress(evaluate(model.layer.weight), fp32_final(100)) >= minimum
+
+
+def test_a_fitted_plugin_pickles_with_its_layer_policy_and_rounding_state():
+    """ddp_spawn pickles the plugin: after a fit with layers kept in fp32 and stochastic rounding, the copy has the
+    same state and converts and runs a model the same way."""
+    import pickle
+
+    plugin = lpf.BF16TruePrecision(keep_fp32=(nn.LayerNorm,))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    for x, y in loader(make_data(2)):
+        opt.zero_grad()
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy.state_dict() == plugin.state_dict()
+    other = copy.convert_module(nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)))
+    other.load_state_dict(net.state_dict())
+    assert other[1].weight.dtype == torch.float32 and other[0].weight.dtype == torch.bfloat16
+    x = torch.randn(4, 16)
+    with torch.no_grad(), copy.forward_context():
+        out = other(copy.convert_input(x))
+    with torch.no_grad(), plugin.forward_context():
+        expected = net(plugin.convert_input(x))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
