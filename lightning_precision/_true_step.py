@@ -275,7 +275,8 @@ class TrueStep:
             generator = self._generator(new.device)
             generator.manual_seed(_seed(self.seed, index, rounds, _rank() if _is_sharded(p) else 0))
             own[_ROUNDS] = rounds + 1
-        # An element the optimizer left non-finite keeps its value: nothing non-finite is written.
+        # An element the optimizer left non-finite keeps its value, and so does one the 16-bit format cannot hold:
+        # nothing non-finite is written.
         new = torch.where(torch.isfinite(new), new, self._widen(p, own))
         for key in [k for k in own if not is_own_key(k)]:
             del own[key]
@@ -283,12 +284,20 @@ class TrueStep:
             old.copy_(new)
         elif self.update == "compensated":
             weight, remainder = split_remainder(new, old.dtype)
-            old.copy_(weight)
+            fits = torch.isfinite(weight)
+            if _REMAINDER in own:
+                remainder = torch.where(fits, remainder, _local(own[_REMAINDER]).view(torch.int16))
+            else:
+                remainder = torch.where(fits, remainder, 0)
+            old.copy_(torch.where(fits, weight, old))
             own[_REMAINDER] = _like(p, remainder.view(old.dtype))
-        elif self.update == "stochastic":
-            old.copy_(stochastic_round(new, old.dtype, generator))  # type: ignore[arg-type]
         else:
-            old.copy_(new)
+            if self.update == "stochastic":
+                landed = stochastic_round(new, old.dtype, generator)  # type: ignore[arg-type]
+            else:
+                landed = new.to(old.dtype)
+            # A finite fp32 value beyond the 16-bit format's largest (fp16: 65504) rounds to inf: it keeps its value.
+            old.copy_(torch.where(torch.isfinite(landed), landed, old))
         for key, value in new_state.items():
             encoded = self._encode(key, value, p, own, generator)
             if encoded is not None:

@@ -737,3 +737,26 @@ def test_a_fitted_plugin_pickles_with_its_layer_policy_and_rounding_state():
     with torch.no_grad(), plugin.forward_context():
         expected = net(plugin.convert_input(x))
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kwargs", [{"update": "nearest"}, {"update": "stochastic"}, {"update": "compensated"},
+                                    {"update": "nearest", "optimizer_states": "float32"}],
+                         ids=["nearest", "stochastic", "compensated", "nearest-float32"])
+def test_an_fp16_weight_pushed_beyond_65504_keeps_its_value(kwargs):
+    """A finite gradient and a finite fp32 update whose result fp16 cannot hold (65992 > 65504): rounded, it would be
+    inf, and the next forward NaN. The element keeps its value; the others step."""
+    plugin = lpf.FP16TruePrecision(init_scale=1.0, **kwargs)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[64992.0, 1.0]]))
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=1000.0))
+    fabric.backward(-model(torch.tensor([[1.0, 0.5]])).sum())  # gradient -1 and -0.5: both weights grow
+    opt.step()
+    assert plugin.skipped_steps == 0
+    assert net.weight[0, 0].item() == 64992.0
+    assert net.weight[0, 1].item() == pytest.approx(501.0, rel=1e-3)
+    opt.zero_grad()
+    fabric.backward(model(torch.tensor([[0.1, 0.0]])).sum())  # back down by 100 (a remainder kept with its weight)
+    opt.step()
+    assert 64800.0 < net.weight[0, 0].item() < 64992.0
