@@ -175,7 +175,7 @@ def test_lightning_16_true_turns_nan_and_ours_never_does(regression):
 
 
 def test_fabric_default_plugin_tracks_fp32_where_lightning_bf16_true_stalls():
-    lightning, _, _ = fabric_regression(HalfPrecision("bf16-true"))
+    lightning, _, _ = fabric_regression(HalfPrecision("bf16-true"), steps=50)
     ours, opt, _ = fabric_regression(lpf.BF16TruePrecision())
     assert torch.equal(lightning.weight.float(), problem()[0])
     assert ours.weight.dtype == torch.bfloat16
@@ -198,7 +198,7 @@ EACH_OPTIMIZER = {"bf16-stochastic": 0.83, "bf16-compensated": 0.85, "fp16": 0.9
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
-@pytest.mark.parametrize("plugin", sorted(EACH_OPTIMIZER))
+@pytest.mark.parametrize("plugin", ["bf16-stochastic", "fp16"])  # compensated: the regression and accumulation tests
 def test_each_optimizer_tracks_fp32(optimizer, plugin):
     """SGD with momentum, Adam and AdamW, as the user configures them (100 steps of the problem)."""
     steps = 100
