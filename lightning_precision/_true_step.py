@@ -16,7 +16,8 @@ What the step keeps beside the user's states lives in the optimizer's own state,
 Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation), ``lp.rounds`` (how many
 times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the rank, it
 seeds the stochastic rounding, so that a resumed run draws the same numbers as one never stopped), ``lp.exp.<state>``
-(the power of two an fp16 state is stored at, so that Adam's second moment does not flush to zero), and
+(the power of two an fp16 state is stored at, so that Adam's second moment does not flush to zero; a sum of squares
+is stored as its square root, whose range is the gradients'), and
 ``lp.hi.<state>``/``lp.lo.<state>`` (an fp32 state's two 16-bit halves), ``lp.q8.<state>``/``lp.q8scale.<state>``
 (an 8-bit state's codes, two to an element, and its fp32 block scales: torchao's ``OptimState8bit`` quantizes and
 dequantizes, but is not what is stored, because ``torch.load`` cannot rebuild a tensor subclass under the callable
@@ -52,6 +53,10 @@ _CODES = STATE_PREFIX + "q8."
 _SCALES = STATE_PREFIX + "q8scale."
 # States that are never negative: torchao's unsigned 8-bit map gives them its 256 codes.
 _NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
+# States that are sums of squares (Adam's second moment, Adagrad's sum, RMSprop's average, Adadelta's deltas): their
+# range is the square of the gradients', wider than fp16 holds at one power of two when the gradients of one tensor span
+# more than about 6 decades. Stored in fp16 as their square roots (the gradients' own range), squared when read.
+_SQUARED = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta"})
 _BLOCK = 256  # torchao's 8-bit block; smaller tensors (and those not a whole number of blocks) stay 16-bit
 _MIN_8BIT = 4096  # torchao's own low-bit optimizers keep tensors under 4096 elements in full precision
 # An fp16 state is stored times 2**e, with e chosen so that its largest element lands in [2**13, 2**14): headroom below
@@ -260,6 +265,8 @@ class TrueStep:
                     exponent = stored.get(_EXP + str(key))
                     if exponent is not None:
                         widened = torch.ldexp(widened, -_local(exponent).to(widened.device, torch.int32))
+                        if key in _SQUARED:
+                            widened = widened.square()
                 states[key] = _like(p, widened)
         return states
 
@@ -323,9 +330,11 @@ class TrueStep:
         if weight_dtype == torch.float16 and value.numel() > 0:  # (an empty state has no largest element)
             # fp16 would flush a second moment of small gradients to zero (and the next update would divide by ~0):
             # stored at a power of two that puts its largest element near 2**14, one for the whole (sharded) tensor so
-            # that a checkpoint holds one value for every rank.
+            # that a checkpoint holds one value for every rank; a sum of squares as its square root (_SQUARED).
             largest = value.abs().amax()
             largest = _local(largest.full_tensor() if _is_sharded(largest) else largest)
+            if key in _SQUARED:
+                local, largest = local.sqrt(), largest.sqrt()
             exponent = torch.where(largest > 0, _FP16_TOP - torch.frexp(largest).exponent, 0).to(torch.int32)
             local = torch.ldexp(local, exponent.to(local.device))
             own[_EXP + str(key)] = exponent.to(weight_dtype)  # a small integer: exact in fp16

@@ -760,3 +760,35 @@ def test_an_fp16_weight_pushed_beyond_65504_keeps_its_value(kwargs):
     fabric.backward(model(torch.tensor([[0.1, 0.0]])).sum())  # back down by 100 (a remainder kept with its weight)
     opt.step()
     assert 64800.0 < net.weight[0, 0].item() < 64992.0
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adam-amsgrad", "rmsprop", "adagrad"])
+def test_fp16_second_moments_of_gradients_spanning_seven_decades(optimizer):
+    """One tensor whose gradients span 1 to 1e-7: their squares span 14 decades, more than fp16 holds at any one power
+    of two (about 11 between 2**14 and its smallest subnormal). Stored so, the smallest second moments flushed or
+    rounded to a few subnormal steps, and their elements took updates twice fp32's (Adam, 10 steps). Each update must
+    be fp32's to fp16's accuracy."""
+    makers = {
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+        "adam-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    }
+    # fp16-exact gradients (1e-7 is subnormal in fp16: 2**-23 here), and the fp32 run given the very same ones.
+    grad = torch.tensor([1.0, 2.0**-10, 2.0**-17, 2.0**-23])
+
+    def run(plugin: Any) -> torch.Tensor:
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin] if plugin is not None else None)
+        layer = nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            layer.weight.zero_()
+        model, opt = fabric.setup(layer, makers[optimizer](layer.parameters()))
+        for _ in range(10):
+            opt.zero_grad()
+            fabric.backward(model(grad.unsqueeze(0)).sum())
+            opt.step()
+        return layer.weight.detach().float().flatten()
+
+    expected = run(None)
+    got = run(lpf.FP16TruePrecision(init_scale=1.0))
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=0)
