@@ -25,7 +25,9 @@ Each check was seen to fail on a copy of the package broken on purpose: autocast
 scaler growing one step late (fp16 parity); ``load_state_dict`` ignoring the scaler state (round-trip); ``__getstate__``
 losing the compute dtype (pickling); the autocast weight cache switched on, on torch 2.7 (no_grad forward); the fp8
 conversion making new Parameters (optimizer parameters, and fp8 parity); a spec removed (its plugin's tests fail);
-the guard left out (bf16, fp8 and XPU bf16 parity: the NaN batch reaches the weights).
+the guard left out (bf16, fp8 and XPU bf16 parity: the NaN batch reaches the weights); for the true-precision
+plugins, the remainder ignored (compensated parity), fp32 states' low halves dropped (compensated and fp16 parity), and
+the plugin holding a WeakSet of its fp32 layers (pickling: it did, and was fixed).
 """
 
 from __future__ import annotations

@@ -793,3 +793,17 @@ def test_fp16_second_moments_of_gradients_spanning_seven_decades(optimizer):
     expected = run(None)
     got = run(lpf.FP16TruePrecision(init_scale=1.0))
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("make", [lambda: lightning_precision.BF16TruePrecision(),
+                                  lambda: lightning_precision.BF16TruePrecision(update="nearest"),
+                                  lambda: lightning_precision.FP16TruePrecision(init_scale=1.0)],
+                         ids=["bf16", "bf16-nearest", "fp16"])
+def test_a_skipped_step_holds_the_step_schedulers(make):
+    plugin = make()
+    data = make_data(4)
+    data.tensors[0][8] = float("nan")  # batch 1: every gradient NaN
+    t = trainer(plugin, max_steps=4)
+    t.fit(LitNet(scheduler=True), loader(data))
+    assert plugin.skipped_steps == 1
+    assert t.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5**3  # StepLR halves it on each of the 3 real steps
