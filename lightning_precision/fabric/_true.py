@@ -226,7 +226,6 @@ class TruePrecision(ScaledPrecision):
         self._update_pending = True
         return None
 
-
     def __getstate__(self) -> dict[str, Any]:
         # Weak references do not pickle (ddp_spawn pickles the plugin): the copy knows no layer, and hooks the ones of
         # the model it converts (hooks registered twice on one layer cast what is already cast: a no-op).
