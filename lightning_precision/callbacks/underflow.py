@@ -21,7 +21,7 @@ from lightning_precision._plots import check_plot_path
 from lightning_precision._upstream.lightning import unwrapped_name
 from lightning_precision._warnings import warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
-from lightning_precision.fabric._scaler import ScalerConfig, scale_of
+from lightning_precision.fabric._scaler import InStepScaler, ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format
 from lightning_precision.functional import (
     HIST_MAX,
@@ -62,6 +62,15 @@ def _loss_scale_of(plugin: Any) -> Tensor | None:
     return scale_of(scaler)
 
 
+def _scale_in_gradients(plugin: Any) -> Tensor | None:
+    """The loss scale the gradients still carry at ``on_before_optimizer_step`` (no synchronisation): a plugin that
+    unscales inside its own step (``FP16TruePrecision``: in fp16 the small gradients would flush), else None."""
+    scaler = getattr(plugin, "scaler", None)
+    if not isinstance(scaler, InStepScaler) or not scaler.is_enabled():
+        return None
+    return scaler.carried_scale()
+
+
 # `fp8_scaling=`: a plugin's `scaling_family` (FP8Precision.scaling_family), and how its casts are scaled: per row for
 # torchao's rowwise recipes (rounded to powers of two, as they are), per block of 32 for MXFP8, per tensor otherwise
 # (torchao tensorwise; Transformer Engine's delayed and current scaling, measured at the current amax; NVFP4's plugin,
@@ -83,6 +92,12 @@ def _plugin_scaling(plugin: Any) -> tuple[str, bool] | None:
         spec = cast_specs(plugin.recipe)["grad_output"]  # the recipe's own gradient cast, whatever its name
         return ("rowwise" if spec.axiswise else "tensorwise", spec.pow2)
     return _DYNAMIC.get(family, ("tensorwise", False))
+
+
+def _unscaled(g: Tensor, scale: Tensor | float) -> Tensor:
+    """``g / scale`` in (at least) fp32: in fp16 the small values would flush (a 0-d scale does not promote ``g``)."""
+    wide = g.to(torch.promote_types(g.dtype, torch.float32))
+    return wide / (scale.to(wide.device) if isinstance(scale, Tensor) else scale)
 
 
 def _module_path(param_name: str) -> str:
@@ -109,8 +124,11 @@ class _Probe:
     one of which joins the monitor's histogram once the probe is judged."""
 
     def __init__(self, nonzero: dict[str, Tensor], histogram: Tensor, finite: Tensor,
-                 activation_histogram: Tensor | None = None) -> None:
-        self.nonzero, self.histogram, self.finite = nonzero, histogram, finite
+                 activation_histogram: Tensor | None = None, headroom: Tensor | None = None) -> None:
+        # `finite`: whether it is judged (it stayed finite, and saw beyond the real backward); `overflowed`: whether it
+        # went non-finite (what makes the next probe smaller).
+        self.nonzero, self.histogram, self.overflowed = nonzero, histogram, ~finite
+        self.finite = finite if headroom is None else finite & headroom.to(finite.device)
         self.activation_histogram = activation_histogram
         self.real_activations: Tensor | None = None
 
@@ -323,7 +341,14 @@ class GradientUnderflowMonitor(Callback):
         if self.probe_factor is None:
             return
         params = {n: p for n, p in named_params if p.requires_grad}
-        effective = torch.as_tensor(loss_scale, dtype=torch.float32, device=loss.device) * self.probe_factor
+        scale = torch.as_tensor(loss_scale, dtype=torch.float32, device=loss.device)
+        effective = scale * self.probe_factor
+        headroom = None
+        if loss.dtype == torch.float16:
+            # An fp16 loss (FP16TruePrecision) takes its gradient, the scale, in fp16: above 2**15 it is inf at the
+            # root. Capped there; a probe no larger than the real scale sees nothing beyond it and is not judged.
+            effective = effective.clamp(max=2.0**15)
+            headroom = effective > scale
         probe = functools.partial(torch.autograd.grad, loss * effective, list(params.values()), retain_graph=True,
                                   allow_unused=True)
         self._fold_unjudged_activations()
@@ -347,7 +372,8 @@ class GradientUnderflowMonitor(Callback):
         finite = torch.stack([torch.isfinite(measurable_values(g)).all() for g in present.values()]).all() if present \
             else torch.ones((), dtype=torch.bool)
         nonzero = {n: measurable_values(g) != 0 for n, g in present.items()}
-        self._probe = _Probe(nonzero, exponent_histogram(present, 1.0 / effective), finite, probe_activations)
+        self._probe = _Probe(nonzero, exponent_histogram(present, 1.0 / effective), finite, probe_activations,
+                             headroom)
 
     def _fold_unjudged_activations(self) -> None:
         """A probe never judged (no ``measure_gradients`` after it): the real backward's activation gradients stand."""
@@ -356,19 +382,27 @@ class GradientUnderflowMonitor(Callback):
             self._probe.real_activations = None
 
     def measure_gradients(self, named_grads: Mapping[str, Tensor | None], loss_scale: Tensor | float | None = None,
-                          histogram: bool = True) -> None:
+                          histogram: bool = True, carries_scale: bool = False) -> None:
         """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question,
         and a probe run before this step's backward (``probe_backward``) adds what fp16 already flushed.
+
+        ``carries_scale=True``: the gradients still carry ``loss_scale`` (``FP16TruePrecision``'s fp16 gradients
+        before the optimizer step); each is divided by it in fp32, one tensor at a time, before it is measured.
 
         Across processes, ``compute(reduce)`` sums what each measured, so each gradient element must be measured by one
         process: pass each rank's local shard of sharded gradients (FSDP2), and ``histogram=False`` on all processes
         but one when gradients are replicated (DDP) so the histogram counts them once (fractions are unaffected)."""
+        if carries_scale and loss_scale is None:
+            raise ValueError("`GradientUnderflowMonitor.measure_gradients(carries_scale=True)`: pass the scale the"
+                             " gradients carry as `loss_scale=` (e.g. `plugin.loss_scale`).")
         probe, self._probe = self._probe, None
         hist = lost = compared = None
         for name, g in named_grads.items():
             if g is None:
                 continue
             try:
+                if carries_scale:
+                    g = _unscaled(g, loss_scale)  # type: ignore[arg-type]  # not None: checked above
                 per_format, scaled, h = gradient_stats(g, self.formats, loss_scale)
                 per_format = self._at_fp8_scale(g, per_format)
             except (RuntimeError, TypeError, ValueError) as err:
@@ -396,7 +430,7 @@ class GradientUnderflowMonitor(Callback):
             zero = torch.zeros_like(lost)
             lost, compared = torch.where(probe.finite, lost, zero), torch.where(probe.finite, compared, zero)
             self._count("lost/fp16", CastStats(numel=compared, exact_zero=zero, underflow=lost, overflow=zero,
-                                                    nonfinite=(~probe.finite).to(torch.int64)))
+                                                    nonfinite=probe.overflowed.to(torch.int64)))
             hist = torch.where(probe.finite, probe.histogram.to(hist.device), hist) if hist is not None else hist
         if hist is not None and histogram:
             self._add_histogram(0, hist)
@@ -582,8 +616,10 @@ class GradientUnderflowMonitor(Callback):
             # FSDP2 gradients are DTensor shards: each rank counts its own, and the sum across ranks counts each once.
             # Replicated ones (DDP) enter the histogram from rank zero only, for the same reason.
             grads = {n: local_shard(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
-            self.measure_gradients(grads, _loss_scale_of(trainer.precision_plugin),
-                                   histogram=trainer.is_global_zero or is_sharded(pl_module))
+            carried = _scale_in_gradients(trainer.precision_plugin)
+            scale = carried if carried is not None else _loss_scale_of(trainer.precision_plugin)
+            self.measure_gradients(grads, scale, histogram=trainer.is_global_zero or is_sharded(pl_module),
+                                   carries_scale=carried is not None)
         logs = self._measure_due if self.measure_every_n_steps is None else on_cadence(trainer, self.log_every_n_steps)
         if not logs:
             return
@@ -609,8 +645,11 @@ class GradientUnderflowMonitor(Callback):
             advice = (f"No loss scale within [{ScalerConfig.min_scale:g}, {ScalerConfig.max_scale:g}] keeps them"
                       f" without overflow (it would take {scale:g}): train in bf16 (BF16MixedPrecision).")
         else:
-            advice = (f"A loss scale of {scale:g} would leave {under:.3%}: `FP16MixedPrecision(init_scale={scale:g})`,"
-                      " or train in bf16.")
+            # The plugin to pass it to: the true one when the run is in true fp16, else the mixed one.
+            plugin = "FP16TruePrecision" if _scale_in_gradients(trainer.precision_plugin) is not None else \
+                "FP16MixedPrecision"
+            advice = (f"A loss scale of {scale:g} would leave {under:.3%}: `{plugin}(init_scale={scale:g})`, or"
+                      " train in bf16.")
         warn(f"{float(metrics[key]):.2%} of gradients flush to zero in fp16 {at} ({key}). {advice}")
 
     @override
