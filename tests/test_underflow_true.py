@@ -1,11 +1,14 @@
 """GradientUnderflowMonitor under the true-precision plugins, on real fits: gradients that are already 16-bit (and, in
 fp16, still at the loss scale when the hooks see them), and what rounding the new weights loses."""
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_precision import BF16TruePrecision, FP16TruePrecision
 from lightning_precision.callbacks import GradientUnderflowMonitor
+from lightning_precision.callbacks.underflow import _stepper_of
 from lightning_precision.functional import underflow_stats
 from tests.helpers import LitNet, loader, make_data, trainer
 from tests.test_underflow_monitor import GradCapture, TinyGrads
@@ -75,3 +78,86 @@ def test_fp16_true_probe_without_headroom_reports_no_loss():
     assert "precision/underflow/fp16/scaled" in t.callback_metrics
     assert "precision/underflow/fp16/lost" not in t.callback_metrics
     assert monitor.probe_factor == 2.0**16
+
+
+class Regression(L.LightningModule):
+    """The stall of a plain 16-bit step, small: a 16x16 linear map with weights near 1.0 fitted by AdamW at lr 1e-4.
+    Each update (about 1e-4) is under half a bf16 ulp of its weight (2**-9 at 1.0): rounding to nearest drops all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(16, 16, bias=False)
+        with torch.no_grad():
+            self.layer.weight.copy_(1.0 + 0.01 * torch.randn(16, 16))
+        self.target = torch.randn(16, 16)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return torch.nn.functional.mse_loss(self.layer(x), x @ self.target.to(x))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def regression_data(steps):
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(steps * 8, 16)), batch_size=8)
+
+
+class ArmedAt(Callback):
+    """After the monitor: whether the plugin's step is counting at each optimizer step."""
+
+    def __init__(self):
+        self.armed = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.armed.append(_stepper_of(trainer.precision_plugin).meter is not None)
+
+
+@pytest.mark.parametrize("update", ["nearest", "stochastic", "compensated"])
+def test_update_lost_to_nearest_on_the_stalling_regression(update):
+    """What rounding to nearest loses is reported whatever the plugin's own rounding (near 1 here, as Lightning's
+    bf16-true loses every update); `update_moved` says what the plugin's rounding kept in the bf16 weight."""
+    # optimizer_states="float32": update="nearest" then goes through the fp32 step (with "weight" states it is
+    # Lightning's own bf16 step, which has no fp32 update to measure: test_parity_step_reports_no_update below).
+    plugin = BF16TruePrecision(update=update, optimizer_states="float32")
+    monitor, armed = GradientUnderflowMonitor(top_k=0, warn_threshold=1.0), ArmedAt()
+    model = Regression()
+    initial = model.layer.weight.detach().to(torch.bfloat16).clone()
+    t = trainer(plugin, max_steps=4, log_every_n_steps=2, callbacks=[monitor, armed])
+    t.fit(model, regression_data(4))
+
+    logged = {k: float(v) for k, v in t.callback_metrics.items()}
+    assert armed.armed == [False, True, False, True]  # the measuring steps only
+    assert _stepper_of(plugin).meter is None  # left as found
+    assert logged["precision/update_lost/bf16"] > 0.99
+    moved = logged["precision/update_moved/bf16"]
+    changed = (model.layer.weight.detach() != initial).float().mean().item()
+    if update == "nearest":
+        assert moved == pytest.approx(1 - logged["precision/update_lost/bf16"])
+        assert changed < 0.01  # it stalls
+    elif update == "stochastic":
+        assert 0 < moved < 0.2 and changed > 0.01  # same updates, yet its weights move (unbiased, a few at a time)
+    else:  # the bf16 weight rarely changes; its remainder holds the rest of each update
+        assert moved < 0.2
+
+
+def test_parity_step_reports_no_update():
+    """bf16 + "nearest" + "weight" states steps as Lightning's bf16-true does, in bf16, with no fp32 update to compare:
+    nothing is logged rather than a number that was not measured."""
+    t = trainer(BF16TruePrecision(update="nearest"), max_steps=2, log_every_n_steps=1,
+                callbacks=[GradientUnderflowMonitor(top_k=0, warn_threshold=1.0)])
+    t.fit(Regression(), regression_data(2))
+    assert "precision/underflow/bf16" in t.callback_metrics
+    assert not [k for k in t.callback_metrics if k.startswith("precision/update_")]
+
+
+def test_fp16_update_with_large_steps_is_not_lost():
+    """SGD at lr 0.1 moves fp16 weights by far more than half an ulp: little is lost, and it is keyed fp16."""
+    t = trainer(FP16TruePrecision(init_scale=2.0**10), max_steps=3, log_every_n_steps=3,
+                callbacks=[GradientUnderflowMonitor(top_k=0, warn_threshold=1.0)])
+    t.fit(LitNet(), loader(make_data(3)))
+    logged = {k: float(v) for k, v in t.callback_metrics.items()}
+    assert logged["precision/update_lost/fp16"] < 0.5
+    assert logged["precision/update_moved/fp16"] > 0.5
+    assert "precision/update_lost/bf16" not in logged

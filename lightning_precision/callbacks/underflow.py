@@ -6,7 +6,8 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,6 +19,7 @@ from typing_extensions import override
 from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
 from lightning_precision._fsdp import is_sharded, local_shard
 from lightning_precision._plots import check_plot_path
+from lightning_precision._true_step import ROUNDING_COUNTS, RoundingMeter, TrueStep
 from lightning_precision._upstream.lightning import unwrapped_name
 from lightning_precision._warnings import warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
@@ -94,6 +96,13 @@ def _plugin_scaling(plugin: Any) -> tuple[str, bool] | None:
     return _DYNAMIC.get(family, ("tensorwise", False))
 
 
+def _stepper_of(plugin: Any) -> TrueStep | None:
+    """The fp32 step of a true-precision plugin (``BF16TruePrecision``, ``FP16TruePrecision``), where rounding happens;
+    None for any other plugin."""
+    stepper = getattr(plugin, "_stepper", None)  # TruePrecision's own; no other plugin rounds its weights
+    return stepper if isinstance(stepper, TrueStep) else None
+
+
 def _unscaled(g: Tensor, scale: Tensor | float) -> Tensor:
     """``g / scale`` in (at least) fp32: in fp16 the small values would flush (a 0-d scale does not promote ``g``)."""
     wide = g.to(torch.promote_types(g.dtype, torch.float32))
@@ -106,6 +115,7 @@ def _module_path(param_name: str) -> str:
 
 
 _COUNT = "count/"  # the accumulator's per-window CastStats, one int64 [5] state per key ("count/param/fp16")
+_ROUNDING = "rounding/"  # per-window `RoundingMeter` counts, one int64 row of ROUNDING_COUNTS per weight format
 # Row 0 parameter gradients, row 1 activation gradients: the global totals ("last": already summed across processes)
 # and this process's part since the last sync ("sum").
 _TOTALS = ("histogram/param", "histogram/activation")
@@ -282,6 +292,9 @@ class GradientUnderflowMonitor(Callback):
         self._probe_activations: Tensor | None = None
         self._probe_due = False
         self._measure_due = False  # this step measures (set at the step's first batch)
+        self._meter = RoundingMeter()
+        self._armed: TrueStep | None = None  # the true-precision step counting into `_meter` now
+        self._log_due = False  # the Trainer step logs, once its optimizer step is done
         self._failed: set[str] = set()
 
     @property
@@ -307,20 +320,17 @@ class GradientUnderflowMonitor(Callback):
             self.state.add_state(name, torch.zeros(5, dtype=torch.int64), "sum")
         self.state.update(name, _stacked(stats))
 
-    def _sync(self, reduce: Reduce | None, counts: bool) -> dict[str, CastStats]:
-        """One sync: the window's counts (``counts``) and this process's histograms since the last sync, summed across
-        processes by ``reduce`` in one call; the histograms join the totals, so every process holds the same global
-        histogram. Returns the counts per key, and forgets them."""
-        names = [*(self.state.names(_COUNT) if counts else []), *_PENDING]
-        synced = self.state.sync(as_reduce_op(reduce), names)
+    def _sync(self, reduce: Reduce | None, counts: bool) -> dict[str, Tensor]:
+        """One sync: the window's counts (``counts``: gradient and rounding ones) and this process's histograms since
+        the last sync, summed across processes by ``reduce`` in one call; the histograms join the totals, so every
+        process holds the same global histogram. Returns the counts by state name, and forgets them."""
+        counted = [name for prefix in (_COUNT, _ROUNDING) for name in self.state.names(prefix)] if counts else []
+        synced = self.state.sync(as_reduce_op(reduce), [*counted, *_PENDING])
         for totals, pending in zip(_TOTALS, _PENDING, strict=True):
             self.state.set(totals, self.state[totals].to(synced[pending].device) + synced[pending])
         self.state.reset(*_PENDING)
-        if not counts:
-            return {}
-        stats = {name[len(_COUNT):]: CastStats(*synced[name].unbind()) for name in names if name.startswith(_COUNT)}
-        self.state.remove_state(*self.state.names(_COUNT))
-        return stats
+        self.state.remove_state(*counted)
+        return {name: synced[name] for name in counted}
 
     # ---- the part Fabric and plain PyTorch use directly -------------------------------------------------------------
 
@@ -485,13 +495,69 @@ class GradientUnderflowMonitor(Callback):
         self._capturing = on
         self._act_scale = torch.as_tensor(loss_scale) if loss_scale is not None else None
 
+    @contextmanager
+    def measuring_update(self, plugin: Any) -> Iterator[None]:
+        """Count what rounding does to the 16-bit weights in the optimizer steps run inside (``plugin``: a
+        ``BF16TruePrecision``/``FP16TruePrecision``; any other plugin rounds no weight, and nothing is counted):
+        ``compute`` then reports ``precision/update_lost/<fmt>`` and ``precision/update_moved/<fmt>``. No host read."""
+        self._arm(plugin)
+        try:
+            yield
+        finally:
+            self._disarm()
+
+    def _arm(self, plugin: Any) -> None:
+        stepper = _stepper_of(plugin)
+        if stepper is not None:
+            self._disarm()
+            stepper.meter, self._armed = self._meter, stepper
+
+    def _disarm(self) -> None:
+        stepper, self._armed = self._armed, None
+        if stepper is None:
+            return
+        stepper.meter = None
+        counts = self._meter.take()
+        # The state of the plugin's dtype is declared even when nothing was stepped, so that every process syncs the
+        # same states (each then counts what its own step did).
+        counts.setdefault(stepper.dtype, torch.zeros(len(ROUNDING_COUNTS), dtype=torch.int64))
+        for dtype, row in counts.items():
+            name = _ROUNDING + get_format(dtype).name
+            if name not in self.state:
+                self.state.add_state(name, torch.zeros(len(ROUNDING_COUNTS), dtype=torch.int64), "sum")
+            self.state.update(name, row)
+
     def compute(self, reduce: Reduce | None = None) -> dict[str, Tensor]:
         """The metrics accumulated since the last call, as 0-d tensors; resets the counts (not the histograms).
 
         ``reduce`` sums a tensor across processes (``fabric.all_reduce(t, reduce_op="sum")``); the Trainer glue passes
         the strategy's.
         """
-        stats = self._sync(reduce, counts=True)
+        synced = self._sync(reduce, counts=True)
+        stats = {name[len(_COUNT):]: CastStats(*row.unbind()) for name, row in synced.items()
+                 if name.startswith(_COUNT)}
+        metrics = self._gradient_metrics(stats)
+        metrics.update(self._rounding_metrics(synced))
+        return metrics
+
+    @staticmethod
+    def _rounding_metrics(synced: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What rounding lost and moved, as fractions of the elements whose fp32 update was nonzero; a format none of
+        whose elements was stepped in the window (every step skipped, or not stepped by the true step) is left out:
+        unknown, not 0."""
+        metrics: dict[str, Tensor] = {}
+        for name, row in synced.items():
+            if not name.startswith(_ROUNDING):
+                continue
+            counts = dict(zip(ROUNDING_COUNTS, row.unbind(), strict=True))
+            if int(counts["stepped"]) == 0:  # read on a logging step
+                continue
+            fmt, updated = name[len(_ROUNDING):], counts["updated"].clamp(min=1).double()
+            metrics[f"precision/update_lost/{fmt}"] = counts["lost_to_nearest"].double() / updated
+            metrics[f"precision/update_moved/{fmt}"] = counts["moved"].double() / updated
+        return metrics
+
+    def _gradient_metrics(self, stats: dict[str, CastStats]) -> dict[str, Tensor]:
         lost = stats.get("lost/fp16")
         overflowed = lost is not None and int(lost.nonfinite) > 0  # read here, on a logging step
         if lost is not None and int(lost.numel) == 0:
@@ -581,6 +647,7 @@ class GradientUnderflowMonitor(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.detach()
+        self._disarm()  # a fit stopped inside its step leaves the plugin as it was
         self._probe = None
 
     @override
@@ -620,9 +687,18 @@ class GradientUnderflowMonitor(Callback):
             scale = carried if carried is not None else _loss_scale_of(trainer.precision_plugin)
             self.measure_gradients(grads, scale, histogram=trainer.is_global_zero or is_sharded(pl_module),
                                    carries_scale=carried is not None)
-        logs = self._measure_due if self.measure_every_n_steps is None else on_cadence(trainer, self.log_every_n_steps)
-        if not logs:
+            self._arm(trainer.precision_plugin)  # the step that follows counts what its rounding does
+        # Logged once the optimizer step is done (on_train_batch_end), with what its rounding did.
+        self._log_due = self._log_due or (
+            self._measure_due if self.measure_every_n_steps is None else on_cadence(trainer, self.log_every_n_steps))
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._disarm()
+        if not self._log_due:
             return
+        self._log_due = False
         metrics = self.compute(_across_processes(trainer))
         if not metrics:
             return
