@@ -7,10 +7,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_precision import BF16TruePrecision, FP16TruePrecision
+from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import GradientUnderflowMonitor
 from lightning_precision.callbacks.underflow import _stepper_of
 from lightning_precision.functional import underflow_stats
-from tests.helpers import LitNet, loader, make_data, trainer
+from tests.helpers import LitNet, count_host_reads, loader, make_data, trainer
 from tests.test_underflow_monitor import GradCapture, TinyGrads
 
 
@@ -161,3 +162,71 @@ def test_fp16_update_with_large_steps_is_not_lost():
     assert logged["precision/update_lost/fp16"] < 0.5
     assert logged["precision/update_moved/fp16"] > 0.5
     assert "precision/update_lost/bf16" not in logged
+
+
+def test_measuring_changes_no_weight():
+    """The same stochastic fit with and without the monitor (which measures every step): bit-identical weights (the
+    count draws no random number and writes nothing)."""
+    weights = []
+    for callbacks in ([], [GradientUnderflowMonitor(top_k=0, warn_threshold=1.0, measure_every_n_steps=1)]):
+        model = Regression()
+        trainer(BF16TruePrecision(), max_steps=3, callbacks=callbacks).fit(model, regression_data(3))
+        weights.append(model.layer.weight.detach().clone())
+    assert torch.equal(*weights)
+
+
+def test_fabric_measures_the_update_it_is_told_to():
+    """Fabric: `with monitor.measuring_update(plugin): optimizer.step()`, then `compute()` holds what rounding lost;
+    fp16 gradients at the loss scale go in with `carries_scale=True` (asked for without a scale: a clear error)."""
+    plugin = lp_fabric.BF16TruePrecision()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = Regression()
+    model, optimizer = fabric.setup(module.layer, torch.optim.AdamW(module.layer.parameters(), lr=1e-4))
+    monitor = GradientUnderflowMonitor(formats="fp16", top_k=0, warn_threshold=1.0)
+    for step, (x,) in enumerate(regression_data(2)):
+        fabric.backward(torch.nn.functional.mse_loss(model(x), x @ module.target.to(x)))
+        if step == 1:
+            monitor.measure_gradients({n: p.grad for n, p in model.named_parameters()})
+            with monitor.measuring_update(plugin):
+                optimizer.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    metrics = monitor.compute()
+    assert float(metrics["precision/update_lost/bf16"]) > 0.99 and "precision/underflow/fp16" in metrics
+    with monitor.measuring_update(lp_fabric.BF16MixedPrecision()):  # no rounding of weights there: nothing counted
+        pass
+    assert not [k for k in monitor.compute() if k.startswith("precision/update_")]
+    with pytest.raises(ValueError, match=r"measure_gradients\(carries_scale=True\).*loss_scale="):
+        monitor.measure_gradients({}, carries_scale=True)
+
+
+class ReadsPerStep(Callback):
+    """Host reads (item, float, int, bool) between each batch's start and end, the optimizer step included."""
+
+    def __init__(self, reads):
+        self.reads, self.per_step = reads, []
+
+    def on_train_batch_start(self, *args):
+        self.reads[0] = 0
+
+    def on_train_batch_end(self, *args):
+        self.per_step.append(self.reads[0])
+
+
+def test_measuring_steps_that_log_nothing_read_nothing(monkeypatch):
+    """Measuring every step (the meter in the optimizer step each time), logging every 3rd: the steps that log nothing
+    read the device exactly as often as a fit without the monitor does (the plugin's own inf/nan check)."""
+    reads = count_host_reads(monkeypatch)
+    runs = []
+    for monitor in ([], [GradientUnderflowMonitor(top_k=0, warn_threshold=1.0, measure_every_n_steps=1,
+                                                  log_every_n_steps=3)]):
+        recorder = ReadsPerStep(reads)
+        trainer(BF16TruePrecision(), max_steps=6, callbacks=[*monitor, recorder]).fit(Regression(), regression_data(6))
+        runs.append(recorder.per_step)
+    monkeypatch.undo()
+    plain, measured = runs
+    # Step 0 is left out: the first measurement builds the formats' constant tables from Python numbers, once (CPU
+    # tensors read on the host; nothing of the model's).
+    assert [measured[i] for i in (1, 3, 4)] == [plain[i] for i in (1, 3, 4)]
+    assert measured[2] > plain[2] and measured[5] > plain[5]  # the logging steps do read: the test is not vacuous
