@@ -202,6 +202,14 @@ class GradientUnderflowMonitor(Callback):
     activation hooks' view of the probe too, at the probe's scale, in place of the real backward's). It is
     a lower bound: what the probe also flushes, and micro-batches after the first, are not seen.
 
+    **True precision.** Under ``BF16TruePrecision``/``FP16TruePrecision`` the gradients are 16-bit, and fp16 ones still
+    carry the loss scale before the step: they are measured divided by it, in fp32, so every key means what it means
+    under the mixed plugins. On measuring steps the plugin's fp32 step also counts what rounding does to the weights:
+    ``precision/update_lost/<fmt>`` (of the nonzero fp32 updates, those rounding to nearest would lose: what a plain
+    16-bit step, Lightning's ``bf16-true``, drops) and ``precision/update_moved/<fmt>`` (those that changed the 16-bit
+    weight under the plugin's own ``update=``). The Trainer logs once the optimizer step is done; with Fabric, step
+    inside ``measuring_update(plugin)``.
+
     Measurements happen on logging steps (or every ``measure_every_n_steps``), accumulate on the device, and are
     all-reduced across processes and read only when logged. An exponent histogram of log2|g| (unscaled) accumulates
     over the run: ``save_plot`` draws it with each format's range, and ``recommend_loss_scale`` reads it. Sparse
