@@ -230,3 +230,23 @@ def test_measuring_steps_that_log_nothing_read_nothing(monkeypatch):
     # tensors read on the host; nothing of the model's).
     assert [measured[i] for i in (1, 3, 4)] == [plain[i] for i in (1, 3, 4)]
     assert measured[2] > plain[2] and measured[5] > plain[5]  # the logging steps do read: the test is not vacuous
+
+
+class FailingAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        raise RuntimeError("the optimizer failed")
+
+
+class FailingStep(Regression):
+    def configure_optimizers(self):
+        return FailingAdamW(self.parameters(), lr=1e-4)
+
+
+def test_a_fit_that_raises_in_the_step_takes_the_meter_back():
+    """Teardown does not run when a fit raises: the meter is taken back on the exception, so the plugin (which may be
+    fitted again) counts nothing for a monitor that no longer reads it."""
+    plugin = BF16TruePrecision()
+    with pytest.raises(RuntimeError, match="the optimizer failed"):
+        trainer(plugin, max_steps=2, log_every_n_steps=1,
+                callbacks=[GradientUnderflowMonitor(top_k=0, warn_threshold=1.0)]).fit(FailingStep(), regression_data(2))
+    assert _stepper_of(plugin).meter is None

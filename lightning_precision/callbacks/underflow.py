@@ -659,6 +659,10 @@ class GradientUnderflowMonitor(Callback):
         self._probe = None
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._disarm()  # a fit that raised inside its step (teardown is not called then) leaves the plugin as it was
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         # Decided once a step (it answers the same until the optimizer step): ordinary steps cost one check.
