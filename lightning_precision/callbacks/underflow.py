@@ -528,7 +528,8 @@ class GradientUnderflowMonitor(Callback):
         counts = self._meter.take()
         # The state of the plugin's dtype is declared even when nothing was stepped, so that every process syncs the
         # same states (each then counts what its own step did).
-        counts.setdefault(stepper.dtype, torch.zeros(len(ROUNDING_COUNTS), dtype=torch.int64))
+        device = self.state[_PENDING[0]].device  # where the counts are (a collective may need them on the GPU)
+        counts.setdefault(stepper.dtype, torch.zeros(len(ROUNDING_COUNTS), dtype=torch.int64, device=device))
         for dtype, row in counts.items():
             name = _ROUNDING + get_format(dtype).name
             if name not in self.state:
@@ -656,11 +657,12 @@ class GradientUnderflowMonitor(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.detach()
         self._disarm()  # a fit stopped inside its step leaves the plugin as it was
-        self._probe = None
+        self._probe, self._log_due = None, False
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._disarm()  # a fit that raised inside its step (teardown is not called then) leaves the plugin as it was
+        self._log_due = False
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
