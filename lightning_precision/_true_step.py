@@ -40,7 +40,8 @@ from lightning_precision import _imports
 from lightning_precision._fsdp import local_shard
 from lightning_precision._rounding import join_remainder, split_remainder, stochastic_round
 
-__all__ = ["OPTIMIZER_STATES", "STATE_PREFIX", "ClipRequest", "TrueStep", "is_own_key", "own_state_bytes"]
+__all__ = ["OPTIMIZER_STATES", "ROUNDING_COUNTS", "STATE_PREFIX", "ClipRequest", "RoundingMeter", "TrueStep",
+           "is_own_key", "own_state_bytes"]
 
 OPTIMIZER_STATES = ("weight", "float32", "8bit")
 STATE_PREFIX = "lp."
@@ -62,6 +63,39 @@ _MIN_8BIT = 4096  # torchao's own low-bit optimizers keep tensors under 4096 ele
 # An fp16 state is stored times 2**e, with e chosen so that its largest element lands in [2**13, 2**14): headroom below
 # 65504, and 2**-24 * 2**-13 of the largest element still representable.
 _FP16_TOP = 14
+
+
+# What a `RoundingMeter` counts per weight dtype, in this order (one int64 row).
+ROUNDING_COUNTS = ("stepped", "updated", "lost_to_nearest", "moved")
+
+
+class RoundingMeter:
+    """What rounding does to the 16-bit weights, counted on the device (no host read) while a ``TrueStep`` holds it as
+    its ``meter``: per weight dtype, one int64 row of ``ROUNDING_COUNTS``: the elements stepped, those whose fp32
+    update was nonzero, those of them that rounding to nearest leaves at their old 16-bit value (what a plain 16-bit
+    step, Lightning's ``bf16-true``, loses), and those whose stored 16-bit value changed under the step's own rounding
+    (a compensated weight keeps the rest of its update in its remainder)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[torch.dtype, Tensor] = {}
+
+    def add(self, old: Tensor, before: Tensor, new: Tensor, landed: Tensor | None) -> None:
+        """``old``: the 16-bit weight before the step; ``before``: the fp32 value it stood for (with its remainder);
+        ``new``: the fp32 value after the step; ``landed``: what the step writes (``None``: ``new`` rounded to
+        nearest)."""
+        nearest = new.to(old.dtype)
+        updated = new != before
+        written = nearest if landed is None else landed
+        row = torch.stack([torch.zeros((), dtype=torch.int64, device=old.device) + old.numel(),
+                           torch.count_nonzero(updated), torch.count_nonzero(updated & (nearest == old)),
+                           torch.count_nonzero(updated & (written != old))])
+        total = self.counts.get(old.dtype)
+        self.counts[old.dtype] = row if total is None else total + row.to(total.device)
+
+    def take(self) -> dict[torch.dtype, Tensor]:
+        """The counts so far, forgotten here."""
+        counts, self.counts = self.counts, {}
+        return counts
 
 
 def is_own_key(key: Any) -> bool:
@@ -144,6 +178,8 @@ class TrueStep:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._8bit: Any = None
         self._qmaps: dict[tuple[bool, torch.device], Tensor] = {}
+        # Set by a monitor on the steps it measures (GradientUnderflowMonitor); None: nothing counted, nothing spent.
+        self.meter: RoundingMeter | None = None
 
     # --- the step -------------------------------------------------------------------------------------------------
 
@@ -282,11 +318,13 @@ class TrueStep:
             generator = self._generator(new.device)
             generator.manual_seed(_seed(self.seed, index, rounds, _rank() if _is_sharded(p) else 0))
             own[_ROUNDS] = rounds + 1
+        before = self._widen(p, own)
         # An element the optimizer left non-finite keeps its value, and so does one the 16-bit format cannot hold:
         # nothing non-finite is written.
-        new = torch.where(torch.isfinite(new), new, self._widen(p, own))
+        new = torch.where(torch.isfinite(new), new, before)
         for key in [k for k in own if not is_own_key(k)]:
             del own[key]
+        meter = self.meter if old.dtype != torch.float32 else None
         if old.dtype == torch.float32:
             old.copy_(new)
         elif self.update == "compensated":
@@ -296,7 +334,10 @@ class TrueStep:
                 remainder = torch.where(fits, remainder, _local(own[_REMAINDER]).view(torch.int16))
             else:
                 remainder = torch.where(fits, remainder, 0)
-            old.copy_(torch.where(fits, weight, old))
+            weight = torch.where(fits, weight, old)
+            if meter is not None:
+                meter.add(old, before, new, weight)
+            old.copy_(weight)
             own[_REMAINDER] = _like(p, remainder.view(old.dtype))
         else:
             if self.update == "stochastic":
@@ -304,7 +345,10 @@ class TrueStep:
             else:
                 landed = new.to(old.dtype)
             # A finite fp32 value beyond the 16-bit format's largest (fp16: 65504) rounds to inf: it keeps its value.
-            old.copy_(torch.where(torch.isfinite(landed), landed, old))
+            landed = torch.where(torch.isfinite(landed), landed, old)
+            if meter is not None:
+                meter.add(old, before, new, landed)
+            old.copy_(landed)
         for key, value in new_state.items():
             encoded = self._encode(key, value, p, own, generator)
             if encoded is not None:

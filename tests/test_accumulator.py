@@ -130,8 +130,9 @@ def test_under_ddp_the_callbacks_sync_only_on_logging_steps(tmp_path):
 
 
 def test_no_device_read_on_a_step_where_nothing_is_logged(monkeypatch):
-    """Host reads (``item``, ``float``, ``int``, ``bool``) inside each callback's ``on_before_optimizer_step``, over 6
-    steps logged every 3: none on the 4 steps that log nothing."""
+    """Host reads (``item``, ``float``, ``int``, ``bool``) inside each callback's ``on_before_optimizer_step`` (and the
+    monitor's ``on_train_batch_end``, where it logs once the step is done), over 6 steps logged every 3: none on the 4
+    steps that log nothing."""
     reads = {}
     for cls in (GradientUnderflowMonitor, AmaxHistoryLogger):
         original = cls.on_before_optimizer_step
@@ -142,6 +143,14 @@ def test_no_device_read_on_a_step_where_nothing_is_logged(monkeypatch):
             reads.setdefault(_name, []).append(current[0])
 
         monkeypatch.setattr(cls, "on_before_optimizer_step", counting)
+    logging_hook = GradientUnderflowMonitor.on_train_batch_end
+
+    def counting_end(self, *args):
+        current[0] = 0
+        logging_hook(self, *args)
+        reads["GradientUnderflowMonitor"][-1] += current[0]
+
+    monkeypatch.setattr(GradientUnderflowMonitor, "on_train_batch_end", counting_end)
     current = count_host_reads(monkeypatch)
     callbacks = [GradientUnderflowMonitor(formats="fp16", warn_threshold=1.0, activations=True), AmaxHistoryLogger()]
     trainer(None, max_steps=6, log_every_n_steps=3, callbacks=callbacks).fit(QuietNet(), loader(make_data(6)))

@@ -6,7 +6,8 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,10 +19,11 @@ from typing_extensions import override
 from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
 from lightning_precision._fsdp import is_sharded, local_shard
 from lightning_precision._plots import check_plot_path
+from lightning_precision._true_step import ROUNDING_COUNTS, RoundingMeter, TrueStep
 from lightning_precision._upstream.lightning import unwrapped_name
 from lightning_precision._warnings import warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
-from lightning_precision.fabric._scaler import ScalerConfig, scale_of
+from lightning_precision.fabric._scaler import InStepScaler, ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format
 from lightning_precision.functional import (
     HIST_MAX,
@@ -62,6 +64,15 @@ def _loss_scale_of(plugin: Any) -> Tensor | None:
     return scale_of(scaler)
 
 
+def _scale_in_gradients(plugin: Any) -> Tensor | None:
+    """The loss scale the gradients still carry at ``on_before_optimizer_step`` (no synchronisation): a plugin that
+    unscales inside its own step (``FP16TruePrecision``: in fp16 the small gradients would flush), else None."""
+    scaler = getattr(plugin, "scaler", None)
+    if not isinstance(scaler, InStepScaler) or not scaler.is_enabled():
+        return None
+    return scaler.carried_scale()
+
+
 # `fp8_scaling=`: a plugin's `scaling_family` (FP8Precision.scaling_family), and how its casts are scaled: per row for
 # torchao's rowwise recipes (rounded to powers of two, as they are), per block of 32 for MXFP8, per tensor otherwise
 # (torchao tensorwise; Transformer Engine's delayed and current scaling, measured at the current amax; NVFP4's plugin,
@@ -85,12 +96,26 @@ def _plugin_scaling(plugin: Any) -> tuple[str, bool] | None:
     return _DYNAMIC.get(family, ("tensorwise", False))
 
 
+def _stepper_of(plugin: Any) -> TrueStep | None:
+    """The fp32 step of a true-precision plugin (``BF16TruePrecision``, ``FP16TruePrecision``), where rounding happens;
+    None for any other plugin."""
+    stepper = getattr(plugin, "_stepper", None)  # TruePrecision's own; no other plugin rounds its weights
+    return stepper if isinstance(stepper, TrueStep) else None
+
+
+def _unscaled(g: Tensor, scale: Tensor | float) -> Tensor:
+    """``g / scale`` in (at least) fp32: in fp16 the small values would flush (a 0-d scale does not promote ``g``)."""
+    wide = g.to(torch.promote_types(g.dtype, torch.float32))
+    return wide / (scale.to(wide.device) if isinstance(scale, Tensor) else scale)
+
+
 def _module_path(param_name: str) -> str:
     param_name = unwrapped_name(param_name)
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
 
 _COUNT = "count/"  # the accumulator's per-window CastStats, one int64 [5] state per key ("count/param/fp16")
+_ROUNDING = "rounding/"  # per-window `RoundingMeter` counts, one int64 row of ROUNDING_COUNTS per weight format
 # Row 0 parameter gradients, row 1 activation gradients: the global totals ("last": already summed across processes)
 # and this process's part since the last sync ("sum").
 _TOTALS = ("histogram/param", "histogram/activation")
@@ -109,8 +134,11 @@ class _Probe:
     one of which joins the monitor's histogram once the probe is judged."""
 
     def __init__(self, nonzero: dict[str, Tensor], histogram: Tensor, finite: Tensor,
-                 activation_histogram: Tensor | None = None) -> None:
-        self.nonzero, self.histogram, self.finite = nonzero, histogram, finite
+                 activation_histogram: Tensor | None = None, headroom: Tensor | None = None) -> None:
+        # `finite`: whether it is judged (it stayed finite, and saw beyond the real backward); `overflowed`: whether it
+        # went non-finite (what makes the next probe smaller).
+        self.nonzero, self.histogram, self.overflowed = nonzero, histogram, ~finite
+        self.finite = finite if headroom is None else finite & headroom.to(finite.device)
         self.activation_histogram = activation_histogram
         self.real_activations: Tensor | None = None
 
@@ -173,6 +201,14 @@ class GradientUnderflowMonitor(Callback):
     not in ``precision/exact_zero``, and the probe's gradients feed the histogram, so the advice raises the scale (the
     activation hooks' view of the probe too, at the probe's scale, in place of the real backward's). It is
     a lower bound: what the probe also flushes, and micro-batches after the first, are not seen.
+
+    **True precision.** Under ``BF16TruePrecision``/``FP16TruePrecision`` the gradients are 16-bit, and fp16 ones still
+    carry the loss scale before the step: they are measured divided by it, in fp32, so every key means what it means
+    under the mixed plugins. On measuring steps the plugin's fp32 step also counts what rounding does to the weights:
+    ``precision/update_lost/<fmt>`` (of the nonzero fp32 updates, those rounding to nearest would lose: what a plain
+    16-bit step, Lightning's ``bf16-true``, drops) and ``precision/update_moved/<fmt>`` (those that changed the 16-bit
+    weight under the plugin's own ``update=``). The Trainer logs once the optimizer step is done; with Fabric, step
+    inside ``measuring_update(plugin)``.
 
     Measurements happen on logging steps (or every ``measure_every_n_steps``), accumulate on the device, and are
     all-reduced across processes and read only when logged. An exponent histogram of log2|g| (unscaled) accumulates
@@ -264,6 +300,9 @@ class GradientUnderflowMonitor(Callback):
         self._probe_activations: Tensor | None = None
         self._probe_due = False
         self._measure_due = False  # this step measures (set at the step's first batch)
+        self._meter = RoundingMeter()
+        self._armed: TrueStep | None = None  # the true-precision step counting into `_meter` now
+        self._log_due = False  # the Trainer step logs, once its optimizer step is done
         self._failed: set[str] = set()
 
     @property
@@ -289,20 +328,17 @@ class GradientUnderflowMonitor(Callback):
             self.state.add_state(name, torch.zeros(5, dtype=torch.int64), "sum")
         self.state.update(name, _stacked(stats))
 
-    def _sync(self, reduce: Reduce | None, counts: bool) -> dict[str, CastStats]:
-        """One sync: the window's counts (``counts``) and this process's histograms since the last sync, summed across
-        processes by ``reduce`` in one call; the histograms join the totals, so every process holds the same global
-        histogram. Returns the counts per key, and forgets them."""
-        names = [*(self.state.names(_COUNT) if counts else []), *_PENDING]
-        synced = self.state.sync(as_reduce_op(reduce), names)
+    def _sync(self, reduce: Reduce | None, counts: bool) -> dict[str, Tensor]:
+        """One sync: the window's counts (``counts``: gradient and rounding ones) and this process's histograms since
+        the last sync, summed across processes by ``reduce`` in one call; the histograms join the totals, so every
+        process holds the same global histogram. Returns the counts by state name, and forgets them."""
+        counted = [name for prefix in (_COUNT, _ROUNDING) for name in self.state.names(prefix)] if counts else []
+        synced = self.state.sync(as_reduce_op(reduce), [*counted, *_PENDING])
         for totals, pending in zip(_TOTALS, _PENDING, strict=True):
             self.state.set(totals, self.state[totals].to(synced[pending].device) + synced[pending])
         self.state.reset(*_PENDING)
-        if not counts:
-            return {}
-        stats = {name[len(_COUNT):]: CastStats(*synced[name].unbind()) for name in names if name.startswith(_COUNT)}
-        self.state.remove_state(*self.state.names(_COUNT))
-        return stats
+        self.state.remove_state(*counted)
+        return {name: synced[name] for name in counted}
 
     # ---- the part Fabric and plain PyTorch use directly -------------------------------------------------------------
 
@@ -323,7 +359,14 @@ class GradientUnderflowMonitor(Callback):
         if self.probe_factor is None:
             return
         params = {n: p for n, p in named_params if p.requires_grad}
-        effective = torch.as_tensor(loss_scale, dtype=torch.float32, device=loss.device) * self.probe_factor
+        scale = torch.as_tensor(loss_scale, dtype=torch.float32, device=loss.device)
+        effective = scale * self.probe_factor
+        headroom = None
+        if loss.dtype == torch.float16:
+            # An fp16 loss (FP16TruePrecision) takes its gradient, the scale, in fp16: above 2**15 it is inf at the
+            # root. Capped there; a probe no larger than the real scale sees nothing beyond it and is not judged.
+            effective = effective.clamp(max=2.0**15)
+            headroom = effective > scale
         probe = functools.partial(torch.autograd.grad, loss * effective, list(params.values()), retain_graph=True,
                                   allow_unused=True)
         self._fold_unjudged_activations()
@@ -347,7 +390,8 @@ class GradientUnderflowMonitor(Callback):
         finite = torch.stack([torch.isfinite(measurable_values(g)).all() for g in present.values()]).all() if present \
             else torch.ones((), dtype=torch.bool)
         nonzero = {n: measurable_values(g) != 0 for n, g in present.items()}
-        self._probe = _Probe(nonzero, exponent_histogram(present, 1.0 / effective), finite, probe_activations)
+        self._probe = _Probe(nonzero, exponent_histogram(present, 1.0 / effective), finite, probe_activations,
+                             headroom)
 
     def _fold_unjudged_activations(self) -> None:
         """A probe never judged (no ``measure_gradients`` after it): the real backward's activation gradients stand."""
@@ -356,19 +400,27 @@ class GradientUnderflowMonitor(Callback):
             self._probe.real_activations = None
 
     def measure_gradients(self, named_grads: Mapping[str, Tensor | None], loss_scale: Tensor | float | None = None,
-                          histogram: bool = True) -> None:
+                          histogram: bool = True, carries_scale: bool = False) -> None:
         """Accumulate statistics of (unscaled) parameter gradients; ``loss_scale`` adds the fp16 ``g * S`` question,
         and a probe run before this step's backward (``probe_backward``) adds what fp16 already flushed.
+
+        ``carries_scale=True``: the gradients still carry ``loss_scale`` (``FP16TruePrecision``'s fp16 gradients
+        before the optimizer step); each is divided by it in fp32, one tensor at a time, before it is measured.
 
         Across processes, ``compute(reduce)`` sums what each measured, so each gradient element must be measured by one
         process: pass each rank's local shard of sharded gradients (FSDP2), and ``histogram=False`` on all processes
         but one when gradients are replicated (DDP) so the histogram counts them once (fractions are unaffected)."""
+        if carries_scale and loss_scale is None:
+            raise ValueError("`GradientUnderflowMonitor.measure_gradients(carries_scale=True)`: pass the scale the"
+                             " gradients carry as `loss_scale=` (e.g. `plugin.loss_scale`).")
         probe, self._probe = self._probe, None
         hist = lost = compared = None
         for name, g in named_grads.items():
             if g is None:
                 continue
             try:
+                if carries_scale:
+                    g = _unscaled(g, loss_scale)  # type: ignore[arg-type]  # not None: checked above
                 per_format, scaled, h = gradient_stats(g, self.formats, loss_scale)
                 per_format = self._at_fp8_scale(g, per_format)
             except (RuntimeError, TypeError, ValueError) as err:
@@ -396,7 +448,7 @@ class GradientUnderflowMonitor(Callback):
             zero = torch.zeros_like(lost)
             lost, compared = torch.where(probe.finite, lost, zero), torch.where(probe.finite, compared, zero)
             self._count("lost/fp16", CastStats(numel=compared, exact_zero=zero, underflow=lost, overflow=zero,
-                                                    nonfinite=(~probe.finite).to(torch.int64)))
+                                                    nonfinite=probe.overflowed.to(torch.int64)))
             hist = torch.where(probe.finite, probe.histogram.to(hist.device), hist) if hist is not None else hist
         if hist is not None and histogram:
             self._add_histogram(0, hist)
@@ -451,13 +503,70 @@ class GradientUnderflowMonitor(Callback):
         self._capturing = on
         self._act_scale = torch.as_tensor(loss_scale) if loss_scale is not None else None
 
+    @contextmanager
+    def measuring_update(self, plugin: Any) -> Iterator[None]:
+        """Count what rounding does to the 16-bit weights in the optimizer steps run inside (``plugin``: a
+        ``BF16TruePrecision``/``FP16TruePrecision``; any other plugin rounds no weight, and nothing is counted):
+        ``compute`` then reports ``precision/update_lost/<fmt>`` and ``precision/update_moved/<fmt>``. No host read."""
+        self._arm(plugin)
+        try:
+            yield
+        finally:
+            self._disarm()
+
+    def _arm(self, plugin: Any) -> None:
+        stepper = _stepper_of(plugin)
+        if stepper is not None:
+            self._disarm()
+            stepper.meter, self._armed = self._meter, stepper
+
+    def _disarm(self) -> None:
+        stepper, self._armed = self._armed, None
+        if stepper is None:
+            return
+        stepper.meter = None
+        counts = self._meter.take()
+        # The state of the plugin's dtype is declared even when nothing was stepped, so that every process syncs the
+        # same states (each then counts what its own step did).
+        device = self.state[_PENDING[0]].device  # where the counts are (a collective may need them on the GPU)
+        counts.setdefault(stepper.dtype, torch.zeros(len(ROUNDING_COUNTS), dtype=torch.int64, device=device))
+        for dtype, row in counts.items():
+            name = _ROUNDING + get_format(dtype).name
+            if name not in self.state:
+                self.state.add_state(name, torch.zeros(len(ROUNDING_COUNTS), dtype=torch.int64), "sum")
+            self.state.update(name, row)
+
     def compute(self, reduce: Reduce | None = None) -> dict[str, Tensor]:
         """The metrics accumulated since the last call, as 0-d tensors; resets the counts (not the histograms).
 
         ``reduce`` sums a tensor across processes (``fabric.all_reduce(t, reduce_op="sum")``); the Trainer glue passes
         the strategy's.
         """
-        stats = self._sync(reduce, counts=True)
+        synced = self._sync(reduce, counts=True)
+        stats = {name[len(_COUNT):]: CastStats(*row.unbind()) for name, row in synced.items()
+                 if name.startswith(_COUNT)}
+        metrics = self._gradient_metrics(stats)
+        metrics.update(self._rounding_metrics(synced))
+        return metrics
+
+    @staticmethod
+    def _rounding_metrics(synced: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What rounding lost and moved, as fractions of the elements whose fp32 update was nonzero; a format none of
+        whose elements was stepped in the window (every step skipped, or not stepped by the true step) is left out:
+        unknown, not 0."""
+        metrics: dict[str, Tensor] = {}
+        for name, row in synced.items():
+            if not name.startswith(_ROUNDING):
+                continue
+            counts = dict(zip(ROUNDING_COUNTS, row.unbind(), strict=True))
+            if int(counts["stepped"]) == 0:  # read on a logging step
+                continue
+            fmt, updated = name[len(_ROUNDING):], counts["updated"].clamp(min=1).double()
+            metrics[f"precision/update_lost/{fmt}"] = counts["lost_to_nearest"].double() / updated
+            metrics[f"precision/update_moved/{fmt}"] = counts["moved"].double() / updated
+        return metrics
+
+    def _gradient_metrics(self, stats: dict[str, CastStats]) -> dict[str, Tensor]:
         lost = stats.get("lost/fp16")
         overflowed = lost is not None and int(lost.nonfinite) > 0  # read here, on a logging step
         if lost is not None and int(lost.numel) == 0:
@@ -547,7 +656,13 @@ class GradientUnderflowMonitor(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.detach()
-        self._probe = None
+        self._disarm()  # a fit stopped inside its step leaves the plugin as it was
+        self._probe, self._log_due = None, False
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._disarm()  # a fit that raised inside its step (teardown is not called then) leaves the plugin as it was
+        self._log_due = False
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -582,11 +697,22 @@ class GradientUnderflowMonitor(Callback):
             # FSDP2 gradients are DTensor shards: each rank counts its own, and the sum across ranks counts each once.
             # Replicated ones (DDP) enter the histogram from rank zero only, for the same reason.
             grads = {n: local_shard(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
-            self.measure_gradients(grads, _loss_scale_of(trainer.precision_plugin),
-                                   histogram=trainer.is_global_zero or is_sharded(pl_module))
-        logs = self._measure_due if self.measure_every_n_steps is None else on_cadence(trainer, self.log_every_n_steps)
-        if not logs:
+            carried = _scale_in_gradients(trainer.precision_plugin)
+            scale = carried if carried is not None else _loss_scale_of(trainer.precision_plugin)
+            self.measure_gradients(grads, scale, histogram=trainer.is_global_zero or is_sharded(pl_module),
+                                   carries_scale=carried is not None)
+            self._arm(trainer.precision_plugin)  # the step that follows counts what its rounding does
+        # Logged once the optimizer step is done (on_train_batch_end), with what its rounding did.
+        self._log_due = self._log_due or (
+            self._measure_due if self.measure_every_n_steps is None else on_cadence(trainer, self.log_every_n_steps))
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._disarm()
+        if not self._log_due:
             return
+        self._log_due = False
         metrics = self.compute(_across_processes(trainer))
         if not metrics:
             return
@@ -609,8 +735,11 @@ class GradientUnderflowMonitor(Callback):
             advice = (f"No loss scale within [{ScalerConfig.min_scale:g}, {ScalerConfig.max_scale:g}] keeps them"
                       f" without overflow (it would take {scale:g}): train in bf16 (BF16MixedPrecision).")
         else:
-            advice = (f"A loss scale of {scale:g} would leave {under:.3%}: `FP16MixedPrecision(init_scale={scale:g})`,"
-                      " or train in bf16.")
+            # The plugin to pass it to: the true one when the run is in true fp16, else the mixed one.
+            plugin = "FP16TruePrecision" if _scale_in_gradients(trainer.precision_plugin) is not None else \
+                "FP16MixedPrecision"
+            advice = (f"A loss scale of {scale:g} would leave {under:.3%}: `{plugin}(init_scale={scale:g})`, or"
+                      " train in bf16.")
         warn(f"{float(metrics[key]):.2%} of gradients flush to zero in fp16 {at} ({key}). {advice}")
 
     @override
