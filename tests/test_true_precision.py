@@ -807,3 +807,20 @@ def test_a_skipped_step_holds_the_step_schedulers(make):
     t.fit(LitNet(scheduler=True), loader(data))
     assert plugin.skipped_steps == 1
     assert t.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5**3  # StepLR halves it on each of the 3 real steps
+
+
+class FP16LossRegression(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        out = self.layer(self.x.to(self.layer.weight.dtype))
+        return nn.functional.mse_loss(out, self.y.to(out.dtype))  # the loss itself in fp16, as it comes
+
+
+def test_a_loss_computed_in_fp16_does_not_skip_the_first_step():
+    # The gradient at the root of backward is the loss scale: 2**16 (torch's default) is inf in fp16.
+    model = FP16LossRegression()
+    plugin = lightning_precision.FP16TruePrecision()
+    trainer(plugin, max_steps=3).fit(model, steps_loader(3))
+    assert plugin.skipped_steps == 0
+    assert plugin.loss_scale == 2.0**15
+    assert lightning_precision.FP16TruePrecision(scaler=lightning_precision.ScalerConfig(init_scale=2.0**12)).scaler_config.init_scale \
+        == 2.0**12  # a config with its own scale is no conflict with the plugin's default

@@ -96,10 +96,10 @@ def _plugin_scaling(plugin: Any) -> tuple[str, bool] | None:
     return _DYNAMIC.get(family, ("tensorwise", False))
 
 
-def _stepper_of(plugin: Any) -> TrueStep | None:
+def _true_step_of(plugin: Any) -> TrueStep | None:
     """The fp32 step of a true-precision plugin (``BF16TruePrecision``, ``FP16TruePrecision``), where rounding happens;
     None for any other plugin."""
-    stepper = getattr(plugin, "_stepper", None)  # TruePrecision's own; no other plugin rounds its weights
+    stepper = getattr(plugin, "true_step", None)  # only the true-precision plugins round their weights
     return stepper if isinstance(stepper, TrueStep) else None
 
 
@@ -515,7 +515,7 @@ class GradientUnderflowMonitor(Callback):
             self._disarm()
 
     def _arm(self, plugin: Any) -> None:
-        stepper = _stepper_of(plugin)
+        stepper = _true_step_of(plugin)
         if stepper is not None:
             self._disarm()
             stepper.meter, self._armed = self._meter, stepper

@@ -113,7 +113,8 @@ class TruePrecision(ScaledPrecision):
         self.keep_fp32: tuple[type[nn.Module], ...] = keep_fp32
         self.seed = int(seed)
         self.step_chunk = step_chunk
-        self._stepper: TrueStep = TrueStep(compute_dtype, update, optimizer_states, self.seed, step_chunk)
+        # The fp32 step, where the weights are rounded: GradientUnderflowMonitor hangs its meter on it.
+        self.true_step: TrueStep = TrueStep(compute_dtype, update, optimizer_states, self.seed, step_chunk)
         self._clips: dict[int, ClipRequest] = {}
         self._kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -220,7 +221,7 @@ class TruePrecision(ScaledPrecision):
             # Lightning's bf16-true, as it steps: the optimizer in bf16 on the bf16 weights (for comparison).
             step = functools.partial(_plain_step, torch_optimizer, clip)
         else:
-            step = functools.partial(self._stepper.step, torch_optimizer, self._inverse_scale(), clip)
+            step = functools.partial(self.true_step.step, torch_optimizer, self._inverse_scale(), clip)
         stepped = self._scaler.step_checked(torch_optimizer, step)
         self.step_was_skipped = not stepped
         self._update_pending = True

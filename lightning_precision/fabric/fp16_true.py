@@ -10,6 +10,10 @@ from lightning_precision.fabric._true import DEFAULT_STEP_CHUNK, DEFAULT_UPDATE,
 
 __all__ = ["FP16TruePrecision"]
 
+# 2**15, not torch's 2**16: a loss computed in fp16 (the Trainer's training_step runs with fp16 as the default dtype)
+# starts backward with a gradient of the scale itself, and 2**16 is inf in fp16: the first step would always be skipped.
+INIT_SCALE = 2.0**15
+
 
 class FP16TruePrecision(TruePrecision):
     """fp16 weights, gradients, activations and optimizer states, stepped like fp32:
@@ -25,7 +29,8 @@ class FP16TruePrecision(TruePrecision):
     Every argument is keyword-only. ``update``, ``optimizer_states``, ``keep_fp32``, ``seed``, ``step_chunk``,
     ``skip_schedulers_on_overflow`` and ``device`` as for :class:`BF16TruePrecision` (in fp16, ``"compensated"``
     keeps the remainder in bf16, about 19 bits of the weight instead of fp32's 24). The loss scaler's arguments as for
-    ``FP16MixedPrecision``: ``scaler=ScalerConfig(...)`` or the flat ones (``init_scale``, ``growth_factor``,
+    ``FP16MixedPrecision``: ``scaler=ScalerConfig(...)`` or the flat ones (``init_scale``, default 2**15 here: the
+    gradient a loss computed in fp16 starts backward with is the scale, and 2**16 is inf in fp16; ``growth_factor``,
     ``backoff_factor``, ``growth_interval``, ``min_scale``, ``max_scale``, ``max_consecutive_skips``).
 
     Clipping: the Trainer's ``gradient_clip_val`` clips inside the step, in fp32; with Fabric call
@@ -44,7 +49,7 @@ class FP16TruePrecision(TruePrecision):
         seed: int = 0,
         step_chunk: int = DEFAULT_STEP_CHUNK,
         scaler: ScalerConfig | None = None,
-        init_scale: float = ScalerConfig.init_scale,
+        init_scale: float = INIT_SCALE,
         growth_factor: float = ScalerConfig.growth_factor,
         backoff_factor: float = ScalerConfig.backoff_factor,
         growth_interval: int = ScalerConfig.growth_interval,
@@ -54,6 +59,8 @@ class FP16TruePrecision(TruePrecision):
         skip_schedulers_on_overflow: bool = True,
         device: str | None = None,
     ) -> None:
+        if scaler is not None and init_scale == INIT_SCALE:
+            init_scale = ScalerConfig.init_scale  # left at this plugin's default: the config's own is in force
         config = resolve_scaler_config(
             type(self).__name__, scaler, init_scale=init_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval, min_scale=min_scale, max_scale=max_scale,
