@@ -9,7 +9,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning_precision import BF16TruePrecision, FP16TruePrecision
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import GradientUnderflowMonitor
-from lightning_precision.callbacks.underflow import true_step_of
 from lightning_precision.functional import underflow_stats
 from tests.helpers import LitNet, count_host_reads, loader, make_data, trainer
 from tests.test_underflow_monitor import GradCapture, TinyGrads
@@ -112,7 +111,7 @@ class ArmedAt(Callback):
         self.armed = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.armed.append(true_step_of(trainer.precision_plugin).meter is not None)
+        self.armed.append(trainer.precision_plugin.true_step.meter is not None)
 
 
 @pytest.mark.parametrize("update", ["nearest", "stochastic", "compensated"])
@@ -130,7 +129,7 @@ def test_update_lost_to_nearest_on_the_stalling_regression(update):
 
     logged = {k: float(v) for k, v in t.callback_metrics.items()}
     assert armed.armed == [False, True, False, True]  # the measuring steps only
-    assert true_step_of(plugin).meter is None  # left as found
+    assert plugin.true_step.meter is None  # left as found
     assert logged["precision/update_lost/bf16"] > 0.99
     moved = logged["precision/update_moved/bf16"]
     changed = (model.layer.weight.detach() != initial).float().mean().item()
@@ -249,4 +248,4 @@ def test_a_fit_that_raises_in_the_step_takes_the_meter_back():
     with pytest.raises(RuntimeError, match="the optimizer failed"):
         trainer(plugin, max_steps=2, log_every_n_steps=1,
                 callbacks=[GradientUnderflowMonitor(top_k=0, warn_threshold=1.0)]).fit(FailingStep(), regression_data(2))
-    assert true_step_of(plugin).meter is None
+    assert plugin.true_step.meter is None
