@@ -1,0 +1,137 @@
+"""One rank of the true-precision scenarios under DDP and FSDP2 (``tests/distributed.py`` starts the ranks, gloo, CPU;
+``tests/test_true_distributed.py`` reads what they write). Each scenario is added to ``tests.fsdp_worker``'s and run
+by its ``main``: one launch runs them all, one after the other, in the same two processes.
+
+The problem is the issue's regression: a linear layer with weights near 1.0 and AdamW at a learning rate whose every
+update is under half a bf16 ulp there (rounded to nearest, the weights never move), so a run that tracks fp32 shows that
+the updates landed. Each global batch of 16 rows is split between the ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from tests import fsdp_worker
+
+GLOBAL_BATCH, FEATURES, LR = 16, 32, 1e-3
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layer = nn.Linear(FEATURES, FEATURES)
+    with torch.no_grad():
+        layer.weight.copy_(1.0 + 0.01 * torch.randn(FEATURES, FEATURES))
+        layer.bias.zero_()
+    return nn.Sequential(layer)
+
+
+def make_data(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * GLOBAL_BATCH, FEATURES, generator=g)
+    target = make_model().state_dict()["0.weight"] + 0.03 * torch.randn(FEATURES, FEATURES, generator=g)
+    return x, x @ target.T
+
+
+def make_plugin(cfg: dict) -> Any:
+    import lightning_precision as plugins
+
+    if cfg["plugin"] == "32":
+        return None
+    cls = plugins.BF16TruePrecision if cfg["plugin"] == "bf16" else plugins.FP16TruePrecision
+    return cls(**cfg.get("plugin_kwargs", {}))
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """The bits of a (local) tensor."""
+    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def describe(value: Any) -> str:
+    """``DTensor(bfloat16)``, ``Tensor(float16)``, ``int``: what a parameter or a state is, locally."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    local = value.to_local() if hasattr(value, "to_local") else value
+    return f"{type(value).__name__}({str(local.dtype).replace('torch.', '')})"
+
+
+class Regression(L.LightningModule):
+    """The model built in ``__init__`` (in fp32, as users build it), sharded in ``configure_model`` when the scenario
+    says so; rank 0's batch at ``poison_step`` is made to overflow."""
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = make_model()
+        self.losses: list[float] = []
+        self.skipped: list[bool] = []
+
+    def configure_model(self) -> None:
+        if self.cfg.get("sharded"):
+            plugin: Any = self.trainer.precision_plugin
+            mesh: Any = self.device_mesh
+            fsdp_worker.shard(self.model, mesh["data_parallel"], plugin.mp_policy if self.cfg.get("policy") else None)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.cfg.get("poison_step") == self.global_step and self.global_rank == 0:
+            x = x * 1e4  # squared errors over fp16's 65504: the loss and the gradients overflow, on rank 0 alone
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.skipped.append(bool(getattr(self.trainer.precision_plugin, "step_was_skipped", False)))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def run_true(cfg: dict, rank: int, world: int) -> dict:
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    plugin = make_plugin(cfg)
+    if cfg.get("sharded"):
+        strategy: Any = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strategy = DDPStrategy(process_group_backend="gloo")
+    save = cfg.get("save_every")
+    callbacks: list[Callback] = []
+    if save:  # the strategy's own checkpoint (a directory under FSDP2), saved from inside the loop
+        callbacks.append(ModelCheckpoint(dirpath=cfg["save_to"], filename="ckpt", every_n_train_steps=save,
+                                         save_top_k=-1))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, plugins=[plugin] if plugin else None,
+                        precision=None if plugin else "32-true", max_steps=cfg["steps"], logger=False,
+                        callbacks=callbacks, enable_checkpointing=bool(save), enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+    module = Regression(cfg)
+    x, y = make_data(cfg.get("data_steps", cfg["steps"]))
+    dataset = TensorDataset(x, y)
+    # Interleaved, not shuffled: each global batch of 16 rows split between the ranks.
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+    trainer.fit(module, DataLoader(dataset, batch_size=GLOBAL_BATCH // world, sampler=sampler),
+                ckpt_path=cfg.get("resume"))
+    params = dict(module.model.named_parameters())
+    (optimizer,) = trainer.optimizers
+    state = optimizer.state[params["0.weight"]]
+    return {
+        "losses": module.losses, "skipped": module.skipped, "global_step": trainer.global_step,
+        "skipped_steps": getattr(plugin, "skipped_steps", None), "loss_scale": getattr(plugin, "loss_scale", None),
+        "params": fsdp_worker.full_params(module.model),
+        "digests": {name: digest(p.to_local() if hasattr(p, "to_local") else p) for name, p in params.items()},
+        "param_types": {name: describe(p) for name, p in params.items()},
+        "grad_types": {name: describe(p.grad) for name, p in params.items() if p.grad is not None},
+        "state_types": {str(key): describe(value) for key, value in state.items()},
+    }
+
+
+fsdp_worker.SCENARIOS["true"] = run_true
+
+if __name__ == "__main__":
+    fsdp_worker.main()
