@@ -18,9 +18,12 @@ import torch
 
 from tests.distributed import run_scenarios
 
-pytestmark = pytest.mark.slow  # two processes: about 20 s for the launch
+distributed = pytest.mark.slow  # the tests that read the launch: two processes, about 25 s
 
 STEPS = 40
+# name: (plugin, its arguments, a distributed checkpoint (a directory of shards) or a full one (one file))
+RESUMED = {"fp16": ("fp16", {}, True), "bf16-compensated": ("bf16", {"update": "compensated"}, True),
+           "bf16-compensated-full": ("bf16", {"update": "compensated"}, False)}
 
 
 def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
@@ -35,6 +38,14 @@ def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
         # no policy: the parameters' own dtype is the one FSDP2 gathers in, so the same (and nothing to warn about)
         "fsdp-bf16-compensated": {**sharded, "plugin": "bf16", "plugin_kwargs": {"update": "compensated"}},
     }
+    for name, (plugin, kwargs, distributed_checkpoint) in RESUMED.items():
+        # 4 batches an epoch: the checkpoint falls on an epoch boundary, where a resumed fit restarts the data exactly.
+        base_cfg = {"api": "true", "plugin": plugin, "plugin_kwargs": kwargs, "sharded": True, "policy": True,
+                    "data_steps": 4, "full_checkpoint": not distributed_checkpoint}
+        scenarios[f"straight-{name}"] = {**base_cfg, "steps": 8}
+        scenarios[f"first-{name}"] = {**base_cfg, "steps": 4, "save_every": 4, "save_to": str(base / f"ckpt-{name}")}
+        # a new Trainer, plugin, model and optimizer restore everything from the distributed checkpoint (a directory)
+        scenarios[f"resumed-{name}"] = {**base_cfg, "steps": 8, "resume": str(base / f"ckpt-{name}" / "ckpt.ckpt")}
     return scenarios
 
 
@@ -69,6 +80,7 @@ def _progress(launch: Launch, name: str) -> float:
     return fall(launch.ranks(name)) / fall(launch.ranks("ddp-32"))
 
 
+@distributed
 @pytest.mark.parametrize(("name", "dtype"), [("ddp-bf16", "bfloat16"), ("ddp-fp16", "float16")])
 def test_ddp_replicas_stay_bit_identical_and_train_like_fp32(launch, name, dtype):
     """DDP all-reduces the 16-bit gradients; every rank then steps its own replica. The stochastic rounding of the
@@ -82,6 +94,7 @@ def test_ddp_replicas_stay_bit_identical_and_train_like_fp32(launch, name, dtype
     assert ranks[0]["warnings"] == ranks[1]["warnings"] == []
 
 
+@distributed
 def test_ddp_fp16_an_inf_in_one_ranks_batch_skips_the_step_on_every_rank(launch):
     """Rank 0's batch at step 2 overflows fp16; the all-reduce carries the inf into rank 1's gradients: both ranks
     skip that step, back off the same scale, and their weights stay identical and finite."""
@@ -93,6 +106,7 @@ def test_ddp_fp16_an_inf_in_one_ranks_batch_skips_the_step_on_every_rank(launch)
     assert all(torch.isfinite(p).all() for p in launch.params("ddp-fp16").values())
 
 
+@distributed
 @pytest.mark.parametrize("name", ["fsdp-bf16", "fsdp-bf16-compensated"])
 def test_fsdp2_shards_bf16_weights_gradients_and_states(launch, name):
     """Under ``ModelParallelStrategy`` the parameters are DTensors whose local shards are bf16 (sharded, all-gathered
@@ -109,3 +123,50 @@ def test_fsdp2_shards_bf16_weights_gradients_and_states(launch, name):
         assert r["warnings"] == []
     assert ranks[0]["digests"] != ranks[1]["digests"]  # each rank holds its own shard
     assert _progress(launch, name) > 0.8
+
+
+@distributed
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_fsdp2_resume_from_a_distributed_checkpoint_equals_training_straight_through(launch, name):
+    """8 steps in one go, against 4 steps, the strategy's checkpoint (distributed or full), and 4 more in a new
+    Trainer: the same losses and parameters to the bit. The checkpoint carries the plugin's own state keys (the
+    remainders, the rounding counters, fp16's state exponents), and loading it must neither drop them nor touch the
+    16-bit weights (before the plugin took torch's state-layout step, fp16 resumed with NaN weights, a distributed
+    bf16 checkpoint resumed without its remainders and rounding counters, a full one failed on an unsharded
+    remainder)."""
+    straight, resumed = launch.ranks(f"straight-{name}"), launch.ranks(f"resumed-{name}")
+    for s, r in zip(straight, resumed, strict=True):
+        assert r["global_step"] == 8
+        assert r["losses"] == s["losses"][4:]
+        assert (r["loss_scale"], r["skipped_steps"]) == (s["loss_scale"], s["skipped_steps"])
+    a, b = launch.params(f"straight-{name}"), launch.params(f"resumed-{name}")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "keys"), [
+    ("FP16TruePrecision", {}, {"lp.exp.exp_avg", "lp.exp.exp_avg_sq", "lp.rounds"}),
+    ("BF16TruePrecision", {"update": "compensated"}, {"lp.remainder", "lp.rounds"}),
+])
+def test_the_state_layout_step_of_torchs_distributed_checkpoint_goes_through_the_plugin(cls, kwargs, keys):
+    """Before it loads (or saves) an optimizer that has no state yet, torch's ``get_optimizer_state_dict`` steps it at
+    lr 0 on zero gradients, and loads only the keys that step created. The plugin takes that step: its own keys are
+    there to be loaded, and the 16-bit weights keep their values (the optimizer's own fp16 AdamW step writes
+    0 * (0 / (0 + eps flushed to 0)) = NaN into them). An optimizer of a model the plugin did not convert is left to
+    its own step."""
+    import lightning as L
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from lightning_precision import fabric as plugins
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[getattr(plugins, cls)(**kwargs)])
+    net = nn.Linear(8, 8)
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    before = [p.detach().clone() for p in model.parameters()]
+    state = get_optimizer_state_dict(model.module, optimizer.optimizer)["state"]
+    assert set(state["weight"]) == {"step", "exp_avg", "exp_avg_sq"} | keys
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    other = nn.Linear(8, 8).half()
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=1e-3, momentum=0.9)
+    assert set(get_optimizer_state_dict(other, other_optimizer)["state"]["weight"]) == {"momentum_buffer"}

@@ -98,7 +98,8 @@ def run_true(cfg: dict, rank: int, world: int) -> dict:
 
     plugin = make_plugin(cfg)
     if cfg.get("sharded"):
-        strategy: Any = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        strategy: Any = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                              save_distributed_checkpoint=not cfg.get("full_checkpoint"))
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
     save = cfg.get("save_every")

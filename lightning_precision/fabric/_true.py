@@ -21,6 +21,7 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from typing_extensions import override
 
 from lightning_precision import _imports
@@ -123,6 +124,7 @@ class TruePrecision(ScaledPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         module = super().convert_module(module)
         module.to(dtype=self.compute_dtype)
+        _watch_state_init(self)
         if self.keep_fp32:
             hooks = _KeepFP32(self.compute_dtype)
             for layer in module.modules():
@@ -201,6 +203,31 @@ class TruePrecision(ScaledPrecision):
                 " Adam, AdamW, ...), or Lightning's `precision='bf16-true'` for LBFGS."
             )
 
+    @property
+    def _steps_plainly(self) -> bool:
+        """Lightning's bf16-true, as it steps: the optimizer in bf16 on the bf16 weights (for comparison)."""
+        return self.update == "nearest" and self.optimizer_states == "weight" and self.compute_dtype == torch.bfloat16
+
+    def _take_state_init(self, optimizer: Optimizer) -> None:
+        """Take, through this plugin's step, a step at lr 0 on an optimizer of this plugin's model that has no state
+        yet: torch's distributed checkpoint takes one (zero gradients, every lr set to 0) to learn the states' layout
+        before it loads a checkpoint into them, and loads only the keys that step created. Run by the optimizer itself
+        on the 16-bit weights, it creates none of this plugin's keys (the remainders, the rounding counters, fp16's
+        state exponents: the checkpoint's are then left out of the load) and, under fp16, writes NaN into every weight
+        (Adam's 0 / (0 + an eps that fp16 flushes to 0), times lr 0). Here the states are created as the plugin's step
+        creates them and the weights keep their values (an update of 0 rounds to the same 16-bit weight); the
+        optimizer's own step then finds no gradient and does nothing."""
+        module = self._module_ref() if self._module_ref is not None else None
+        if module is None or self._steps_plainly or not all(_zero(group.get("lr")) for group in optimizer.param_groups):
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ours = {id(p) for p in module.parameters()}
+        if not any(id(p) in ours for p in params):
+            return
+        self._stepper.step(optimizer, None, None)
+        for p in params:
+            p.grad = None
+
     def _inverse_scale(self) -> Tensor | None:
         if self.scaler_config is None or self._scaler is None:
             return None
@@ -216,8 +243,7 @@ class TruePrecision(ScaledPrecision):
                 and self._scaler.has_stepped(torch_optimizer)):
             self.update_after_every_step()  # a backward by hand (not through the plugin): its update now
         clip = self._clips.pop(id(torch_optimizer), None)
-        if self.update == "nearest" and self.optimizer_states == "weight" and self.compute_dtype == torch.bfloat16:
-            # Lightning's bf16-true, as it steps: the optimizer in bf16 on the bf16 weights (for comparison).
+        if self._steps_plainly:
             step = functools.partial(_plain_step, torch_optimizer, clip)
         else:
             step = functools.partial(self._stepper.step, torch_optimizer, self._inverse_scale(), clip)
@@ -225,6 +251,34 @@ class TruePrecision(ScaledPrecision):
         self.step_was_skipped = not stepped
         self._update_pending = True
         return None
+
+
+_PLUGINS: weakref.WeakSet[TruePrecision] = weakref.WeakSet()  # the live ones: the hook below asks each
+_STEP_HOOK: list[Any] = []  # one hook per process
+
+
+def _watch_state_init(plugin: TruePrecision) -> None:
+    _PLUGINS.add(plugin)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_any_step))
+
+
+def _before_any_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    """Before every optimizer step of the process: one that meets an empty state may be torch's distributed checkpoint
+    learning the states' layout (``TruePrecision._take_state_init``). The plugin's own step creates the states before
+    it steps the optimizer, so it never gets past the first check."""
+    if optimizer.state:
+        return
+    for plugin in list(_PLUGINS):
+        plugin._take_state_init(optimizer)
+
+
+def _zero(lr: Any) -> bool:
+    """Whether a learning rate is torch's state-layout step's 0: a plain 0.0, or a CPU tensor of 0 where the lr was a
+    tensor. A tensor on a device is never that step (and reading it would wait for the device)."""
+    if isinstance(lr, Tensor):
+        return lr.device.type == "cpu" and lr.numel() == 1 and float(lr) == 0
+    return isinstance(lr, numbers.Real) and lr == 0
 
 
 def _plain_step(optimizer: Optimizer, clip: ClipRequest | None) -> None:
