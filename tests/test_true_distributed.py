@@ -38,6 +38,22 @@ def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
         # no policy: the parameters' own dtype is the one FSDP2 gathers in, so the same (and nothing to warn about)
         "fsdp-bf16-compensated": {**sharded, "plugin": "bf16", "plugin_kwargs": {"update": "compensated"}},
     }
+    # Clipping by the total norm, in fp32 inside the step: under FSDP2 the norm is the whole gradient's, not a
+    # shard's. Compensated weights and fp32 states: nothing stochastic, so DDP and FSDP2 can be compared.
+    exact = {"update": "compensated", "optimizer_states": "float32"}
+    clipped = {**true, "plugin": "bf16", "plugin_kwargs": exact, "steps": 10, "optimizer": "sgd"}
+    scenarios.update({"ddp-clip": {**clipped, "clip": 0.05}, "fsdp-clip": {**sharded, **clipped, "clip": 0.05},
+                      "ddp-no-clip": clipped})
+    # A LayerNorm kept in fp32, sharded on its own (each Linear, then the root that holds the norm alone).
+    scenarios["fsdp-kept-norm"] = {**sharded, "plugin": "bf16", "steps": 3, "norm": True, "policy": True,
+                                   "plugin_kwargs": {"keep_norms_fp32": True}}
+    scenarios.update({  # Fabric's own checkpoints: fabric.save, then fabric.load into a new Fabric, model, optimizer
+        "fabric-straight": {"api": "fabric_true", "plugin": "fp16", "steps": 8, "data_steps": 8},
+        "fabric-first": {"api": "fabric_true", "plugin": "fp16", "steps": 4, "data_steps": 8, "save_at": 4,
+                         "save_to": str(base / "ckpt-fabric")},
+        "fabric-resumed": {"api": "fabric_true", "plugin": "fp16", "steps": 8, "data_steps": 8,
+                           "resume": str(base / "ckpt-fabric")},
+    })
     for name, (plugin, kwargs, distributed_checkpoint) in RESUMED.items():
         # 4 batches an epoch: the checkpoint falls on an epoch boundary, where a resumed fit restarts the data exactly.
         base_cfg = {"api": "true", "plugin": plugin, "plugin_kwargs": kwargs, "sharded": True, "policy": True,
@@ -140,6 +156,36 @@ def test_fsdp2_resume_from_a_distributed_checkpoint_equals_training_straight_thr
         assert r["losses"] == s["losses"][4:]
         assert (r["loss_scale"], r["skipped_steps"]) == (s["loss_scale"], s["skipped_steps"])
     a, b = launch.params(f"straight-{name}"), launch.params(f"resumed-{name}")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@distributed
+def test_fsdp2_clips_by_the_norm_of_the_whole_gradient(launch):
+    """``gradient_clip_val`` under FSDP2 clips each rank's shard by the total norm of all shards: the same run as
+    DDP's, whose every rank holds the whole gradient (a shard's own norm would clip by about 1/sqrt(2) less)."""
+    ddp, fsdp, free = (launch.ranks(n) for n in ("ddp-clip", "fsdp-clip", "ddp-no-clip"))
+    for d, f, n in zip(ddp, fsdp, free, strict=True):
+        assert f["losses"] == pytest.approx(d["losses"], rel=1e-5, abs=0)
+        assert max(abs(a - b) for a, b in zip(d["losses"], n["losses"], strict=True)) > 1e-4  # it did clip
+    a, b = launch.params("ddp-clip"), launch.params("fsdp-clip")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+@distributed
+def test_fsdp2_a_layer_kept_in_fp32_sharded_on_its_own_trains(launch):
+    for r in launch.ranks("fsdp-kept-norm"):
+        assert r["param_types"]["0.weight"] == "DTensor(bfloat16)"
+        assert r["param_types"]["1.weight"] == r["param_types"]["1.bias"] == "DTensor(float32)"
+        assert len(r["losses"]) == 3 and r["warnings"] == []
+
+
+@distributed
+def test_fabric_fsdp2_resume_with_fabric_save_and_load_equals_training_straight_through(launch):
+    straight, resumed = launch.ranks("fabric-straight"), launch.ranks("fabric-resumed")
+    for s, r in zip(straight, resumed, strict=True):
+        assert r["losses"] == s["losses"][4:]
+        assert (r["loss_scale"], r["skipped_steps"]) == (s["loss_scale"], s["skipped_steps"])
+    a, b = launch.params("fabric-straight"), launch.params("fabric-resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

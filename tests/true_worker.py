@@ -21,13 +21,14 @@ from tests import fsdp_worker
 GLOBAL_BATCH, FEATURES, LR = 16, 32, 1e-3
 
 
-def make_model() -> nn.Sequential:
+def make_model(norm: bool = False) -> nn.Sequential:
+    """The regression's layer; ``norm``: a LayerNorm after it (a layer a user may keep in fp32)."""
     torch.manual_seed(0)
     layer = nn.Linear(FEATURES, FEATURES)
     with torch.no_grad():
         layer.weight.copy_(1.0 + 0.01 * torch.randn(FEATURES, FEATURES))
         layer.bias.zero_()
-    return nn.Sequential(layer)
+    return nn.Sequential(layer, nn.LayerNorm(FEATURES)) if norm else nn.Sequential(layer)
 
 
 def make_data(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,13 +38,18 @@ def make_data(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ target.T
 
 
-def make_plugin(cfg: dict) -> Any:
-    import lightning_precision as plugins
+def make_plugin(cfg: dict, fabric: bool = False) -> Any:
+    import lightning_precision
+    from lightning_precision import fabric as fabric_plugins
 
+    plugins: Any = fabric_plugins if fabric else lightning_precision
     if cfg["plugin"] == "32":
         return None
     cls = plugins.BF16TruePrecision if cfg["plugin"] == "bf16" else plugins.FP16TruePrecision
-    return cls(**cfg.get("plugin_kwargs", {}))
+    kwargs = dict(cfg.get("plugin_kwargs", {}))
+    if kwargs.pop("keep_norms_fp32", False):
+        kwargs["keep_fp32"] = (nn.LayerNorm,)
+    return cls(**kwargs)
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -66,7 +72,7 @@ class Regression(L.LightningModule):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = make_model()
+        self.model = make_model(cfg.get("norm", False))
         self.losses: list[float] = []
         self.skipped: list[bool] = []
 
@@ -74,7 +80,13 @@ class Regression(L.LightningModule):
         if self.cfg.get("sharded"):
             plugin: Any = self.trainer.precision_plugin
             mesh: Any = self.device_mesh
-            fsdp_worker.shard(self.model, mesh["data_parallel"], plugin.mp_policy if self.cfg.get("policy") else None)
+            policy = plugin.mp_policy if self.cfg.get("policy") else None
+            if self.cfg.get("root_only"):  # one group for the whole model
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(self.model, mesh=mesh["data_parallel"], **({"mp_policy": policy} if policy else {}))
+            else:
+                fsdp_worker.shard(self.model, mesh["data_parallel"], policy)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -88,6 +100,8 @@ class Regression(L.LightningModule):
         self.skipped.append(bool(getattr(self.trainer.precision_plugin, "step_was_skipped", False)))
 
     def configure_optimizers(self) -> Any:
+        if self.cfg.get("optimizer") == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05)
         return torch.optim.AdamW(self.parameters(), lr=LR)
 
 
@@ -110,6 +124,7 @@ def run_true(cfg: dict, rank: int, world: int) -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, plugins=[plugin] if plugin else None,
                         precision=None if plugin else "32-true", max_steps=cfg["steps"], logger=False,
                         callbacks=callbacks, enable_checkpointing=bool(save), enable_progress_bar=False,
+                        gradient_clip_val=cfg.get("clip"),
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
     module = Regression(cfg)
     x, y = make_data(cfg.get("data_steps", cfg["steps"]))
@@ -132,7 +147,48 @@ def run_true(cfg: dict, rank: int, world: int) -> dict:
     }
 
 
+def run_fabric_true(cfg: dict, rank: int, world: int) -> dict:
+    """The same under Fabric and FSDP2, by hand: ``fabric.save`` after ``save_at`` steps, ``fabric.load`` of
+    ``resume`` (then the steps after it), as Fabric users checkpoint."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    plugin = make_plugin(cfg, fabric=True)
+
+    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        if cfg.get("root_only"):
+            return fully_shard(model, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
+        return fsdp_worker.shard(model, mesh["data_parallel"], plugin.mp_policy)
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    net = make_model(cfg.get("norm", False))
+    model = fabric.setup_module(net)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if cfg.get("resume"):
+        fabric.load(cfg["resume"], state)
+    x, y = make_data(cfg.get("data_steps", cfg["steps"]))
+    half = GLOBAL_BATCH // world
+    losses = []
+    for step in range(state["step"], cfg["steps"]):
+        rows = slice(step * GLOBAL_BATCH + rank * half, step * GLOBAL_BATCH + (rank + 1) * half)
+        loss = nn.functional.mse_loss(model(x[rows]), y[rows])
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+        state["step"] = step + 1
+        if cfg.get("save_at") == step + 1:
+            fabric.save(cfg["save_to"], state)
+    return {"losses": losses, "skipped_steps": plugin.skipped_steps, "loss_scale": plugin.loss_scale,
+            "params": fsdp_worker.full_params(net)}
+
+
 fsdp_worker.SCENARIOS["true"] = run_true
+fsdp_worker.SCENARIOS["fabric_true"] = run_fabric_true
 
 if __name__ == "__main__":
     fsdp_worker.main()
