@@ -62,6 +62,11 @@ def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
         scenarios[f"first-{name}"] = {**base_cfg, "steps": 4, "save_every": 4, "save_to": str(base / f"ckpt-{name}")}
         # a new Trainer, plugin, model and optimizer restore everything from the distributed checkpoint (a directory)
         scenarios[f"resumed-{name}"] = {**base_cfg, "steps": 8, "resume": str(base / f"ckpt-{name}" / "ckpt.ckpt")}
+    # Last in the launch, as scenarios that end in an error: the kept norm in one group with the bf16 Linear.
+    mixed = {"plugin": "bf16", "steps": 2, "norm": True, "plugin_kwargs": {"keep_norms_fp32": True},
+             "root_only": True, "expect_error": True}
+    scenarios["trainer-kept-norm-mixed"] = {**mixed, **sharded, "policy": True}
+    scenarios["fabric-kept-norm-mixed"] = {**mixed, "api": "fabric_true"}
     return scenarios
 
 
@@ -177,6 +182,17 @@ def test_fsdp2_a_layer_kept_in_fp32_sharded_on_its_own_trains(launch):
         assert r["param_types"]["0.weight"] == "DTensor(bfloat16)"
         assert r["param_types"]["1.weight"] == r["param_types"]["1.bias"] == "DTensor(float32)"
         assert len(r["losses"]) == 3 and r["warnings"] == []
+
+
+@distributed
+@pytest.mark.parametrize("api", ["trainer", "fabric"])
+def test_fsdp2_a_layer_kept_in_fp32_sharded_with_16_bit_ones_is_refused_with_the_fix(launch, api):
+    """FSDP2 cannot all-gather one group in two dtypes; torch says only "FSDP expects uniform original parameter
+    dtype" at the first forward. The plugin says which module, why, and what to shard apart, before any step."""
+    for r in launch.ranks(f"{api}-kept-norm-mixed"):
+        assert r["error"].startswith("ValueError: `BF16TruePrecision(keep_fp32=(LayerNorm,))` keeps those layers")
+        assert "mix fp32 and bfloat16: " + ("model" if api == "trainer" else "<root>") in r["error"]
+        assert "fully_shard(layer, mesh=mesh)" in r["error"] and "keep_fp32=()" in r["error"]
 
 
 @distributed

@@ -146,6 +146,9 @@ class TruePrecision(ScaledPrecision):
 
     @override
     def forward_context(self) -> Any:
+        # Resolved at the first forward (as the autocast plugins resolve in their autocast): Fabric's one moment
+        # after the model is set up, sharded and moved; the Trainer resolves at `connect`, before it.
+        self.resolve_device()
         return default_dtype(self.compute_dtype)
 
     @override
@@ -167,6 +170,35 @@ class TruePrecision(ScaledPrecision):
         from lightning_precision import _fsdp
 
         _fsdp.check_gloo_averages()
+        if self.keep_fp32:
+            self._check_kept_layers_sharded_apart(module)
+
+    def _check_kept_layers_sharded_apart(self, module: nn.Module) -> None:
+        """FSDP2 refuses, at the first forward, a sharded module whose own trainable parameters mix dtypes ("FSDP
+        expects uniform original parameter dtype"): a layer kept in fp32 must be sharded apart from 16-bit ones."""
+        from lightning_precision import _fsdp
+
+        mixed = []
+        sharded = {id(m) for m in _fsdp.fsdp_modules(module)}
+        for name, m in module.named_modules():
+            if id(m) not in sharded:
+                continue
+            nested = {id(p) for sub in _fsdp.fsdp_modules(m) if sub is not m for p in sub.parameters()}
+            # torch checks the trainable parameters only: a frozen one may have any dtype
+            if len({p.dtype for p in m.parameters() if id(p) not in nested and p.requires_grad}) > 1:
+                mixed.append(name or "<root>")
+        if not mixed:
+            return
+        owner, dtype = type(self).__name__, str(self.compute_dtype).replace("torch.", "")
+        kept = ", ".join(t.__name__ for t in self.keep_fp32)
+        raise ValueError(
+            f"`{owner}(keep_fp32=({kept},))` keeps those layers in fp32, but FSDP2 shards {len(mixed)} module(s)"
+            f" whose own parameters mix fp32 and {dtype}: {', '.join(mixed[:4])}. FSDP2 refuses that at the first"
+            " forward. Apply `fully_shard` to each kept layer on its own before the module that holds it (e.g."
+            f" `for layer in model.modules(): if isinstance(layer, {self.keep_fp32[0].__name__}):"
+            " fully_shard(layer, mesh=mesh)`, then the blocks and the root), or pass `keep_fp32=()` to train them in"
+            f" {dtype} too."
+        )
 
     # --- the step -------------------------------------------------------------------------------------------------
 
