@@ -110,6 +110,21 @@ def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
             and value.shape == param.shape and (value.is_floating_point() or _is_8bit(value)))
 
 
+def _fits_8bit(p: Tensor, local: Tensor) -> bool:
+    """Whether a state is stored in 8 bits: a whole number of torchao's blocks, not a small tensor; and, sharded, only
+    when every rank's shard is of this one's size, so that one DTensor is 8-bit on every rank or on none (mixed, a
+    full checkpoint or a load into another number of ranks would gather 8-bit codes with 16-bit values)."""
+    if local.numel() < _MIN_8BIT or local.numel() % _BLOCK:
+        return False
+    if not _is_sharded(p):
+        return True
+    shards = 1
+    for dim, placement in enumerate(p.placements):  # type: ignore[attr-defined]
+        if placement.is_shard():
+            shards *= p.device_mesh.size(dim)  # type: ignore[attr-defined]
+    return local.numel() * shards == p.numel()
+
+
 def _is_8bit(value: Any) -> bool:
     return type(value).__name__ == "OptimState8bit"
 
@@ -298,7 +313,7 @@ class TrueStep:
             own[_HIGH + str(key)] = _like(p, bits.bitwise_right_shift(16).to(torch.int16).view(weight_dtype))
             own[_LOW + str(key)] = _like(p, bits.to(torch.int16).view(weight_dtype))
             return None
-        if self.states == "8bit" and local.numel() >= _MIN_8BIT and local.numel() % _BLOCK == 0:
+        if self.states == "8bit" and _fits_8bit(p, local):
             quantized = self._optim_state_8bit().zeros(local.shape, signed=key not in _NON_NEGATIVE,
                                                        block_size=_BLOCK, device=local.device)
             quantized.copy_(local)

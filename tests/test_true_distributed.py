@@ -44,6 +44,11 @@ def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
     clipped = {**true, "plugin": "bf16", "plugin_kwargs": exact, "steps": 10, "optimizer": "sgd"}
     scenarios.update({"ddp-clip": {**clipped, "clip": 0.05}, "fsdp-clip": {**sharded, **clipped, "clip": 0.05},
                       "ddp-no-clip": clipped})
+    # 8-bit states (torchao) need 4096 elements and whole 256-element blocks: 256 rows of 32 inputs shard evenly
+    # (128 rows, 4096 elements a rank); 257 rows unevenly (129 rows, 4128 elements, and 128 rows, 4096).
+    for rows in (256, 257):
+        scenarios[f"fsdp-8bit-{rows}"] = {**sharded, "plugin": "bf16", "steps": 2, "out": rows, "policy": True,
+                                          "plugin_kwargs": {"optimizer_states": "8bit"}}
     # A LayerNorm kept in fp32, sharded on its own (each Linear, then the root that holds the norm alone).
     scenarios["fsdp-kept-norm"] = {**sharded, "plugin": "bf16", "steps": 3, "norm": True, "policy": True,
                                    "plugin_kwargs": {"keep_norms_fp32": True}}
@@ -174,6 +179,16 @@ def test_fsdp2_clips_by_the_norm_of_the_whole_gradient(launch):
         assert max(abs(a - b) for a, b in zip(d["losses"], n["losses"], strict=True)) > 1e-4  # it did clip
     a, b = launch.params("ddp-clip"), launch.params("fsdp-clip")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+@distributed
+@pytest.mark.parametrize(("rows", "state"), [(256, "OptimState8bit"), (257, "Tensor(bfloat16)")])
+def test_fsdp2_8bit_states_are_8bit_on_every_rank_or_on_none(launch, rows, state):
+    """One sharded state is one DTensor: its shards must be of one kind, or gathering it (a full checkpoint, a load
+    into another number of ranks) mixes 8-bit codes with bf16 values. An evenly sharded weight gets 8-bit states on
+    every rank; an unevenly sharded one (whose shards cannot all be whole 8-bit blocks) keeps bf16 on every rank."""
+    ranks = launch.ranks(f"fsdp-8bit-{rows}")
+    assert [r["local_state"] for r in ranks] == [state, state]
 
 
 @distributed

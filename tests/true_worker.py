@@ -21,20 +21,20 @@ from tests import fsdp_worker
 GLOBAL_BATCH, FEATURES, LR = 16, 32, 1e-3
 
 
-def make_model(norm: bool = False) -> nn.Sequential:
-    """The regression's layer; ``norm``: a LayerNorm after it (a layer a user may keep in fp32)."""
+def make_model(norm: bool = False, out: int = FEATURES) -> nn.Sequential:
+    """The regression's layer (``out`` outputs); ``norm``: a LayerNorm after it (a layer a user may keep in fp32)."""
     torch.manual_seed(0)
-    layer = nn.Linear(FEATURES, FEATURES)
+    layer = nn.Linear(FEATURES, out)
     with torch.no_grad():
-        layer.weight.copy_(1.0 + 0.01 * torch.randn(FEATURES, FEATURES))
+        layer.weight.copy_(1.0 + 0.01 * torch.randn(out, FEATURES))
         layer.bias.zero_()
-    return nn.Sequential(layer, nn.LayerNorm(FEATURES)) if norm else nn.Sequential(layer)
+    return nn.Sequential(layer, nn.LayerNorm(out)) if norm else nn.Sequential(layer)
 
 
-def make_data(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(steps: int, out: int = FEATURES) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(steps * GLOBAL_BATCH, FEATURES, generator=g)
-    target = make_model().state_dict()["0.weight"] + 0.03 * torch.randn(FEATURES, FEATURES, generator=g)
+    target = make_model(out=out).state_dict()["0.weight"] + 0.03 * torch.randn(out, FEATURES, generator=g)
     return x, x @ target.T
 
 
@@ -65,6 +65,15 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__}({str(local.dtype).replace('torch.', '')})"
 
 
+def local_kind(value: Any) -> str | None:
+    """A state's local tensor: ``OptimState8bit`` (torchao's 8-bit state) or ``Tensor(<dtype>)``."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    local = value.to_local() if hasattr(value, "to_local") else value
+    name = type(local).__name__
+    return name if name == "OptimState8bit" else f"Tensor({str(local.dtype).replace('torch.', '')})"
+
+
 class Regression(L.LightningModule):
     """The model built in ``__init__`` (in fp32, as users build it), sharded in ``configure_model`` when the scenario
     says so; rank 0's batch at ``poison_step`` is made to overflow."""
@@ -72,7 +81,7 @@ class Regression(L.LightningModule):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = make_model(cfg.get("norm", False))
+        self.model = make_model(cfg.get("norm", False), cfg.get("out", FEATURES))
         self.losses: list[float] = []
         self.skipped: list[bool] = []
 
@@ -127,7 +136,7 @@ def run_true(cfg: dict, rank: int, world: int) -> dict:
                         gradient_clip_val=cfg.get("clip"),
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
     module = Regression(cfg)
-    x, y = make_data(cfg.get("data_steps", cfg["steps"]))
+    x, y = make_data(cfg.get("data_steps", cfg["steps"]), cfg.get("out", FEATURES))
     dataset = TensorDataset(x, y)
     # Interleaved, not shuffled: each global batch of 16 rows split between the ranks.
     sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
@@ -144,6 +153,7 @@ def run_true(cfg: dict, rank: int, world: int) -> dict:
         "param_types": {name: describe(p) for name, p in params.items()},
         "grad_types": {name: describe(p.grad) for name, p in params.items() if p.grad is not None},
         "state_types": {str(key): describe(value) for key, value in state.items()},
+        "local_state": local_kind(state.get("exp_avg")),
     }
 
 
@@ -164,13 +174,13 @@ def run_fabric_true(cfg: dict, rank: int, world: int) -> dict:
     strategy = ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, plugins=[plugin])
     fabric.launch()
-    net = make_model(cfg.get("norm", False))
+    net = make_model(cfg.get("norm", False), cfg.get("out", FEATURES))
     model = fabric.setup_module(net)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if cfg.get("resume"):
         fabric.load(cfg["resume"], state)
-    x, y = make_data(cfg.get("data_steps", cfg["steps"]))
+    x, y = make_data(cfg.get("data_steps", cfg["steps"]), cfg.get("out", FEATURES))
     half = GLOBAL_BATCH // world
     losses = []
     for step in range(state["step"], cfg["steps"]):
