@@ -44,6 +44,9 @@ def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
     clipped = {**true, "plugin": "bf16", "plugin_kwargs": exact, "steps": 10, "optimizer": "sgd"}
     scenarios.update({"ddp-clip": {**clipped, "clip": 0.05}, "fsdp-clip": {**sharded, **clipped, "clip": 0.05},
                       "ddp-no-clip": clipped})
+    for plugin in ("fp16", "bf16"):  # rank 1 writes an inf into its own shard of the gradient at step 2
+        scenarios[f"fsdp-{plugin}-inf"] = {**sharded, "plugin": plugin, "steps": 4, "policy": True,
+                                           "poison_shard_step": 2}
     # 8-bit states (torchao) need 4096 elements and whole 256-element blocks: 256 rows of 32 inputs shard evenly
     # (128 rows, 4096 elements a rank); 257 rows unevenly (129 rows, 4128 elements, and 128 rows, 4096).
     for rows in (256, 257):
@@ -167,6 +170,20 @@ def test_fsdp2_resume_from_a_distributed_checkpoint_equals_training_straight_thr
         assert (r["loss_scale"], r["skipped_steps"]) == (s["loss_scale"], s["skipped_steps"])
     a, b = launch.params(f"straight-{name}"), launch.params(f"resumed-{name}")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@distributed
+@pytest.mark.parametrize("plugin", ["fp16", "bf16"])
+def test_fsdp2_an_inf_in_one_ranks_gradient_shard_skips_the_step_on_every_rank(launch, plugin):
+    """The inf/nan check runs on the DTensor gradients, so it is global: rank 0, whose shard is finite, skips too
+    (stepping half a model would leave the shards out of step), and the ranks' loss scales stay equal."""
+    name = f"fsdp-{plugin}-inf"
+    ranks = launch.ranks(name)
+    assert all(r["skipped"][2] for r in ranks)
+    assert ranks[0]["skipped"] == ranks[1]["skipped"]
+    assert ranks[0]["skipped_steps"] == ranks[1]["skipped_steps"]
+    assert ranks[0]["loss_scale"] == ranks[1]["loss_scale"]
+    assert all(torch.isfinite(p).all() for p in launch.params(name).values())
 
 
 @distributed

@@ -105,6 +105,10 @@ class Regression(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def on_after_backward(self) -> None:
+        if self.cfg.get("poison_shard_step") == self.global_step and self.global_rank == 1:
+            fsdp_worker.poison_grad(self.model[0])  # an inf in rank 1's shard of the gradient only
+
     def on_train_batch_end(self, *args: Any) -> None:
         self.skipped.append(bool(getattr(self.trainer.precision_plugin, "step_was_skipped", False)))
 
