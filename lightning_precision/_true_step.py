@@ -14,7 +14,7 @@ A step whose gradients hold inf/nan never gets here: the plugin skips it (and an
 
 What the step keeps beside the user's states lives in the optimizer's own state, so that every checkpoint (the
 Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation), ``lp.rounds`` (how many
-times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the rank, it
+times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the shard, it
 seeds the stochastic rounding, so that a resumed run draws the same numbers as one never stopped), ``lp.exp.<state>``
 (the power of two an fp16 state is stored at, so that Adam's second moment does not flush to zero), and
 ``lp.hi.<state>``/``lp.lo.<state>`` (an fp32 state's two 16-bit halves). Every tensor among them is kept in the
@@ -91,9 +91,18 @@ def _is_sharded(param: Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _shard_index(p: Tensor) -> int:
+    """Which shard of a parameter this rank holds (0 for one not sharded): its coordinate along the mesh dimensions
+    the parameter is sharded over. Ranks that hold the same shard (DDP's replicas, HSDP's replicated dimension) draw
+    the same rounding numbers and stay identical; under plain FSDP2 it is the rank."""
+    if not _is_sharded(p):
+        return 0
+    mesh, index = p.device_mesh, 0  # type: ignore[attr-defined]
+    coordinate = mesh.get_coordinate()
+    for dim, placement in enumerate(p.placements):  # type: ignore[attr-defined]
+        if placement.is_shard():
+            index = index * mesh.size(dim) + coordinate[dim]
+    return index
 
 
 def _seed(seed: int, index: int, rounds: int, rank: int) -> int:
@@ -282,7 +291,7 @@ class TrueStep:
         if old.dtype != torch.float32 and self.update != "nearest":
             rounds = int(own.get(_ROUNDS, 0))
             generator = self._generator(new.device)
-            generator.manual_seed(_seed(self.seed, index, rounds, _rank() if _is_sharded(p) else 0))
+            generator.manual_seed(_seed(self.seed, index, rounds, _shard_index(p)))
             own[_ROUNDS] = rounds + 1
         # An element the optimizer left non-finite keeps its value: nothing non-finite is written.
         new = torch.where(torch.isfinite(new), new, self._widen(p, own))

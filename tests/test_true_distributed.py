@@ -48,6 +48,7 @@ def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
         # no policy: the parameters' own dtype is the one FSDP2 gathers in, so the same (and nothing to warn about)
         "fsdp-bf16-compensated": {**sharded, "plugin": "bf16", "plugin_kwargs": {"update": "compensated"}},
         "fsdp-clip": {**sharded, **clipped, "clip": 0.05},
+        "hsdp-bf16": {**sharded, "plugin": "bf16", "steps": 4, "policy": True, "hsdp": True},
     }
     for plugin in ("fp16", "bf16"):  # rank 1 writes an inf into its own shard of the gradient at step 2
         scenarios[f"fsdp-{plugin}-inf"] = {**sharded, "plugin": plugin, "steps": 4, "policy": True,
@@ -195,6 +196,16 @@ def test_fsdp2_an_inf_in_one_ranks_gradient_shard_skips_the_step_on_every_rank(l
     assert ranks[0]["skipped_steps"] == ranks[1]["skipped_steps"]
     assert ranks[0]["loss_scale"] == ranks[1]["loss_scale"]
     assert all(torch.isfinite(p).all() for p in launch.params(name).values())
+
+
+@distributed
+def test_hsdp_replicas_of_a_shard_stay_bit_identical(launch):
+    """HSDP (``fully_shard`` on a 2-D mesh): replicated across the ranks, each holding the one shard of its group.
+    The replicas of a shard must draw the same rounding numbers, as DDP's replicas do; only ranks holding different
+    shards draw different ones."""
+    ranks = launch.ranks("hsdp-bf16")
+    assert ranks[0]["param_types"]["0.weight"] == "DTensor(bfloat16)"
+    assert ranks[0]["digests"] == ranks[1]["digests"]
 
 
 @distributed

@@ -90,7 +90,12 @@ class Regression(L.LightningModule):
             plugin: Any = self.trainer.precision_plugin
             mesh: Any = self.device_mesh
             policy = plugin.mp_policy if self.cfg.get("policy") else None
-            if self.cfg.get("root_only"):  # one group for the whole model
+            if self.cfg.get("hsdp"):  # replicated across the ranks, sharded within each (one rank): HSDP's 2-D mesh
+                from torch.distributed.device_mesh import init_device_mesh
+
+                hsdp = init_device_mesh("cpu", (self.trainer.world_size, 1), mesh_dim_names=("replicate", "shard"))
+                fsdp_worker.shard(self.model, hsdp, policy)
+            elif self.cfg.get("root_only"):  # one group for the whole model
                 from torch.distributed.fsdp import fully_shard
 
                 fully_shard(self.model, mesh=mesh["data_parallel"], **({"mp_policy": policy} if policy else {}))
