@@ -28,13 +28,13 @@ RESUMED = {"fp16": ("fp16", {}, True), "bf16-compensated": ("bf16", {"update": "
 
 
 def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
-    true = {"api": "true", "steps": STEPS}
-    sharded = {**true, "sharded": True}
+    true: dict[str, Any] = {"api": "true", "steps": STEPS}
+    sharded: dict[str, Any] = {**true, "sharded": True}
     # Clipping by the total norm, in fp32 inside the step: under FSDP2 the norm is the whole gradient's, not a
     # shard's. Compensated weights and fp32 states: nothing stochastic, so DDP and FSDP2 can be compared.
     exact = {"update": "compensated", "optimizer_states": "float32"}
-    clipped = {**true, "plugin": "bf16", "plugin_kwargs": exact, "steps": 10, "optimizer": "sgd"}
-    scenarios = {
+    clipped: dict[str, Any] = {**true, "plugin": "bf16", "plugin_kwargs": exact, "steps": 10, "optimizer": "sgd"}
+    scenarios: dict[str, dict[str, Any]] = {
         "ddp-32": {**true, "plugin": "32"},
         "ddp-bf16": {**true, "plugin": "bf16"},
         "ddp-bf16-nearest": {**true, "plugin": "bf16", "plugin_kwargs": {"update": "nearest"}},
@@ -77,7 +77,7 @@ def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
         # a new Trainer, plugin, model and optimizer restore everything from the distributed checkpoint (a directory)
         scenarios[f"resumed-{name}"] = {**base_cfg, "steps": 8, "resume": str(base / f"ckpt-{name}" / "ckpt.ckpt")}
     # Last in the launch, as scenarios that end in an error: the kept norm in one group with the bf16 Linear.
-    mixed = {"plugin": "bf16", "steps": 2, "norm": True, "plugin_kwargs": {"keep_norms_fp32": True},
+    mixed: dict[str, Any] = {"plugin": "bf16", "steps": 2, "norm": True, "plugin_kwargs": {"keep_norms_fp32": True},
              "root_only": True, "expect_error": True}
     scenarios["trainer-kept-norm-mixed"] = {**sharded, **mixed, "policy": True}
     scenarios["fabric-kept-norm-mixed"] = {**mixed, "api": "fabric_true"}
@@ -279,10 +279,11 @@ def test_the_state_layout_step_of_torchs_distributed_checkpoint_goes_through_the
     net = nn.Linear(8, 8)
     model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
     before = [p.detach().clone() for p in model.parameters()]
-    state = get_optimizer_state_dict(model.module, optimizer.optimizer)["state"]
+    state: Any = get_optimizer_state_dict(model.module, optimizer.optimizer)["state"]
     assert set(state["weight"]) == {"step", "exp_avg", "exp_avg_sq"} | keys
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
     other = nn.Linear(8, 8).half()
     other_optimizer = torch.optim.SGD(other.parameters(), lr=1e-3, momentum=0.9)
-    assert set(get_optimizer_state_dict(other, other_optimizer)["state"]["weight"]) == {"momentum_buffer"}
+    other_state: Any = get_optimizer_state_dict(other, other_optimizer)["state"]
+    assert set(other_state["weight"]) == {"momentum_buffer"}

@@ -1,6 +1,7 @@
 """One rank of the true-precision scenarios under DDP and FSDP2 (``tests/distributed.py`` starts the ranks, gloo, CPU;
-``tests/test_true_distributed.py`` reads what they write). Each scenario is added to ``tests.fsdp_worker``'s and run
-by its ``main``: one launch runs them all, one after the other, in the same two processes.
+``tests/test_true_distributed.py`` reads what they write). Two kinds join ``tests.fsdp_worker``'s scenarios and run by
+its ``main`` (one launch runs them all, one after the other, in the same two processes): ``true``, a Trainer under
+DDP or ``ModelParallelStrategy`` (FSDP2, HSDP), and ``fabric_true``, Fabric under ``ModelParallelStrategy``.
 
 The problem is the issue's regression: a linear layer with weights near 1.0 and AdamW at a learning rate whose every
 update is under half a bf16 ulp there (rounded to nearest, the weights never move), so a run that tracks fp32 shows that
@@ -177,7 +178,8 @@ def run_fabric_true(cfg: dict, rank: int, world: int) -> dict:
         from torch.distributed.fsdp import fully_shard
 
         if cfg.get("root_only"):
-            return fully_shard(model, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
+            fully_shard(model, mesh=mesh["data_parallel"], mp_policy=plugin.mp_policy)
+            return model
         return fsdp_worker.shard(model, mesh["data_parallel"], plugin.mp_policy)
 
     strategy = ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1)
@@ -185,8 +187,8 @@ def run_fabric_true(cfg: dict, rank: int, world: int) -> dict:
     fabric.launch()
     net = make_model(cfg.get("norm", False), cfg.get("out", FEATURES))
     model = fabric.setup_module(net)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    optimizer: Any = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
     if cfg.get("resume"):
         fabric.load(cfg["resume"], state)
     x, y = make_data(cfg.get("data_steps", cfg["steps"]), cfg.get("out", FEATURES))
