@@ -164,6 +164,15 @@ def test_fsdp2_shards_bf16_weights_gradients_and_states(launch, name):
         assert r["warnings"] == []
     assert ranks[0]["digests"] != ranks[1]["digests"]  # each rank holds its own shard
     assert _progress(launch, name) > 0.8
+    # Each rank holds half of what a DDP replica holds (weight, gradient and AdamW's two states in bf16: 8 bytes a
+    # parameter, 2 more for a remainder), measured from the tensors (training_bytes).
+    ddp = launch.ranks("ddp-bf16")[0]["bytes"]
+    extra = 2 if name.endswith("compensated") else 0
+    for r in ranks:
+        held = r["bytes"]
+        assert held["parameters"] * 2 == ddp["parameters"]
+        total = held["weights"] + held["gradients"] + held["optimizer_states"]
+        assert total / held["parameters"] == pytest.approx(8 + extra, abs=0.05)
 
 
 @distributed

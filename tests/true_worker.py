@@ -10,6 +10,7 @@ the updates landed. Each global batch of 16 rows is split between the ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -17,6 +18,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_precision._bytes import training_bytes
 from tests import fsdp_worker
 
 GLOBAL_BATCH, FEATURES, LR = 16, 32, 1e-3
@@ -164,6 +166,7 @@ def run_true(cfg: dict, rank: int, world: int) -> dict:
         "grad_types": {name: describe(p.grad) for name, p in params.items() if p.grad is not None},
         "state_types": {str(key): describe(value) for key, value in state.items()},
         "local_state": local_kind(state.get("exp_avg")),
+        "bytes": dataclasses.asdict(training_bytes(module.model, trainer.optimizers)),
     }
 
 
