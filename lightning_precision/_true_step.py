@@ -14,7 +14,7 @@ A step whose gradients hold inf/nan never gets here: the plugin skips it (and an
 
 What the step keeps beside the user's states lives in the optimizer's own state, so that every checkpoint (the
 Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation), ``lp.rounds`` (how many
-times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the rank, it
+times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the shard, it
 seeds the stochastic rounding, so that a resumed run draws the same numbers as one never stopped), ``lp.exp.<state>``
 (the power of two an fp16 state is stored at, so that Adam's second moment does not flush to zero; a sum of squares
 is stored as its square root, whose range is the gradients'), and
@@ -134,9 +134,18 @@ def _is_sharded(param: Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _shard_index(p: Tensor) -> int:
+    """Which shard of a parameter this rank holds (0 for one not sharded): its coordinate along the mesh dimensions
+    the parameter is sharded over. Ranks that hold the same shard (DDP's replicas, HSDP's replicated dimension) draw
+    the same rounding numbers and stay identical; under plain FSDP2 it is the rank."""
+    if not _is_sharded(p):
+        return 0
+    mesh, index = p.device_mesh, 0  # type: ignore[attr-defined]
+    coordinate = mesh.get_coordinate()
+    for dim, placement in enumerate(p.placements):  # type: ignore[attr-defined]
+        if placement.is_shard():
+            index = index * mesh.size(dim) + coordinate[dim]
+    return index
 
 
 def _seed(seed: int, index: int, rounds: int, rank: int) -> int:
@@ -151,6 +160,21 @@ def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
     """A state the step converts: a floating tensor of the parameter's shape (not a step counter, not ours)."""
     return (isinstance(value, Tensor) and not is_own_key(key) and key != "step" and param.dim() > 0
             and value.shape == param.shape and (value.is_floating_point() or _is_8bit(value)))
+
+
+def _fits_8bit(p: Tensor, local: Tensor) -> bool:
+    """Whether a state is stored in 8 bits: a whole number of torchao's blocks, not a small tensor; and, sharded, only
+    when every rank's shard is of this one's size, so that one DTensor is 8-bit on every rank or on none (mixed, a
+    full checkpoint or a load into another number of ranks would gather 8-bit codes with 16-bit values)."""
+    if local.numel() < _MIN_8BIT or local.numel() % _BLOCK:
+        return False
+    if not _is_sharded(p):
+        return True
+    shards = 1
+    for dim, placement in enumerate(p.placements):  # type: ignore[attr-defined]
+        if placement.is_shard():
+            shards *= p.device_mesh.size(dim)  # type: ignore[attr-defined]
+    return local.numel() * shards == p.numel()
 
 
 def _is_8bit(value: Any) -> bool:
@@ -316,7 +340,7 @@ class TrueStep:
         if old.dtype != torch.float32 and self.update != "nearest":
             rounds = int(own.get(_ROUNDS, 0))
             generator = self._generator(new.device)
-            generator.manual_seed(_seed(self.seed, index, rounds, _rank() if _is_sharded(p) else 0))
+            generator.manual_seed(_seed(self.seed, index, rounds, _shard_index(p)))
             own[_ROUNDS] = rounds + 1
         before = self._widen(p, own)
         # An element the optimizer left non-finite keeps its value, and so does one the 16-bit format cannot hold:
@@ -364,7 +388,7 @@ class TrueStep:
             own[_HIGH + str(key)] = _like(p, bits.bitwise_right_shift(16).to(torch.int16).view(weight_dtype))
             own[_LOW + str(key)] = _like(p, bits.to(torch.int16).view(weight_dtype))
             return None
-        if self.states == "8bit" and local.numel() >= _MIN_8BIT and local.numel() % _BLOCK == 0:
+        if self.states == "8bit" and _fits_8bit(p, local):
             quantized = self._optim_state_8bit().zeros(local.shape, signed=key not in _NON_NEGATIVE,
                                                        block_size=_BLOCK, device=local.device)
             quantized.copy_(local)

@@ -85,15 +85,15 @@ def finish() -> None:
 
 
 def run_scenarios(scenarios: dict[str, dict[str, Any]], out_dir: Path, world_size: int = 2,
-                  timeout: float | None = None) -> dict[str, list[dict] | str]:
-    """Run ``scenarios`` one after the other in one launch of ``tests.fsdp_worker`` on ``world_size`` ranks (the
+                  timeout: float | None = None, worker: str = "tests.fsdp_worker") -> dict[str, list[dict] | str]:
+    """Run ``scenarios`` one after the other in one launch of ``worker`` on ``world_size`` ranks (the
     processes' start and the process group are paid once, not once per scenario). Returns, for each scenario, each
     rank's ``<out_dir>/<name>/rank{r}.json``, or for one that did not finish, why: its ranks' exit codes and log tails
     (the traceback), or the name of the scenario that failed before it in the same launch."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "scenarios.json").write_text(json.dumps(scenarios))
     timeout = TIMEOUT_S + 30 * (len(scenarios) - 1) if timeout is None else timeout
-    failed = start_ranks(["-m", "tests.fsdp_worker", str(out_dir)], out_dir, world_size, timeout)
+    failed = start_ranks(["-m", worker, str(out_dir)], out_dir, world_size, timeout)
     results: dict[str, list[dict] | str] = {}
     first_failure = None
     for name, scenario in scenarios.items():

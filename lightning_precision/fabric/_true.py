@@ -21,6 +21,7 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from typing_extensions import override
 
 from lightning_precision import _imports
@@ -124,6 +125,7 @@ class TruePrecision(ScaledPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         module = super().convert_module(module)
         module.to(dtype=self.compute_dtype)
+        _watch_state_init(self)
         if self.keep_fp32:
             hooks = _KeepFP32(self.compute_dtype)
             for layer in module.modules():
@@ -145,6 +147,9 @@ class TruePrecision(ScaledPrecision):
 
     @override
     def forward_context(self) -> Any:
+        # Resolved at the first forward (as the autocast plugins resolve in their autocast): Fabric's one moment
+        # after the model is set up, sharded and moved; the Trainer resolves at `connect`, before it.
+        self.resolve_device()
         return default_dtype(self.compute_dtype)
 
     @override
@@ -166,6 +171,35 @@ class TruePrecision(ScaledPrecision):
         from lightning_precision import _fsdp
 
         _fsdp.check_gloo_averages()
+        if self.keep_fp32:
+            self._check_kept_layers_sharded_apart(module)
+
+    def _check_kept_layers_sharded_apart(self, module: nn.Module) -> None:
+        """FSDP2 refuses, at the first forward, a sharded module whose own trainable parameters mix dtypes ("FSDP
+        expects uniform original parameter dtype"): a layer kept in fp32 must be sharded apart from 16-bit ones."""
+        from lightning_precision import _fsdp
+
+        mixed = []
+        sharded = {id(m) for m in _fsdp.fsdp_modules(module)}
+        for name, m in module.named_modules():
+            if id(m) not in sharded:
+                continue
+            nested = {id(p) for sub in _fsdp.fsdp_modules(m) if sub is not m for p in sub.parameters()}
+            # torch checks the trainable parameters only: a frozen one may have any dtype
+            if len({p.dtype for p in m.parameters() if id(p) not in nested and p.requires_grad}) > 1:
+                mixed.append(name or "<root>")
+        if not mixed:
+            return
+        owner, dtype = type(self).__name__, str(self.compute_dtype).replace("torch.", "")
+        kept = ", ".join(t.__name__ for t in self.keep_fp32)
+        raise ValueError(
+            f"`{owner}(keep_fp32=({kept},))` keeps those layers in fp32, but FSDP2 shards {len(mixed)} module(s)"
+            f" whose own parameters mix fp32 and {dtype}: {', '.join(mixed[:4])}. FSDP2 refuses that at the first"
+            " forward. Apply `fully_shard` to each kept layer on its own before the module that holds it (e.g."
+            f" `for layer in model.modules(): if isinstance(layer, {self.keep_fp32[0].__name__}):"
+            " fully_shard(layer, mesh=mesh)`, then the blocks and the root), or pass `keep_fp32=()` to train them in"
+            f" {dtype} too."
+        )
 
     # --- the step -------------------------------------------------------------------------------------------------
 
@@ -202,6 +236,31 @@ class TruePrecision(ScaledPrecision):
                 " Adam, AdamW, ...), or Lightning's `precision='bf16-true'` for LBFGS."
             )
 
+    @property
+    def _steps_plainly(self) -> bool:
+        """Lightning's bf16-true, as it steps: the optimizer in bf16 on the bf16 weights (for comparison)."""
+        return self.update == "nearest" and self.optimizer_states == "weight" and self.compute_dtype == torch.bfloat16
+
+    def _take_state_init(self, optimizer: Optimizer) -> None:
+        """Take, through this plugin's step, a step at lr 0 on an optimizer of this plugin's model that has no state
+        yet: torch's distributed checkpoint takes one (zero gradients, every lr set to 0) to learn the states' layout
+        before it loads a checkpoint into them, and loads only the keys that step created. Run by the optimizer itself
+        on the 16-bit weights, it creates none of this plugin's keys (the remainders, the rounding counters, fp16's
+        state exponents: the checkpoint's are then left out of the load) and, under fp16, writes NaN into every weight
+        (Adam's 0 / (0 + an eps that fp16 flushes to 0), times lr 0). Here the states are created as the plugin's step
+        creates them and the weights keep their values (an update of 0 rounds to the same 16-bit weight); the
+        optimizer's own step then finds no gradient and does nothing."""
+        module = self._module_ref() if self._module_ref is not None else None
+        if module is None or self._steps_plainly or not all(_zero(group.get("lr")) for group in optimizer.param_groups):
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ours = {id(p) for p in module.parameters()}
+        if not any(id(p) in ours for p in params):
+            return
+        self._stepper.step(optimizer, None, None)
+        for p in params:
+            p.grad = None
+
     def _inverse_scale(self) -> Tensor | None:
         if self.scaler_config is None or self._scaler is None:
             return None
@@ -217,8 +276,7 @@ class TruePrecision(ScaledPrecision):
                 and self._scaler.has_stepped(torch_optimizer)):
             self.update_after_every_step()  # a backward by hand (not through the plugin): its update now
         clip = self._clips.pop(id(torch_optimizer), None)
-        if self.update == "nearest" and self.optimizer_states == "weight" and self.compute_dtype == torch.bfloat16:
-            # Lightning's bf16-true, as it steps: the optimizer in bf16 on the bf16 weights (for comparison).
+        if self._steps_plainly:
             step = functools.partial(_plain_step, torch_optimizer, clip)
         else:
             step = functools.partial(self.true_step.step, torch_optimizer, self._inverse_scale(), clip)
@@ -237,6 +295,34 @@ class TruePrecision(ScaledPrecision):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._kept = weakref.WeakSet()
+
+
+_PLUGINS: weakref.WeakSet[TruePrecision] = weakref.WeakSet()  # the live ones: the hook below asks each
+_STEP_HOOK: list[Any] = []  # one hook per process
+
+
+def _watch_state_init(plugin: TruePrecision) -> None:
+    _PLUGINS.add(plugin)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_any_step))
+
+
+def _before_any_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    """Before every optimizer step of the process: one that meets an empty state may be torch's distributed checkpoint
+    learning the states' layout (``TruePrecision._take_state_init``). The plugin's own step creates the states before
+    it steps the optimizer, so it never gets past the first check."""
+    if optimizer.state:
+        return
+    for plugin in list(_PLUGINS):
+        plugin._take_state_init(optimizer)
+
+
+def _zero(lr: Any) -> bool:
+    """Whether a learning rate is torch's state-layout step's 0: a plain 0.0, or a CPU tensor of 0 where the lr was a
+    tensor. A tensor on a device is never that step (and reading it would wait for the device)."""
+    if isinstance(lr, Tensor):
+        return lr.device.type == "cpu" and lr.numel() == 1 and float(lr) == 0
+    return isinstance(lr, numbers.Real) and lr == 0
 
 
 def _plain_step(optimizer: Optimizer, clip: ClipRequest | None) -> None:
