@@ -128,6 +128,23 @@ def _like(param: Tensor, local: Tensor) -> Tensor:
                               stride=param.stride())
 
 
+def _like_flat(param: Tensor, flat: Tensor) -> Tensor:
+    """A flat per-element companion of a sharded parameter (8-bit codes, block scales) as a 1-D DTensor sharded as it
+    is (every shard of one size: ``_fits_8bit``), so that a distributed checkpoint saves each rank's part; a plain
+    tensor as it is."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return flat
+    shards = 1
+    for dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            shards *= param.device_mesh.size(dim)
+    placements = [Shard(0) if placement.is_shard() else placement for placement in param.placements]
+    return DTensor.from_local(flat, param.device_mesh, placements, run_check=False, shape=torch.Size((flat.numel() * shards,)),
+                              stride=(1,))
+
+
 def _is_sharded(param: Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -312,7 +329,7 @@ class TrueStep:
                 low = _local(stored[_LOW + name]).view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
                 states[name] = _like(p, high.bitwise_or_(low).view(torch.float32))
             elif isinstance(key, str) and key.startswith(_CODES):
-                states[key[len(_CODES):]] = _like(p, self._dequantize(p, key[len(_CODES):], value, stored))
+                states[key[len(_CODES):]] = _like(p, self._dequantize(p, key[len(_CODES):], _local(value), stored))
             elif is_own_key(key) or not _is_moment(key, value, p):
                 if not is_own_key(key):
                     states[key] = value
@@ -392,8 +409,8 @@ class TrueStep:
             quantized = self._optim_state_8bit().zeros(local.shape, signed=key not in _NON_NEGATIVE,
                                                        block_size=_BLOCK, device=local.device)
             quantized.copy_(local)
-            own[_CODES + str(key)] = quantized.codes.reshape(-1).view(torch.int16).view(weight_dtype)
-            own[_SCALES + str(key)] = quantized.scale.view(torch.int16).view(weight_dtype)
+            own[_CODES + str(key)] = _like_flat(p, quantized.codes.reshape(-1).view(torch.int16).view(weight_dtype))
+            own[_SCALES + str(key)] = _like_flat(p, quantized.scale.view(torch.int16).view(weight_dtype))
             return None
         if weight_dtype == torch.float16 and value.numel() > 0:  # (an empty state has no largest element)
             # fp16 would flush a second moment of small gradients to zero (and the next update would divide by ~0):
@@ -424,7 +441,7 @@ class TrueStep:
         if qmap is None:  # torchao's map of 256 values, the same for every state of a sign
             qmap = self._optim_state_8bit().zeros((_BLOCK,), signed=signed, block_size=_BLOCK, device=local.device).qmap
             self._qmaps[(signed, local.device)] = qmap
-        scale = stored[_SCALES + key].view(torch.int16).view(torch.float32)
+        scale = _local(stored[_SCALES + key]).view(torch.int16).view(torch.float32)
         quantized = self._optim_state_8bit()(codes.view(torch.int16).view(torch.uint8).reshape(local.shape), scale,
                                               qmap, signed)
         return quantized.dequantize()

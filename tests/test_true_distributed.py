@@ -24,7 +24,8 @@ STEPS = 40
 GLOO = "gloo-averages"
 # name: (plugin, its arguments, a distributed checkpoint (a directory of shards) or a full one (one file))
 RESUMED = {"fp16": ("fp16", {}, True), "bf16-compensated": ("bf16", {"update": "compensated"}, True),
-           "bf16-compensated-full": ("bf16", {"update": "compensated"}, False)}
+           "bf16-compensated-full": ("bf16", {"update": "compensated"}, False),
+           "bf16-8bit": ("bf16", {"optimizer_states": "8bit"}, True)}
 
 
 def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
@@ -71,7 +72,8 @@ def _scenarios(base: Path) -> dict[str, dict[str, Any]]:
     for name, (plugin, kwargs, distributed_checkpoint) in RESUMED.items():
         # 4 batches an epoch: the checkpoint falls on an epoch boundary, where a resumed fit restarts the data exactly.
         base_cfg = {"api": "true", "plugin": plugin, "plugin_kwargs": kwargs, "sharded": True, "policy": True,
-                    "data_steps": 4, "full_checkpoint": not distributed_checkpoint}
+                    "data_steps": 4, "full_checkpoint": not distributed_checkpoint,
+                    **({"out": 256} if kwargs.get("optimizer_states") == "8bit" else {})}  # whole 8-bit blocks
         scenarios[f"straight-{name}"] = {**base_cfg, "steps": 8}
         scenarios[f"first-{name}"] = {**base_cfg, "steps": 4, "save_every": 4, "save_to": str(base / f"ckpt-{name}")}
         # a new Trainer, plugin, model and optimizer restore everything from the distributed checkpoint (a directory)
@@ -230,13 +232,15 @@ def test_fsdp2_clips_by_the_norm_of_the_whole_gradient(launch):
 
 
 @distributed
-@pytest.mark.parametrize(("rows", "state"), [(256, "OptimState8bit"), (257, "Tensor(bfloat16)")])
+@pytest.mark.parametrize(("rows", "state"), [(256, "8-bit"), (257, "Tensor(bfloat16)")])
 def test_fsdp2_8bit_states_are_8bit_on_every_rank_or_on_none(launch, rows, state):
     """One sharded state is one DTensor: its shards must be of one kind, or gathering it (a full checkpoint, a load
     into another number of ranks) mixes 8-bit codes with bf16 values. An evenly sharded weight gets 8-bit states on
     every rank; an unevenly sharded one (whose shards cannot all be whole 8-bit blocks) keeps bf16 on every rank."""
     ranks = launch.ranks(f"fsdp-8bit-{rows}")
     assert [r["local_state"] for r in ranks] == [state, state]
+    if state == "8-bit":  # sharded as the weight is: a distributed checkpoint saves each rank's codes
+        assert [r["codes"] for r in ranks] == ["DTensor(bfloat16)", "DTensor(bfloat16)"]
 
 
 @distributed

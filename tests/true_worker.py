@@ -69,12 +69,11 @@ def describe(value: Any) -> str:
 
 
 def local_kind(value: Any) -> str | None:
-    """A state's local tensor: ``OptimState8bit`` (torchao's 8-bit state) or ``Tensor(<dtype>)``."""
+    """A state's local tensor, ``Tensor(<dtype>)``."""
     if not isinstance(value, torch.Tensor):
         return None
     local = value.to_local() if hasattr(value, "to_local") else value
-    name = type(local).__name__
-    return name if name == "OptimState8bit" else f"Tensor({str(local.dtype).replace('torch.', '')})"
+    return f"Tensor({str(local.dtype).replace('torch.', '')})"
 
 
 class Regression(L.LightningModule):
@@ -165,7 +164,8 @@ def run_true(cfg: dict, rank: int, world: int) -> dict:
         "param_types": {name: describe(p) for name, p in params.items()},
         "grad_types": {name: describe(p.grad) for name, p in params.items() if p.grad is not None},
         "state_types": {str(key): describe(value) for key, value in state.items()},
-        "local_state": local_kind(state.get("exp_avg")),
+        "local_state": "8-bit" if "lp.q8.exp_avg" in state else local_kind(state.get("exp_avg")),
+        "codes": describe(state.get("lp.q8.exp_avg")),
         "bytes": dataclasses.asdict(training_bytes(module.model, trainer.optimizers)),
     }
 

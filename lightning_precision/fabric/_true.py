@@ -257,7 +257,7 @@ class TruePrecision(ScaledPrecision):
         ours = {id(p) for p in module.parameters()}
         if not any(id(p) in ours for p in params):
             return
-        self._stepper.step(optimizer, None, None)
+        self.true_step.step(optimizer, None, None)
         for p in params:
             p.grad = None
 
