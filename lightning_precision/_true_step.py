@@ -141,8 +141,8 @@ def _like_flat(param: Tensor, flat: Tensor) -> Tensor:
         if placement.is_shard():
             shards *= param.device_mesh.size(dim)
     placements = [Shard(0) if placement.is_shard() else placement for placement in param.placements]
-    return DTensor.from_local(flat, param.device_mesh, placements, run_check=False, shape=torch.Size((flat.numel() * shards,)),
-                              stride=(1,))
+    return DTensor.from_local(flat, param.device_mesh, placements, run_check=False,
+                              shape=torch.Size((flat.numel() * shards,)), stride=(1,))
 
 
 def _is_sharded(param: Tensor) -> bool:
