@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -69,8 +70,8 @@ BYTES_VARIANTS: dict[str, Callable[[], Precision]] = {
     "Lightning bf16-mixed": lambda: MixedPrecision("bf16-mixed", "cpu"),
     "Lightning bf16-true (rounds to nearest: updates lost)": lambda: HalfPrecision("bf16-true"),
     **{
-        f"BF16TruePrecision(update={u!r}, optimizer_states={s!r})": (
-            lambda u=u, s=s: BF16TruePrecision(update=u, optimizer_states=s))
+        f"BF16TruePrecision(update={u!r}, optimizer_states={s!r})": functools.partial(
+            BF16TruePrecision, update=u, optimizer_states=s)
         for u in ("stochastic", "compensated") for s in ("weight", "float32", "8bit")
     },
     "BF16TruePrecision(), step_chunk=2**18": lambda: BF16TruePrecision(step_chunk=2**18),
@@ -88,6 +89,17 @@ def _trainer(plugin: Any, steps: int, device: str, callbacks: list[Callback], **
     return L.Trainer(accelerator=accelerator, devices=1, max_steps=steps, callbacks=callbacks, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      num_sanity_val_steps=0, **kwargs)
+
+
+def _loader(batches: list[Any]) -> DataLoader:
+    """The batches as they are, one a step."""
+    return DataLoader(batches, batch_size=None)  # type: ignore[arg-type]  # a list is a map-style dataset
+
+
+def _optimizer(model: L.LightningModule) -> torch.optim.Optimizer:
+    optimizer = model.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.Optimizer), "the recipes configure one optimizer"
+    return optimizer
 
 
 def _recipe_batches(n: int, recipe: str = "distilbert") -> tuple[L.LightningModule, list[Any]]:
@@ -167,7 +179,7 @@ def bytes_child(label: str, device: str) -> dict[str, Any]:
     plugin = BYTES_VARIANTS[label]()
     memory = StepMemory(at=2, device=device)
     trainer = _trainer(plugin, 3, device, [memory], limit_val_batches=0)
-    trainer.fit(model, DataLoader(batches, batch_size=None))
+    trainer.fit(model, _loader(batches))
     counted = training_bytes(model, trainer.optimizers)
     return {"parameters": counted.parameters, "weights": counted.weights, "gradients": counted.gradients,
             "states": counted.optimizer_states, "per_parameter": counted.per_parameter, "rise": memory.rise,
@@ -220,11 +232,11 @@ def _fit_times(make: Callable[[], Any], batches: list[Any], args: argparse.Names
                pristine: L.LightningModule) -> list[float]:
     model = copy.deepcopy(pristine)  # the same initial weights for every fit
     if args.fused:
-        configure = model.configure_optimizers
-        model.configure_optimizers = lambda: _fused(configure())  # type: ignore[method-assign]
+        optimizer = _fused(_optimizer(model))
+        model.configure_optimizers = lambda: optimizer  # type: ignore[method-assign]
     timer = StepTimer(_clock(args.device))
     trainer = _trainer(make(), len(batches), args.device, [timer], limit_val_batches=0)
-    trainer.fit(model, DataLoader(batches, batch_size=None))
+    trainer.fit(model, _loader(batches))
     return timer.times[WARMUP:]
 
 
@@ -259,23 +271,27 @@ def profile_step(pristine: L.LightningModule, batches: list[Any], args: argparse
     from lightning_precision._true_step import TrueStep
 
     base = copy.deepcopy(pristine).to(torch.bfloat16)
-    base.training_loss(batches[0]).backward()
+    batch = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in batches[0]]
+    base.training_loss(batch).backward()  # type: ignore[operator]  # the recipes' loss of a batch
 
-    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+    def fresh() -> torch.optim.Optimizer:
         model = copy.deepcopy(base)
         for p, q in zip(model.parameters(), base.parameters(), strict=True):
             p.grad = None if q.grad is None else q.grad.clone()
-        optimizer = model.configure_optimizers()
-        return model, _fused(optimizer) if args.fused else optimizer
+        optimizer = _optimizer(model)
+        return _fused(optimizer) if args.fused else optimizer
+
+    def ours(update: str) -> Callable[[torch.optim.Optimizer], Any]:
+        stepper = TrueStep(torch.bfloat16, update, "weight", 0, 2**24)
+        return lambda optimizer: stepper.step(optimizer, None, None)
 
     steps: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
-        "AdamW on the bf16 weights (Lightning bf16-true)": lambda o: o.step(),
-        **{f"ours, update={u!r}": (lambda o, s=TrueStep(torch.bfloat16, u, "weight", 0, 2**24): s.step(o, None, None))
-           for u in ("stochastic", "compensated", "nearest")},
+        "AdamW on the bf16 weights (Lightning bf16-true)": lambda optimizer: optimizer.step(),
+        **{f"ours, update={u!r}": ours(u) for u in ("stochastic", "compensated", "nearest")},
     }
     clock = _clock(args.device)
     times: dict[str, list[float]] = {label: [] for label in steps}
-    optimizers = {label: fresh()[1] for label in steps}
+    optimizers = {label: fresh() for label in steps}
     for r in range(args.rounds * 2 + 2):
         order = list(steps.items())
         for label, step in order if r % 2 == 0 else order[::-1]:  # alternated: none always first
@@ -300,7 +316,7 @@ def profile_step(pristine: L.LightningModule, batches: list[Any], args: argparse
 def _fused(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The same optimizer class and hyperparameters, with its fused kernel (AdamW's ``fused=True``)."""
     defaults = {k: v for k, v in optimizer.defaults.items() if k not in ("foreach", "fused")}
-    return type(optimizer)(optimizer.param_groups[0]["params"], **defaults, fused=True)
+    return type(optimizer)(optimizer.param_groups[0]["params"], **defaults, fused=True)  # type: ignore[call-arg]
 
 
 # --- quality ----------------------------------------------------------------------------------------------------------
@@ -407,7 +423,7 @@ def run_regression(args: argparse.Namespace) -> None:
         initial = model.loss_fp32()
         batches = [(model.x, model.y)] * 300
         trainer = _trainer(make(), 300, args.device, [], limit_val_batches=0)
-        trainer.fit(model, DataLoader(batches, batch_size=None))
+        trainer.fit(model, _loader(batches))
         bytes_ = training_bytes(model, trainer.optimizers).per_parameter
         print(f"| {label} | {initial:.4f} | {model.loss_fp32():.4f} | {bytes_:.1f} |", flush=True)
 
