@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import inspect
 import json
 import os
 import statistics
@@ -315,7 +316,8 @@ def profile_step(pristine: L.LightningModule, batches: list[Any], args: argparse
 
 def _fused(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The same optimizer class and hyperparameters, with its fused kernel (AdamW's ``fused=True``)."""
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in ("foreach", "fused")}
+    accepted = inspect.signature(type(optimizer)).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in ("foreach", "fused")}
     return type(optimizer)(optimizer.param_groups[0]["params"], **defaults, fused=True)  # type: ignore[call-arg]
 
 
