@@ -64,7 +64,7 @@ from lightning_precision import BF16TruePrecision, FP16TruePrecision
 from lightning_precision._bytes import training_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import WARMUP, StepTimer  # noqa: E402
+from _common import MLP, WARMUP, StepTimer  # noqa: E402
 
 # label -> plugin factory; Lightning's first (the baselines), then ours.
 BYTES_VARIANTS: dict[str, Callable[[], Precision]] = {
@@ -75,6 +75,7 @@ BYTES_VARIANTS: dict[str, Callable[[], Precision]] = {
             BF16TruePrecision, update=u, optimizer_states=s)
         for u in ("stochastic", "compensated") for s in ("weight", "float32", "8bit")
     },
+    "BF16TruePrecision(), step_chunk=2**20": lambda: BF16TruePrecision(step_chunk=2**20),
     "BF16TruePrecision(), step_chunk=2**18": lambda: BF16TruePrecision(step_chunk=2**18),
     "FP16TruePrecision()": lambda: FP16TruePrecision(),
     "FP16TruePrecision(update='compensated')": lambda: FP16TruePrecision(update="compensated"),
@@ -101,6 +102,10 @@ def _optimizer(model: L.LightningModule) -> torch.optim.Optimizer:
     optimizer = model.configure_optimizers()
     assert isinstance(optimizer, torch.optim.Optimizer), "the recipes configure one optimizer"
     return optimizer
+
+
+def _name(model_name: str) -> str:
+    return "MLP 5 x 1024" if model_name == "mlp" else f"{model_name} recipe (tiny)"
 
 
 def _recipe_batches(n: int, recipe: str = "distilbert") -> tuple[L.LightningModule, list[Any]]:
@@ -175,8 +180,19 @@ def _widened_bytes(plugin: Any, model: nn.Module, optimizer: torch.optim.Optimiz
     return largest * 4 * (2 + states)
 
 
-def bytes_child(label: str, device: str) -> dict[str, Any]:
-    model, batches = _recipe_batches(3)
+def _mlp_batches(n: int) -> tuple[L.LightningModule, list[Any]]:
+    """Five 1024x1024 layers and a head (4.2M parameters in six tensors, none over 1.05M) on random batches of 64."""
+    g = torch.Generator().manual_seed(0)
+    return MLP(1024), [(torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g))
+                       for _ in range(n)]
+
+
+def _batches(n: int, model_name: str) -> tuple[L.LightningModule, list[Any]]:
+    return _mlp_batches(n) if model_name == "mlp" else _recipe_batches(n, model_name)
+
+
+def bytes_child(label: str, device: str, model_name: str) -> dict[str, Any]:
+    model, batches = _batches(3, model_name)
     plugin = BYTES_VARIANTS[label]()
     memory = StepMemory(at=2, device=device)
     trainer = _trainer(plugin, 3, device, [memory], limit_val_batches=0)
@@ -191,12 +207,13 @@ def run_bytes(args: argparse.Namespace) -> None:
     rows = {}
     for label in BYTES_VARIANTS:
         cmd = [sys.executable, __file__, "--_child", "bytes", "--_label", label, "--device", args.device,
+               "--model", args.model,
                "--threads", str(args.threads)]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
         rows[label] = json.loads(out.splitlines()[-1])
     base = rows["Lightning bf16-mixed"]
-    print(f"\nDistilBERT recipe (tiny), {base['parameters']:,} parameters, AdamW. Bytes a parameter after the optimizer"
+    print(f"\n{_name(args.model)}, {base['parameters']:,} parameters, AdamW. Bytes a parameter after the optimizer"
           " has stepped; transient: rise of the peak resident set over one optimizer step (see the docstring)")
     print("| plugin | weights | gradients | optimizer states (+ plugin's) | B/param | x bf16-mixed |"
           " step transient (MB) | widened at once, computed (MB) |")
@@ -242,7 +259,7 @@ def _fit_times(make: Callable[[], Any], batches: list[Any], args: argparse.Names
 
 
 def run_time(args: argparse.Namespace) -> None:
-    model, batches = _recipe_batches(args.steps, args.model)
+    model, batches = _batches(args.steps, args.model)
     variants = list(TIME_VARIANTS.items())
     medians: dict[str, list[float]] = {label: [] for label, _ in variants}
     for r in range(args.rounds):
@@ -250,7 +267,7 @@ def run_time(args: argparse.Namespace) -> None:
         for label, make in order:
             medians[label].append(statistics.median(_fit_times(make, batches, args, model)))
     reference = variants[0][0]
-    print(f"\n{args.model} recipe (tiny), AdamW{' (fused=True)' if args.fused else ''}: {args.rounds} rounds x"
+    print(f"\n{_name(args.model)}, AdamW{' (fused=True)' if args.fused else ''}: {args.rounds} rounds x"
           f" {args.steps} steps"
           f" (first {WARMUP} dropped), {'CPU time of the process' if args.device == 'cpu' else 'wall clock'}")
     print("| variant | ms/step (median of fits) | ours / Lightning, paired median [IQR] |")
@@ -273,7 +290,9 @@ def profile_step(pristine: L.LightningModule, batches: list[Any], args: argparse
 
     base = copy.deepcopy(pristine).to(torch.bfloat16)
     batch = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in batches[0]]
-    base.training_loss(batch).backward()  # type: ignore[operator]  # the recipes' loss of a batch
+    loss_of: Any = getattr(base, "training_loss", None)  # the recipes' loss of a batch, without logging
+    loss = loss_of(batch) if loss_of is not None else base.training_step(batch, 0)
+    loss.backward()  # type: ignore[union-attr]
 
     def fresh() -> torch.optim.Optimizer:
         model = copy.deepcopy(base)
@@ -439,7 +458,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="time: steps a fit")
     parser.add_argument("--quality-steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=3, help="quality: seeds of bf16-mixed")
-    parser.add_argument("--model", choices=("distilbert", "vit"), default="distilbert", help="time: which recipe")
+    parser.add_argument("--model", choices=("distilbert", "vit", "mlp"), default="distilbert",
+                        help="time and bytes: the recipe's model, or an MLP of 4.2M parameters")
     parser.add_argument("--fused", action="store_true", help="time: AdamW(fused=True) in every variant")
     parser.add_argument("--profile", action="store_true", help="time: the optimizer step alone, and where it goes")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
@@ -451,7 +471,7 @@ def main() -> None:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args._child == "bytes":
-        print(json.dumps(bytes_child(args._label, args.device)))
+        print(json.dumps(bytes_child(args._label, args.device, args.model)))
         return
     print(f"torch {torch.__version__}, lightning {L.__version__}, {args.device}, {torch.get_num_threads()} thread(s),"
           f" load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
