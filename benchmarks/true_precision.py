@@ -216,7 +216,7 @@ def run_bytes(args: argparse.Namespace) -> None:
     print(f"\n{_name(args.model)}, {base['parameters']:,} parameters, AdamW. Bytes a parameter after the optimizer"
           " has stepped; transient: rise of the peak resident set over one optimizer step (see the docstring)")
     print("| plugin | weights | gradients | optimizer states (+ plugin's) | B/param | x bf16-mixed |"
-          " step transient (MB) | widened at once, computed (MB) |")
+          " step transient (MiB) | widened at once, computed (MiB) |")
     print("|---|---|---|---|---|---|---|---|")
     for label, r in rows.items():
         n = r["parameters"]
