@@ -1,10 +1,11 @@
 """True precision (``BF16TruePrecision``, ``FP16TruePrecision``): memory, step time and training quality against
 Lightning's ``bf16-mixed`` and ``bf16-true``.
 
-    python benchmarks/true_precision.py --threads 1 [--part bytes|time|quality|regression] [--device cpu]
-        [--rounds 8] [--steps 30] [--quality-steps 200] [--seeds 3] [--profile]
+    python benchmarks/true_precision.py --threads 1 [--part bytes|time|pieces|quality|regression] [--device cpu]
+        [--model distilbert|vit|mlp] [--rounds 8] [--steps 30] [--quality-steps 200] [--seeds 3] [--profile]
+        [--fused]
 
-Four parts (all by default):
+Five parts (all by default):
 
 ``bytes``: on the DistilBERT recipe's model (its embedded tiny default: 2.07M parameters, 94% of them the 30522x64 word
 embedding; batches of 32 x 48 tokens), for each plugin and its ``update``/``optimizer_states``, the bytes a parameter
@@ -24,6 +25,8 @@ model and batches: fits alternated in one process (the order rotated each round)
 (``time.process_time``; the wall clock on a GPU), the first steps of each fit dropped, one median per fit; each round's
 ratio (ours / Lightning) is one paired sample, printed as median [IQR]. ``--profile`` adds a ``torch.profiler`` table
 of our step (the ops that take its time).
+
+``pieces``: candidates for the step's costliest pieces, timed beside what it does (random bits, the finite check).
 
 ``quality``: the DistilBERT and ViT recipes (embedded defaults, ``--quality-steps`` steps, batch 32, AdamW, validation
 on 8 batches at the end) under ``32-true``, Lightning's ``bf16-mixed`` (``--seeds`` seeds: the run-to-run spread),
@@ -342,6 +345,38 @@ def _fused(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return type(optimizer)(optimizer.param_groups[0]["params"], **defaults, fused=True)  # type: ignore[call-arg]
 
 
+def run_pieces(args: argparse.Namespace) -> None:
+    """What the step's most costly pieces would cost done otherwise (not what the plugins do: candidates), on 4.2M
+    fp32 elements (the MLP's parameters), alternated, ms median: the rounding's random bits and the finite check."""
+    n = 4_208_640
+    generator = torch.Generator(device=args.device).manual_seed(0)
+    new = torch.randn(n, device=args.device)
+    old = new.clone()
+    pieces: dict[str, Callable[[], Any]] = {
+        "16-bit noise: randint, one an element (what the step draws, 3 an element with AdamW)": lambda: torch.randint(
+            0, 2**16, (n,), dtype=torch.int32, device=args.device, generator=generator),
+        "16-bit noise: 64-bit random_, viewed as four 16-bit": lambda: torch.empty(
+            n // 4, dtype=torch.int64, device=args.device).random_(-(2**63), 2**63 - 1, generator=generator).view(
+            torch.int16),
+        "finite check: where(isfinite(new), new, old) (what the step does)": lambda: torch.where(
+            torch.isfinite(new), new, old),
+        "finite check: new.sum().isfinite(), read on the host": lambda: bool(new.sum().isfinite()),
+    }
+    clock = _clock(args.device)
+    times: dict[str, list[float]] = {label: [] for label in pieces}
+    for r in range(args.rounds * 2 + 1):
+        order = list(pieces.items())
+        for label, piece in order if r % 2 == 0 else order[::-1]:
+            t0 = clock()
+            piece()
+            if r:
+                times[label].append(clock() - t0)
+    print(f"\npieces of the step on {n:,} fp32 elements, ms, median [IQR]:")
+    for label, values in times.items():
+        lo, mid, hi = _quartiles(values)
+        print(f"  {label:<88}{mid * 1e3:8.2f} [{lo * 1e3:.2f}, {hi * 1e3:.2f}]")
+
+
 # --- quality ----------------------------------------------------------------------------------------------------------
 
 
@@ -453,7 +488,7 @@ def run_regression(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("bytes", "time", "quality", "regression"), action="append")
+    parser.add_argument("--part", choices=("bytes", "time", "pieces", "quality", "regression"), action="append")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--rounds", type=int, default=8, help="time: alternated rounds")
@@ -477,9 +512,11 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, lightning {L.__version__}, {args.device}, {torch.get_num_threads()} thread(s),"
           f" load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    parts = args.part or ["bytes", "regression", "time", "quality"]
+    parts = args.part or ["bytes", "regression", "time", "pieces", "quality"]
     for part in parts:
-        {"bytes": run_bytes, "time": run_time, "quality": run_quality, "regression": run_regression}[part](args)
+        run = {"bytes": run_bytes, "time": run_time, "pieces": run_pieces, "quality": run_quality,
+               "regression": run_regression}
+        run[part](args)
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
