@@ -21,18 +21,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["UPDATES", "join_remainder", "split_remainder", "stochastic_round"]
+__all__ = ["UPDATES", "join_remainder", "random_halves", "split_remainder", "stochastic_round"]
 
 UPDATES = ("stochastic", "compensated", "nearest")
 _LOW_HALF = 1 << 16
+
+
+def random_halves(count: int, device: torch.device, generator: torch.Generator) -> Tensor:
+    """``count`` uniformly random 16-bit integers (int16): 64-bit draws cut in four, a quarter of the draws (and about a
+    quarter of the time) of one draw per element."""
+    words = torch.randint(-(2**63), 2**63 - 1, ((count + 3) // 4,), dtype=torch.int64, device=device,
+                          generator=generator)
+    return words.view(torch.int16)[:count]
 
 
 def stochastic_round(value: Tensor, dtype: torch.dtype, generator: torch.Generator) -> Tensor:
     """``value`` (fp32) rounded to ``dtype`` (bf16 or fp16) stochastically: unbiased, with random bits from
     ``generator``. Non-finite values stay non-finite."""
     if dtype == torch.bfloat16:
-        noise = torch.randint(0, _LOW_HALF, value.shape, dtype=torch.int32, device=value.device, generator=generator)
-        bits = value.view(torch.int32) + noise
+        # 16 random bits added below the bf16 part, then cut off: a signed draw s in [-2**15, 2**15), plus 2**15,
+        # is uniform in [0, 2**16).
+        noise = random_halves(value.numel(), value.device, generator).view(value.shape)
+        bits = value.view(torch.int32).add(noise).add_(_LOW_HALF >> 1)
         return bits.bitwise_and_(-_LOW_HALF).view(torch.float32).to(torch.bfloat16)
     near = value.to(dtype)
     error = value - near.float()
