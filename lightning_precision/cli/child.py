@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_precision._bytes import training_bytes
 from lightning_precision._mfu import plugin_compute_dtype
 from lightning_precision.cli.compare_args import block_size, make_plugin, one_line
 from lightning_precision.cli.console import quiet_lightning
@@ -161,6 +162,7 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
     trainer.fit(model, data)
     stats.flush()
     metrics = dict(trainer.callback_metrics)
+    held = training_bytes(trainer.lightning_module, trainer.optimizers)  # after the steps: the states exist by now
     gate()  # validation takes a turn too: it must not run beside another precision's timed steps
     val = trainer.validate(model, datamodule=data, verbose=False)[0] if args.val_batches else {}
     unscaled, scaled = (metrics.get(f"precision/underflow/fp16{k}") for k in ("", "/scaled"))
@@ -172,6 +174,10 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
         "grad_underflow_fp16": float(unscaled) if unscaled is not None else None,
         "grad_underflow_fp16_scaled": float(scaled) if scaled is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
+        # weights + gradients + optimizer states (and what a plugin keeps beside them) per parameter, in bytes
+        "bytes_per_param": held.per_parameter,
+        "training_bytes": {"parameters": held.parameters, "weights": held.weights, "gradients": held.gradients,
+                           "optimizer_states": held.optimizer_states},
         # what the plugin's matmuls ran in (an fp8 plugin says fp8 only for real fp8 layers): MFU's peak
         "compute_dtype": str(plugin_compute_dtype(trainer.precision_plugin)),
         **_fp8_layers(trainer.precision_plugin),

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_precision._io import json_safe
 from lightning_precision._warnings import warn
+from lightning_precision.cli.compare_args import BASELINES
 from lightning_precision.cli.outdir import replace_folder
 from lightning_precision.cli.rows import NOISY, Row
 
@@ -19,12 +20,12 @@ __all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"
 # Every file a report writes: the report folder holds these and nothing else (``lightning_precision.cli.outdir``).
 FILES = ("report.md", "report.json", "report.csv", "loss.png", "throughput.png", "memory.png")
 
-COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "final loss",
-           "val acc", "fp16 underflow, unscaled", "at loss scale", "skipped")
+COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "bytes/param",
+           "final loss", "val acc", "fp16 underflow, unscaled", "at loss scale", "skipped")
 CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "turn_ms_q1", "turn_ms_q3", "turns",
                "timed_steps", "untimed_steps", "samples_per_s", "units_per_s", "achieved_tflops", "mfu", "peak_tflops",
                "speedup", "speedup_q1", "speedup_q3", "speedup_paired", "speedup_pairs", "speedup_resolved",
-               "speedup_drift", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
+               "speedup_drift", "peak_memory_mb", "bytes_per_param", "final_loss", "val_acc", "grad_underflow_fp16",
                "grad_underflow_fp16_scaled", "skipped_steps", "steps_done", "emulated", "noisy", "interrupted", "error"]
 SAME_ACCURACY = 0.01  # the least difference of validation accuracies the verdict calls a difference
 
@@ -65,6 +66,7 @@ def cells(row: Row) -> list[str]:
         _fmt(row.units_per_s, ".0f"),
         _fmt(row.mfu * 100, ".1f", "%") if row.mfu is not None else "n/a",
         _fmt(row.peak_memory_mb, ".0f"),
+        _fmt(row.bytes_per_param, ".1f"),
         _fmt(row.final_loss, ".3f"),
         _fmt(row.val_acc, ".3f"),
         _fmt(row.grad_underflow_fp16, ".2e"),
@@ -90,6 +92,13 @@ def mfu_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
         by_source.setdefault(peak + (r.peak_source or ""), []).append(r.precision + kind)
     lines += [f"  {', '.join(names)}: {source}" for source, names in by_source.items()]
     return lines
+
+
+BYTES_NOTE = ("bytes/param: weights, their gradients and the optimizer's states, with what a plugin keeps beside them"
+              " (remainders, 16-bit halves of fp32 states), per trained parameter, counted from the tensors after"
+              " training, in each precision's own process: 16 with Adam where the weights are fp32 (32-true, the"
+              " mixed precisions, fp8), 8 where weights, gradients and states are 16-bit. Activations, workspace and"
+              " allocator caches are not in it; peak mem has them.")
 
 
 def memory_note(device: str) -> str:
@@ -149,11 +158,18 @@ def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
                          + (" (emulated here)" if r.emulated else " (not emulated)"))
             lines.append(line + ".")
     if any(r.grad_underflow_fp16 is not None or r.grad_underflow_fp16_scaled is not None for r in rows):
+        scaled = [r.precision for r in rows if r.grad_underflow_fp16_scaled is not None] or ["16-mixed"]
         lines.append("fp16 underflow, unscaled: the fraction of nonzero parameter gradients that would flush to zero if"
                      " cast to fp16 as they are (every precision). at loss scale: the same fraction at the loss scale"
-                     " in effect, 16-mixed only: what its fp16 backward meets, including what it already flushed. The"
-                     " two answer different questions: compare a column with itself.")
+                     f" in effect, {', '.join(scaled)} only: what its fp16 backward meets, including what it already"
+                     " flushed. The two answer different questions: compare a column with itself.")
     lines.append(memory_note(meta["device"]))
+    if any(r.bytes_per_param is not None for r in rows):
+        lines.append(BYTES_NOTE)
+    baselines = [r.precision for r in rows if r.precision in BASELINES]
+    if baselines:
+        lines.append(f"{', '.join(baselines)}: Lightning's own plugin (precision='bf16-true': bf16 weights, every"
+                     " update rounded to nearest), for comparison; the verdict does not recommend it.")
     return lines
 
 
@@ -190,7 +206,9 @@ def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
     def differs(r: Row) -> str:
         return f"{r.precision}'s {accuracy(r)} differs by more than chance allows ({tolerance:.3f})"
 
-    faster = sorted(((r, s) for r, s in others if r.speedup_resolved and s > 1 and not r.emulated),
+    # a baseline (Lightning's own plugin) is there to be compared with, never the one to use
+    faster = sorted(((r, s) for r, s in others
+                     if r.speedup_resolved and s > 1 and not r.emulated and r.precision not in BASELINES),
                     key=lambda rs: -rs[1])
     if faster:
         r, speedup = faster[0]
