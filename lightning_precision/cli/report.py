@@ -206,20 +206,26 @@ def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
     def differs(r: Row) -> str:
         return f"{r.precision}'s {accuracy(r)} differs by more than chance allows ({tolerance:.3f})"
 
+    def speed(r: Row, speedup: float) -> str:
+        return (f"{speedup:.2f}x the speed of 32-true (interquartile {_fmt(r.speedup_q1, '.2f')}-"
+                f"{_fmt(r.speedup_q3, '.2f')}x over {r.speedup_pairs} paired turns)")
+
+    resolved = sorted(((r, s) for r, s in others if r.speedup_resolved and s > 1 and not r.emulated),
+                      key=lambda rs: -rs[1])
     # a baseline (Lightning's own plugin) is there to be compared with, never the one to use
-    faster = sorted(((r, s) for r, s in others
-                     if r.speedup_resolved and s > 1 and not r.emulated and r.precision not in BASELINES),
-                    key=lambda rs: -rs[1])
+    faster = [(r, s) for r, s in resolved if r.precision not in BASELINES]
     if faster:
         r, speedup = faster[0]
-        speed = (f"{speedup:.2f}x the speed of 32-true (interquartile {_fmt(r.speedup_q1, '.2f')}-"
-                 f"{_fmt(r.speedup_q3, '.2f')}x over {r.speedup_pairs} paired turns)")
         if same_accuracy(r):
-            return prefix + f"{r.precision} is the one to use here: {speed}, {accuracy(r)}." + tail
-        return prefix + f"{r.precision} ran at {speed}, but {differs(r)}: check its numerics before switching." + tail
+            return prefix + f"{r.precision} is the one to use here: {speed(r, speedup)}, {accuracy(r)}." + tail
+        return (prefix + f"{r.precision} ran at {speed(r, speedup)}, but {differs(r)}: check its numerics before"
+                " switching." + tail)
     slower = [f"{r.precision} {s:.2f}x" for r, s in others if r.speedup_resolved and s < 1 and not r.emulated]
     emulated = [r.precision for r, _ in others if r.emulated]
     text = "No precision was measurably faster than 32-true on this machine"
+    if resolved:  # only baselines were: said, as measured, and not recommended
+        text = ("None of lightning-precision's precisions was measurably faster than 32-true on this machine ("
+                + "; ".join(f"{r.precision}, Lightning's own, ran at {speed(r, s)}" for r, s in resolved) + ")")
     text += f" ({', '.join(slower)}: measurably slower)" if slower else ""
     text += f"; {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated here" if emulated else ""
     text += ". Here the lower precisions show their numerics, not their speed."
