@@ -8,10 +8,12 @@ import os
 import re
 import signal
 
+import lightning as L
 import pytest
+import torch
 
 import lightning_precision.cli as cli
-from lightning_precision import PrecisionPlan
+from lightning_precision import BF16TruePrecision, PrecisionPlan
 from lightning_precision.cli import child, compare_args, runner
 from lightning_precision.cli import report as lp_report
 from lightning_precision.cli import rows as lp_rows
@@ -86,6 +88,40 @@ def _check_bytes_per_param(rows, md, csv_lines):
         cell = next(x for x in md.splitlines() if x.startswith(f"| {r['precision']} |")).split(" | ")[column]
         assert cell == f"{r['bytes_per_param']:.1f}"
     assert "- bytes/param: weights, their gradients and the optimizer's states" in md
+
+
+class _Regression(L.LightningModule):
+    def __init__(self, finite):
+        super().__init__()
+        self.layer, self.finite = torch.nn.Linear(64, 64), finite
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch).pow(2).mean()
+        return loss if self.finite else loss * float("inf")
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(16, 64), batch_size=8)
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["stepped", "every-step-skipped"])
+def test_bytes_per_param_is_counted_after_a_step_and_never_without_the_optimizers_states(finite):
+    """A real fit under BF16TruePrecision: 8 bytes a parameter (bf16 weight, gradient and AdamW's two states) once a
+    step has landed; when every step was skipped (inf gradients) the optimizer's states do not exist yet, and the
+    figure is n/a with its reason under the table, not 4 bytes a parameter."""
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, plugins=[BF16TruePrecision()], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_Regression(finite))
+    held = child.held_bytes(trainer)
+    if finite:
+        assert held["bytes_per_param"] == pytest.approx(8.0, abs=0.01)
+        assert held["training_bytes"]["weights"] == held["training_bytes"]["gradients"] == 2 * 64 * 65
+        return
+    assert trainer.precision_plugin.skipped_steps == 2 and held == {"bytes_per_param": None, "training_bytes": None}
+    row = Row("16-true", steps_done=2, emulated=True, skipped_steps=2, **held)
+    assert "16-true: bytes/param n/a: every one of its 2 steps was skipped" in " ".join(lp_report.notes([row], META))
 
 
 @pytest.mark.slow

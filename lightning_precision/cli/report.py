@@ -166,6 +166,10 @@ def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
     lines.append(memory_note(meta["device"]))
     if any(r.bytes_per_param is not None for r in rows):
         lines.append(BYTES_NOTE)
+    for r in rows:
+        if r.bytes_per_param is None and r.error is None and r.steps_done and (r.skipped_steps or 0) >= r.steps_done:
+            lines.append(f"{r.precision}: bytes/param n/a: every one of its {r.steps_done} steps was skipped (inf/nan"
+                         " gradients), so the optimizer's states, made by its first step, did not exist to count.")
     baselines = [r.precision for r in rows if r.precision in BASELINES]
     if baselines:
         lines.append(f"{', '.join(baselines)}: Lightning's own plugin (precision='bf16-true': bf16 weights, every"
