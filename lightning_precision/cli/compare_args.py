@@ -15,9 +15,8 @@ from lightning_precision.cli.recipes import RECIPES
 
 __all__ = [
     "BASELINES", "FP8_PRECISIONS", "PRECISIONS", "QUICK_STEPS", "QUICK_VAL_BATCHES", "WARMUP", "UsageError",
-    "block_size",
-    "calibration_steps", "check_accelerator", "default_precisions", "emulated", "make_plugin", "on_gpu", "one_line",
-    "parse_args", "precheck", "untimed_steps",
+    "block_size", "calibration_steps", "check_accelerator", "default_precisions", "emulated", "make_plugin", "on_gpu",
+    "one_line", "parse_args", "precheck", "untimed_steps",
 ]
 
 DESCRIPTION = "``lightning-precision compare``: one recipe under several precisions, same seed and steps, side by side."

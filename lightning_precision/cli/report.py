@@ -161,8 +161,9 @@ def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
         scaled = [r.precision for r in rows if r.grad_underflow_fp16_scaled is not None] or ["16-mixed"]
         lines.append("fp16 underflow, unscaled: the fraction of nonzero parameter gradients that would flush to zero if"
                      " cast to fp16 as they are (every precision). at loss scale: the same fraction at the loss scale"
-                     f" in effect, {', '.join(scaled)} only: what its fp16 backward meets, including what it already"
-                     " flushed. The two answer different questions: compare a column with itself.")
+                     f" in effect, {', '.join(scaled)} only: what {'its' if len(scaled) == 1 else 'their'} fp16"
+                     " backward meets, including what it already flushed. The two answer different questions: compare"
+                     " a column with itself.")
     lines.append(memory_note(meta["device"]))
     if any(r.bytes_per_param is not None for r in rows):
         lines.append(BYTES_NOTE)
