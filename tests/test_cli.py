@@ -137,7 +137,7 @@ def test_fit_usage_lists_only_what_the_tool_accepts(capsys):
     assert cli.main(["fit", "--help"]) == 0
     out = capsys.readouterr().out
     assert "[options] fit" not in out and "{fit,validate,test,predict}" not in out
-    assert "--precision {32-true,bf16-mixed,16-mixed,fp8,fp8-emulated}" in out
+    assert "--precision {32-true,bf16-mixed,bf16-true,16-mixed,fp8,fp8-emulated}" in out
 
 
 def test_compare_help_shows_every_default(capsys):
@@ -190,6 +190,7 @@ def _fit_quick(config, *extra):
 @pytest.mark.parametrize(("precision", "expected"), [
     ("32-true", "MixedPrecision"),  # no plugin of ours: Lightning's own 32-true
     ("bf16-mixed", "BF16MixedPrecision"),
+    ("bf16-true", "BF16TruePrecision"),
     ("16-mixed", "FP16MixedPrecision"),
     ("fp8-emulated", "FP8Precision"),
 ])
@@ -315,6 +316,28 @@ def test_fit_finds_the_shipped_configs_by_name(tmp_path, monkeypatch):
                      *FEW_STEPS]) == 0
     assert seen[0] == ("FP16MixedPrecision", "ViTClassifier")
     assert seen[1][1] == "DistilBertClassifier" and seen[1][0] != "BF16MixedPrecision"  # precision-32-true: no plugin
+
+
+@pytest.mark.parametrize("recipe", ["distilbert", "vit"])
+def test_the_bf16_true_config_trains_distilbert_and_vit_in_bf16(recipe, tmp_path, monkeypatch):
+    """`--config <recipe> --config precision-bf16-true`: the recipe's plugin replaced by BF16TruePrecision (its
+    defaults), the weights trained in bf16."""
+    import lightning as L
+    import torch
+
+    seen = {}
+    fit = L.Trainer.fit
+
+    def record(trainer, model, *args, **kwargs):
+        fit(trainer, model, *args, **kwargs)
+        seen.update(plugin=trainer.precision_plugin, dtypes={p.dtype for p in model.parameters()},
+                    loss=trainer.callback_metrics["train_loss"])
+
+    monkeypatch.setattr(L.Trainer, "fit", record)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["fit", "--config", recipe, "--config", "precision-bf16-true", *FEW_STEPS]) == 0
+    assert type(seen["plugin"]).__name__ == "BF16TruePrecision" and seen["plugin"].update == "stochastic"
+    assert seen["dtypes"] == {torch.bfloat16} and torch.isfinite(seen["loss"])
 
 
 def test_the_shipped_configs_are_the_checkouts_recipes():

@@ -8,10 +8,12 @@ import os
 import re
 import signal
 
+import lightning as L
 import pytest
+import torch
 
 import lightning_precision.cli as cli
-from lightning_precision import PrecisionPlan
+from lightning_precision import BF16TruePrecision, PrecisionPlan
 from lightning_precision.cli import child, compare_args, runner
 from lightning_precision.cli import report as lp_report
 from lightning_precision.cli import rows as lp_rows
@@ -46,10 +48,12 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
     machine = report["meta"]["machine"]
     assert machine["cpu"]["model"] and machine["cpu"]["logical_cpus"] >= 1 and isinstance(machine["cpu"]["isa"], list)
     assert machine["packages"]["torch"] and machine["packages"]["lightning"] and "gpus" in machine
-    assert (out / "report.csv").read_text().splitlines()[0].startswith("precision,median_step_ms,step_ms_q1")
+    csv_lines = (out / "report.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("precision,median_step_ms,step_ms_q1") and ",bytes_per_param," in csv_lines[0]
     md = (out / "report.md").read_text()
     assert report["meta"]["verdict"] in md and report["meta"]["machine_line"] in md
     assert md.count("\n| ") == 4 and "![loss](loss.png)" in md  # header and three rows; the plots linked
+    _check_bytes_per_param(rows, md, csv_lines)
     for png in ("loss.png", "throughput.png", "memory.png"):
         assert (out / png).stat().st_size > 5_000
     assert _no_children_left()
@@ -65,6 +69,82 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
         assert r["speedup"] == pytest.approx(rows[0]["median_step_ms"] / r["median_step_ms"])
         assert r["samples_per_s"] == pytest.approx(8 / (r["median_step_ms"] / 1e3))
         assert r["turn_ms_q1"] <= r["median_step_ms"] <= r["turn_ms_q3"]
+
+
+def _check_bytes_per_param(rows, md, csv_lines):
+    """bytes/param in every output, counted from the tensors after training: the recipes' AdamW keeps two states a
+    parameter, so 16 where weights are fp32 (32-true, the mixed precisions) and 8 where weights, gradients and states
+    are 16-bit (the true modes, ours and Lightning's)."""
+    header = next(line for line in md.splitlines() if line.startswith("| precision"))
+    column = header.split(" | ").index("bytes/param")
+    at = csv_lines[0].split(",").index("bytes_per_param")
+    for r, line in zip(rows, csv_lines[1:], strict=True):
+        held = r["training_bytes"]
+        assert r["bytes_per_param"] == pytest.approx(
+            (held["weights"] + held["gradients"] + held["optimizer_states"]) / held["parameters"])
+        true_16_bit = r["precision"] in ("bf16-true", "16-true", "lightning-bf16-true")
+        assert r["bytes_per_param"] == pytest.approx(8.0 if true_16_bit else 16.0, abs=0.05)
+        assert float(line.split(",")[at]) == r["bytes_per_param"]
+        cell = next(x for x in md.splitlines() if x.startswith(f"| {r['precision']} |")).split(" | ")[column]
+        assert cell == f"{r['bytes_per_param']:.1f}"
+    assert "- bytes/param: weights, their gradients and the optimizer's states" in md
+
+
+class _Regression(L.LightningModule):
+    def __init__(self, finite):
+        super().__init__()
+        self.layer, self.finite = torch.nn.Linear(64, 64), finite
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch).pow(2).mean()
+        return loss if self.finite else loss * float("inf")
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(16, 64), batch_size=8)
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["stepped", "every-step-skipped"])
+def test_bytes_per_param_is_counted_after_a_step_and_never_without_the_optimizers_states(finite):
+    """A real fit under BF16TruePrecision: 8 bytes a parameter (bf16 weight, gradient and AdamW's two states) once a
+    step has landed; when every step was skipped (inf gradients) the optimizer's states do not exist yet, and the
+    figure is n/a with its reason under the table, not 4 bytes a parameter."""
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, plugins=[BF16TruePrecision()], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_Regression(finite))
+    held = child.held_bytes(trainer)
+    if finite:
+        assert held["bytes_per_param"] == pytest.approx(8.0, abs=0.01)
+        assert held["training_bytes"]["weights"] == held["training_bytes"]["gradients"] == 2 * 64 * 65
+        return
+    assert trainer.precision_plugin.skipped_steps == 2 and held == {"bytes_per_param": None, "training_bytes": None}
+    row = Row("16-true", steps_done=2, emulated=True, skipped_steps=2, **held)
+    assert "16-true: bytes/param n/a: every one of its 2 steps was skipped" in " ".join(lp_report.notes([row], META))
+
+
+@pytest.mark.slow
+def test_the_true_rows_and_lightnings_bf16_true_as_a_baseline(tmp_path, capsys):
+    """bf16-true and 16-true run our plugins (default arguments), lightning-bf16-true Lightning's own
+    precision="bf16-true": each in its process, in every output with its bytes/param; the baseline is said to be one."""
+    out = tmp_path / "report"
+    names = ["bf16-true", "16-true", "lightning-bf16-true"]
+    assert cli.main(["compare", *TINY, "--precisions", ",".join(names), "--out", str(out)]) == 0
+    assert "lightning-bf16-true" in capsys.readouterr().out
+    rows = json.loads((out / "report.json").read_text())["results"]
+    assert [r["precision"] for r in rows] == names and all(r["steps_done"] == 6 for r in rows)
+    md = (out / "report.md").read_text()
+    _check_bytes_per_param(rows, md, (out / "report.csv").read_text().splitlines())
+    by_name = {r["precision"]: r for r in rows}
+    # ours and Lightning's start from the same bf16 model on the same batch
+    assert by_name["bf16-true"]["losses"][0] == pytest.approx(by_name["lightning-bf16-true"]["losses"][0], abs=1e-3)
+    assert [by_name[n]["compute_dtype"] for n in names] == ["torch.bfloat16", "torch.float16", "torch.bfloat16"]
+    assert by_name["16-true"]["grad_underflow_fp16_scaled"] is not None  # its fp16 gradients are loss-scaled
+    assert "at the loss scale in effect, 16-true only" in md
+    assert "- lightning-bf16-true: Lightning's own plugin (precision='bf16-true'" in md
+    assert (out / "memory.png").stat().st_size > 5_000
+    assert _no_children_left()
 
 
 @pytest.mark.slow
@@ -271,6 +351,8 @@ def _fail_if_trained(monkeypatch):
     [
         (["--recipe", "gpt2"], "unknown recipe 'gpt2'"),
         (["--precisions", "32-true,fp4"], "unknown precision 'fp4'"),
+        (["--precisions", "lightning-16-true"], "unknown precision 'lightning-16-true': choose from 32-true, bf16-mixed,"
+                                                " bf16-true, 16-mixed, 16-true, fp8, fp8-auto, lightning-bf16-true$"),
         (["--precisions", "fp8"], "fp8 needs a CUDA GPU.*--emulate"),
         (["--precisions", "32-true,fp8-auto"], "fp8-auto needs a CUDA GPU.*--emulate"),
         (["--peak-tflops", "bf16=fast"], r"--peak-tflops 'bf16=fast': could not convert"),
@@ -313,11 +395,16 @@ def _machine(bf16: bool, fp16: bool) -> dict:
 def test_default_precisions_leave_out_emulated_fp16_with_a_reason():
     args = argparse.Namespace(accelerator="auto", emulate=False)
     chosen, notes = compare_args.default_precisions(_machine(bf16=True, fp16=False), args)
-    assert chosen == ["32-true", "bf16-mixed"]
-    assert len(notes) == 1 and notes[0].startswith("16-mixed left out: this CPU has no fp16 arithmetic")
-    assert "--precisions 32-true,bf16-mixed,16-mixed" in notes[0]
+    assert chosen == ["32-true", "bf16-mixed", "bf16-true"]
+    assert len(notes) == 1 and notes[0].startswith("16-mixed and 16-true left out: this CPU has no fp16 arithmetic")
+    assert "--precisions 32-true,bf16-mixed,bf16-true,16-mixed,16-true to check their numerics" in notes[0]
+    assert compare_args.parse_args(["--precisions", "32-true,16-true"]).precisions == ["32-true", "16-true"]
     chosen, notes = compare_args.default_precisions(_machine(bf16=True, fp16=True), args)
-    assert chosen == ["32-true", "bf16-mixed", "16-mixed"] and notes == []
+    assert chosen == ["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"] and notes == []
+    # emulated where the format's arithmetic is: the true modes and the baseline as their mixed twins
+    cpu = _machine(bf16=False, fp16=True)
+    assert [compare_args.emulated(p, cpu, gpu=False) for p in ("bf16-true", "lightning-bf16-true", "16-true")] == \
+        [True, True, False]
     chosen, _ = compare_args.default_precisions(_machine(bf16=True, fp16=True), argparse.Namespace(accelerator="auto",
                                                                                             emulate=True))
     assert chosen[-1] == "fp8"
@@ -332,11 +419,12 @@ REPORT_ROWS = [
     {"precision": "16-mixed", "steps_done": 2, "emulated": True, "losses": [2.3, 2.2], "step_ms": [9.0, 8.0],
      "error": "interrupted (SIGTERM) after 2 of 6 steps", "interrupted": "SIGTERM", "peak_memory_mb": None,
      "final_loss": 2.25, "val_acc": None, "grad_underflow_fp16": None, "grad_underflow_fp16_scaled": None,
-     "skipped_steps": None},
+     "skipped_steps": None, "bytes_per_param": None},
     {"precision": "32-true", "steps_done": 6, "emulated": False, "losses": [2.3] * 6, "step_ms": [10.0] * 6,
      "median_step_ms": 10.0, "turn_ms_q1": 10.0, "turn_ms_q3": 10.0, "turns": 3, "step_ms_q1": 10.0,
      "step_ms_q3": 10.0, "samples_per_s": 800.0, "spread": 0.0, "noisy": False, "timed_steps": 3, "untimed_steps": 3,
-     "peak_memory_mb": 5.0, "final_loss": 2.3, "val_acc": 0.5, "val_samples": 8, "grad_underflow_fp16": 0.0,
+     "peak_memory_mb": 5.0, "bytes_per_param": 16.0,
+     "training_bytes": {"parameters": 10, "weights": 40, "gradients": 40, "optimizer_states": 80}, "final_loss": 2.3, "val_acc": 0.5, "val_samples": 8, "grad_underflow_fp16": 0.0,
      "grad_underflow_fp16_scaled": None, "skipped_steps": 0, "compute_dtype": "torch.float32", "speedup": 1.0,
      "speedup_resolved": None, "units_per_s": 800.0, "compute_kind": "fp32", "peak_tflops": None,
      "peak_source": "n/a: no peak for cpu", "achieved_tflops": 0.1, "mfu": None},
@@ -400,6 +488,15 @@ META = {"interrupted": False, "device": "cpu", "schedule": "interleaved", "notes
     ([_row("32-true", 1.0, val_samples=20), _row("bf16-mixed", 1.4, (1.3, 1.5), True, acc=0.8)],
      "bf16-mixed is the one to use here: 1.40x the speed of 32-true (interquartile 1.30-1.50x over 9 paired turns),"
      " validation accuracy 0.800 vs 0.900."),  # 20 samples counted, not 256: 0.1 apart is within chance (0.19)
+    # Lightning's own bf16-true is a baseline: said as measured, never the one to use
+    ([_row("32-true", 1.0), _row("lightning-bf16-true", 1.4, (1.3, 1.5), True)],
+     "None of lightning-precision's precisions was measurably faster than 32-true on this machine (lightning-bf16-true,"
+     " Lightning's own, ran at 1.40x the speed of 32-true (interquartile 1.30-1.50x over 9 paired turns)). Here the"
+     " lower precisions show their numerics, not their speed."),
+    ([_row("32-true", 1.0), _row("lightning-bf16-true", 1.4, (1.3, 1.5), True),
+      _row("bf16-true", 1.2, (1.1, 1.3), True)],
+     "bf16-true is the one to use here: 1.20x the speed of 32-true (interquartile 1.10-1.30x over 9 paired turns),"
+     " validation accuracy 0.900 vs 0.900."),
     ([Row("32-true", error="boom"), _row("bf16-mixed")],
      "No 32-true step was timed: speedups are not computed. 32-true failed (see the notes)."),
     # a run a signal stopped is partial, not failed: its figures count, as the table shows them
@@ -439,8 +536,8 @@ def test_default_precisions_on_a_gpu_without_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     chosen, notes = compare_args.default_precisions(_machine(bf16=False, fp16=False),
                                                argparse.Namespace(accelerator="auto", emulate=False))
-    assert chosen == ["32-true", "16-mixed"]
-    assert notes == ["bf16-mixed left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"
+    assert chosen == ["32-true", "16-mixed", "16-true"]
+    assert notes == ["bf16-mixed and bf16-true left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"
                      " found 'Tesla T4' (compute capability 7.5). Use `FP16MixedPrecision()` on this GPU."]
 
 

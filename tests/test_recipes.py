@@ -9,7 +9,13 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
+from lightning_precision import (
+    BF16MixedPrecision,
+    BF16TruePrecision,
+    FP8Precision,
+    FP16MixedPrecision,
+    FP16TruePrecision,
+)
 from lightning_precision.cli.recipes import (
     RECIPES,
     DistilBertClassifier,
@@ -37,6 +43,29 @@ def test_fast_dev_run_with_each_plugin(name, plugin_index):
         trainer.fit(model, data)
     assert trainer.state.finished
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["distilbert", "vit"])
+@pytest.mark.parametrize(("plugin_class", "dtype"), [(BF16TruePrecision, torch.bfloat16),
+                                                     (FP16TruePrecision, torch.float16)], ids=["bf16-true", "16-true"])
+def test_the_true_precisions_train_the_transformer_recipes(name, plugin_class, dtype):
+    """What `compare`'s bf16-true and 16-true rows and the precision-bf16-true config run: every weight in the 16-bit
+    dtype (DistilBERT's attention mask and embeddings, ViT's class token included), a finite loss, and steps that move
+    the weights."""
+    model, data = RECIPES[name].build(data_args=SMALL[name])
+    before = {n: p.detach().to(dtype) for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, plugins=[plugin_class()],
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(model, data)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    assert trainer.precision_plugin.skipped_steps < 3  # fp16's scaler may skip its first step, not every one
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert len(moved) > len(before) // 2
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

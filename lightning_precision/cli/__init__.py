@@ -120,6 +120,7 @@ def _parser_error(message: str) -> str:
 _FIT_PRECISIONS = {
     "32-true": None,
     "bf16-mixed": ("lightning_precision.BF16MixedPrecision", {}),
+    "bf16-true": ("lightning_precision.BF16TruePrecision", {}),
     "16-mixed": ("lightning_precision.FP16MixedPrecision", {}),
     "fp8": ("lightning_precision.FP8Precision", {}),
     "fp8-emulated": ("lightning_precision.FP8Precision", {"emulate": True, "skip_small_layers": False}),

@@ -17,13 +17,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_precision._bytes import training_bytes
 from lightning_precision._mfu import plugin_compute_dtype
 from lightning_precision.cli.compare_args import block_size, make_plugin, one_line
 from lightning_precision.cli.console import quiet_lightning
 from lightning_precision.cli.recipes import RECIPES
 from lightning_precision.cli.stop import STOP_SIGNALS, signals_blocked
 
-__all__ = ["RunStats", "run_child", "train"]
+__all__ = ["RunStats", "held_bytes", "run_child", "train"]
 
 Gate = Callable[[], None]
 OnBlock = Callable[[list[float], list[float], float | None], None]
@@ -161,6 +162,7 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
     trainer.fit(model, data)
     stats.flush()
     metrics = dict(trainer.callback_metrics)
+    held = held_bytes(trainer)  # after the steps, which made the optimizer's states
     gate()  # validation takes a turn too: it must not run beside another precision's timed steps
     val = trainer.validate(model, datamodule=data, verbose=False)[0] if args.val_batches else {}
     unscaled, scaled = (metrics.get(f"precision/underflow/fp16{k}") for k in ("", "/scaled"))
@@ -172,10 +174,26 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
         "grad_underflow_fp16": float(unscaled) if unscaled is not None else None,
         "grad_underflow_fp16_scaled": float(scaled) if scaled is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
+        **held,
         # what the plugin's matmuls ran in (an fp8 plugin says fp8 only for real fp8 layers): MFU's peak
         "compute_dtype": str(plugin_compute_dtype(trainer.precision_plugin)),
         **_fp8_layers(trainer.precision_plugin),
     }
+
+
+def held_bytes(trainer: Any) -> dict[str, Any]:
+    """What training held per parameter after the run, under the report's keys: ``bytes_per_param`` (weights +
+    gradients + optimizer states, and what a plugin keeps beside them) and ``training_bytes`` (those bytes apart).
+    None for both when no optimizer step landed (every one skipped for inf/nan gradients, as fp16's first steps can be
+    while the loss scale settles): the optimizer's states are made by its first step, and a count without them would
+    say 4 bytes a parameter where training holds 8 or 16."""
+    skipped = int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0)
+    if trainer.global_step - skipped <= 0:
+        return {"bytes_per_param": None, "training_bytes": None}
+    held = training_bytes(trainer.lightning_module, trainer.optimizers)
+    return {"bytes_per_param": held.per_parameter,
+            "training_bytes": {"parameters": held.parameters, "weights": held.weights, "gradients": held.gradients,
+                               "optimizer_states": held.optimizer_states}}
 
 
 def _fp8_layers(plugin: Any) -> dict[str, Any]:

@@ -14,14 +14,17 @@ from lightning_precision.cli.console import quiet_lightning
 from lightning_precision.cli.recipes import RECIPES
 
 __all__ = [
-    "FP8_PRECISIONS", "PRECISIONS", "QUICK_STEPS", "QUICK_VAL_BATCHES", "WARMUP", "UsageError", "block_size",
-    "calibration_steps", "check_accelerator", "default_precisions", "emulated", "make_plugin", "on_gpu", "one_line",
-    "parse_args", "precheck", "untimed_steps",
+    "BASELINES", "FP8_PRECISIONS", "PRECISIONS", "QUICK_STEPS", "QUICK_VAL_BATCHES", "WARMUP", "UsageError",
+    "block_size", "calibration_steps", "check_accelerator", "default_precisions", "emulated", "make_plugin", "on_gpu",
+    "one_line", "parse_args", "precheck", "untimed_steps",
 ]
 
 DESCRIPTION = "``lightning-precision compare``: one recipe under several precisions, same seed and steps, side by side."
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8", "fp8-auto")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "fp8", "fp8-auto", "lightning-bf16-true")
 FP8_PRECISIONS = ("fp8", "fp8-auto")  # fp8-auto: FP8Precision(layers="auto"), layers chosen from measured numerics
+# Lightning's own plugins, run only when named, for comparison with ours: the verdict never recommends one.
+BASELINES = ("lightning-bf16-true",)
+_BF16 = ("bf16-mixed", "bf16-true", "lightning-bf16-true")  # what bf16 hardware support decides
 WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
 QUICK_STEPS, QUICK_VAL_BATCHES = 30, 2
 MAX_SEED = 2**32 - 1  # Lightning's seed_everything (numpy's bound) refuses a seed outside [0, 2**32 - 1]
@@ -52,16 +55,31 @@ def block_size(steps: int) -> int:
 
 
 def make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
-    """The Trainer plugin a precision name stands for (None for 32-true, the Trainer's default)."""
-    from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
+    """The Trainer plugin a precision name stands for (None for 32-true, the Trainer's default): ours, each with its
+    default arguments, and for ``lightning-bf16-true`` Lightning's own ``precision="bf16-true"``."""
+    from lightning_precision import (
+        BF16MixedPrecision,
+        BF16TruePrecision,
+        FP8Precision,
+        FP16MixedPrecision,
+        FP16TruePrecision,
+    )
     from lightning_precision.fp8 import fp8_gpu_available
 
     if precision == "32-true":
         return None
     if precision == "bf16-mixed":
         return BF16MixedPrecision()
+    if precision == "bf16-true":
+        return BF16TruePrecision()
     if precision == "16-mixed":
         return FP16MixedPrecision()
+    if precision == "16-true":
+        return FP16TruePrecision()
+    if precision == "lightning-bf16-true":
+        from lightning.pytorch.plugins.precision import HalfPrecision
+
+        return HalfPrecision("bf16-true")
     # Emulated fp8 is for numerics on small models: run every eligible layer in fp8, not only the large ones.
     emulated_fp8 = emulate and not fp8_gpu_available()
     if precision == "fp8-auto":
@@ -82,7 +100,7 @@ def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
         return not fp8_gpu_available()
     if gpu or precision == "32-true":
         return False
-    return not machine["cpu"][f"native_{'bf16' if precision == 'bf16-mixed' else 'fp16'}"]
+    return not machine["cpu"][f"native_{'bf16' if precision in _BF16 else 'fp16'}"]
 
 
 def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -94,14 +112,15 @@ def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tup
     gpu = on_gpu(args)
     no_bf16 = precheck("bf16-mixed", args) if gpu else None
     if no_bf16:
-        notes.append(f"bf16-mixed left out: {no_bf16}")
+        notes.append(f"bf16-mixed and bf16-true left out: {no_bf16}")
     else:
-        chosen.append("bf16-mixed")
+        chosen += ["bf16-mixed", "bf16-true"]
     if gpu or machine["cpu"]["native_fp16"]:
-        chosen.append("16-mixed")
+        chosen += ["16-mixed", "16-true"]
     else:
-        notes.append("16-mixed left out: this CPU has no fp16 arithmetic (torch emulates it, several times slower than"
-                     " 32-true). Add it with --precisions 32-true,bf16-mixed,16-mixed to check its numerics.")
+        notes.append("16-mixed and 16-true left out: this CPU has no fp16 arithmetic (torch emulates it, several times"
+                     f" slower than 32-true). Add them with --precisions {','.join([*chosen, '16-mixed', '16-true'])}"
+                     " to check their numerics.")
     if fp8_gpu_available() or args.emulate:
         if _imports.TORCHAO_AVAILABLE:
             chosen.append("fp8")
@@ -116,7 +135,7 @@ def precheck(precision: str, args: argparse.Namespace) -> str | None:
 
     if precision in FP8_PRECISIONS and not _imports.TORCHAO_AVAILABLE:
         return f"{precision} needs torchao, which is not installed: {_imports.install_command('torchao')}"
-    if precision == "bf16-mixed" and on_gpu(args):
+    if precision in _BF16 and on_gpu(args):
         from lightning_precision.fabric._devices import check_bf16_supported
 
         try:
@@ -140,11 +159,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--recipe", default="distilbert",
                         help=f"the recipe: {', '.join(RECIPES)} (default: distilbert)")
     parser.add_argument("--precisions", default=None,
-                        help="comma-separated, from 32-true, bf16-mixed, 16-mixed, fp8, fp8-auto (default: chosen"
-                             " for this machine: 32-true and bf16-mixed; 16-mixed where fp16 arithmetic is native (any"
-                             " CUDA GPU, CPUs with AVX512-FP16/AMX-FP16); fp8 on a GPU of compute capability >= 8.9 or"
-                             " with --emulate). fp8-auto: the layers chosen from their measured fp8 numerics"
-                             " (FP8Precision(layers='auto'); its measured steps are left out of the timings)")
+                        help=f"comma-separated, from {', '.join(PRECISIONS)} (default: chosen for this machine:"
+                             " 32-true, bf16-mixed and bf16-true; 16-mixed and 16-true where fp16 arithmetic is native"
+                             " (any CUDA GPU, CPUs with AVX512-FP16/AMX-FP16); fp8 on a GPU of compute capability >="
+                             " 8.9 or with --emulate). bf16-true, 16-true: BF16TruePrecision(), FP16TruePrecision()"
+                             " (16-bit weights, gradients and optimizer states). fp8-auto: the layers chosen from their"
+                             " measured fp8 numerics (FP8Precision(layers='auto'); its measured steps are left out of"
+                             " the timings). lightning-bf16-true: Lightning's own precision='bf16-true', a baseline"
+                             " (only when named)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"training steps per precision (default: 100; {QUICK_STEPS} with --quick)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")

@@ -11,8 +11,9 @@ from lightning_precision.cli.rows import Row
 
 __all__ = ["plot_compare"]
 
-_PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "16-mixed": "tab:red", "fp8": "tab:green",
-                    "fp8-auto": "tab:olive"}
+_PRECISION_COLORS = {"32-true": "tab:gray", "bf16-mixed": "tab:blue", "bf16-true": "tab:cyan", "16-mixed": "tab:red",
+                     "16-true": "tab:orange", "fp8": "tab:green", "fp8-auto": "tab:olive",
+                     "lightning-bf16-true": "tab:brown"}
 
 
 def _precision_color(precision: str) -> str:
@@ -27,8 +28,8 @@ def _title(meta: Mapping[str, Any], what: str) -> str:
 def plot_compare(rows: Sequence[Row], out: Path, meta: Mapping[str, Any]) -> list[str]:
     """``loss.png`` (training loss per precision, and its difference from 32-true, where overlapping curves part),
     ``throughput.png`` (samples/s from the table's ms/step, with the interquartile range over turns and the table's
-    speedup) and ``memory.png``; failed and interrupted precisions are drawn with what they reached and marked, not
-    dropped."""
+    speedup) and ``memory.png`` (with the table's bytes/param); failed and interrupted precisions are drawn with what
+    they reached and marked, not dropped."""
     require(MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
@@ -94,6 +95,11 @@ def plot_compare(rows: Sequence[Row], out: Path, meta: Mapping[str, Any]) -> lis
                      for n, r in zip(names, rows, strict=True)]
             ax.set_xlabel("under each name its speedup: 32-true's ms/step over its own, as in the table\nms/step: the"
                           " median of the turns' median step times; whiskers: the middle half of the turns", fontsize=8)
+        elif any(r.bytes_per_param is not None for r in rows):
+            names = [n + (f"\n{r.bytes_per_param:.1f} B/param" if r.bytes_per_param is not None else "")
+                     for n, r in zip(names, rows, strict=True)]
+            ax.set_xlabel("under each name its bytes/param, as in the table: weights, gradients and optimizer states"
+                          " per parameter", fontsize=8)
         bars = ax.bar(names, values, yerr=errors, capsize=4, color=[_precision_color(r.precision) for r in rows])
         ax.bar_label(bars, label_type="center", labels=labels)
         ax.set_ylabel(ylabel, fontsize=9)

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_precision._io import json_safe
 from lightning_precision._warnings import warn
+from lightning_precision.cli.compare_args import BASELINES
 from lightning_precision.cli.outdir import replace_folder
 from lightning_precision.cli.rows import NOISY, Row
 
@@ -19,12 +20,12 @@ __all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"
 # Every file a report writes: the report folder holds these and nothing else (``lightning_precision.cli.outdir``).
 FILES = ("report.md", "report.json", "report.csv", "loss.png", "throughput.png", "memory.png")
 
-COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "final loss",
-           "val acc", "fp16 underflow, unscaled", "at loss scale", "skipped")
+COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "bytes/param",
+           "final loss", "val acc", "fp16 underflow, unscaled", "at loss scale", "skipped")
 CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "turn_ms_q1", "turn_ms_q3", "turns",
                "timed_steps", "untimed_steps", "samples_per_s", "units_per_s", "achieved_tflops", "mfu", "peak_tflops",
                "speedup", "speedup_q1", "speedup_q3", "speedup_paired", "speedup_pairs", "speedup_resolved",
-               "speedup_drift", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
+               "speedup_drift", "peak_memory_mb", "bytes_per_param", "final_loss", "val_acc", "grad_underflow_fp16",
                "grad_underflow_fp16_scaled", "skipped_steps", "steps_done", "emulated", "noisy", "interrupted", "error"]
 SAME_ACCURACY = 0.01  # the least difference of validation accuracies the verdict calls a difference
 
@@ -65,6 +66,7 @@ def cells(row: Row) -> list[str]:
         _fmt(row.units_per_s, ".0f"),
         _fmt(row.mfu * 100, ".1f", "%") if row.mfu is not None else "n/a",
         _fmt(row.peak_memory_mb, ".0f"),
+        _fmt(row.bytes_per_param, ".1f"),
         _fmt(row.final_loss, ".3f"),
         _fmt(row.val_acc, ".3f"),
         _fmt(row.grad_underflow_fp16, ".2e"),
@@ -90,6 +92,13 @@ def mfu_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
         by_source.setdefault(peak + (r.peak_source or ""), []).append(r.precision + kind)
     lines += [f"  {', '.join(names)}: {source}" for source, names in by_source.items()]
     return lines
+
+
+BYTES_NOTE = ("bytes/param: weights, their gradients and the optimizer's states, with what a plugin keeps beside them"
+              " (remainders, 16-bit halves of fp32 states), per trained parameter, counted from the tensors after"
+              " training, in each precision's own process: 16 with Adam where the weights are fp32 (32-true, the"
+              " mixed precisions, fp8), 8 where weights, gradients and states are 16-bit. Activations, workspace and"
+              " allocator caches are not in it; peak mem has them.")
 
 
 def memory_note(device: str) -> str:
@@ -149,11 +158,23 @@ def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
                          + (" (emulated here)" if r.emulated else " (not emulated)"))
             lines.append(line + ".")
     if any(r.grad_underflow_fp16 is not None or r.grad_underflow_fp16_scaled is not None for r in rows):
+        scaled = [r.precision for r in rows if r.grad_underflow_fp16_scaled is not None] or ["16-mixed"]
         lines.append("fp16 underflow, unscaled: the fraction of nonzero parameter gradients that would flush to zero if"
                      " cast to fp16 as they are (every precision). at loss scale: the same fraction at the loss scale"
-                     " in effect, 16-mixed only: what its fp16 backward meets, including what it already flushed. The"
-                     " two answer different questions: compare a column with itself.")
+                     f" in effect, {', '.join(scaled)} only: what {'its' if len(scaled) == 1 else 'their'} fp16"
+                     " backward meets, including what it already flushed. The two answer different questions: compare"
+                     " a column with itself.")
     lines.append(memory_note(meta["device"]))
+    if any(r.bytes_per_param is not None for r in rows):
+        lines.append(BYTES_NOTE)
+    for r in rows:
+        if r.bytes_per_param is None and r.error is None and r.steps_done and (r.skipped_steps or 0) >= r.steps_done:
+            lines.append(f"{r.precision}: bytes/param n/a: every one of its {r.steps_done} steps was skipped (inf/nan"
+                         " gradients), so the optimizer's states, made by its first step, did not exist to count.")
+    baselines = [r.precision for r in rows if r.precision in BASELINES]
+    if baselines:
+        lines.append(f"{', '.join(baselines)}: Lightning's own plugin (precision='bf16-true': bf16 weights, every"
+                     " update rounded to nearest), for comparison; the verdict does not recommend it.")
     return lines
 
 
@@ -190,18 +211,26 @@ def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
     def differs(r: Row) -> str:
         return f"{r.precision}'s {accuracy(r)} differs by more than chance allows ({tolerance:.3f})"
 
-    faster = sorted(((r, s) for r, s in others if r.speedup_resolved and s > 1 and not r.emulated),
-                    key=lambda rs: -rs[1])
+    def speed(r: Row, speedup: float) -> str:
+        return (f"{speedup:.2f}x the speed of 32-true (interquartile {_fmt(r.speedup_q1, '.2f')}-"
+                f"{_fmt(r.speedup_q3, '.2f')}x over {r.speedup_pairs} paired turns)")
+
+    resolved = sorted(((r, s) for r, s in others if r.speedup_resolved and s > 1 and not r.emulated),
+                      key=lambda rs: -rs[1])
+    # a baseline (Lightning's own plugin) is there to be compared with, never the one to use
+    faster = [(r, s) for r, s in resolved if r.precision not in BASELINES]
     if faster:
         r, speedup = faster[0]
-        speed = (f"{speedup:.2f}x the speed of 32-true (interquartile {_fmt(r.speedup_q1, '.2f')}-"
-                 f"{_fmt(r.speedup_q3, '.2f')}x over {r.speedup_pairs} paired turns)")
         if same_accuracy(r):
-            return prefix + f"{r.precision} is the one to use here: {speed}, {accuracy(r)}." + tail
-        return prefix + f"{r.precision} ran at {speed}, but {differs(r)}: check its numerics before switching." + tail
+            return prefix + f"{r.precision} is the one to use here: {speed(r, speedup)}, {accuracy(r)}." + tail
+        return (prefix + f"{r.precision} ran at {speed(r, speedup)}, but {differs(r)}: check its numerics before"
+                " switching." + tail)
     slower = [f"{r.precision} {s:.2f}x" for r, s in others if r.speedup_resolved and s < 1 and not r.emulated]
     emulated = [r.precision for r, _ in others if r.emulated]
     text = "No precision was measurably faster than 32-true on this machine"
+    if resolved:  # only baselines were: said, as measured, and not recommended
+        text = ("None of lightning-precision's precisions was measurably faster than 32-true on this machine ("
+                + "; ".join(f"{r.precision}, Lightning's own, ran at {speed(r, s)}" for r, s in resolved) + ")")
     text += f" ({', '.join(slower)}: measurably slower)" if slower else ""
     text += f"; {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated here" if emulated else ""
     text += ". Here the lower precisions show their numerics, not their speed."

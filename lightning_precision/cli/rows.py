@@ -35,7 +35,7 @@ NOISY = 0.5
 
 # Figures every started run reports, None included (the run did not say): a precision that never started has none.
 _RUN_FIGURES = ("emulated", "step_ms", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
-                "grad_underflow_fp16_scaled", "skipped_steps")
+                "grad_underflow_fp16_scaled", "skipped_steps", "bytes_per_param")
 
 
 @dataclass
@@ -66,6 +66,9 @@ class Row:
     untimed_steps: int | None = None
     # the run's figures
     peak_memory_mb: float | None = None
+    # weights + gradients + optimizer states per parameter (``_bytes.training_bytes``), and those bytes apart
+    bytes_per_param: float | None = None
+    training_bytes: dict[str, int] | None = None
     final_loss: float | None = None
     val_acc: float | None = None
     val_samples: int | None = None
