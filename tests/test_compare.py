@@ -395,12 +395,11 @@ def _machine(bf16: bool, fp16: bool) -> dict:
 def test_default_precisions_leave_out_emulated_fp16_with_a_reason():
     args = argparse.Namespace(accelerator="auto", emulate=False)
     chosen, notes = compare_args.default_precisions(_machine(bf16=True, fp16=False), args)
-    assert chosen == ["32-true", "bf16-mixed", "bf16-true"]
-    assert len(notes) == 1 and notes[0].startswith("16-mixed and 16-true left out: this CPU has no fp16 arithmetic")
-    assert "--precisions 32-true,bf16-mixed,bf16-true,16-mixed,16-true to check their numerics" in notes[0]
+    assert chosen == ["32-true", "bf16-mixed"]  # the true rows answer a memory question: run when named
+    assert len(notes) == 1 and notes[0].startswith("16-mixed left out: this CPU has no fp16 arithmetic")
     assert compare_args.parse_args(["--precisions", "32-true,16-true"]).precisions == ["32-true", "16-true"]
     chosen, notes = compare_args.default_precisions(_machine(bf16=True, fp16=True), args)
-    assert chosen == ["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"] and notes == []
+    assert chosen == ["32-true", "bf16-mixed", "16-mixed"] and notes == []
     # emulated where the format's arithmetic is: the true modes and the baseline as their mixed twins
     cpu = _machine(bf16=False, fp16=True)
     assert [compare_args.emulated(p, cpu, gpu=False) for p in ("bf16-true", "lightning-bf16-true", "16-true")] == \
@@ -536,8 +535,8 @@ def test_default_precisions_on_a_gpu_without_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     chosen, notes = compare_args.default_precisions(_machine(bf16=False, fp16=False),
                                                argparse.Namespace(accelerator="auto", emulate=False))
-    assert chosen == ["32-true", "16-mixed", "16-true"]
-    assert notes == ["bf16-mixed and bf16-true left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"
+    assert chosen == ["32-true", "16-mixed"]
+    assert notes == ["bf16-mixed left out: BF16MixedPrecision needs a GPU with bf16 support (compute capability >= 8.0),"
                      " found 'Tesla T4' (compute capability 7.5). Use `FP16MixedPrecision()` on this GPU."]
 
 

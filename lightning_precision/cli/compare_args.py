@@ -112,15 +112,14 @@ def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tup
     gpu = on_gpu(args)
     no_bf16 = precheck("bf16-mixed", args) if gpu else None
     if no_bf16:
-        notes.append(f"bf16-mixed and bf16-true left out: {no_bf16}")
+        notes.append(f"bf16-mixed left out: {no_bf16}")
     else:
-        chosen += ["bf16-mixed", "bf16-true"]
+        chosen.append("bf16-mixed")
     if gpu or machine["cpu"]["native_fp16"]:
-        chosen += ["16-mixed", "16-true"]
+        chosen.append("16-mixed")
     else:
-        notes.append("16-mixed and 16-true left out: this CPU has no fp16 arithmetic (torch emulates it, several times"
-                     f" slower than 32-true). Add them with --precisions {','.join([*chosen, '16-mixed', '16-true'])}"
-                     " to check their numerics.")
+        notes.append("16-mixed left out: this CPU has no fp16 arithmetic (torch emulates it, several times slower than"
+                     " 32-true). Add it with --precisions 32-true,bf16-mixed,16-mixed to check its numerics.")
     if fp8_gpu_available() or args.emulate:
         if _imports.TORCHAO_AVAILABLE:
             chosen.append("fp8")
@@ -160,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"the recipe: {', '.join(RECIPES)} (default: distilbert)")
     parser.add_argument("--precisions", default=None,
                         help=f"comma-separated, from {', '.join(PRECISIONS)} (default: chosen for this machine:"
-                             " 32-true, bf16-mixed and bf16-true; 16-mixed and 16-true where fp16 arithmetic is native"
+                             " 32-true and bf16-mixed; 16-mixed where fp16 arithmetic is native"
                              " (any CUDA GPU, CPUs with AVX512-FP16/AMX-FP16); fp8 on a GPU of compute capability >="
                              " 8.9 or with --emulate). bf16-true, 16-true: BF16TruePrecision(), FP16TruePrecision()"
                              " (16-bit weights, gradients and optimizer states). fp8-auto: the layers chosen from their"
