@@ -173,6 +173,19 @@ def _seed(seed: int, index: int, rounds: int, rank: int) -> int:
     return (z ^ (z >> 31)) & (2**63 - 1)
 
 
+def _fits_everywhere(params: list[Tensor], news: list[Tensor]) -> list[bool]:
+    """Per parameter, whether every new fp32 value is finite and within its weight's format (so that no rounding can
+    make it inf): one reduction each and one host read for the chunk, instead of a per-element check and select each
+    (a seventh of the step's time)."""
+    limits = [torch.finfo(_local(p).dtype).max for p in params]
+    largest = [n.abs().amax() if n.numel() else n.new_zeros(()) for n in news]
+    if not largest:
+        return []
+    device = largest[0].device
+    within = torch.stack([a.to(device) <= limit for a, limit in zip(largest, limits, strict=True)])
+    return [bool(f) for f in within.tolist()]
+
+
 def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
     """A state the step converts: a floating tensor of the parameter's shape (not a step counter, not ours)."""
     return (isinstance(value, Tensor) and not is_own_key(key) and key != "step" and param.dim() > 0
@@ -297,8 +310,9 @@ class TrueStep:
             for group, params in zip(optimizer.param_groups, groups, strict=True):
                 group["params"] = params
         with torch.no_grad():
-            for p in chunk:
-                self._commit(p, stand_ins[p], state.pop(stand_ins[p]), stored[p], index[p])
+            fits = _fits_everywhere(chunk, [_local(stand_ins[p]) for p in chunk])
+            for p, safe in zip(chunk, fits, strict=True):
+                self._commit(p, stand_ins[p], state.pop(stand_ins[p]), stored[p], index[p], safe)
                 state[p] = stored[p]
 
     def _widen(self, p: Tensor, own: dict[str, Any]) -> Tensor:
@@ -348,9 +362,10 @@ class TrueStep:
         return states
 
     def _commit(self, p: Tensor, stand_in: Tensor, new_state: dict[str, Any], own: dict[str, Any],
-                index: int) -> None:
+                index: int, safe: bool) -> None:
         """Land the stepped fp32 weight and states in their storage; ``own`` (the parameter's state from before the
-        step, holding our keys) becomes its state."""
+        step, holding our keys) becomes its state. ``safe``: every new value is finite and within the 16-bit format's
+        range (``_fits_everywhere``), so no element needs keeping its old value."""
         old = _local(p)
         new = _local(stand_in)
         generator = None
@@ -359,13 +374,24 @@ class TrueStep:
             generator = self._generator(new.device)
             generator.manual_seed(_seed(self.seed, index, rounds, _shard_index(p)))
             own[_ROUNDS] = rounds + 1
+        meter = self.meter if old.dtype != torch.float32 else None
+        if safe and meter is None:  # the common case: no element to keep, nothing to count
+            for key in [k for k in own if not is_own_key(k)]:
+                del own[key]
+            if self.update == "compensated" and old.dtype != torch.float32:
+                weight, remainder = split_remainder(new, old.dtype)
+                old.copy_(weight)
+                own[_REMAINDER] = _like(p, remainder.view(old.dtype))
+            else:
+                old.copy_(stochastic_round(new, old.dtype, generator) if generator is not None else new)
+            self._encode_states(new_state, p, own, generator)
+            return
         before = self._widen(p, own)
         # An element the optimizer left non-finite keeps its value, and so does one the 16-bit format cannot hold:
         # nothing non-finite is written.
         new = torch.where(torch.isfinite(new), new, before)
         for key in [k for k in own if not is_own_key(k)]:
             del own[key]
-        meter = self.meter if old.dtype != torch.float32 else None
         if old.dtype == torch.float32:
             old.copy_(new)
         elif self.update == "compensated":
@@ -390,6 +416,10 @@ class TrueStep:
             if meter is not None:
                 meter.add(old, before, new, landed)
             old.copy_(landed)
+        self._encode_states(new_state, p, own, generator)
+
+    def _encode_states(self, new_state: dict[str, Any], p: Tensor, own: dict[str, Any],
+                       generator: torch.Generator | None) -> None:
         for key, value in new_state.items():
             encoded = self._encode(key, value, p, own, generator)
             if encoded is not None:
