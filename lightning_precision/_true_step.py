@@ -177,13 +177,18 @@ def _fits_everywhere(params: list[Tensor], news: list[Tensor]) -> list[bool]:
     """Per parameter, whether every new fp32 value is finite and within its weight's format (so that no rounding can
     make it inf): one reduction each and one host read for the chunk, instead of a per-element check and select each
     (a seventh of the step's time)."""
-    limits = [torch.finfo(_local(p).dtype).max for p in params]
-    largest = [n.abs().amax() if n.numel() else n.new_zeros(()) for n in news]
-    if not largest:
+    if not params:
         return []
-    device = largest[0].device
-    within = torch.stack([a.to(device) <= limit for a, limit in zip(largest, limits, strict=True)])
-    return [bool(f) for f in within.tolist()]
+    flags = []
+    for p, new in zip(params, news, strict=True):
+        if not new.numel():
+            flags.append(torch.ones((), dtype=torch.bool, device=new.device))
+            continue
+        limit = torch.finfo(_local(p).dtype).max
+        low, high = torch.aminmax(new)  # one pass; nan in either (and so False below)
+        flags.append((high <= limit) & (low >= -limit))
+    device = flags[0].device
+    return [bool(f) for f in torch.stack([f.to(device) for f in flags]).tolist()]
 
 
 def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
