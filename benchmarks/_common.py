@@ -54,6 +54,16 @@ class BasicBlock(nn.Module):
         return self.relu(self.bn2(self.conv2(out)) + self.down(x))
 
 
+def process_bytes(field: str) -> int:
+    """A byte count of this process from ``/proc/self/status`` (Linux): ``"VmRSS:"`` (resident now), ``"VmHWM:"``
+    (its high-water mark)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def resnet18(num_classes: int = 10) -> nn.Module:
     return resnet(BasicBlock, (2, 2, 2, 2), num_classes)
 

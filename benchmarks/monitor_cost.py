@@ -26,14 +26,6 @@ import sys
 import time
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def _gradients(numel: int, device: str) -> dict:
     import torch
 
@@ -102,6 +94,9 @@ def time_round(numel: int, rounds: int, device: str) -> dict:
 def memory_round(numel: int, device: str) -> dict:
     import torch
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import process_bytes  # in the child: the parent imports no torch
+
     grads = _gradients(numel, device)
     monitor = _monitor()
     scale = torch.tensor(2.0**16, device=device)
@@ -110,9 +105,9 @@ def memory_round(numel: int, device: str) -> dict:
     if device == "cpu":
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak resident size to the current one
-        base = _vm("VmRSS:")
+        base = process_bytes("VmRSS:")
         _measure(monitor, grads, scale)
-        peak = _vm("VmHWM:") - base
+        peak = process_bytes("VmHWM:") - base
     else:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

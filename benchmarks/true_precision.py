@@ -67,7 +67,7 @@ from lightning_precision import BF16TruePrecision, FP16TruePrecision
 from lightning_precision._bytes import training_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MLP, WARMUP, StepTimer  # noqa: E402
+from _common import MLP, WARMUP, StepTimer, process_bytes  # noqa: E402
 
 # label -> plugin factory; Lightning's first (the baselines), then ours.
 BYTES_VARIANTS: dict[str, Callable[[], Precision]] = {
@@ -129,14 +129,6 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 # --- bytes ------------------------------------------------------------------------------------------------------------
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 class StepMemory(Callback):
     """The rise of the peak resident set (CPU) or of the allocator's peak (GPU) over the optimizer step of step
     ``at``, from the moment its gradients exist to the end of the batch."""
@@ -150,7 +142,7 @@ class StepMemory(Callback):
         if self.device == "cpu":
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # the peak resident set back to the current one
-            self.base = _vm("VmRSS:")
+            self.base = process_bytes("VmRSS:")
         else:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -160,7 +152,7 @@ class StepMemory(Callback):
         if trainer.global_step != self.at + 1:
             return
         if self.device == "cpu":
-            self.rise = _vm("VmHWM:") - self.base
+            self.rise = process_bytes("VmHWM:") - self.base
         else:
             torch.cuda.synchronize()
             self.rise = torch.cuda.max_memory_allocated() - self.base
