@@ -12,6 +12,11 @@ at a time (``step_chunk`` elements: the transient memory is bounded by it, not b
 
 A step whose gradients hold inf/nan never gets here: the plugin skips it (and an fp16 plugin backs its scale off).
 
+The optimizer's step hooks (``register_step_pre_hook``/``register_step_post_hook``, torch's global ones) run once a
+step, around all the chunks, and see the real parameters. A Ctrl-C during the step is raised when it has landed (a
+second one at once). An error the optimizer raises leaves the chunk it was stepping as it was; chunks landed before it
+stay stepped (undoing them would take a copy of the weights and states, the memory the chunks exist to bound).
+
 What the step keeps beside the user's states lives in the optimizer's own state, so that every checkpoint (the
 Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation), ``lp.rounds`` (how many
 times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the shard, it
@@ -28,7 +33,10 @@ casts every state tensor to its parameter's dtype, and a cast to the same dtype 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +49,7 @@ from lightning_precision._fsdp import local_shard
 from lightning_precision._rounding import join_remainder, split_remainder, stochastic_round
 
 __all__ = ["OPTIMIZER_STATES", "ROUNDING_COUNTS", "STATE_PREFIX", "ClipRequest", "RoundingMeter", "TrueStep",
-           "is_own_key", "own_state_bytes"]
+           "is_own_key", "is_stepping", "own_state_bytes"]
 
 OPTIMIZER_STATES = ("weight", "float32", "8bit")
 STATE_PREFIX = "lp."
@@ -100,6 +108,67 @@ class RoundingMeter:
 
 def is_own_key(key: Any) -> bool:
     return isinstance(key, str) and key.startswith(STATE_PREFIX)
+
+
+_STEPPING: set[int] = set()  # ids of the optimizers a TrueStep is stepping now
+
+
+def is_stepping(optimizer: Optimizer) -> bool:
+    """Whether a ``TrueStep`` is inside a step of ``optimizer`` (its step hooks see the real parameters then)."""
+    return id(optimizer) in _STEPPING
+
+
+@contextmanager
+def _step_hooks_once(optimizer: Optimizer) -> Generator[None, None, None]:
+    """The optimizer's step hooks (its own and torch's global ones) run once around the whole step, on the real
+    parameters, and are held while the optimizer steps chunk by chunk on stand-ins: run per chunk, a hook that counts
+    steps, or averages the model's weights (an EMA), would run several times a step and see it half taken. The
+    post-hooks run only when the step completes. What a pre-hook returns is ignored (the step takes no arguments)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    pre: list[dict[int, Any]] = [torch_optimizer._global_optimizer_pre_hooks, optimizer._optimizer_step_pre_hooks]
+    post: list[dict[int, Any]] = [optimizer._optimizer_step_post_hooks, torch_optimizer._global_optimizer_post_hooks]
+    args: tuple[Any, ...] = (optimizer,)  # what torch's step wrapper passes its hooks
+    for hook in [hook for hooks in pre for hook in hooks.values()]:
+        hook(optimizer, args, {})
+    held = [dict(hooks) for hooks in pre + post]
+    for hooks in pre + post:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, kept in zip(pre + post, held, strict=True):
+            added = dict(hooks)  # registered during the step: kept, after the others
+            hooks.clear()
+            hooks.update(kept)
+            hooks.update(added)
+    for hook in [hook for hooks in post for hook in hooks.values()]:
+        hook(optimizer, args, {})
+
+
+@contextmanager
+def _interrupts_held() -> Generator[None, None, None]:
+    """A Ctrl-C during the step is held until the step ends and raised then: raised between two chunks (or two
+    parameters landing), it would leave some parameters stepped and others not. A second Ctrl-C raises at once (a step
+    that hangs can still be stopped). Only in the main thread and where SIGINT has Python's default handler."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received: list[int] = []
+
+    def hold(signum: int, _: Any) -> None:
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)
@@ -233,8 +302,13 @@ class TrueStep:
         if clip is not None and clip.max_norm is not None:
             factor = self._norm_factor(params, factor, clip)
         max_value = clip.max_value if clip is not None else None
-        for chunk in self._chunks(params):
-            self._step_chunk(optimizer, chunk, index, factor, max_value)
+        _STEPPING.add(id(optimizer))
+        try:
+            with _interrupts_held(), _step_hooks_once(optimizer):
+                for chunk in self._chunks(params):
+                    self._step_chunk(optimizer, chunk, index, factor, max_value)
+        finally:
+            _STEPPING.discard(id(optimizer))
 
     def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
         chunk: list[Tensor] = []

@@ -1,0 +1,189 @@
+"""Edges of BF16TruePrecision and FP16TruePrecision found by attacking them: an optimizer step taken a chunk at a
+time (its hooks, a Ctrl-C or an exception in the middle of it), optimizers and settings beyond the common ones, and
+how the plugins meet the rest of Lightning."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import lightning_precision.fabric as lpf
+
+PLUGINS = [lpf.BF16TruePrecision, lpf.FP16TruePrecision]
+
+
+def _fabric_step_setup(plugin: Any, optimizer_class: Any = torch.optim.AdamW,
+                       **optimizer_kwargs: Any) -> tuple[nn.Module, Any, L.Fabric]:
+    """Two linear layers (144 elements) under ``plugin``, set up by Fabric with ``optimizer_class``."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    optimizer = optimizer_class(model.parameters(), lr=1e-2, **optimizer_kwargs)
+    model, optimizer = fabric.setup(model, optimizer)
+    return model, optimizer, fabric
+
+
+def _backward(model: nn.Module, fabric: L.Fabric, seed: int = 1) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+    fabric.backward(model(x).float().pow(2).mean())
+
+
+def _snapshot(model: nn.Module, optimizer: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    import copy
+
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+# ---- the step, a chunk at a time -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", PLUGINS)
+def test_step_hooks_run_once_a_step_on_the_real_parameters(cls):
+    """A step of several chunks calls the optimizer once a chunk on fp32 stand-ins; the user's step hooks (and torch's
+    global ones) still run once a step, pre-hooks before any weight moved and post-hooks after all did, and see the
+    model's own 16-bit parameters in the optimizer's groups."""
+    model, optimizer, fabric = _fabric_step_setup(cls(step_chunk=80))  # 144 elements: two chunks
+    params = list(model.parameters())
+    seen: list[tuple[str, bool, bool]] = []
+
+    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        current = [p for group in opt.param_groups for p in group["params"]]
+        seen.append(("pre", all(a is b for a, b in zip(current, params, strict=False)) and len(current) == 4,
+                     all(torch.equal(p, w) for p, w in zip(params, before, strict=True))))
+
+    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        current = [p for group in opt.param_groups for p in group["params"]]
+        seen.append(("post", all(a is b for a, b in zip(current, params, strict=False)) and len(current) == 4,
+                     all(not torch.equal(p, w) for p, w in zip(params, before, strict=True))))
+
+    optimizer.register_step_pre_hook(pre)
+    optimizer.register_step_post_hook(post)
+    global_post = register_optimizer_step_post_hook(lambda *_: seen.append(("global", True, True)))
+    try:
+        for step in range(2):
+            before = [p.detach().clone() for p in params]
+            _backward(model, fabric, seed=step)
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        global_post.remove()
+    assert seen == [("pre", True, True), ("post", True, True), ("global", True, True)] * 2
+
+
+class _RaisesOnChunk(torch.optim.AdamW):
+    """AdamW whose ``step`` raises ``error`` on its ``on``-th call (a call a chunk under a true plugin), or sends this
+    process SIGINT ``signals`` times there."""
+
+    def __init__(self, params: Any, lr: float, error: BaseException | None = None, on: int = 2,
+                 signals: int = 0) -> None:
+        super().__init__(params, lr=lr)
+        self.error, self.on, self.signals, self.calls = error, on, signals, 0
+
+    def step(self, closure: Any = None) -> Any:
+        self.calls += 1
+        if self.calls == self.on:
+            for _ in range(self.signals):
+                os.kill(os.getpid(), signal.SIGINT)
+            if self.error is not None:
+                raise self.error
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("cls", PLUGINS)
+def test_ctrl_c_in_the_middle_of_a_step_is_raised_once_it_is_taken(cls):
+    """Ctrl-C on the second chunk of a step: KeyboardInterrupt is raised when the whole step has landed (the weights
+    and states are those of an uninterrupted step), never between two chunks (some parameters stepped, others not)."""
+    reference, ref_optimizer, ref_fabric = _fabric_step_setup(cls(step_chunk=80), _RaisesOnChunk)
+    model, optimizer, fabric = _fabric_step_setup(cls(step_chunk=80), _RaisesOnChunk, on=4, signals=1)
+    for m, opt, f in ((reference, ref_optimizer, ref_fabric), (model, optimizer, fabric)):
+        _backward(m, f)
+        opt.step()
+        opt.zero_grad()
+        _backward(m, f, seed=2)
+    ref_optimizer.step()
+    with pytest.raises(KeyboardInterrupt):
+        optimizer.step()  # calls 3 and 4: the signal arrives in the second chunk
+    assert optimizer.optimizer.calls == 4
+    _assert_same(_snapshot(model, optimizer), _snapshot(reference, ref_optimizer))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_stops_a_step_at_once():
+    """A second Ctrl-C does not wait for the step (one that hangs can be stopped): raised in the chunk, which is left
+    as it was (no stand-in in the optimizer)."""
+    model, optimizer, fabric = _fabric_step_setup(lpf.BF16TruePrecision(step_chunk=80), _RaisesOnChunk, on=2,
+                                                  signals=2)
+    _backward(model, fabric)
+    with pytest.raises(KeyboardInterrupt):
+        optimizer.step()
+    params = list(model.parameters())
+    assert [p for group in optimizer.param_groups for p in group["params"]] == params
+    assert all(any(p is q for q in params) for p in optimizer.state)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("cls", PLUGINS)
+def test_an_error_in_the_optimizer_leaves_its_chunk_and_hooks_as_they_were(cls):
+    """The optimizer raising on a chunk: that chunk's weights and states are as before (no fp32 stand-in left in the
+    state or the groups), the error reaches the caller, the user's hooks stay registered and run at the next step.
+    Chunks already landed stay stepped (documented: undoing them would need a copy of the model)."""
+    model, optimizer, fabric = _fabric_step_setup(cls(step_chunk=80), _RaisesOnChunk, on=3,
+                                                  error=RuntimeError("boom"))
+    calls: list[str] = []
+    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    _backward(model, fabric)
+    optimizer.step()  # calls 1 and 2
+    optimizer.zero_grad()
+    _backward(model, fabric, seed=2)
+    weights, state = _snapshot(model, optimizer)
+    with pytest.raises(RuntimeError, match="boom"):
+        optimizer.step()  # call 3: the first chunk raises, nothing landed
+    _assert_same(_snapshot(model, optimizer), (weights, state))
+    params = list(model.parameters())
+    assert [p for group in optimizer.param_groups for p in group["params"]] == params
+    optimizer.step()
+    assert calls == ["post", "post"]
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("cls", PLUGINS)
+def test_a_first_step_at_lr_0_is_a_step(cls):
+    """A warm-up from lr 0: the first step meets an empty optimizer state at lr 0, as torch's distributed checkpoint's
+    layout step does; the step hooks run before the plugin creates the states, and the plugin's own step is not
+    taken for that layout step (which would drop the gradients): the states exist after it, and the next step moves
+    the weights."""
+    model, optimizer, fabric = _fabric_step_setup(cls())
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    _backward(model, fabric)
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert all("exp_avg" in optimizer.state[p] for p in model.parameters())
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-2
+    optimizer.step()
+    assert all(not torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
