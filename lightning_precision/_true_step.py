@@ -60,6 +60,11 @@ _HIGH = STATE_PREFIX + "hi."
 _LOW = STATE_PREFIX + "lo."
 _CODES = STATE_PREFIX + "q8."
 _SCALES = STATE_PREFIX + "q8scale."
+# A param-group key: the weight dtype whose step wrote the group's states. Their 16-bit encodings (remainders, fp32
+# states' halves, 8-bit codes, fp16 states at a power of two) mean nothing in the other 16-bit dtype, and torch casts
+# them to it on load: a checkpoint of one plugin resumed by the other would step on garbage states.
+_WRITTEN_BY = STATE_PREFIX + "dtype"
+_PLUGIN_OF = {"bfloat16": "BF16TruePrecision", "float16": "FP16TruePrecision"}
 # States that are never negative: torchao's unsigned 8-bit map gives them its 256 codes.
 _NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
 # States that are sums of squares (Adam's second moment, Adagrad's sum, RMSprop's average, Adadelta's deltas): their
@@ -296,6 +301,7 @@ class TrueStep:
     def step(self, optimizer: Optimizer, grad_factor: Tensor | None, clip: ClipRequest | None) -> None:
         """One step of ``optimizer`` (its gradients checked finite by the caller). ``grad_factor``: multiplies each
         gradient in fp32 (the inverse loss scale), before clipping."""
+        self._check_written_by(optimizer)
         index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
         params = [p for p in index if p.grad is not None]
         factor = grad_factor
@@ -309,6 +315,22 @@ class TrueStep:
                     self._step_chunk(optimizer, chunk, index, factor, max_value)
         finally:
             _STEPPING.discard(id(optimizer))
+
+    def _check_written_by(self, optimizer: Optimizer) -> None:
+        name = str(self.dtype).removeprefix("torch.")
+        for group in optimizer.param_groups:
+            written = group.get(_WRITTEN_BY, name)
+            if written != name:
+                raise ValueError(
+                    f"The states of `{type(optimizer).__name__}` were written by `{_PLUGIN_OF.get(written, written)}`"
+                    f" ({written} weights: a checkpoint of it was loaded) and are stepped by"
+                    f" `{_PLUGIN_OF.get(name, name)}` ({name} weights). Their 16-bit encodings (remainders, fp32"
+                    f" states' halves, 8-bit codes, fp16 states stored at a power of two) cannot be read in {name}:"
+                    " torch cast them on load. Resume with the plugin that wrote the checkpoint, or load the model's"
+                    " weights alone (e.g. `LightningModule.load_from_checkpoint`) and start the optimizer afresh."
+                )
+        for group in optimizer.param_groups:
+            group[_WRITTEN_BY] = name
 
     def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
         chunk: list[Tensor] = []

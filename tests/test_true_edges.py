@@ -14,7 +14,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+import lightning_precision as lp
 import lightning_precision.fabric as lpf
+from tests.helpers import LitNet, loader, make_data, trainer
 
 PLUGINS = [lpf.BF16TruePrecision, lpf.FP16TruePrecision]
 
@@ -187,3 +189,29 @@ def test_a_first_step_at_lr_0_is_a_step(cls):
         group["lr"] = 1e-2
     optimizer.step()
     assert all(not torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+
+
+# ---- checkpoints across plugins --------------------------------------------------------------------------------------
+
+
+class _AdamNet(LitNet):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize(("writer", "reader"), [
+    (lp.BF16TruePrecision, lp.FP16TruePrecision), (lp.FP16TruePrecision, lp.BF16TruePrecision)])
+def test_a_checkpoint_of_one_true_plugin_resumed_by_the_other_is_refused(writer, reader, tmp_path):
+    """The states' 16-bit encodings of one dtype, cast to the other by torch on load, are garbage (the fp32 states'
+    halves, the remainders) or flush (a bf16 second moment under fp16's range reads as 0: Adam's update divides by
+    eps). Resuming a BF16TruePrecision checkpoint with FP16TruePrecision (or back) raises before any weight moves."""
+    path = tmp_path / "true.ckpt"
+    first = trainer(writer(optimizer_states="float32"), max_steps=2)
+    first.fit(_AdamNet(), loader(make_data(2)))
+    first.save_checkpoint(path)
+    model = _AdamNet()
+    with pytest.raises(ValueError, match=f"written by `{writer.__name__}`.*stepped by `{reader.__name__}`"):
+        trainer(reader(optimizer_states="float32"), max_steps=4).fit(model, loader(make_data(2)), ckpt_path=path)
+    again = trainer(writer(optimizer_states="float32"), max_steps=4)
+    again.fit(_AdamNet(), loader(make_data(2)), ckpt_path=path)  # the plugin that wrote it resumes it
+    assert again.global_step == 4
