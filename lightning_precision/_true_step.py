@@ -355,7 +355,8 @@ class TrueStep:
 
         norms = []
         for p in params:
-            norm = torch.linalg.vector_norm(p.grad, clip.norm_type, dtype=torch.float32)
+            grad = p.grad.coalesce().values() if p.grad.is_sparse else p.grad  # type: ignore[union-attr]
+            norm = torch.linalg.vector_norm(grad, clip.norm_type, dtype=torch.float32)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         device = _local(params[0]).device
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), clip.norm_type)
@@ -408,7 +409,10 @@ class TrueStep:
 
     @staticmethod
     def _grad(p: Tensor, factor: Tensor | None, max_value: float | None) -> Tensor:
-        grad = _local(p.grad).float()  # type: ignore[arg-type]
+        grad = _local(p.grad)  # type: ignore[arg-type]
+        if grad.is_sparse:  # an embedding with sparse=True: its momentum would be sparse, not storable in 16 bits
+            grad = grad.to_dense()
+        grad = grad.float()
         if factor is not None:
             grad.mul_(factor.to(grad.device))
         if max_value is not None:

@@ -215,3 +215,31 @@ def test_a_checkpoint_of_one_true_plugin_resumed_by_the_other_is_refused(writer,
     again = trainer(writer(optimizer_states="float32"), max_steps=4)
     again.fit(_AdamNet(), loader(make_data(2)), ckpt_path=path)  # the plugin that wrote it resumes it
     assert again.global_step == 4
+
+
+# ---- optimizers and layers -------------------------------------------------------------------------------------------
+
+
+def _embedding_run(cls: Any, sparse: bool, clip: bool) -> list[torch.Tensor]:
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[cls(update="compensated")])
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 4, sparse=sparse)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for step in range(3):
+        fabric.backward(model(torch.tensor([step, step + 1])).float().pow(2).sum())
+        if clip:
+            fabric.strategy.precision.clip_in_step(optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("cls", PLUGINS)
+def test_a_sparse_embedding_trains_as_the_dense_one(cls, clip):
+    """``nn.Embedding(sparse=True)`` with SGD and momentum (which torch steps on sparse gradients): the step widens the
+    sparse gradient to a dense fp32 one (it crashed storing a sparse momentum in 16 bits), and the run is the dense
+    embedding's, bit for bit, clipped by norm or not."""
+    sparse, dense = _embedding_run(cls, True, clip), _embedding_run(cls, False, clip)
+    assert all(torch.equal(a, b) for a, b in zip(sparse, dense, strict=True))
+    assert not torch.equal(sparse[0], _embedding_run(cls, False, not clip)[0])  # the clip did something
