@@ -243,3 +243,20 @@ def test_a_sparse_embedding_trains_as_the_dense_one(cls, clip):
     sparse, dense = _embedding_run(cls, True, clip), _embedding_run(cls, False, clip)
     assert all(torch.equal(a, b) for a, b in zip(sparse, dense, strict=True))
     assert not torch.equal(sparse[0], _embedding_run(cls, False, not clip)[0])  # the clip did something
+
+
+def test_checkpoints_pass_between_lightnings_bf16_true_and_ours(tmp_path):
+    """Lightning's ``precision="bf16-true"`` checkpoint resumed by ``BF16TruePrecision`` (its bf16 Adam states are read
+    as ours are), and ours (default: bf16 states, which Lightning's optimizer reads as its own; our extra keys ride
+    along unused) resumed by Lightning's: both train on, finite."""
+    theirs, ours = tmp_path / "theirs.ckpt", tmp_path / "ours.ckpt"
+    for path, kwargs in ((theirs, {"precision": "bf16-true"}), (ours, {"plugin": lp.BF16TruePrecision()})):
+        first = trainer(max_steps=2, **kwargs)
+        first.fit(_AdamNet(), loader(make_data(2)))
+        first.save_checkpoint(path)
+    for path, kwargs in ((theirs, {"plugin": lp.BF16TruePrecision()}), (ours, {"precision": "bf16-true"})):
+        model = _AdamNet()
+        again = trainer(max_steps=4, **kwargs)
+        again.fit(model, loader(make_data(2)), ckpt_path=path)
+        assert again.global_step == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
