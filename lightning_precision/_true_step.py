@@ -463,7 +463,11 @@ class TrueStep:
         # An element the optimizer left non-finite keeps its value, and so does one the 16-bit format cannot hold:
         # nothing non-finite is written.
         new = torch.where(torch.isfinite(new), new, before)
-        for key in [k for k in own if not is_own_key(k)]:
+        # Every state is encoded again below: an encoding of another setting (a resume that changed
+        # `optimizer_states`, or `update` away from "compensated") would stay in the state, and in every checkpoint,
+        # for good, and be read again in place of the state.
+        kept = (_ROUNDS, _REMAINDER) if self.update == "compensated" else (_ROUNDS,)
+        for key in [k for k in own if k not in kept]:
             del own[key]
         meter = self.meter if old.dtype != torch.float32 else None
         if old.dtype == torch.float32:

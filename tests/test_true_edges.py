@@ -260,3 +260,26 @@ def test_checkpoints_pass_between_lightnings_bf16_true_and_ours(tmp_path):
         again.fit(model, loader(make_data(2)), ckpt_path=path)
         assert again.global_step == 4 and all(torch.isfinite(p).all() for p in model.parameters())
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+@pytest.mark.parametrize("cls", [lp.BF16TruePrecision, lp.FP16TruePrecision])
+@pytest.mark.parametrize(("saved", "resumed"), [
+    ({"optimizer_states": "float32"}, {}), ({}, {"optimizer_states": "float32"}), ({"update": "compensated"}, {})])
+def test_a_resume_with_other_settings_keeps_no_stale_encoding(cls, saved, resumed, tmp_path):
+    """A checkpoint resumed with another ``optimizer_states`` (or ``update`` away from "compensated"): the states are
+    read from the old encoding, then kept in the new one alone, as a fresh run keeps them (the old encoding stayed
+    beside them for good: 16 bytes a parameter instead of 8 after a float32 -> weight resume, and the stale one could
+    be read again in place of the state)."""
+    path = tmp_path / "saved.ckpt"
+    first = trainer(cls(**saved), max_steps=2)
+    first.fit(_AdamNet(), loader(make_data(2)))
+    first.save_checkpoint(path)
+    model = _AdamNet()
+    again = trainer(cls(**resumed), max_steps=4)
+    again.fit(model, loader(make_data(2)), ckpt_path=path)
+    fresh_model = _AdamNet()
+    fresh = trainer(cls(**resumed), max_steps=2)
+    fresh.fit(fresh_model, loader(make_data(2)))
+    keys = [sorted(map(str, state)) for state in again.optimizers[0].state.values()]
+    assert keys == [sorted(map(str, state)) for state in fresh.optimizers[0].state.values()]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
