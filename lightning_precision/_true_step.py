@@ -393,10 +393,16 @@ class TrueStep:
         finally:
             for group, params in zip(optimizer.param_groups, groups, strict=True):
                 group["params"] = params
-        with torch.no_grad():
+        try:
+            with torch.no_grad():
+                for p in chunk:
+                    new_state = state.pop(stand_ins[p])
+                    state[p] = self._commit(p, stand_ins[p], new_state, stored[p], index[p])
+        except BaseException:  # (a second Ctrl-C): what has not landed keeps its state, no stand-in stays
             for p in chunk:
-                self._commit(p, stand_ins[p], state.pop(stand_ins[p]), stored[p], index[p])
-                state[p] = stored[p]
+                state.pop(stand_ins[p], None)
+                state.setdefault(p, stored[p])
+            raise
 
     def _widen(self, p: Tensor, own: dict[str, Any]) -> Tensor:
         local = _local(p)
@@ -432,13 +438,15 @@ class TrueStep:
                 states[key[len(_CODES):]] = _like(p, self._dequantize(p, key[len(_CODES):], _local(value), stored))
             elif is_own_key(key) or not _is_moment(key, value, p):
                 if not is_own_key(key):
-                    states[key] = value
+                    # A copy (a step counter is one): the optimizer updates it in place, and a step that fails or is
+                    # interrupted gives the parameter back its state as it was.
+                    states[key] = value.clone() if type(value) is Tensor else value
             else:
                 local = _local(value)
                 if _is_8bit(local):  # the state of a torchao 8-bit optimizer the user chose
                     widened = local.dequantize()
                 else:
-                    widened = local.float()
+                    widened = local.to(torch.float32, copy=True)  # (fp32 already in a layer kept so: copied too)
                     exponent = stored.get(_EXP + str(key))
                     if exponent is not None:
                         widened = torch.ldexp(widened, -_local(exponent).to(widened.device, torch.int32))
@@ -448,30 +456,30 @@ class TrueStep:
         return states
 
     def _commit(self, p: Tensor, stand_in: Tensor, new_state: dict[str, Any], own: dict[str, Any],
-                index: int) -> None:
-        """Land the stepped fp32 weight and states in their storage; ``own`` (the parameter's state from before the
-        step, holding our keys) becomes its state."""
+                index: int) -> dict[str, Any]:
+        """Land the stepped fp32 weight and states in their storage, and return the parameter's new state. ``own``, its
+        state from before the step (holding our keys), is left as it was, and the weight is written last: an error
+        on the way leaves the parameter and its state as they were."""
         old = _local(p)
         new = _local(stand_in)
+        # Every state is encoded anew: an encoding of another setting (a resume that changed `optimizer_states`, or
+        # `update` away from "compensated") would stay in the state, and in every checkpoint, for good, and be read
+        # again in place of the state.
+        kept = (_ROUNDS, _REMAINDER) if self.update == "compensated" else (_ROUNDS,)
+        fresh = {key: own[key] for key in kept if key in own}
         generator = None
         if old.dtype != torch.float32 and self.update != "nearest":
             rounds = int(own.get(_ROUNDS, 0))
             generator = self._generator(new.device)
             generator.manual_seed(_seed(self.seed, index, rounds, _shard_index(p)))
-            own[_ROUNDS] = rounds + 1
+            fresh[_ROUNDS] = rounds + 1
         before = self._widen(p, own)
         # An element the optimizer left non-finite keeps its value, and so does one the 16-bit format cannot hold:
         # nothing non-finite is written.
         new = torch.where(torch.isfinite(new), new, before)
-        # Every state is encoded again below: an encoding of another setting (a resume that changed
-        # `optimizer_states`, or `update` away from "compensated") would stay in the state, and in every checkpoint,
-        # for good, and be read again in place of the state.
-        kept = (_ROUNDS, _REMAINDER) if self.update == "compensated" else (_ROUNDS,)
-        for key in [k for k in own if k not in kept]:
-            del own[key]
         meter = self.meter if old.dtype != torch.float32 else None
         if old.dtype == torch.float32:
-            old.copy_(new)
+            landed = new
         elif self.update == "compensated":
             weight, remainder = split_remainder(new, old.dtype)
             fits = torch.isfinite(weight)
@@ -479,11 +487,10 @@ class TrueStep:
                 remainder = torch.where(fits, remainder, _local(own[_REMAINDER]).view(torch.int16))
             else:
                 remainder = torch.where(fits, remainder, 0)
-            weight = torch.where(fits, weight, old)
+            landed = torch.where(fits, weight, old)
             if meter is not None:
-                meter.add(old, before, new, weight)
-            old.copy_(weight)
-            own[_REMAINDER] = _like(p, remainder.view(old.dtype))
+                meter.add(old, before, new, landed)
+            fresh[_REMAINDER] = _like(p, remainder.view(old.dtype))
         else:
             if self.update == "stochastic":
                 landed = stochastic_round(new, old.dtype, generator)  # type: ignore[arg-type]
@@ -493,11 +500,12 @@ class TrueStep:
             landed = torch.where(torch.isfinite(landed), landed, old)
             if meter is not None:
                 meter.add(old, before, new, landed)
-            old.copy_(landed)
         for key, value in new_state.items():
-            encoded = self._encode(key, value, p, own, generator)
+            encoded = self._encode(key, value, p, fresh, generator)
             if encoded is not None:
-                own[key] = encoded
+                fresh[key] = encoded
+        old.copy_(landed)
+        return fresh
 
     def _encode(self, key: Any, value: Any, p: Tensor, own: dict[str, Any], generator: torch.Generator | None) -> Any:
         weight_dtype = _local(p).dtype

@@ -16,6 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import lightning_precision as lp
 import lightning_precision.fabric as lpf
+from lightning_precision._true_step import RoundingMeter
 from tests.helpers import LitNet, loader, make_data, trainer
 
 PLUGINS = [lpf.BF16TruePrecision, lpf.FP16TruePrecision]
@@ -99,9 +100,9 @@ class _RaisesOnChunk(torch.optim.AdamW):
     process SIGINT ``signals`` times there."""
 
     def __init__(self, params: Any, lr: float, error: BaseException | None = None, on: int = 2,
-                 signals: int = 0) -> None:
+                 signals: int = 0, after: bool = False) -> None:
         super().__init__(params, lr=lr)
-        self.error, self.on, self.signals, self.calls = error, on, signals, 0
+        self.error, self.on, self.signals, self.after, self.calls = error, on, signals, after, 0
 
     def step(self, closure: Any = None) -> Any:
         self.calls += 1
@@ -109,6 +110,8 @@ class _RaisesOnChunk(torch.optim.AdamW):
             for _ in range(self.signals):
                 os.kill(os.getpid(), signal.SIGINT)
             if self.error is not None:
+                if self.after:  # once its states (the step counter too) are updated in place
+                    super().step(closure)
                 raise self.error
         return super().step(closure)
 
@@ -146,13 +149,15 @@ def test_a_second_ctrl_c_stops_a_step_at_once():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.parametrize(("after", "keep_fp32"), [(False, ()), (True, ()), (True, (nn.Linear,))])
 @pytest.mark.parametrize("cls", PLUGINS)
-def test_an_error_in_the_optimizer_leaves_its_chunk_and_hooks_as_they_were(cls):
-    """The optimizer raising on a chunk: that chunk's weights and states are as before (no fp32 stand-in left in the
+def test_an_error_in_the_optimizer_leaves_its_chunk_and_hooks_as_they_were(cls, after, keep_fp32):
+    """The optimizer raising on a chunk, before or after it updated its states in place (the step counter; the
+    moments of a layer kept in fp32): that chunk's weights and states are as before (no fp32 stand-in left in the
     state or the groups), the error reaches the caller, the user's hooks stay registered and run at the next step.
     Chunks already landed stay stepped (documented: undoing them would need a copy of the model)."""
-    model, optimizer, fabric = _fabric_step_setup(cls(step_chunk=80), _RaisesOnChunk, on=3,
-                                                  error=RuntimeError("boom"))
+    model, optimizer, fabric = _fabric_step_setup(cls(step_chunk=80, keep_fp32=keep_fp32), _RaisesOnChunk, on=3,
+                                                  error=RuntimeError("boom"), after=after)
     calls: list[str] = []
     optimizer.register_step_post_hook(lambda *_: calls.append("post"))
     _backward(model, fabric)
@@ -283,3 +288,46 @@ def test_a_resume_with_other_settings_keeps_no_stale_encoding(cls, saved, resume
     keys = [sorted(map(str, state)) for state in again.optimizers[0].state.values()]
     assert keys == [sorted(map(str, state)) for state in fresh.optimizers[0].state.values()]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _InterruptedMeter(RoundingMeter):
+    """A rounding meter (GradientUnderflowMonitor's hook in the step) through which a KeyboardInterrupt arrives while
+    the ``on``-th parameter lands: where a second Ctrl-C (raised at once) can land."""
+
+    def __init__(self, on: int) -> None:
+        super().__init__()
+        self.on, self.calls = on, 0
+
+    def add(self, *args: Any) -> None:
+        self.calls += 1
+        if self.calls == self.on:
+            raise KeyboardInterrupt
+        super().add(*args)
+
+
+@pytest.mark.parametrize("update", ["stochastic", "compensated"])
+@pytest.mark.parametrize("cls", PLUGINS)
+def test_an_interrupt_while_the_weights_land_leaves_each_parameter_whole(cls, update):
+    """Interrupted while the third of four parameters lands: the first two are stepped (weight and states), the last
+    two as they were, no fp32 stand-in stays in the optimizer's state (``state_dict()`` of an optimizer with one
+    fails, and with it the checkpoint saved on the way out), and training goes on from there."""
+    model, optimizer, fabric = _fabric_step_setup(cls(update=update))
+    _backward(model, fabric)
+    optimizer.step()
+    optimizer.zero_grad()
+    _backward(model, fabric, seed=2)
+    weights, state = _snapshot(model, optimizer)
+    fabric.strategy.precision.true_step.meter = _InterruptedMeter(on=3)
+    with pytest.raises(KeyboardInterrupt):
+        optimizer.step()
+    params = list(model.parameters())
+    assert set(optimizer.state) == set(params)
+    now = optimizer.state_dict()
+    assert [torch.equal(p, w) for p, w in zip(params, weights, strict=True)] == [False, False, True, True]
+    for i in (2, 3):
+        _assert_same(now["state"][i], state["state"][i])
+    for i in (0, 1):
+        assert int(now["state"][i]["step"]) == int(state["state"][i]["step"]) + 1
+    fabric.strategy.precision.true_step.meter = None
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in params)
