@@ -301,7 +301,7 @@ class TrueStep:
     def step(self, optimizer: Optimizer, grad_factor: Tensor | None, clip: ClipRequest | None) -> None:
         """One step of ``optimizer`` (its gradients checked finite by the caller). ``grad_factor``: multiplies each
         gradient in fp32 (the inverse loss scale), before clipping."""
-        self._check_written_by(optimizer)
+        self.check_written_by(optimizer)
         index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
         params = [p for p in index if p.grad is not None]
         factor = grad_factor
@@ -316,7 +316,9 @@ class TrueStep:
         finally:
             _STEPPING.discard(id(optimizer))
 
-    def _check_written_by(self, optimizer: Optimizer) -> None:
+    def check_written_by(self, optimizer: Optimizer) -> None:
+        """Raise if ``optimizer``'s states were written by a step of the other 16-bit dtype (a checkpoint of the other
+        plugin); mark them as this dtype's."""
         name = str(self.dtype).removeprefix("torch.")
         for group in optimizer.param_groups:
             written = group.get(_WRITTEN_BY, name)

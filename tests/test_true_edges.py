@@ -204,19 +204,22 @@ class _AdamNet(LitNet):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-@pytest.mark.parametrize(("writer", "reader"), [
-    (lp.BF16TruePrecision, lp.FP16TruePrecision), (lp.FP16TruePrecision, lp.BF16TruePrecision)])
-def test_a_checkpoint_of_one_true_plugin_resumed_by_the_other_is_refused(writer, reader, tmp_path):
+@pytest.mark.parametrize(("writer", "reader", "kwargs"), [
+    (lp.BF16TruePrecision, lp.FP16TruePrecision, {"optimizer_states": "float32"}),
+    (lp.FP16TruePrecision, lp.BF16TruePrecision, {"optimizer_states": "float32"}),
+    (lp.FP16TruePrecision, lp.BF16TruePrecision, {"update": "nearest"})])  # the plain step, Lightning's
+def test_a_checkpoint_of_one_true_plugin_resumed_by_the_other_is_refused(writer, reader, kwargs, tmp_path):
     """The states' 16-bit encodings of one dtype, cast to the other by torch on load, are garbage (the fp32 states'
-    halves, the remainders) or flush (a bf16 second moment under fp16's range reads as 0: Adam's update divides by
-    eps). Resuming a BF16TruePrecision checkpoint with FP16TruePrecision (or back) raises before any weight moves."""
+    halves, the remainders, fp16's states at a power of two read plainly) or flush (a bf16 second moment under fp16's
+    range reads as 0: Adam's update divides by eps). Resuming a BF16TruePrecision checkpoint with FP16TruePrecision
+    (or back) raises before any weight moves."""
     path = tmp_path / "true.ckpt"
     first = trainer(writer(optimizer_states="float32"), max_steps=2)
     first.fit(_AdamNet(), loader(make_data(2)))
     first.save_checkpoint(path)
     model = _AdamNet()
     with pytest.raises(ValueError, match=f"written by `{writer.__name__}`.*stepped by `{reader.__name__}`"):
-        trainer(reader(optimizer_states="float32"), max_steps=4).fit(model, loader(make_data(2)), ckpt_path=path)
+        trainer(reader(**kwargs), max_steps=4).fit(model, loader(make_data(2)), ckpt_path=path)
     again = trainer(writer(optimizer_states="float32"), max_steps=4)
     again.fit(_AdamNet(), loader(make_data(2)), ckpt_path=path)  # the plugin that wrote it resumes it
     assert again.global_step == 4

@@ -277,6 +277,7 @@ class TruePrecision(ScaledPrecision):
             self.update_after_every_step()  # a backward by hand (not through the plugin): its update now
         clip = self._clips.pop(id(torch_optimizer), None)
         if self._steps_plainly:
+            self.true_step.check_written_by(torch_optimizer)  # (the other plugin's states, read plainly, are garbage)
             step = functools.partial(_plain_step, torch_optimizer, clip)
         else:
             step = functools.partial(self.true_step.step, torch_optimizer, self._inverse_scale(), clip)
