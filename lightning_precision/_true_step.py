@@ -308,11 +308,19 @@ class TrueStep:
         if clip is not None and clip.max_norm is not None:
             factor = self._norm_factor(params, factor, clip)
         max_value = clip.max_value if clip is not None else None
+        landed = 0
         _STEPPING.add(id(optimizer))
         try:
             with _interrupts_held(), _step_hooks_once(optimizer):
                 for chunk in self._chunks(params):
                     self._step_chunk(optimizer, chunk, index, factor, max_value)
+                    landed += len(chunk)
+        except BaseException as error:
+            if landed and hasattr(error, "add_note"):  # (Python 3.11+) say what the step left behind
+                error.add_note(f"The true-precision step of `{type(optimizer).__name__}` had stepped {landed} of its"
+                               f" {len(params)} parameters (`step_chunk` elements at a time) when this was raised; the"
+                               " others are as they were.")
+            raise
         finally:
             _STEPPING.discard(id(optimizer))
 

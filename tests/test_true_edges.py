@@ -165,8 +165,9 @@ def test_an_error_in_the_optimizer_leaves_its_chunk_and_hooks_as_they_were(cls, 
     optimizer.zero_grad()
     _backward(model, fabric, seed=2)
     weights, state = _snapshot(model, optimizer)
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(RuntimeError, match="boom") as raised:
         optimizer.step()  # call 3: the first chunk raises, nothing landed
+    assert not getattr(raised.value, "__notes__", None)
     _assert_same(_snapshot(model, optimizer), (weights, state))
     params = list(model.parameters())
     assert [p for group in optimizer.param_groups for p in group["params"]] == params
@@ -334,3 +335,17 @@ def test_an_interrupt_while_the_weights_land_leaves_each_parameter_whole(cls, up
     fabric.strategy.precision.true_step.meter = None
     optimizer.step()
     assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes are Python 3.11+")
+def test_an_error_on_a_later_chunk_says_what_was_stepped():
+    """The optimizer raising on the second chunk of a step: the first chunk stays stepped (undoing it would take a
+    copy of the weights and states, what the chunks bound), and the error says so."""
+    model, optimizer, fabric = _fabric_step_setup(lpf.BF16TruePrecision(step_chunk=80), _RaisesOnChunk, on=2,
+                                                  error=RuntimeError("boom"))
+    _backward(model, fabric)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom") as raised:
+        optimizer.step()
+    assert "had stepped 2 of its 4 parameters" in " ".join(raised.value.__notes__)
+    assert [torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True)] == [False, False, True, True]
