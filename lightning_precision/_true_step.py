@@ -250,7 +250,7 @@ def _seed(seed: int, index: int, rounds: int, rank: int) -> int:
 def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
     """A state the step converts: a floating tensor of the parameter's shape (not a step counter, not ours)."""
     return (isinstance(value, Tensor) and not is_own_key(key) and key != "step" and param.dim() > 0
-            and value.shape == param.shape and (value.is_floating_point() or _is_8bit(value)))
+            and value.shape == param.shape and (value.is_floating_point() or _is_low_bit(value)))
 
 
 def _fits_8bit(p: Tensor, local: Tensor) -> bool:
@@ -272,13 +272,19 @@ def _is_8bit(value: Any) -> bool:
     return type(value).__name__ == "OptimState8bit"
 
 
+def _is_low_bit(value: Any) -> bool:
+    """A state of one of torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``) the user chose."""
+    return type(value).__name__.startswith("OptimState")
+
+
 def own_state_bytes(value: Any) -> int:
     """Bytes a state tensor holds on this rank (an 8-bit state's codes, block scales and map)."""
     if not isinstance(value, Tensor):
         return 0
     local = _local(value)
-    if _is_8bit(local):
-        parts: tuple[Tensor, ...] = (local.codes, local.scale, local.qmap)  # type: ignore[attr-defined]
+    if _is_low_bit(local):  # the tensors it is made of (an 8-bit state's codes, block scales and map)
+        names, _ = local.__tensor_flatten__()  # type: ignore[attr-defined]
+        parts = [getattr(local, name) for name in names]
         return sum(t.numel() * t.element_size() for t in parts)
     return local.numel() * local.element_size()
 
@@ -451,17 +457,17 @@ class TrueStep:
                     # A copy (a step counter is one): the optimizer updates it in place, and a step that fails or is
                     # interrupted gives the parameter back its state as it was.
                     states[key] = value.clone() if type(value) is Tensor else value
+            elif _is_low_bit(_local(value)):
+                # A torchao low-bit optimizer's state: already compact, and read and written by that optimizer itself
+                # (in place: a step that fails inside it may leave it updated).
+                states[key] = value
             else:
-                local = _local(value)
-                if _is_8bit(local):  # the state of a torchao 8-bit optimizer the user chose
-                    widened = local.dequantize()
-                else:
-                    widened = local.to(torch.float32, copy=True)  # (fp32 already in a layer kept so: copied too)
-                    exponent = stored.get(_EXP + str(key))
-                    if exponent is not None:
-                        widened = torch.ldexp(widened, -_local(exponent).to(widened.device, torch.int32))
-                        if key in _SQUARED:
-                            widened = widened.square()
+                widened = _local(value).to(torch.float32, copy=True)  # (fp32 already in a layer kept so: copied too)
+                exponent = stored.get(_EXP + str(key))
+                if exponent is not None:
+                    widened = torch.ldexp(widened, -_local(exponent).to(widened.device, torch.int32))
+                    if key in _SQUARED:
+                        widened = widened.square()
                 states[key] = _like(p, widened)
         return states
 
@@ -519,7 +525,7 @@ class TrueStep:
 
     def _encode(self, key: Any, value: Any, p: Tensor, own: dict[str, Any], generator: torch.Generator | None) -> Any:
         weight_dtype = _local(p).dtype
-        if not _is_moment(key, value, p) or weight_dtype == torch.float32:
+        if not _is_moment(key, value, p) or weight_dtype == torch.float32 or _is_low_bit(_local(value)):
             return value
         local = _local(value).float()
         if self.states == "float32":

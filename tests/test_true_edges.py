@@ -4,6 +4,7 @@ how the plugins meet the rest of Lightning."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 from typing import Any
@@ -349,3 +350,30 @@ def test_an_error_on_a_later_chunk_says_what_was_stepped():
         optimizer.step()
     assert "had stepped 2 of its 4 parameters" in " ".join(raised.value.__notes__)
     assert [torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True)] == [False, False, True, True]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+@pytest.mark.parametrize("optimizer_name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+@pytest.mark.parametrize("cls", PLUGINS)
+def test_torchaos_low_bit_optimizers_keep_their_own_states(cls, optimizer_name):
+    """A torchao low-bit optimizer the user chose steps on the fp32 stand-ins with its own compact states, kept as it
+    keeps them (the step read them into fp32 and failed writing them back: NotImplementedError), and their bytes are
+    counted as what they hold."""
+    import torchao.optim
+
+    from lightning_precision._bytes import training_bytes
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[cls()])
+    torch.manual_seed(0)
+    model = nn.Linear(128, 64)  # 8192 weights: quantized by torchao (the bias stays plain)
+    model, optimizer = fabric.setup(model, getattr(torchao.optim, optimizer_name)(model.parameters(), lr=1e-3))
+    weight = model.weight.detach().clone()
+    for step in range(3):
+        x = fabric.strategy.precision.convert_input(torch.randn(4, 128, generator=torch.Generator().manual_seed(step)))
+        fabric.backward(model(x).float().pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    state = optimizer.state[model.weight]
+    assert type(state["exp_avg"]).__name__.startswith("OptimState")
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and not torch.equal(model.weight, weight)
+    assert training_bytes(model, [optimizer.optimizer]).optimizer_states < 2 * 2 * 8192  # under two 16-bit states
