@@ -12,6 +12,11 @@ at a time (``step_chunk`` elements: the transient memory is bounded by it, not b
 
 A step whose gradients hold inf/nan never gets here: the plugin skips it (and an fp16 plugin backs its scale off).
 
+The optimizer's step hooks (``register_step_pre_hook``/``register_step_post_hook``, torch's global ones) run once a
+step, around all the chunks, and see the real parameters. A Ctrl-C during the step is raised when it has landed (a
+second one at once). An error the optimizer raises leaves the chunk it was stepping as it was; chunks landed before it
+stay stepped (undoing them would take a copy of the weights and states, the memory the chunks exist to bound).
+
 What the step keeps beside the user's states lives in the optimizer's own state, so that every checkpoint (the
 Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation), ``lp.rounds`` (how many
 times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the shard, it
@@ -28,7 +33,10 @@ casts every state tensor to its parameter's dtype, and a cast to the same dtype 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +49,7 @@ from lightning_precision._fsdp import local_shard
 from lightning_precision._rounding import join_remainder, split_remainder, stochastic_round
 
 __all__ = ["OPTIMIZER_STATES", "ROUNDING_COUNTS", "STATE_PREFIX", "ClipRequest", "RoundingMeter", "TrueStep",
-           "is_own_key", "own_state_bytes"]
+           "is_own_key", "is_stepping", "own_state_bytes"]
 
 OPTIMIZER_STATES = ("weight", "float32", "8bit")
 STATE_PREFIX = "lp."
@@ -52,6 +60,11 @@ _HIGH = STATE_PREFIX + "hi."
 _LOW = STATE_PREFIX + "lo."
 _CODES = STATE_PREFIX + "q8."
 _SCALES = STATE_PREFIX + "q8scale."
+# A param-group key: the weight dtype whose step wrote the group's states. Their 16-bit encodings (remainders, fp32
+# states' halves, 8-bit codes, fp16 states at a power of two) mean nothing in the other 16-bit dtype, and torch casts
+# them to it on load: a checkpoint of one plugin resumed by the other would step on garbage states.
+_WRITTEN_BY = STATE_PREFIX + "dtype"
+_PLUGIN_OF = {"bfloat16": "BF16TruePrecision", "float16": "FP16TruePrecision"}
 # States that are never negative: torchao's unsigned 8-bit map gives them its 256 codes.
 _NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
 # States that are sums of squares (Adam's second moment, Adagrad's sum, RMSprop's average, Adadelta's deltas): their
@@ -100,6 +113,67 @@ class RoundingMeter:
 
 def is_own_key(key: Any) -> bool:
     return isinstance(key, str) and key.startswith(STATE_PREFIX)
+
+
+_STEPPING: set[int] = set()  # ids of the optimizers a TrueStep is stepping now
+
+
+def is_stepping(optimizer: Optimizer) -> bool:
+    """Whether a ``TrueStep`` is inside a step of ``optimizer`` (its step hooks see the real parameters then)."""
+    return id(optimizer) in _STEPPING
+
+
+@contextmanager
+def _step_hooks_once(optimizer: Optimizer) -> Generator[None, None, None]:
+    """The optimizer's step hooks (its own and torch's global ones) run once around the whole step, on the real
+    parameters, and are held while the optimizer steps chunk by chunk on stand-ins: run per chunk, a hook that counts
+    steps, or averages the model's weights (an EMA), would run several times a step and see it half taken. The
+    post-hooks run only when the step completes. What a pre-hook returns is ignored (the step takes no arguments)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    pre: list[dict[int, Any]] = [torch_optimizer._global_optimizer_pre_hooks, optimizer._optimizer_step_pre_hooks]
+    post: list[dict[int, Any]] = [optimizer._optimizer_step_post_hooks, torch_optimizer._global_optimizer_post_hooks]
+    args: tuple[Any, ...] = (optimizer,)  # what torch's step wrapper passes its hooks
+    for hook in [hook for hooks in pre for hook in hooks.values()]:
+        hook(optimizer, args, {})
+    held = [dict(hooks) for hooks in pre + post]
+    for hooks in pre + post:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, kept in zip(pre + post, held, strict=True):
+            added = dict(hooks)  # registered during the step: kept, after the others
+            hooks.clear()
+            hooks.update(kept)
+            hooks.update(added)
+    for hook in [hook for hooks in post for hook in hooks.values()]:
+        hook(optimizer, args, {})
+
+
+@contextmanager
+def _interrupts_held() -> Generator[None, None, None]:
+    """A Ctrl-C during the step is held until the step ends and raised then: raised between two chunks (or two
+    parameters landing), it would leave some parameters stepped and others not. A second Ctrl-C raises at once (a step
+    that hangs can still be stopped). Only in the main thread and where SIGINT has Python's default handler."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received: list[int] = []
+
+    def hold(signum: int, _: Any) -> None:
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)
@@ -194,7 +268,7 @@ def _fits_everywhere(params: list[Tensor], news: list[Tensor]) -> list[bool]:
 def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
     """A state the step converts: a floating tensor of the parameter's shape (not a step counter, not ours)."""
     return (isinstance(value, Tensor) and not is_own_key(key) and key != "step" and param.dim() > 0
-            and value.shape == param.shape and (value.is_floating_point() or _is_8bit(value)))
+            and value.shape == param.shape and (value.is_floating_point() or _is_low_bit(value)))
 
 
 def _fits_8bit(p: Tensor, local: Tensor) -> bool:
@@ -216,13 +290,19 @@ def _is_8bit(value: Any) -> bool:
     return type(value).__name__ == "OptimState8bit"
 
 
+def _is_low_bit(value: Any) -> bool:
+    """A state of one of torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``) the user chose."""
+    return type(value).__name__.startswith("OptimState")
+
+
 def own_state_bytes(value: Any) -> int:
     """Bytes a state tensor holds on this rank (an 8-bit state's codes, block scales and map)."""
     if not isinstance(value, Tensor):
         return 0
     local = _local(value)
-    if _is_8bit(local):
-        parts: tuple[Tensor, ...] = (local.codes, local.scale, local.qmap)  # type: ignore[attr-defined]
+    if _is_low_bit(local):  # the tensors it is made of (an 8-bit state's codes, block scales and map)
+        names, _ = local.__tensor_flatten__()  # type: ignore[attr-defined]
+        parts = [getattr(local, name) for name in names]
         return sum(t.numel() * t.element_size() for t in parts)
     return local.numel() * local.element_size()
 
@@ -245,14 +325,46 @@ class TrueStep:
     def step(self, optimizer: Optimizer, grad_factor: Tensor | None, clip: ClipRequest | None) -> None:
         """One step of ``optimizer`` (its gradients checked finite by the caller). ``grad_factor``: multiplies each
         gradient in fp32 (the inverse loss scale), before clipping."""
+        self.check_written_by(optimizer)
         index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
         params = [p for p in index if p.grad is not None]
         factor = grad_factor
         if clip is not None and clip.max_norm is not None:
             factor = self._norm_factor(params, factor, clip)
         max_value = clip.max_value if clip is not None else None
-        for chunk in self._chunks(params):
-            self._step_chunk(optimizer, chunk, index, factor, max_value)
+        landed = 0
+        _STEPPING.add(id(optimizer))
+        try:
+            with _interrupts_held(), _step_hooks_once(optimizer):
+                for chunk in self._chunks(params):
+                    self._step_chunk(optimizer, chunk, index, factor, max_value)
+                    landed += len(chunk)
+        except BaseException as error:
+            if landed and hasattr(error, "add_note"):  # (Python 3.11+) say what the step left behind
+                error.add_note(f"The true-precision step of `{type(optimizer).__name__}` had stepped {landed} of its"
+                               f" {len(params)} parameters (`step_chunk` elements at a time) when this was raised; the"
+                               " others are as they were.")
+            raise
+        finally:
+            _STEPPING.discard(id(optimizer))
+
+    def check_written_by(self, optimizer: Optimizer) -> None:
+        """Raise if ``optimizer``'s states were written by a step of the other 16-bit dtype (a checkpoint of the other
+        plugin); mark them as this dtype's."""
+        name = str(self.dtype).removeprefix("torch.")
+        for group in optimizer.param_groups:
+            written = group.get(_WRITTEN_BY, name)
+            if written != name:
+                raise ValueError(
+                    f"The states of `{type(optimizer).__name__}` were written by `{_PLUGIN_OF.get(written, written)}`"
+                    f" ({written} weights: a checkpoint of it was loaded) and are stepped by"
+                    f" `{_PLUGIN_OF.get(name, name)}` ({name} weights). Their 16-bit encodings (remainders, fp32"
+                    f" states' halves, 8-bit codes, fp16 states stored at a power of two) cannot be read in {name}:"
+                    " torch cast them on load. Resume with the plugin that wrote the checkpoint, or load the model's"
+                    " weights alone (e.g. `LightningModule.load_from_checkpoint`) and start the optimizer afresh."
+                )
+        for group in optimizer.param_groups:
+            group[_WRITTEN_BY] = name
 
     def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
         chunk: list[Tensor] = []
@@ -277,7 +389,8 @@ class TrueStep:
 
         norms = []
         for p in params:
-            norm = torch.linalg.vector_norm(p.grad, clip.norm_type, dtype=torch.float32)
+            grad = p.grad.coalesce().values() if p.grad.is_sparse else p.grad  # type: ignore[union-attr]
+            norm = torch.linalg.vector_norm(grad, clip.norm_type, dtype=torch.float32)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         device = _local(params[0]).device
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), clip.norm_type)
@@ -314,11 +427,17 @@ class TrueStep:
         finally:
             for group, params in zip(optimizer.param_groups, groups, strict=True):
                 group["params"] = params
-        with torch.no_grad():
-            fits = _fits_everywhere(chunk, [_local(stand_ins[p]) for p in chunk])
-            for p, safe in zip(chunk, fits, strict=True):
-                self._commit(p, stand_ins[p], state.pop(stand_ins[p]), stored[p], index[p], safe)
-                state[p] = stored[p]
+        try:
+            with torch.no_grad():
+                fits = _fits_everywhere(chunk, [_local(stand_ins[p]) for p in chunk])
+                for p, safe in zip(chunk, fits, strict=True):
+                    new_state = state.pop(stand_ins[p])
+                    state[p] = self._commit(p, stand_ins[p], new_state, stored[p], index[p], safe)
+        except BaseException:  # (a second Ctrl-C): what has not landed keeps its state, no stand-in stays
+            for p in chunk:
+                state.pop(stand_ins[p], None)
+                state.setdefault(p, stored[p])
+            raise
 
     def _widen(self, p: Tensor, own: dict[str, Any]) -> Tensor:
         local = _local(p)
@@ -331,7 +450,10 @@ class TrueStep:
 
     @staticmethod
     def _grad(p: Tensor, factor: Tensor | None, max_value: float | None) -> Tensor:
-        grad = _local(p.grad).float()  # type: ignore[arg-type]
+        grad = _local(p.grad)  # type: ignore[arg-type]
+        if grad.is_sparse:  # an embedding with sparse=True: its momentum would be sparse, not storable in 16 bits
+            grad = grad.to_dense()
+        grad = grad.float()
         if factor is not None:
             grad.mul_(factor.to(grad.device))
         if max_value is not None:
@@ -351,88 +473,93 @@ class TrueStep:
                 states[key[len(_CODES):]] = _like(p, self._dequantize(p, key[len(_CODES):], _local(value), stored))
             elif is_own_key(key) or not _is_moment(key, value, p):
                 if not is_own_key(key):
-                    states[key] = value
+                    # A copy (a step counter is one): the optimizer updates it in place, and a step that fails or is
+                    # interrupted gives the parameter back its state as it was.
+                    states[key] = value.clone() if type(value) is Tensor else value
+            elif _is_low_bit(_local(value)):
+                # A torchao low-bit optimizer's state: already compact, and read and written by that optimizer itself
+                # (in place: a step that fails inside it may leave it updated).
+                states[key] = value
             else:
-                local = _local(value)
-                if _is_8bit(local):  # the state of a torchao 8-bit optimizer the user chose
-                    widened = local.dequantize()
-                else:
-                    widened = local.float()
-                    exponent = stored.get(_EXP + str(key))
-                    if exponent is not None:
-                        widened = torch.ldexp(widened, -_local(exponent).to(widened.device, torch.int32))
-                        if key in _SQUARED:
-                            widened = widened.square()
+                widened = _local(value).to(torch.float32, copy=True)  # (fp32 already in a layer kept so: copied too)
+                exponent = stored.get(_EXP + str(key))
+                if exponent is not None:
+                    widened = torch.ldexp(widened, -_local(exponent).to(widened.device, torch.int32))
+                    if key in _SQUARED:
+                        widened = widened.square()
                 states[key] = _like(p, widened)
         return states
 
     def _commit(self, p: Tensor, stand_in: Tensor, new_state: dict[str, Any], own: dict[str, Any],
-                index: int, safe: bool) -> None:
-        """Land the stepped fp32 weight and states in their storage; ``own`` (the parameter's state from before the
-        step, holding our keys) becomes its state. ``safe``: every new value is finite and within the 16-bit format's
-        range (``_fits_everywhere``), so no element needs keeping its old value."""
+                index: int, safe: bool) -> dict[str, Any]:
+        """Land the stepped fp32 weight and states in their storage, and return the parameter's new state. ``own``, its
+        state from before the step (holding our keys), is left as it was, and the weight is written last: an error
+        on the way leaves the parameter and its state as they were. ``safe``: every new value is finite and within
+        the 16-bit format's range (``_fits_everywhere``), so that no element needs keeping its old value."""
         old = _local(p)
         new = _local(stand_in)
+        # Every state is encoded anew: an encoding of another setting (a resume that changed `optimizer_states`, or
+        # `update` away from "compensated") would stay in the state, and in every checkpoint, for good, and be read
+        # again in place of the state.
+        kept = (_ROUNDS, _REMAINDER) if self.update == "compensated" else (_ROUNDS,)
+        fresh = {key: own[key] for key in kept if key in own}
         generator = None
         if old.dtype != torch.float32 and self.update != "nearest":
             rounds = int(own.get(_ROUNDS, 0))
             generator = self._generator(new.device)
             generator.manual_seed(_seed(self.seed, index, rounds, _shard_index(p)))
-            own[_ROUNDS] = rounds + 1
+            fresh[_ROUNDS] = rounds + 1
         meter = self.meter if old.dtype != torch.float32 else None
         if safe and meter is None:  # the common case: no element to keep, nothing to count
-            for key in [k for k in own if not is_own_key(k)]:
-                del own[key]
-            if self.update == "compensated" and old.dtype != torch.float32:
-                weight, remainder = split_remainder(new, old.dtype)
-                old.copy_(weight)
-                own[_REMAINDER] = _like(p, remainder.view(old.dtype))
-            else:
-                old.copy_(stochastic_round(new, old.dtype, generator) if generator is not None else new)
-            self._encode_states(new_state, p, own, generator)
-            return
-        before = self._widen(p, own)
-        # An element the optimizer left non-finite keeps its value, and so does one the 16-bit format cannot hold:
-        # nothing non-finite is written.
-        new = torch.where(torch.isfinite(new), new, before)
-        for key in [k for k in own if not is_own_key(k)]:
-            del own[key]
+            landed = self._land(p, old, new, fresh, generator)
+        else:
+            landed = self._land_checked(p, old, new, own, fresh, generator, meter)
+        for key, value in new_state.items():
+            encoded = self._encode(key, value, p, fresh, generator)
+            if encoded is not None:
+                fresh[key] = encoded
+        old.copy_(landed)
+        return fresh
+
+    def _land(self, p: Tensor, old: Tensor, new: Tensor, fresh: dict[str, Any],
+              generator: torch.Generator | None) -> Tensor:
+        """The 16-bit weight ``new`` lands as (its remainder into ``fresh``), every value known to fit."""
         if old.dtype == torch.float32:
-            old.copy_(new)
-        elif self.update == "compensated":
+            return new
+        if self.update == "compensated":
+            weight, remainder = split_remainder(new, old.dtype)
+            fresh[_REMAINDER] = _like(p, remainder.view(old.dtype))
+            return weight
+        return stochastic_round(new, old.dtype, generator) if generator is not None else new.to(old.dtype)
+
+    def _land_checked(self, p: Tensor, old: Tensor, new: Tensor, own: dict[str, Any], fresh: dict[str, Any],
+                      generator: torch.Generator | None, meter: RoundingMeter | None) -> Tensor:
+        """``_land`` element by element: a value the optimizer left non-finite, or one the 16-bit format cannot hold,
+        keeps the old one (nothing non-finite is written); and the meter, when a monitor measures, counts."""
+        before = self._widen(p, own)
+        new = torch.where(torch.isfinite(new), new, before)
+        if old.dtype == torch.float32:
+            return new
+        if self.update == "compensated":
             weight, remainder = split_remainder(new, old.dtype)
             fits = torch.isfinite(weight)
             if _REMAINDER in own:
                 remainder = torch.where(fits, remainder, _local(own[_REMAINDER]).view(torch.int16))
             else:
                 remainder = torch.where(fits, remainder, 0)
-            weight = torch.where(fits, weight, old)
-            if meter is not None:
-                meter.add(old, before, new, weight)
-            old.copy_(weight)
-            own[_REMAINDER] = _like(p, remainder.view(old.dtype))
+            landed = torch.where(fits, weight, old)
+            fresh[_REMAINDER] = _like(p, remainder.view(old.dtype))
         else:
-            if self.update == "stochastic":
-                landed = stochastic_round(new, old.dtype, generator)  # type: ignore[arg-type]
-            else:
-                landed = new.to(old.dtype)
+            landed = stochastic_round(new, old.dtype, generator) if generator is not None else new.to(old.dtype)
             # A finite fp32 value beyond the 16-bit format's largest (fp16: 65504) rounds to inf: it keeps its value.
             landed = torch.where(torch.isfinite(landed), landed, old)
-            if meter is not None:
-                meter.add(old, before, new, landed)
-            old.copy_(landed)
-        self._encode_states(new_state, p, own, generator)
-
-    def _encode_states(self, new_state: dict[str, Any], p: Tensor, own: dict[str, Any],
-                       generator: torch.Generator | None) -> None:
-        for key, value in new_state.items():
-            encoded = self._encode(key, value, p, own, generator)
-            if encoded is not None:
-                own[key] = encoded
+        if meter is not None:
+            meter.add(old, before, new, landed)
+        return landed
 
     def _encode(self, key: Any, value: Any, p: Tensor, own: dict[str, Any], generator: torch.Generator | None) -> Any:
         weight_dtype = _local(p).dtype
-        if not _is_moment(key, value, p) or weight_dtype == torch.float32:
+        if not _is_moment(key, value, p) or weight_dtype == torch.float32 or _is_low_bit(_local(value)):
             return value
         local = _local(value).float()
         if self.states == "float32":

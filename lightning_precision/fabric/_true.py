@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_precision import _imports
 from lightning_precision._checks import is_positive_int
 from lightning_precision._rounding import UPDATES
-from lightning_precision._true_step import OPTIMIZER_STATES, ClipRequest, TrueStep
+from lightning_precision._true_step import OPTIMIZER_STATES, ClipRequest, TrueStep, is_stepping
 from lightning_precision._upstream.lightning import convert_fp_tensor
 from lightning_precision.fabric._scaled import ScaledPrecision, closure_driven
 from lightning_precision.fabric._scaler import InStepScaler, NonFiniteGuard, ScalerConfig
@@ -277,6 +277,7 @@ class TruePrecision(ScaledPrecision):
             self.update_after_every_step()  # a backward by hand (not through the plugin): its update now
         clip = self._clips.pop(id(torch_optimizer), None)
         if self._steps_plainly:
+            self.true_step.check_written_by(torch_optimizer)  # (the other plugin's states, read plainly, are garbage)
             step = functools.partial(_plain_step, torch_optimizer, clip)
         else:
             step = functools.partial(self.true_step.step, torch_optimizer, self._inverse_scale(), clip)
@@ -310,8 +311,8 @@ def _watch_state_init(plugin: TruePrecision) -> None:
 def _before_any_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     """Before every optimizer step of the process: one that meets an empty state may be torch's distributed checkpoint
     learning the states' layout (``TruePrecision._take_state_init``). The plugin's own step creates the states before
-    it steps the optimizer, so it never gets past the first check."""
-    if optimizer.state:
+    it steps the optimizer, and runs the step hooks (this one among them) before it: it never gets past the checks."""
+    if optimizer.state or is_stepping(optimizer):
         return
     for plugin in list(_PLUGINS):
         plugin._take_state_init(optimizer)
