@@ -20,15 +20,17 @@ stay stepped (undoing them would take a copy of the weights and states, the memo
 What the step keeps beside the user's states lives in the optimizer's own state, so that every checkpoint (the
 Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation), ``lp.rounds`` (how many
 times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the shard, it
-seeds the stochastic rounding, so that a resumed run draws the same numbers as one never stopped), ``lp.exp.<state>``
-(the power of two an fp16 state is stored at, so that Adam's second moment does not flush to zero; a sum of squares
-is stored as its square root, whose range is the gradients'), and
+seeds the stochastic rounding, so that a resumed run draws the same numbers as one never stopped), ``lp.f16.<state>``
+and ``lp.exp.<state>`` (an fp16 state and the power of two it is stored at, so that Adam's second moment does not
+flush to zero; a sum of squares is stored as its square root, whose range is the gradients'), and
 ``lp.hi.<state>``/``lp.lo.<state>`` (an fp32 state's two 16-bit halves), ``lp.q8.<state>``/``lp.q8scale.<state>``
 (an 8-bit state's codes, two to an element, and its fp32 block scales: torchao's ``OptimState8bit`` quantizes and
 dequantizes, but is not what is stored, because ``torch.load`` cannot rebuild a tensor subclass under the callable
 ``map_location`` that Lightning's Trainer and ``fabric.load`` pass). Every tensor among them is kept in the weight's
 dtype (integers as bit patterns, exponents as small integers that dtype holds exactly): ``Optimizer.load_state_dict``
-casts every state tensor to its parameter's dtype, and a cast to the same dtype changes no bit.
+casts every state tensor to its parameter's dtype, and a cast to the same dtype changes no bit. A state stored in any
+form but its own value is stored under a key of ours only, never under the optimizer's name: a checkpoint resumed by
+another precision then fails to find the state (a ``KeyError``) instead of training on encoded values.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ STATE_PREFIX = "lp."
 _REMAINDER = STATE_PREFIX + "remainder"
 _ROUNDS = STATE_PREFIX + "rounds"
 _EXP = STATE_PREFIX + "exp."
+# An fp16 state at its power of two, under a key of ours: under torch's own name, a checkpoint resumed by another
+# precision (Lightning's, plain torch) would read the scaled values as the state, silently; so it fails to find it.
+_SCALED = STATE_PREFIX + "f16."
 _HIGH = STATE_PREFIX + "hi."
 _LOW = STATE_PREFIX + "lo."
 _CODES = STATE_PREFIX + "q8."
@@ -469,6 +474,10 @@ class TrueStep:
                 high = _local(value).view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
                 low = _local(stored[_LOW + name]).view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
                 states[name] = _like(p, high.bitwise_or_(low).view(torch.float32))
+            elif isinstance(key, str) and key.startswith(_SCALED):
+                name = key[len(_SCALED):]
+                widened = torch.ldexp(_local(value).float(), -_local(stored[_EXP + name]).to(value.device, torch.int32))
+                states[name] = _like(p, widened.square() if name in _SQUARED else widened)
             elif isinstance(key, str) and key.startswith(_CODES):
                 states[key[len(_CODES):]] = _like(p, self._dequantize(p, key[len(_CODES):], _local(value), stored))
             elif is_own_key(key) or not _is_moment(key, value, p):
@@ -482,11 +491,6 @@ class TrueStep:
                 states[key] = value
             else:
                 widened = _local(value).to(torch.float32, copy=True)  # (fp32 already in a layer kept so: copied too)
-                exponent = stored.get(_EXP + str(key))
-                if exponent is not None:
-                    widened = torch.ldexp(widened, -_local(exponent).to(widened.device, torch.int32))
-                    if key in _SQUARED:
-                        widened = widened.square()
                 states[key] = _like(p, widened)
         return states
 
@@ -585,9 +589,12 @@ class TrueStep:
             exponent = torch.where(largest > 0, _FP16_TOP - torch.frexp(largest).exponent, 0).to(torch.int32)
             local = torch.ldexp(local, exponent.to(local.device))
             own[_EXP + str(key)] = exponent.to(weight_dtype)  # a small integer: exact in fp16
-        if generator is not None:
-            return _like(p, stochastic_round(local.contiguous(), weight_dtype, generator))
-        return _like(p, local.to(weight_dtype))
+        rounded = stochastic_round(local.contiguous(), weight_dtype, generator) if generator is not None \
+            else local.to(weight_dtype)
+        if _EXP + str(key) in own:
+            own[_SCALED + str(key)] = _like(p, rounded)
+            return None
+        return _like(p, rounded)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)

@@ -191,7 +191,7 @@ def test_a_first_step_at_lr_0_is_a_step(cls):
     optimizer.step()
     assert all(p.grad is not None for p in model.parameters())
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
-    assert all("exp_avg" in optimizer.state[p] for p in model.parameters())
+    assert all({"exp_avg", "lp.f16.exp_avg"} & set(optimizer.state[p]) for p in model.parameters())
     for group in optimizer.param_groups:
         group["lr"] = 1e-2
     optimizer.step()
@@ -377,3 +377,23 @@ def test_torchaos_low_bit_optimizers_keep_their_own_states(cls, optimizer_name):
     assert type(state["exp_avg"]).__name__.startswith("OptimState")
     assert all(torch.isfinite(p).all() for p in model.parameters()) and not torch.equal(model.weight, weight)
     assert training_bytes(model, [optimizer.optimizer]).optimizer_states < 2 * 2 * 8192  # under two 16-bit states
+
+
+def test_an_fp16_true_checkpoint_is_not_read_as_plain_adam_states(tmp_path):
+    """fp16 states are stored at a power of two (a second moment as its square root): under torch's own key names, an
+    optimizer resumed without the plugin would read those as its moments and train on them silently. Under keys of
+    the plugin's own, it fails to find them, loudly."""
+    from lightning_precision import fabric as plugins
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugins.FP16TruePrecision()])
+    net = nn.Linear(8, 8)
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    fabric.backward(model(torch.randn(4, 8)).float().square().mean())
+    optimizer.step()
+    state = optimizer.optimizer.state_dict()
+    plain = nn.Linear(8, 8).half()
+    adam = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    adam.load_state_dict(state)
+    plain(torch.randn(4, 8, dtype=torch.float16)).float().square().mean().backward()
+    with pytest.raises(KeyError, match="exp_avg"):
+        adam.step()

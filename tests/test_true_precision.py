@@ -281,7 +281,7 @@ OWN_KEYS = {
     "compensated": {"lp.remainder"},
     "float32-states": {"lp.rounds", "lp.hi.exp_avg", "lp.lo.exp_avg", "lp.hi.exp_avg_sq", "lp.lo.exp_avg_sq"},
     "8bit-states": {"lp.rounds", "lp.q8.exp_avg", "lp.q8scale.exp_avg", "lp.q8.exp_avg_sq"},
-    "fp16": {"lp.rounds", "lp.exp.exp_avg", "lp.exp.exp_avg_sq"},
+    "fp16": {"lp.rounds", "lp.exp.exp_avg", "lp.exp.exp_avg_sq", "lp.f16.exp_avg", "lp.f16.exp_avg_sq"},
     "fp16-compensated-float32": {"lp.remainder", "lp.hi.exp_avg", "lp.lo.exp_avg_sq"},
 }
 RESUME = [pytest.param(name, marks=[pytest.mark.skipif(not TORCHAO, reason="needs torchao")] if "8bit" in name else [])
