@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from lightning_precision import _imports
 from lightning_precision._fsdp import local_shard
 from lightning_precision._rounding import join_remainder, split_remainder, stochastic_round
+from lightning_precision._upstream.torch import optimizer_step_hooks
 
 __all__ = ["OPTIMIZER_STATES", "ROUNDING_COUNTS", "STATE_PREFIX", "ClipRequest", "RoundingMeter", "TrueStep",
            "is_own_key", "is_stepping", "own_state_bytes"]
@@ -134,10 +135,7 @@ def _step_hooks_once(optimizer: Optimizer) -> Generator[None, None, None]:
     parameters, and are held while the optimizer steps chunk by chunk on stand-ins: run per chunk, a hook that counts
     steps, or averages the model's weights (an EMA), would run several times a step and see it half taken. The
     post-hooks run only when the step completes. What a pre-hook returns is ignored (the step takes no arguments)."""
-    from torch.optim import optimizer as torch_optimizer
-
-    pre: list[dict[int, Any]] = [torch_optimizer._global_optimizer_pre_hooks, optimizer._optimizer_step_pre_hooks]
-    post: list[dict[int, Any]] = [optimizer._optimizer_step_post_hooks, torch_optimizer._global_optimizer_post_hooks]
+    pre, post = optimizer_step_hooks(optimizer)
     args: tuple[Any, ...] = (optimizer,)  # what torch's step wrapper passes its hooks
     for hook in [hook for hooks in pre for hook in hooks.values()]:
         hook(optimizer, args, {})

@@ -136,3 +136,35 @@ def test_a_call_inside_a_compiled_module_is_seen_also_when_it_runs_eagerly():
         compiled(torch.ones(2))
     torch._dynamo.reset()
     assert seen == [False, True]
+
+
+def test_the_optimizer_step_hooks_are_where_they_are_read_and_run_in_that_order():
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from lightning_precision._upstream.torch import optimizer_step_hooks
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    calls: list[str] = []
+    handles = [register_optimizer_step_pre_hook(lambda *a: calls.append("global pre")),
+               optimizer.register_step_pre_hook(lambda *a: calls.append("pre")),
+               optimizer.register_step_post_hook(lambda *a: calls.append("post")),
+               register_optimizer_step_post_hook(lambda *a: calls.append("global post"))]
+    try:
+        pre, post = optimizer_step_hooks(optimizer)
+        # (the global dicts may hold hooks of others too, e.g. a true-precision plugin's)
+        assert len(pre[1]) == len(post[0]) == 1 and len(pre[0]) >= 1 and len(post[1]) >= 1
+        weight.grad = torch.ones(2)
+        optimizer.step()
+        assert calls == ["global pre", "pre", "post", "global post"]
+        held = [dict(h) for h in pre + post]
+        for hooks in pre + post:
+            hooks.clear()  # what the true step does while it steps chunk by chunk
+        calls.clear()
+        optimizer.step()
+        assert calls == []  # cleared there, torch runs none
+        for hooks, kept in zip(pre + post, held, strict=True):
+            hooks.update(kept)
+    finally:
+        for handle in handles:
+            handle.remove()

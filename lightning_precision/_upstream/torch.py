@@ -24,6 +24,7 @@ __all__ = [
     "grad_scaler_scale",
     "inside_compiled_call",
     "non_finite_check_and_unscale_",
+    "optimizer_step_hooks",
     "sparse_values",
     "version_counter",
     "xpu_is_compiled",
@@ -63,6 +64,19 @@ def non_finite_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Te
     ``GradScaler.unscale_`` runs: one launch per (device, dtype) group sets ``found_inf`` where a gradient holds inf
     or nan. No public function checks a list of tensors for non-finite values without a host read."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[dict[int, Any]], list[dict[int, Any]]]:
+    """The step hooks torch's step wrapper runs around ``optimizer.step()``, in its order: pre-hooks (the global ones,
+    then the optimizer's), post-hooks (the optimizer's, then the global ones), each a dict of handle id to hook
+    (``_global_optimizer_pre_hooks``, ``_optimizer_step_pre_hooks``, ...). The true-precision step calls the
+    optimizer's step once a chunk, on stand-ins of the weights, and runs these hooks once around the whole step
+    instead: torch has no public way to step an optimizer without its hooks, or to hold them."""
+    from torch.optim import optimizer as module
+
+    pre = [module._global_optimizer_pre_hooks, optimizer._optimizer_step_pre_hooks]
+    post = [optimizer._optimizer_step_post_hooks, module._global_optimizer_post_hooks]
+    return pre, post
 
 
 def sparse_values(grad: torch.Tensor) -> torch.Tensor:
