@@ -397,3 +397,29 @@ def test_an_fp16_true_checkpoint_is_not_read_as_plain_adam_states(tmp_path):
     plain(torch.randn(4, 8, dtype=torch.float16)).float().square().mean().backward()
     with pytest.raises(KeyError, match="exp_avg"):
         adam.step()
+
+
+@pytest.mark.parametrize("update", ["stochastic", "compensated", "nearest"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_element_wise_landing_an_accelerator_takes_equals_the_cpus(monkeypatch, update, dtype):
+    """On an accelerator every weight lands through the per-element check (no host read a chunk); on a CPU, weights
+    whose new values all fit skip it. Both must land the same bits. The CPU is made to take the accelerator's path by
+    answering 'not known to fit' for every weight, as ``_fits_everywhere`` does off the CPU."""
+    from lightning_precision import _true_step
+    from lightning_precision._true_step import TrueStep
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).to(dtype)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        step = TrueStep(dtype, update, "weight", seed=0, step_chunk=100)  # several chunks
+        for _ in range(3):
+            net(torch.randn(8, 16, dtype=dtype)).float().square().mean().backward()
+            step.step(optimizer, None, None)
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in net.parameters()]
+
+    cpu = run()
+    monkeypatch.setattr(_true_step, "_fits_everywhere", lambda params, news: [False] * len(params))
+    accelerator = run()
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(cpu, accelerator, strict=True))
