@@ -1,0 +1,412 @@
+"""A speed model for a linear layer's formats: the step time each candidate format saves over the high dtype, from the
+layer's GEMM shapes and a table of GPUs, and an optional micro-benchmark of the layer's own shapes on a CUDA GPU.
+
+Per training step a linear layer with ``tokens`` rows (M), ``in_features`` (K) and ``out_features`` (N) runs three
+GEMMs of ``2*M*N*K`` FLOPs: the output (forward), the input gradient and the weight gradient. The model:
+
+- each GEMM takes ``max(FLOPs / (peak * GEMM_EFFICIENCY), bytes / (bandwidth * MEMORY_EFFICIENCY))`` at the peak of
+  the kind it runs in (bf16/fp16, fp8, and on Blackwell mxfp8/nvfp4); ``rowwise_with_gw_hp`` keeps the weight-gradient
+  GEMM in the high dtype, and a per-row or per-block scaled GEMM runs slower (``SCALED_GEMM_EFFICIENCY``);
+- each cast a format does (input, weight, grad_output; the transposed copies the backward needs; the amax pass of
+  dynamic scaling; the scales of per-row and per-block formats) moves ``CAST_COSTS[format]`` bytes per element
+  through device memory at the format's fraction of the bandwidth, its kernels together costing at least
+  ``KERNEL_SECONDS`` each.
+
+The saving is the high dtype's GEMM seconds minus the format's GEMM and cast seconds: negative where the casts cost more
+than the faster GEMMs save (small layers). It is a prediction: calibrated against torchao's published H100 speedups
+(``TORCHAO_H100_ROWWISE``, ``TORCHAO_H100_TENSORWISE``), not measured on the machine it runs on; what it leaves out
+(fusion of a cast with the op before it, the other ops of a step, communication, clocks under power limits) is said in
+the docs. ``benchmark_saving`` measures it on a CUDA GPU instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_precision._mfu import PEAKS, compute_kind, device_peak
+from lightning_precision.fp8._selection import BACKENDS, TE_NVFP4, TE_RECIPES, TORCHAO_RECIPES, LayerDecision
+from lightning_precision.fp8._torchao import convert_with_torchao, torchao_config
+
+__all__ = [
+    "CAST_COSTS",
+    "DEVICES",
+    "GEMM_EFFICIENCY",
+    "KERNEL_SECONDS",
+    "MEMORY_EFFICIENCY",
+    "PREDICTION_DEVICE",
+    "ROWWISE_CAST_EFFICIENCY",
+    "SCALED_GEMM_EFFICIENCY",
+    "TENSORWISE_CAST_EFFICIENCY",
+    "TORCHAO_H100_ROWWISE",
+    "TORCHAO_H100_TENSORWISE",
+    "CastCost",
+    "GemmDevice",
+    "benchmark_saving",
+    "gemm_seconds",
+    "high_time",
+    "predicted_saving",
+    "speed_device",
+    "supported_candidates",
+]
+
+# The labels of a layer kept in high precision (fp8._plan.HIGH_LABELS; that module imports this one's users, so the
+# four names are repeated here and a test checks they agree). "high" (a plan made by hand) counts as bf16.
+_HIGH_KIND = {"high": "bf16", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+
+
+@dataclass(frozen=True)
+class GemmDevice:
+    """A GPU as the speed model sees it: dense tensor-core peaks in TFLOP/s per kind ("fp32", "tf32", "bf16", "fp16",
+    "fp8", and where the GPU has them "mxfp8", "nvfp4"), device-memory ``bandwidth`` in TB/s, CUDA compute
+    ``capability``, and the datasheets the figures come from."""
+
+    name: str
+    tflops: Mapping[str, float]
+    bandwidth: float
+    capability: tuple[int, int]
+    source: str
+
+
+# What `_mfu.PEAKS` (the dense bf16/fp8 peaks used for MFU, matched by device name) lacks: memory bandwidth, compute
+# capability, and Blackwell's block-scaled peaks (MXFP8 runs at the fp8 rate; NVFP4 at twice it). Hopper and Ada have
+# no MXFP8/NVFP4 tensor cores, Ampere no fp8 at all. One row per PEAKS entry (a test checks both tables agree).
+_MORE: dict[str, tuple[float, tuple[int, int], dict[str, float], str]] = {
+    "B200": (8.0, (10, 0), {"mxfp8": 4500.0, "nvfp4": 9000.0},
+             "HGX B200 datasheet: HBM3e 8 TB/s per GPU; FP4 18 PFLOPS per GPU with sparsity (9 dense); MXFP8 at the"
+             " FP8 rate (Blackwell architecture technical brief)"),
+    "H200 NVL": (4.8, (9, 0), {}, "H200 NVL datasheet: HBM3e 4.8 TB/s"),
+    "H200 SXM": (4.8, (9, 0), {}, "H200 SXM datasheet: HBM3e 4.8 TB/s"),
+    "H100 NVL": (3.9, (9, 0), {}, "H100 NVL datasheet: HBM3 3.9 TB/s"),
+    "H100 PCIe": (2.0, (9, 0), {}, "H100 PCIe datasheet: HBM2e 2 TB/s"),
+    "H100 SXM": (3.35, (9, 0), {}, "H100 SXM datasheet: HBM3 3.35 TB/s"),
+    "A100": (2.039, (8, 0), {}, "A100 datasheet: 80GB SXM HBM2e 2,039 GB/s (the 40GB PCIe card: 1,555 GB/s)"),
+    "L40S": (0.864, (8, 9), {}, "L40S datasheet: GDDR6 864 GB/s"),
+    "L4": (0.3, (8, 9), {}, "L4 datasheet: GDDR6 300 GB/s"),
+}
+
+DEVICES: tuple[GemmDevice, ...] = tuple(
+    GemmDevice(p.name, {**p.tflops, **_MORE[p.name][2]}, _MORE[p.name][0], _MORE[p.name][1],
+               f"{p.source}; {_MORE[p.name][3]}")
+    for p in PEAKS
+)
+_BY_NAME = {d.name: d for d in DEVICES}
+# What a plan made on a CPU predicts for: the GPU torchao's published tables (the calibration) were measured on.
+PREDICTION_DEVICE = "H100 SXM"
+
+
+def _current_device() -> GemmDevice | None:
+    """The table's entry for this process's CUDA device, None without CUDA or for a GPU not in the table."""
+    if not torch.cuda.is_available():
+        return None
+    peak = device_peak(torch.cuda.get_device_name())
+    return _BY_NAME[peak.name] if peak is not None else None
+
+
+def speed_device(name: str | None = None) -> tuple[GemmDevice, bool]:
+    """The table's entry for ``name`` (a table name such as ``"H100 SXM"``, or a CUDA device name such as
+    ``"NVIDIA H100 80GB HBM3"``), else for this process's CUDA device, else (no CUDA, or a GPU not in the table) the
+    H100 SXM's. The bool is True when the entry is a prediction for a device this process is not running on.
+
+    Example:
+        >>> device, predicted = speed_device("NVIDIA L40S")
+        >>> device.name, device.bandwidth, "mxfp8" in device.tflops
+        ('L40S', 0.864, False)
+    """
+    current = _current_device()
+    if name is None:
+        return (current, False) if current is not None else (_BY_NAME[PREDICTION_DEVICE], True)
+    if not isinstance(name, str):
+        raise TypeError(f"speed_device(name={name!r}): give a GPU's name as a string, e.g. 'H100 SXM'.")
+    found = next((d for d in DEVICES if d.name.lower() == name.strip().lower()), None)
+    if found is None:
+        peak = device_peak(name)
+        found = _BY_NAME[peak.name] if peak is not None else None
+    if found is None:
+        raise ValueError(f"speed_device(name={name!r}): no such GPU in the speed table; known:"
+                         f" {', '.join(d.name for d in DEVICES)} (or a CUDA device name that contains one).")
+    return found, found is not current
+
+
+def supported_candidates(device: GemmDevice, backend: str) -> tuple[str, ...]:
+    """The formats ``backend`` runs on ``device``: none without fp8 tensor cores (Ampere); torchao's tensorwise, rowwise
+    and rowwise_with_gw_hp from Ada (rowwise on Ada through PyTorch's sm89 rowwise GEMM) and MXFP8 on Blackwell;
+    Transformer Engine's delayed and current scaling from Ada, block scaling from Hopper, MXFP8 and NVFP4 on Blackwell
+    (Transformer Engine's support matrix).
+
+    Example:
+        >>> supported_candidates(speed_device("H100 SXM")[0], "torchao")
+        ('tensorwise', 'rowwise', 'rowwise_with_gw_hp')
+        >>> supported_candidates(speed_device("A100")[0], "transformer_engine")
+        ()
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"supported_candidates(backend={backend!r}): choose one of {', '.join(BACKENDS)}.")
+    if "fp8" not in device.tflops:
+        return ()
+    block = {"mxfp8": "mxfp8" in device.tflops, TE_NVFP4: TE_NVFP4 in device.tflops,
+             "block": device.capability >= (9, 0)}
+    names = TORCHAO_RECIPES if backend == "torchao" else (*TE_RECIPES, TE_NVFP4)
+    return tuple(n for n in names if block.get(n, True))
+
+
+@dataclass(frozen=True)
+class CastCost:
+    """What a format costs per training step besides its GEMMs' FLOPs: the kind each GEMM runs in (forward, input
+    gradient, weight gradient; "high": the high dtype's), the fraction of a per-tensor scaled GEMM's speed its GEMMs
+    reach (``gemm_efficiency``), the bytes read and written per element of each cast tensor (a 2-byte source), the
+    fraction of the bandwidth its casts reach (``memory_efficiency``), and the cast kernels it launches."""
+
+    kinds: tuple[str, str, str]
+    gemm_efficiency: float
+    input: float
+    weight: float
+    grad_output: float
+    memory_efficiency: float
+    kernels: int
+
+
+# A large GEMM reaches 78% of the peak and a tuned elementwise kernel 92% of the bandwidth: torchao's roofline
+# (torchao/testing/training/roofline_utils.py, H100: "pct_achievable_gemm_tops" 0.78 "based on experimental
+# observation with sample large inputs", "pct_achievable_mem_bw" 0.92). Used for every GEMM, high and low.
+GEMM_EFFICIENCY = 0.78
+MEMORY_EFFICIENCY = 0.92
+# The least a kernel costs on the GPU (launch and tail), however small its tensor: torchao's roofline measured 2 us
+# for a one-element triton kernel on an H100; 3 us fits torchao's published small shapes better (both tables below:
+# at M=K=N=1024 the casts' kernels, not their bytes, make fp8 2x slower than bf16).
+KERNEL_SECONDS = 3e-6
+# Fitted to torchao's published H100 tables (TORCHAO_H100_TENSORWISE, TORCHAO_H100_ROWWISE; the fit and its residuals
+# are in docs, rerun with `python benchmarks/gemm_speed.py --published`):
+# - the casts torch.compile generates reach 60% of the bandwidth for per-tensor scaling (the README's two tensorwise
+#   examples come out at 0.75x and 1.39x for a published 0.80x and 1.39x, and the sign of the saving agrees with
+#   torchao's tensorwise size thresholds on 34 of their 36 (K, N) at M = 8192..32768) and 40% for per-row scaling,
+#   whose casts transpose a bf16 copy;
+# - a per-row scaled GEMM (CUTLASS rowwise) runs at 90% of a per-tensor scaled one's speed: with 40% above, 204 of
+#   the 216 published rowwise speedups fall on the same side of 1 (the 12 others are published at 0.93x to 1.15x:
+#   near break-even), the log of the speedup off by 0.17 RMS.
+TENSORWISE_CAST_EFFICIENCY = 0.6
+ROWWISE_CAST_EFFICIENCY = 0.4
+SCALED_GEMM_EFFICIENCY = 0.9
+
+_F8 = ("fp8", "fp8", "fp8")
+_TW, _RW = TENSORWISE_CAST_EFFICIENCY, ROWWISE_CAST_EFFICIENCY
+# Bytes per element of each cast (2-byte reads; fp8 writes 1, fp4 0.5; scales: e8m0 per 32-block of MXFP8, e4m3 per
+# 16-block of NVFP4, fp32 per 128-block; fp32 per row is under 0.1% of the traffic and left out). Formats torchao's
+# tables do not cover (mxfp8, Transformer Engine's) take the per-tensor cast efficiency and GEMM speed: uncalibrated.
+CAST_COSTS: dict[str, CastCost] = {
+    # torchao dynamic per-tensor: an amax pass (read 2) then a cast writing the row-major and the transposed copy
+    # (read 2, write 1 + 1) for input and grad_output; the weight is cast twice (forward, and transposed for the
+    # input gradient: read 2 write 1 each) after its amax pass. 7 kernels (amax, cast; amax, cast, cast; amax, cast).
+    "tensorwise": CastCost(_F8, 1.0, input=6, weight=8, grad_output=6, memory_efficiency=_TW, kernels=7),
+    # torchao per-row: a row-scaled copy plus a transposed bf16 copy (read 2, write 1 + 2), then the transposed copy
+    # row-scaled (read 2, write 1) for input and grad_output; the weight cast (3), transposed (read 2, write 2) and
+    # cast again (3). 7 kernels.
+    "rowwise": CastCost(_F8, SCALED_GEMM_EFFICIENCY, input=8, weight=10, grad_output=8, memory_efficiency=_RW,
+                        kernels=7),
+    # torchao per-row with the weight gradient in high precision: input and grad_output cast once, row-scaled (3); the
+    # weight row-scaled for the forward and per-tensor transposed for the input gradient (3 + 3). 4 kernels.
+    "rowwise_with_gw_hp": CastCost(("fp8", "fp8", "high"), SCALED_GEMM_EFFICIENCY, input=3, weight=6, grad_output=3,
+                                   memory_efficiency=_RW, kernels=4),
+    # torchao MXFP8: every tensor cast along both of its dims in two kernels (read 2, write 1 + 1/32 each). 6 kernels.
+    "mxfp8": CastCost(("mxfp8",) * 3, 1.0, input=6 + 1 / 16, weight=6 + 1 / 16, grad_output=6 + 1 / 16,
+                      memory_efficiency=_TW, kernels=6),
+    # Transformer Engine per-tensor delayed scaling: no amax pass (the scale comes from the amax history); one fused
+    # cast-transpose per tensor (read 2, write 1 + 1), plus the history update. 4 kernels.
+    "delayed": CastCost(_F8, 1.0, input=4, weight=4, grad_output=4, memory_efficiency=_TW, kernels=4),
+    # Transformer Engine per-tensor current scaling: an amax pass (2) before each fused cast-transpose (4). 6 kernels.
+    "current": CastCost(_F8, 1.0, input=6, weight=6, grad_output=6, memory_efficiency=_TW, kernels=6),
+    # Transformer Engine 1x128 / 128x128 block scaling (Hopper): one fused cast-transpose per tensor with fp32 scales
+    # per 128 (read 2, write 1 + 1 + 8/128); block-scaled GEMMs as fast as the per-row ones. 3 kernels.
+    "block": CastCost(_F8, SCALED_GEMM_EFFICIENCY, input=4 + 1 / 16, weight=4 + 1 / 16, grad_output=4 + 1 / 16,
+                      memory_efficiency=_TW, kernels=3),
+    # Transformer Engine MXFP8: one fused kernel writes both directions (read 2, write 2 * (1 + 1/32)). 3 kernels.
+    "mxfp8_te": CastCost(("mxfp8",) * 3, 1.0, input=4 + 1 / 16, weight=4 + 1 / 16, grad_output=4 + 1 / 16,
+                         memory_efficiency=_TW, kernels=3),
+    # Transformer Engine NVFP4: an amax pass for the per-tensor second-level scale (2), then both directions in fp4
+    # with an e4m3 scale per 16 (read 2, write 2 * (0.5 + 1/16)). 6 kernels. The random Hadamard transform and
+    # stochastic rounding of the recipe's gradient casts are left out.
+    TE_NVFP4: CastCost(("nvfp4",) * 3, 1.0, input=5.125, weight=5.125, grad_output=5.125, memory_efficiency=_TW,
+                       kernels=6),
+}
+
+# Transformer Engine's MXFP8 is named "mxfp8" as torchao's is; `predicted_saving(..., backend=...)` picks the cost.
+_TE_COST = {"mxfp8": "mxfp8_te"}
+_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "tf32": 4.0, "fp8": 1.0, "mxfp8": 1.0 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+
+
+def _check_shape(owner: str, tokens: Any, in_features: Any, out_features: Any) -> None:
+    for arg, value in (("tokens", tokens), ("in_features", in_features), ("out_features", out_features)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{owner}({arg}={value!r}): a layer's {arg} must be a finite number >= 0.")
+
+
+def _high_kind(owner: str, high: str) -> str:
+    if high not in _HIGH_KIND:
+        raise ValueError(f"{owner}(high={high!r}): the high precision is one of {', '.join(_HIGH_KIND)}.")
+    kind = _HIGH_KIND[high]
+    # fp32 matmuls run on tf32 tensor cores where torch allows it (as MFU counts them).
+    return compute_kind(torch.float32) if kind == "fp32" else kind
+
+
+def _peak(owner: str, device: GemmDevice, kind: str) -> float:
+    if kind not in device.tflops:
+        raise ValueError(f"{owner}: the {device.name} has no {kind} tensor cores (its kinds:"
+                         f" {', '.join(device.tflops)}); choose among supported_candidates(device, backend).")
+    return device.tflops[kind] * 1e12
+
+
+def gemm_seconds(m: float, k: float, n: float, kind: str, device: GemmDevice, efficiency: float = 1.0,
+                 out_kind: str = "bf16") -> float:
+    """One ``(m, k) @ (k, n)`` GEMM in ``kind``: compute-bound at ``GEMM_EFFICIENCY * efficiency`` of the peak, or
+    memory-bound (operands in ``kind``, output in ``out_kind``), whichever is slower, and never under one kernel."""
+    if not m or not k or not n:
+        return 0.0
+    compute = 2 * m * k * n / (_peak("gemm_seconds", device, kind) * GEMM_EFFICIENCY * efficiency)
+    traffic = (m * k + k * n) * _BYTES[kind] + m * n * _BYTES[out_kind]
+    return max(compute, traffic / (device.bandwidth * 1e12 * MEMORY_EFFICIENCY), KERNEL_SECONDS)
+
+
+def high_time(tokens: float, in_features: float, out_features: float, device: GemmDevice, high: str = "bf16") -> float:
+    """The layer's three GEMMs per training step in the high dtype, in seconds (to show a saving as a fraction).
+
+    Example:
+        >>> device = speed_device("H100 SXM")[0]
+        >>> round(high_time(8192, 4096, 4096, device) * 1e3, 3)  # ms: 3 x 2*8192*4096*4096 FLOPs at 0.78 * 989.5
+        1.068
+    """
+    _check_shape("high_time", tokens, in_features, out_features)
+    kind = _high_kind("high_time", high)
+    m, k, n = tokens, in_features, out_features
+    return (gemm_seconds(m, k, n, kind, device, out_kind=kind) + gemm_seconds(m, n, k, kind, device, out_kind=kind)
+            + gemm_seconds(k, m, n, kind, device, out_kind=kind))
+
+
+def _cost(owner: str, candidate: str, backend: str) -> CastCost:
+    if backend not in BACKENDS:
+        raise ValueError(f"{owner}(backend={backend!r}): choose one of {', '.join(BACKENDS)}.")
+    names = TORCHAO_RECIPES if backend == "torchao" else (*TE_RECIPES, TE_NVFP4)
+    if candidate not in names:
+        raise ValueError(f"{owner}(candidate={candidate!r}): not a {backend} format; choose one of"
+                         f" {', '.join(names)} (or a high label: {', '.join(_HIGH_KIND)}).")
+    return CAST_COSTS[_TE_COST.get(candidate, candidate) if backend != "torchao" else candidate]
+
+
+def predicted_saving(candidate: str, tokens: float, in_features: float, out_features: float, device: GemmDevice,
+                     high: str = "bf16", backend: str = "torchao") -> float:
+    """Seconds per training step saved by running the layer (``tokens`` rows, ``in_features``, ``out_features``) in
+    ``candidate`` instead of ``high``: the three GEMMs' time in the high dtype minus theirs in the format and the
+    format's casts. Negative where the format is slower; 0.0 for a high label (``"bf16"``, ``"fp16"``, ``"fp32"``,
+    ``"high"``) and for a layer that saw no tokens. A prediction from the table, not a measurement.
+
+    Example:
+        >>> device = speed_device("H100 SXM")[0]
+        >>> big, small = (16384, 8192, 8192), (1024, 1024, 1024)
+        >>> predicted_saving("tensorwise", *big, device) > predicted_saving("rowwise", *big, device) > 0
+        True
+        >>> predicted_saving("tensorwise", *small, device) < 0
+        True
+    """
+    _check_shape("predicted_saving", tokens, in_features, out_features)
+    if candidate in _HIGH_KIND:
+        return 0.0
+    cost = _cost("predicted_saving", candidate, backend)
+    base = _high_kind("predicted_saving", high)
+    kinds = [base if kind == "high" else kind for kind in cost.kinds]
+    for kind in kinds:
+        _peak(f"predicted_saving({candidate!r})", device, kind)
+    m, k, n = tokens, in_features, out_features
+    if not m or not k or not n:
+        return 0.0
+    # forward (m, k) @ (k, n), input gradient (m, n) @ (n, k), weight gradient (k, m) @ (m, n); fp8 GEMMs write bf16.
+    shapes = ((m, k, n), (m, n, k), (k, m, n))
+    low = sum(gemm_seconds(*shape, kind, device, 1.0 if kind == base else cost.gemm_efficiency,
+                           base if kind == base else "bf16")
+              for shape, kind in zip(shapes, kinds, strict=True))
+    cast_bytes = m * k * cost.input + n * k * cost.weight + m * n * cost.grad_output
+    casts = max(cast_bytes / (device.bandwidth * 1e12 * cost.memory_efficiency), cost.kernels * KERNEL_SECONDS)
+    return high_time(m, k, n, device, high) - low - casts
+
+
+# torchao's published speedups of fp8 training over bf16 on an H100 (SXM, 989.5 / 1979 TFLOP/s dense), for
+# LayerNorm -> Linear -> Sigmoid forward + backward with torch.compile, by the forward (M, K, N): the calibration data
+# of the constants above, kept beside them so a test checks the model against it. The LayerNorm and the Sigmoid run in
+# bf16 on both sides: they pull a speedup towards 1 but never across it, so signs compare directly.
+#
+# Rowwise: pytorch/ao docs/static/fp8-rowwise-perf.png ("dynamic row-wise scaling, PyTorch 2.8.0a0"), linked from
+# torchao/float8/README.md "Performance"; M and K over 1024..32768 (rows), N over the same (columns).
+_SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
+_ROWWISE_ROWS = (
+    # M=1024, K=1024..32768
+    (0.42, 0.42, 0.50, 0.51, 0.56, 0.56), (0.40, 0.38, 0.42, 0.50, 0.50, 0.56), (0.48, 0.43, 0.46, 0.53, 0.57, 0.60),
+    (0.45, 0.48, 0.54, 0.62, 0.60, 0.62), (0.46, 0.48, 0.54, 0.60, 0.60, 0.61), (0.45, 0.50, 0.55, 0.60, 0.62, 0.65),
+    # M=2048
+    (0.43, 0.43, 0.48, 0.55, 0.62, 0.65), (0.38, 0.45, 0.58, 0.65, 0.72, 0.75), (0.43, 0.50, 0.68, 0.78, 0.81, 0.82),
+    (0.46, 0.58, 0.73, 0.82, 0.87, 0.89), (0.48, 0.62, 0.75, 0.83, 0.84, 0.85), (0.50, 0.64, 0.75, 0.84, 0.83, 0.99),
+    # M=4096
+    (0.45, 0.47, 0.57, 0.66, 0.72, 0.76), (0.43, 0.53, 0.70, 0.83, 0.90, 0.91), (0.44, 0.64, 0.84, 1.01, 1.01, 1.04),
+    (0.53, 0.72, 0.91, 1.01, 1.07, 1.13), (0.53, 0.74, 0.92, 1.05, 1.10, 1.18), (0.54, 0.75, 0.93, 1.02, 1.17, 1.18),
+    # M=8192
+    (0.48, 0.52, 0.65, 0.77, 0.83, 0.84), (0.45, 0.64, 0.82, 1.01, 1.03, 1.06), (0.52, 0.76, 1.00, 1.13, 1.17, 1.19),
+    (0.59, 0.85, 1.05, 1.20, 1.31, 1.41), (0.58, 0.82, 1.03, 1.22, 1.37, 1.40), (0.59, 0.82, 1.04, 1.30, 1.36, 1.46),
+    # M=16384
+    (0.48, 0.58, 0.73, 0.86, 0.85, 0.89), (0.51, 0.70, 0.90, 1.05, 1.07, 1.15), (0.57, 0.79, 1.02, 1.20, 1.26, 1.40),
+    (0.61, 0.87, 1.08, 1.33, 1.39, 1.49), (0.59, 0.83, 1.07, 1.34, 1.42, 1.55), (0.60, 0.85, 1.16, 1.35, 1.48, 1.72),
+    # M=32768
+    (0.51, 0.62, 0.77, 0.87, 0.88, 0.94), (0.54, 0.73, 0.91, 1.08, 1.14, 1.27), (0.59, 0.81, 1.04, 1.28, 1.35, 1.49),
+    (0.63, 0.87, 1.11, 1.41, 1.50, 1.62), (0.60, 0.83, 1.16, 1.39, 1.49, 1.73), (0.63, 0.93, 1.16, 1.48, 1.70, 1.52),
+)
+TORCHAO_H100_ROWWISE: dict[tuple[int, int, int], float] = {
+    (m, k, n): speedup
+    for i, row in enumerate(_ROWWISE_ROWS)
+    for m, k in [(_SWEEP[i // 6], _SWEEP[i % 6])]
+    for n, speedup in zip(_SWEEP, row, strict=True)
+}
+# Tensorwise: the README's two worked examples (torchao/float8/README.md "Performance", from its tensorwise table,
+# whose image is not in the repository): (M, K, N) = (1024, 2048, 1024) runs at 0.80x, (4096, 8192, 16384) at 1.39x.
+TORCHAO_H100_TENSORWISE: dict[tuple[int, int, int], float] = {(1024, 2048, 1024): 0.80, (4096, 8192, 16384): 1.39}
+
+
+def benchmark_saving(layer: nn.Linear, candidate: str, tokens: int, high: str = "bf16", steps: int = 20,
+                     warmup: int = 5) -> float:
+    """Seconds per training step the layer's own shapes save in ``candidate`` (a torchao format) over ``high`` on this
+    CUDA GPU, measured: a copy of ``layer`` in the high dtype and a copy converted to the format each run forward and
+    backward on ``tokens`` random rows (CUDA events, median of ``steps`` after ``warmup``; no torch.compile, so the
+    casts run unfused and the saving is a lower bound of a compiled run's). The layer itself is not changed."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"benchmark_saving({candidate!r}): needs a CUDA GPU to time the layer's GEMMs; there is"
+                           " none here. Use predicted_saving(...) for the model's prediction.")
+    if candidate not in TORCHAO_RECIPES:
+        raise ValueError(f"benchmark_saving(candidate={candidate!r}): times torchao formats only; choose one of"
+                         f" {', '.join(TORCHAO_RECIPES)}.")
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"benchmark_saving(layer={type(layer).__name__}): give the nn.Linear to time.")
+    _high_kind("benchmark_saving", high)
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(high, torch.bfloat16)
+    device = torch.device("cuda")
+    base = copy.deepcopy(layer).to(device=device, dtype=dtype)
+    decision = LayerDecision("0", layer.in_features, layer.out_features, True, "timed")
+    low = convert_with_torchao(nn.Sequential(copy.deepcopy(base)), torchao_config(candidate, emulate=False),
+                               [decision])
+    x = torch.randn(int(tokens), layer.in_features, device=device, dtype=dtype, requires_grad=True)
+
+    def step_time(module: nn.Module) -> float:
+        times = []
+        for i in range(warmup + steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            module(x).sum().backward()
+            end.record()
+            torch.cuda.synchronize()  # the timing itself: one read per timed step
+            if i >= warmup:
+                times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    return step_time(base) - step_time(low)
+
