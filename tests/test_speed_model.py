@@ -1,6 +1,7 @@
 """The speed model (fp8/_speed.py): the device table, the formats each device runs, and the predicted saving against
 torchao's published H100 speedups. No GPU is needed except for the benchmark, which skips here with its reason."""
 
+import doctest
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_precision._mfu import PEAKS
+from lightning_precision.fp8 import _speed
 from lightning_precision.fp8._plan import HIGH_LABELS
 from lightning_precision.fp8._speed import (
     CAST_COSTS,
@@ -198,3 +200,8 @@ def test_benchmark_saving_times_the_layers_own_shapes():
     saving = benchmark_saving(layer, "tensorwise", 8192, steps=3, warmup=2)
     assert math.isfinite(saving)
     assert torch.equal(layer.weight.detach(), before) and layer.weight.device.type == "cpu"  # the layer is not changed
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(_speed, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, report=True)
+    assert result.failed == 0 and result.attempted >= 8, result

@@ -21,7 +21,6 @@ the docs. ``benchmark_saving`` measures it on a CUDA GPU instead.
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 from collections.abc import Mapping
@@ -375,38 +374,46 @@ TORCHAO_H100_TENSORWISE: dict[tuple[int, int, int], float] = {(1024, 2048, 1024)
 
 def benchmark_saving(layer: nn.Linear, candidate: str, tokens: int, high: str = "bf16", steps: int = 20,
                      warmup: int = 5) -> float:
-    """Seconds per training step the layer's own shapes save in ``candidate`` (a torchao format) over ``high`` on this
-    CUDA GPU, measured: a copy of ``layer`` in the high dtype and a copy converted to the format each run forward and
-    backward on ``tokens`` random rows (CUDA events, median of ``steps`` after ``warmup``; no torch.compile, so the
-    casts run unfused and the saving is a lower bound of a compiled run's). The layer itself is not changed."""
+    """Seconds per training step the layer's shapes save in ``candidate`` (a torchao format this GPU runs) over
+    ``high`` on this CUDA GPU, measured: a fresh linear layer of ``layer``'s shape in the high dtype, and one converted
+    to the format, each run forward and backward on ``tokens`` random rows (CUDA events, median of ``steps`` after
+    ``warmup``). Eager, without torch.compile: the casts run unfused, so the saving is below a compiled run's.
+    ``layer`` itself is only read for its shape."""
     if not torch.cuda.is_available():
         raise RuntimeError(f"benchmark_saving({candidate!r}): needs a CUDA GPU to time the layer's GEMMs; there is"
                            " none here. Use predicted_saving(...) for the model's prediction.")
-    if candidate not in TORCHAO_RECIPES:
-        raise ValueError(f"benchmark_saving(candidate={candidate!r}): times torchao formats only; choose one of"
-                         f" {', '.join(TORCHAO_RECIPES)}.")
     if not isinstance(layer, nn.Linear):
         raise TypeError(f"benchmark_saving(layer={type(layer).__name__}): give the nn.Linear to time.")
+    device, _ = speed_device()
+    runs = supported_candidates(device, "torchao")
+    if candidate not in runs:
+        raise ValueError(f"benchmark_saving(candidate={candidate!r}): not a torchao format the {device.name} runs;"
+                         f" choose one of {', '.join(runs) or 'none (no fp8 tensor cores)'}.")
     _high_kind("benchmark_saving", high)
+    for arg, value in (("tokens", tokens), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"benchmark_saving({arg}={value!r}): a whole number >= 1.")
     dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(high, torch.bfloat16)
-    device = torch.device("cuda")
-    base = copy.deepcopy(layer).to(device=device, dtype=dtype)
+    cuda = torch.device("cuda")
+
+    def fresh() -> nn.Linear:
+        return nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device=cuda, dtype=dtype)
+
     decision = LayerDecision("0", layer.in_features, layer.out_features, True, "timed")
-    low = convert_with_torchao(nn.Sequential(copy.deepcopy(base)), torchao_config(candidate, emulate=False),
-                               [decision])
-    x = torch.randn(int(tokens), layer.in_features, device=device, dtype=dtype, requires_grad=True)
+    low = convert_with_torchao(nn.Sequential(fresh()), torchao_config(candidate, emulate=False), [decision])
+    x = torch.randn(tokens, layer.in_features, device=cuda, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, layer.out_features, device=cuda, dtype=dtype)
 
     def step_time(module: nn.Module) -> float:
         times = []
-        for i in range(warmup + steps):
+        for i in range(max(warmup, 0) + steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            module(x).sum().backward()
+            module(x).backward(grad)
             end.record()
-            torch.cuda.synchronize()  # the timing itself: one read per timed step
+            torch.cuda.synchronize()  # the measurement itself: one wait per timed step
             if i >= warmup:
                 times.append(start.elapsed_time(end) / 1e3)
         return statistics.median(times)
 
-    return step_time(base) - step_time(low)
-
+    return step_time(fresh()) - step_time(low)
