@@ -149,6 +149,10 @@ def test_transformer_engine_formats():
         "current", *shape, H100, backend="transformer_engine")
     assert predicted_saving("nvfp4", *shape, B200, backend="transformer_engine") > predicted_saving(
         "mxfp8", *shape, B200, backend="transformer_engine")
+    # Without a backend, a format's name says whose it is (torchao's for "mxfp8", the name both have).
+    assert predicted_saving("nvfp4", *shape, B200) == predicted_saving("nvfp4", *shape, B200,
+                                                                       backend="transformer_engine")
+    assert predicted_saving("mxfp8", *shape, B200) == predicted_saving("mxfp8", *shape, B200, backend="torchao")
     assert set(CAST_COSTS) >= {"tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "delayed", "current", "block",
                                "nvfp4"}
 
@@ -163,7 +167,11 @@ def test_wrong_arguments_say_what_to_pass():
     with pytest.raises(ValueError, match="the A100 has no fp8 tensor cores"):
         predicted_saving("tensorwise", 0, 4096, 4096, speed_device("A100")[0])  # even with no tokens
     with pytest.raises(ValueError, match=r"candidate='nvfp4'\): not a torchao format; choose one of tensorwise"):
-        predicted_saving("nvfp4", 8192, 4096, 4096, B200)
+        predicted_saving("nvfp4", 8192, 4096, 4096, B200, backend="torchao")
+    with pytest.raises(ValueError, match=r"candidate='fp8'\): not a torchao format; .*or a high label: high, bf16"):
+        predicted_saving("fp8", 8192, 4096, 4096, H100)
+    with pytest.raises(ValueError, match=r"backend='te'\): choose one of torchao, transformer_engine"):
+        predicted_saving("tensorwise", 8192, 4096, 4096, H100, backend="te")
     with pytest.raises(ValueError, match=r"tokens=-1\): .* >= 0"):
         predicted_saving("tensorwise", -1, 4096, 4096, H100)
     with pytest.raises(ValueError, match=r"in_features=nan"):

@@ -22,6 +22,7 @@ the docs. ``benchmark_saving`` measures it on a CUDA GPU instead.
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -152,8 +153,7 @@ def supported_candidates(device: GemmDevice, backend: str) -> tuple[str, ...]:
         return ()
     block = {"mxfp8": "mxfp8" in device.tflops, TE_NVFP4: TE_NVFP4 in device.tflops,
              "block": device.capability >= (9, 0)}
-    names = TORCHAO_RECIPES if backend == "torchao" else (*TE_RECIPES, TE_NVFP4)
-    return tuple(n for n in names if block.get(n, True))
+    return tuple(n for n in _formats(backend) if block.get(n, True))
 
 
 @dataclass(frozen=True)
@@ -235,14 +235,14 @@ CAST_COSTS: dict[str, CastCost] = {
                        kernels=6),
 }
 
-# Transformer Engine's MXFP8 is named "mxfp8" as torchao's is; `predicted_saving(..., backend=...)` picks the cost.
+# Transformer Engine's MXFP8 is named "mxfp8" as torchao's is: `predicted_saving(..., backend="transformer_engine")`.
 _TE_COST = {"mxfp8": "mxfp8_te"}
 _BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "tf32": 4.0, "fp8": 1.0, "mxfp8": 1.0 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 
 def _check_shape(owner: str, tokens: Any, in_features: Any, out_features: Any) -> None:
     for arg, value in (("tokens", tokens), ("in_features", in_features), ("out_features", out_features)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) < math.inf:
             raise ValueError(f"{owner}({arg}={value!r}): a layer's {arg} must be a finite number >= 0.")
 
 
@@ -287,22 +287,31 @@ def high_time(tokens: float, in_features: float, out_features: float, device: Ge
             + gemm_seconds(k, m, n, kind, device, out_kind=kind))
 
 
-def _cost(owner: str, candidate: str, backend: str) -> CastCost:
-    if backend not in BACKENDS:
-        raise ValueError(f"{owner}(backend={backend!r}): choose one of {', '.join(BACKENDS)}.")
-    names = TORCHAO_RECIPES if backend == "torchao" else (*TE_RECIPES, TE_NVFP4)
-    if candidate not in names:
+def _formats(backend: str) -> tuple[str, ...]:
+    return TORCHAO_RECIPES if backend == "torchao" else (*TE_RECIPES, TE_NVFP4)
+
+
+def _cost(owner: str, candidate: str, backend: str | None) -> CastCost:
+    """The costs of ``candidate`` under ``backend``; without one, the backend whose format it is (torchao's for
+    "mxfp8", the name both have)."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"{owner}(backend={backend!r}): choose one of {', '.join(BACKENDS)} (or None: the backend"
+                         " whose format the candidate is).")
+    if backend is None:
+        backend = next((b for b in BACKENDS if candidate in _formats(b)), "torchao")
+    if candidate not in _formats(backend):
         raise ValueError(f"{owner}(candidate={candidate!r}): not a {backend} format; choose one of"
-                         f" {', '.join(names)} (or a high label: {', '.join(_HIGH_KIND)}).")
+                         f" {', '.join(_formats(backend))} (or a high label: {', '.join(_HIGH_KIND)}).")
     return CAST_COSTS[_TE_COST.get(candidate, candidate) if backend != "torchao" else candidate]
 
 
 def predicted_saving(candidate: str, tokens: float, in_features: float, out_features: float, device: GemmDevice,
-                     high: str = "bf16", backend: str = "torchao") -> float:
+                     high: str = "bf16", backend: str | None = None) -> float:
     """Seconds per training step saved by running the layer (``tokens`` rows, ``in_features``, ``out_features``) in
     ``candidate`` instead of ``high``: the three GEMMs' time in the high dtype minus theirs in the format and the
     format's casts. Negative where the format is slower; 0.0 for a high label (``"bf16"``, ``"fp16"``, ``"fp32"``,
-    ``"high"``) and for a layer that saw no tokens. A prediction from the table, not a measurement.
+    ``"high"``) and for a layer that saw no tokens. ``backend``: whose format ``candidate`` is; None: the backend
+    that has a format of that name (torchao for ``"mxfp8"``, which both have). A prediction, not a measurement.
 
     Example:
         >>> device = speed_device("H100 SXM")[0]
