@@ -57,8 +57,8 @@ __all__ = [
     "supported_candidates",
 ]
 
-# The labels of a layer kept in high precision (fp8._plan.HIGH_LABELS; that module imports this one's users, so the
-# four names are repeated here and a test checks they agree). "high" (a plan made by hand) counts as bf16.
+# The labels of a layer kept in high precision (fp8._plan.HIGH_LABELS: the plan imports this module, so the four are
+# repeated here and a test checks they agree). "high" (a plan made by hand, dtype unknown) counts as bf16.
 _HIGH_KIND = {"high": "bf16", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
@@ -174,22 +174,24 @@ class CastCost:
 
 # A large GEMM reaches 78% of the peak and a tuned elementwise kernel 92% of the bandwidth: torchao's roofline
 # (torchao/testing/training/roofline_utils.py, H100: "pct_achievable_gemm_tops" 0.78 "based on experimental
-# observation with sample large inputs", "pct_achievable_mem_bw" 0.92). Used for every GEMM, high and low.
+# observation with sample large inputs", "pct_achievable_mem_bw" 0.92). Both bound every GEMM, high and low; the
+# casts have their own, lower, bandwidth figures below.
 GEMM_EFFICIENCY = 0.78
 MEMORY_EFFICIENCY = 0.92
 # The least a kernel costs on the GPU (launch and tail), however small its tensor: torchao's roofline measured 2 us
-# for a one-element triton kernel on an H100; 3 us fits torchao's published small shapes better (both tables below:
-# at M=K=N=1024 the casts' kernels, not their bytes, make fp8 2x slower than bf16).
+# for a one-element triton kernel on an H100; 3 us fits torchao's published small shapes better (rowwise at
+# M=K=N=1024 runs at 0.42x of bf16: there the casts' kernels, not their bytes, cost the time).
 KERNEL_SECONDS = 3e-6
-# Fitted to torchao's published H100 tables (TORCHAO_H100_TENSORWISE, TORCHAO_H100_ROWWISE; the fit and its residuals
-# are in docs, rerun with `python benchmarks/gemm_speed.py --published`):
+# Fitted to torchao's published H100 tables (TORCHAO_H100_TENSORWISE, TORCHAO_H100_ROWWISE; every row, predicted
+# beside published: `python benchmarks/gemm_speed.py`):
 # - the casts torch.compile generates reach 60% of the bandwidth for per-tensor scaling (the README's two tensorwise
 #   examples come out at 0.75x and 1.39x for a published 0.80x and 1.39x, and the sign of the saving agrees with
 #   torchao's tensorwise size thresholds on 34 of their 36 (K, N) at M = 8192..32768) and 40% for per-row scaling,
 #   whose casts transpose a bf16 copy;
 # - a per-row scaled GEMM (CUTLASS rowwise) runs at 90% of a per-tensor scaled one's speed: with 40% above, 204 of
 #   the 216 published rowwise speedups fall on the same side of 1 (the 12 others are published at 0.93x to 1.15x:
-#   near break-even), the log of the speedup off by 0.17 RMS.
+#   near break-even); with the LayerNorm and Sigmoid counted as the benchmark does, the log of the speedup is off by
+#   0.17 RMS.
 TENSORWISE_CAST_EFFICIENCY = 0.6
 ROWWISE_CAST_EFFICIENCY = 0.4
 SCALED_GEMM_EFFICIENCY = 0.9
