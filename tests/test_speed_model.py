@@ -67,7 +67,7 @@ def test_signs_agree_with_torchao_published_rowwise_table():
     """The saving's sign against torchao's 216 published rowwise speedups (H100; LayerNorm -> Linear -> Sigmoid, whose
     bf16 ops pull a speedup towards 1 but not across it). Tolerance: at least 200 agree, and every row that disagrees
     is near break-even (published 0.9x to 1.2x). Today 204 agree; the 12 others are published at 0.93x to 1.15x:
-    (4096, 4096, N>=8192), (M>=8192, 2048, N>=8192) and (32768, 32768, 2048)."""
+    (4096, 4096, N>=8192), (M>=8192, 2048, N>=8192) but (32768, 2048, 32768), and (32768, 32768, 2048)."""
     disagree = {shape: published for shape, published in TORCHAO_H100_ROWWISE.items()
                 if (predicted_saving("rowwise", *shape, H100) > 0) != (published > 1)}
     assert len(TORCHAO_H100_ROWWISE) == 216
