@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_precision._mfu import PEAKS, compute_kind, device_peak
+from lightning_precision.fp8._hardware import check_fp8_hardware
 from lightning_precision.fp8._selection import BACKENDS, TE_NVFP4, TE_RECIPES, TORCHAO_RECIPES, LayerDecision
 from lightning_precision.fp8._torchao import convert_with_torchao, torchao_config
 
@@ -385,21 +386,21 @@ TORCHAO_H100_TENSORWISE: dict[tuple[int, int, int], float] = {(1024, 2048, 1024)
 
 def benchmark_saving(layer: nn.Linear, candidate: str, tokens: int, high: str = "bf16", steps: int = 20,
                      warmup: int = 5) -> float:
-    """Seconds per training step the layer's shapes save in ``candidate`` (a torchao format this GPU runs) over
-    ``high`` on this CUDA GPU, measured: a fresh linear layer of ``layer``'s shape in the high dtype, and one converted
-    to the format, each run forward and backward on ``tokens`` random rows (CUDA events, median of ``steps`` after
-    ``warmup``). Eager, without torch.compile: the casts run unfused, so the saving is below a compiled run's.
-    ``layer`` itself is only read for its shape."""
+    """Seconds per training step the layer's shapes save in ``candidate`` (a torchao format) over ``high`` on this CUDA
+    GPU, measured: a fresh linear layer of ``layer``'s shape in the high dtype, and one converted to the format, each
+    run forward and backward on ``tokens`` random rows (CUDA events, median of ``steps`` after ``warmup``). Eager,
+    without torch.compile: the casts run unfused, so the saving is below a compiled run's. ``layer`` itself is only
+    read for its shape."""
     if not torch.cuda.is_available():
         raise RuntimeError(f"benchmark_saving({candidate!r}): needs a CUDA GPU to time the layer's GEMMs; there is"
                            " none here. Use predicted_saving(...) for the model's prediction.")
     if not isinstance(layer, nn.Linear):
         raise TypeError(f"benchmark_saving(layer={type(layer).__name__}): give the nn.Linear to time.")
-    device, _ = speed_device()
-    runs = supported_candidates(device, "torchao")
-    if candidate not in runs:
-        raise ValueError(f"benchmark_saving(candidate={candidate!r}): not a torchao format the {device.name} runs;"
-                         f" choose one of {', '.join(runs) or 'none (no fp8 tensor cores)'}.")
+    if candidate not in TORCHAO_RECIPES:
+        raise ValueError(f"benchmark_saving(candidate={candidate!r}): times torchao formats; choose one of"
+                         f" {', '.join(TORCHAO_RECIPES)}.")
+    # This GPU's own capability, not the table's entry (a GPU missing from the table predicts as an H100).
+    check_fp8_hardware("cuda", "torchao", candidate, emulate=False, owner="benchmark_saving")
     _high_kind("benchmark_saving", high)
     for arg, value in (("tokens", tokens), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
