@@ -207,7 +207,7 @@ def test_a_plan_round_trips_through_a_file(tmp_path, suffix):
 def test_bad_plans_and_rules_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match=r"PlanRule\(max_underflow=-1\)"):
         PlanRule(max_underflow=-1)
-    with pytest.raises(ValueError, match="'fp4' is not 'fp8' or a high precision \\('high', 'bf16', 'fp16', 'fp32'"):
+    with pytest.raises(ValueError, match="'fp4' is not 'fp8' \\(the plugin's recipe\\), a format .* or a high precision \\('high', 'bf16', 'fp16', 'fp32'"):
         LayerPlan("a", "fp4", "")
     with pytest.raises(ValueError, match="name a .yaml, .yml or .json file"):
         _plan().save(tmp_path / "plan.txt")

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from lightning_precision._io import check_writable_file
 from lightning_precision.cli.console import echo, say
 from lightning_precision.fp8 import select_fp8_layers
-from lightning_precision.fp8._plan import dump_plan, make_plan, plan_suffix
+from lightning_precision.fp8._plan import PlanRule, check_candidates, dump_plan, make_plan, plan_suffix
 
 __all__ = ["main"]
 
@@ -33,10 +35,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--emulate", action="store_true",
                         help="plan for emulated fp8 (as `fit --precision fp8-emulated`): layers too small to gain on an"
                              " fp8 GPU are judged too, instead of kept in bf16")
+    parser.add_argument("--candidates", default=None,
+                        help="choose per layer among these formats, comma-separated (e.g. tensorwise,rowwise,mxfp8);"
+                             " default with --budget: those torchao runs on --device")
+    parser.add_argument("--budget", default=None,
+                        help="the error budget of a choice among formats: the most summed error (each layer's output"
+                             " and input-gradient relative noise power) the model may take; 'inf' for none")
+    parser.add_argument("--device", default=None,
+                        help="the GPU the predicted savings are for (e.g. 'H100 SXM', 'B200'); default this"
+                             " machine's, else an H100 SXM (a prediction)")
     parser.add_argument("--out", default=None, help="plan file, .yaml/.yml/.json (default: plan-<recipe>.yaml)")
     args = parser.parse_args(argv)
     if args.batches < 1:
         return _usage_error(f"--batches {args.batches}: measure at least 1 batch")
+    try:
+        choice = _choice_arguments(args)
+    except ValueError as err:
+        return _usage_error(str(err))
     out = Path(args.out) if args.out is not None else Path(f"plan-{args.recipe}.yaml")
     try:  # a bad name or a place that cannot be written fails now, not after measuring
         if args.out == "":
@@ -51,7 +66,7 @@ def main(argv: list[str]) -> int:
         return _usage_error(nothing)
     echo(f"measuring {len(batches)} batches of the embedded {args.recipe} default ...")
     plan = make_plan(model, batches, loss_fn=training_loss, recipe=args.recipe_fp8,
-                     skip_small_layers=not args.emulate)
+                     skip_small_layers=not args.emulate, **choice)
     echo(plan.table())
     if not plan.measured and out.exists():
         # An earlier plan there was measured, perhaps for long; one that rests on no number must not replace it.
@@ -70,6 +85,35 @@ def main(argv: list[str]) -> int:
         return 1
     echo(f"wrote {saved}")
     return 0
+
+
+def _choice_arguments(args: Any) -> dict[str, Any]:
+    """make_plan's arguments for a choice among formats (--candidates, --budget, --device), checked before measuring;
+    empty without them (the one-recipe plan)."""
+    if args.candidates is None and args.budget is None and args.device is None:
+        return {}
+    from lightning_precision.fp8._speed import speed_device, supported_candidates
+
+    try:
+        gpu, _ = speed_device(args.device)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--device {args.device!r}: {str(err).split(': ', 1)[-1]}") from None
+    if args.candidates is None:
+        names: tuple[str, ...] = supported_candidates(gpu, "torchao")
+        if not names:
+            raise ValueError(f"--device {gpu.name!r} runs no fp8 format: choose another GPU, or --candidates.")
+    else:
+        names = check_candidates("lightning-precision plan --candidates",
+                                 [c.strip() for c in args.candidates.split(",") if c.strip()])
+    budget = math.inf
+    if args.budget is not None:
+        try:
+            budget = float(args.budget)
+        except ValueError:
+            raise ValueError(f"--budget {args.budget!r}: a number >= 0 (or inf)") from None
+        if math.isnan(budget) or budget < 0:
+            raise ValueError(f"--budget {args.budget!r}: a number >= 0 (or inf)")
+    return {"candidates": names, "device": gpu.name, "plan_rule": PlanRule(error_budget=budget)}
 
 
 def _nothing_to_measure(model: nn.Module, recipe: str, scaling_family: str, emulate: bool) -> str | None:

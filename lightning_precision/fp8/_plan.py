@@ -21,22 +21,35 @@ import torch
 from torch import nn
 
 from lightning_precision._io import atomic_write_text, json_safe
+from lightning_precision.fp8._choice import choose
 from lightning_precision.fp8._selection import (
     BLOCK_SCALED,
     SCALING_FAMILIES,
+    TE_NVFP4,
+    TE_RECIPES,
     TENSORS,
+    TORCHAO_RECIPES,
     FP8LayerPolicy,
     LayerDecision,
     ModuleFilter,
     ScalingFamily,
     resolve_layer_policy,
+    gemm_divisor,
     select_fp8_layers,
 )
-from lightning_precision.fp8._sensitivity import LayerSensitivity, LossFn, fp8_sensitivity, probe_config
+from lightning_precision.fp8._sensitivity import (
+    LayerSensitivity,
+    LossFn,
+    fp8_sensitivity,
+    measure_candidates,
+    probe_config,
+)
 from lightning_precision.fp8._torchao import torchao_scaling_family
 
 __all__ = [
+    "FORMATS",
     "FP8",
+    "FormatOption",
     "HIGH",
     "HIGH_LABELS",
     "HighLabel",
@@ -46,7 +59,9 @@ __all__ = [
     "PlanRule",
     "PrecisionPlan",
     "as_plan",
+    "check_candidates",
     "demotions",
+    "error_contribution",
     "dump_plan",
     "high_label",
     "make_plan",
@@ -60,6 +75,9 @@ HighLabel = Literal["high", "bf16", "fp16", "fp32"]
 HIGH_LABELS: tuple[HighLabel, ...] = get_args(HighLabel)
 FP8 = "fp8"
 HIGH: HighLabel = "high"
+# A layer's format in a plan that chose among several (``PrecisionPlan.choose``): the recipe names of the backends.
+# "fp8" in a plan means the applying plugin's own recipe.
+FORMATS: tuple[str, ...] = tuple(dict.fromkeys((*TORCHAO_RECIPES, *TE_RECIPES, TE_NVFP4)))
 _HIGH_OF_DTYPE: dict[torch.dtype | None, HighLabel] = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -120,8 +138,9 @@ def _check_layer(field: Callable[[str], str], fqn: Any, precision: Any, reason: 
     if not isinstance(fqn, str) or not fqn:
         raise ValueError(f"{field('fqn')}: {_shown(fqn)} is not a layer's path; write the path of an nn.Linear in the"
                          f" model (as `model.named_modules()` names it){'' if isinstance(fqn, str) else f' ({bare})'}.")
-    if not isinstance(precision, str) or precision not in (FP8, *HIGH_LABELS):
-        raise ValueError(f"{field('precision')}: {precision!r} is not 'fp8' or a high precision"
+    if not isinstance(precision, str) or precision not in (FP8, *FORMATS, *HIGH_LABELS):
+        raise ValueError(f"{field('precision')}: {precision!r} is not 'fp8' (the plugin's recipe), a format"
+                         f" ({', '.join(map(repr, FORMATS))}) or a high precision"
                          f" ({', '.join(map(repr, HIGH_LABELS))}: the dtype the layer runs in); write one of them.")
     if not isinstance(reason, str):
         raise ValueError(f"{field('reason')}: {_shown(reason)} is not text; write it as a string ({bare}).")
@@ -160,6 +179,11 @@ class PlanRule:
     DistilBERT recipes measure 31.4-32.5 dB (e4m3) and 25.4-33.8 dB (e5m2), flush at most 2.5e-4 of their non-zero
     values (median 1e-5), and err by 3.4-4.4% (output) and 3.3-6.4% (input gradient). Each bound sits well outside
     that: 10 dB below the lowest SQNR, 4x the highest underflow, 2.3x the highest errors.
+
+    ``error_budget``: when a plan chooses among several formats (``candidates``), the most summed error the whole
+    model may take, each layer contributing ``error_contribution`` of its format (its output's and input gradient's
+    relative noise power); ``inf`` (default): no budget, each layer takes the format that saves most among those
+    within the per-layer bounds. The choice under a budget is exact (``PrecisionPlan.choose``).
     """
 
     min_sqnr_db: float = 15.0
@@ -167,6 +191,7 @@ class PlanRule:
     max_overflow: float = 0.0
     max_output_error: float = 0.1
     max_grad_input_error: float = 0.15
+    error_budget: float = math.inf
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -201,30 +226,89 @@ def measured_numbers(s: LayerSensitivity) -> dict[str, float]:
     return out
 
 
+def error_contribution(s: LayerSensitivity) -> float:
+    """What a layer in a format adds to a plan's error budget: the relative noise power of its output plus that of
+    the gradient it passes back (``output_error**2 + grad_input_error**2``). Noise powers of independent casts add,
+    so a sum over layers estimates the model's; inf when fp8's result was not finite.
+
+    Example:
+        >>> from lightning_precision.fp8 import LayerSensitivity, TensorNumerics
+        >>> n = TensorNumerics(30.0, 0.0, 0.0)
+        >>> round(error_contribution(LayerSensitivity("l", 64, 64, n, n, n, 0.03, 0.04, batches=1)), 6)
+        0.0025
+    """
+    return s.output_error ** 2 + s.grad_input_error ** 2
+
+
+@dataclass(frozen=True)
+class FormatOption:
+    """One format a plan weighed for a layer: its ``error`` (``error_contribution``, inf when not measured), its
+    ``predicted_saving`` (seconds per training step against the high precision, negative when slower) and
+    ``verdict``: ``"chosen"``, ``"eligible"`` (within the rule, not chosen) or why it was out."""
+
+    format: str
+    error: float
+    predicted_saving: float
+    verdict: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format, str) or self.format not in (*FORMATS, *HIGH_LABELS):
+            raise ValueError(f"FormatOption(format={_shown(self.format)}): one of {', '.join(FORMATS)} or a high"
+                             " precision.")
+        for name in ("error", "predicted_saving"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"FormatOption({name}={_shown(getattr(self, name))}): a number.")
+        if not isinstance(self.verdict, str):
+            raise ValueError(f"FormatOption(verdict={_shown(self.verdict)}): text.")
+
+
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer: ``precision`` (``"fp8"`` or ``"bf16"``: the plugin's high-precision dtype), why, and the measured
-    numbers behind it (empty for a shape rule)."""
+    """One layer: ``precision`` (``"fp8"``: the plugin's recipe; a format such as ``"rowwise"`` or ``"mxfp8"``; or
+    the high precision, ``"bf16"``...), why, and the measured numbers behind it (empty for a shape rule). A plan that
+    chose among formats also keeps every format weighed (``alternatives``) and the chosen one's ``predicted_saving``
+    (seconds per training step)."""
 
     fqn: str
     precision: str
     reason: str
     numbers: dict[str, float] = field(default_factory=dict)
+    alternatives: tuple[FormatOption, ...] = ()
+    predicted_saving: float = 0.0
 
     def __post_init__(self) -> None:
         _check_layer(lambda name: f"LayerPlan({self.fqn!r}).{name}", self.fqn, self.precision, self.reason,
                      self.numbers)
+        object.__setattr__(self, "alternatives", tuple(self.alternatives))
+        if not all(isinstance(a, FormatOption) for a in self.alternatives):
+            raise ValueError(f"LayerPlan({self.fqn!r}).alternatives: a tuple of `FormatOption`s.")
+        if not _is_number(self.predicted_saving) or math.isnan(self.predicted_saving):
+            raise ValueError(f"LayerPlan({self.fqn!r}).predicted_saving: {_shown(self.predicted_saving)} is not a"
+                             " number (seconds per training step).")
+
+    @property
+    def low(self) -> bool:
+        """Whether the layer computes in a low-precision format (fp8, MXFP8, NVFP4), not in its high precision."""
+        return self.precision not in HIGH_LABELS
 
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """Per linear layer, fp8 or high precision and why. ``scaling_family`` (the cast measured) and ``rule`` record how
-    it was made, ``batches`` how many batches were measured (0 for a hand-made plan)."""
+    """Per linear layer, fp8 (or another low-precision format) or high precision, and why. ``scaling_family`` (the
+    cast measured) and ``rule`` record how it was made, ``batches`` how many batches were measured (0 for a hand-made
+    plan). A plan that chose among formats (``choose``) also records the GPU its savings are for (``device``),
+    whether this process ran on it (``device_here``; False: a prediction, e.g. made on a CPU), whether the savings were
+    timed on it (``benchmarked``) rather than predicted by the speed model, and ``baseline``: the measured layers'
+    GEMM seconds per step in high precision, against which ``predicted_saving`` reads as a fraction."""
 
     layers: tuple[LayerPlan, ...]
     scaling_family: ScalingFamily = "tensorwise"
     rule: PlanRule = PlanRule()
     batches: int = 0
+    device: str = ""
+    device_here: bool = False
+    benchmarked: bool = False
+    baseline: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (tuple, list)):
@@ -239,6 +323,101 @@ class PrecisionPlan:
         if not isinstance(self.rule, PlanRule):
             raise ValueError(f"PrecisionPlan(rule={self.rule!r}): pass a `PlanRule` (`PlanRule()` for the defaults).")
         _check_unique("PrecisionPlan", (p.fqn for p in self.layers))
+        if not isinstance(self.device, str):
+            raise ValueError(f"PrecisionPlan(device={_shown(self.device)}): the GPU's name, as text.")
+        for name in ("device_here", "benchmarked"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PrecisionPlan({name}={_shown(getattr(self, name))}): True or False.")
+        if not _is_number(self.baseline) or not self.baseline >= 0:
+            raise ValueError(f"PrecisionPlan(baseline={_shown(self.baseline)}): seconds per step, >= 0.")
+
+    @property
+    def predicted_saving(self) -> float:
+        """Seconds per training step the plan's formats save on ``device`` against high precision, summed over the
+        layers (0.0 for a plan that did not choose among formats)."""
+        return sum(p.predicted_saving for p in self.layers)
+
+    def format_of(self, fqn: str) -> str | None:
+        """The format layer ``fqn`` computes in: None for high precision (or a layer the plan does not list),
+        ``"fp8"`` for the applying plugin's recipe, else the format's name (``"rowwise"``, ``"mxfp8"``...)."""
+        entry = self.get(fqn)
+        return entry.precision if entry is not None and entry.low else None
+
+    @classmethod
+    def choose(cls, decisions: list[LayerDecision], measured: Mapping[str, Mapping[str, LayerSensitivity]],
+               rule: PlanRule | None = None, device: str | None = None, high: HighLabel = HIGH,
+               skip_small_layers: bool = True, backend: str | None = None,
+               savings: Mapping[str, Mapping[str, float]] | None = None) -> PrecisionPlan:
+        """The plan that chooses, per layer the shape rules leave (``decisions``), one of the formats measured
+        (``measured``: format -> layer -> numbers, ``measure_candidates``'s result) or high precision: the most
+        predicted saving (``_speed.predicted_saving`` on ``device``, default this process's GPU, else an H100 SXM as a
+        prediction) such that every chosen format passes ``rule``'s per-layer bounds and the chosen formats' summed
+        ``error_contribution`` stays within ``rule.error_budget``; solved exactly (``_choice.choose``).
+        ``skip_small_layers=False``: a format predicted slower than ``high`` may still be chosen (first as many layers
+        in low precision as the budget allows, then the most saving), as the shape rule's flag means. ``savings``:
+        seconds saved per format and layer, timed (``_speed.benchmark_saving``) instead of predicted."""
+        from lightning_precision.fp8._speed import high_time, predicted_saving, speed_device
+
+        rule = rule or PlanRule()
+        gpu, prediction = speed_device(device)
+        high_dtype = high if high != HIGH else "bf16"
+        candidates = list(measured)
+        rows = []  # per layer: the decision, its options [(format, error, saving, verdict, numbers)]
+        baseline = 0.0
+        for d in decisions:
+            if not d.fp8:
+                rows.append((d, []))
+                continue
+            options = []
+            for fmt in candidates:
+                s = measured[fmt].get(d.fqn)
+                if s is None:
+                    options.append((fmt, math.inf, 0.0, "did not run while measured", {}))
+                    continue
+                saving = savings[fmt][d.fqn] if savings is not None else predicted_saving(
+                    fmt, s.tokens, s.in_features, s.out_features, gpu, high_dtype, backend)
+                divisor = gemm_divisor(fmt)
+                why = (f"dims {s.in_features}x{s.out_features} not divisible by {divisor}"
+                       if s.in_features % divisor or s.out_features % divisor else rule.why_not(s))
+                if why is None and skip_small_layers and saving <= 0:
+                    why = f"predicted slower than {high_dtype} on {gpu.name}"
+                options.append((fmt, error_contribution(s), saving, why or "eligible", measured_numbers(s)))
+            tokens = max((measured[f][d.fqn].tokens for f in candidates if d.fqn in measured[f]), default=0.0)
+            baseline += high_time(tokens, d.in_features, d.out_features, gpu, high_dtype)
+            rows.append((d, options))
+        # The knapsack: option 0 of each layer is its high precision (no error, no saving).
+        bonus = 0.0 if skip_small_layers else 1.0  # > any layer's saving: a layer in low precision first
+        table = [[(0.0, 0.0)] + [(o[1] if o[3] == "eligible" else math.inf, o[2] + bonus) for o in options]
+                 for _, options in rows]
+        picks = choose(table, rule.error_budget)
+        layers = []
+        budgeted = math.isfinite(rule.error_budget)
+        for (d, options), pick in zip(rows, picks, strict=True):
+            if not d.fp8:
+                layers.append(LayerPlan(d.fqn, high, d.reason))
+                continue
+            alternatives = tuple(FormatOption(fmt, error, saving, "chosen" if j + 1 == pick else verdict)
+                                 for j, (fmt, error, saving, verdict, _) in enumerate(options))
+            if pick:
+                fmt, error, saving, _, numbers = options[pick - 1]
+                reason = (f"{fmt}: the most predicted saving"
+                          f"{' within the error budget' if budgeted else ''} among the formats within the rule")
+                layers.append(LayerPlan(d.fqn, fmt, reason, numbers, alternatives, saving))
+                continue
+            eligible = [o for o in options if o[3] == "eligible"]
+            if eligible:
+                reason = (f"high precision: {', '.join(o[0] for o in eligible)} within the rule, but the error budget"
+                          " went to layers that save more for their error")
+            elif not options:
+                reason = "no format to measure"
+            else:
+                reason = "no format within the rule: " + "; ".join(f"{o[0]}: {o[3]}" for o in options)
+            numbers = min(options, key=lambda o: o[1])[4] if options else {}
+            layers.append(LayerPlan(d.fqn, high, reason, numbers, alternatives, 0.0))
+        batches = max((s.batches for by in measured.values() for s in by.values()), default=0)
+        family = torchao_scaling_family(probe_config(candidates[0])) if candidates and \
+            candidates[0] in ("tensorwise", "rowwise", "rowwise_with_gw_hp") else "tensorwise"
+        return cls(tuple(layers), family, rule, batches, gpu.name, not prediction, savings is not None, baseline)
 
     @classmethod
     def decide(cls, decisions: list[LayerDecision], sensitivity: dict[str, LayerSensitivity],
@@ -271,7 +450,8 @@ class PrecisionPlan:
 
     @property
     def fp8_layers(self) -> frozenset[str]:
-        return frozenset(p.fqn for p in self.layers if p.precision == FP8)
+        """The layers in a low-precision format (fp8, or a plan's chosen MXFP8/NVFP4)."""
+        return frozenset(p.fqn for p in self.layers if p.low)
 
     def get(self, fqn: str) -> LayerPlan | None:
         return next((p for p in self.layers if p.fqn == fqn), None)
@@ -288,6 +468,8 @@ class PrecisionPlan:
         torchao's ``tensorwise`` cast (what ``FP8Precision(layers="auto")`` does for them), so those three agree."""
         as_measured = {"delayed": "tensorwise", "current": "tensorwise"}
         mine = self.scaling_family
+        if any(p.low and p.precision != FP8 for p in self.layers):
+            return None  # each layer names its own format, measured as such
         if not self.measured or as_measured.get(mine, mine) == as_measured.get(scaling_family, scaling_family):
             return None
         if scaling_family in ("tensorwise", "rowwise"):
@@ -310,8 +492,20 @@ class PrecisionPlan:
         return dataclasses.replace(self, layers=tuple(
             LayerPlan(fqn, precision, reason, numbers or {}) if p.fqn == fqn else p for p in self.layers))
 
+    def saving_line(self) -> str:
+        """The plan's predicted saving in words: per step, as a fraction of the baseline, on which GPU, and whether it
+        is a prediction."""
+        how = "timed" if self.benchmarked else "predicted"
+        share = f" ({self.predicted_saving / self.baseline:.1%} of the measured layers' GEMM time)" \
+            if self.baseline > 0 else ""
+        where = "" if self.device_here else " (a prediction: this process does not run on one)"
+        return f"{how} saving {self.predicted_saving * 1e3:.3f} ms per step{share} on {self.device or 'a GPU'}{where}"
+
     def table(self) -> str:
-        """A fixed-width table: layer, precision, the worst measured numbers, reason."""
+        """A fixed-width table: layer, precision, the worst measured numbers, reason; for a plan that chose among
+        formats, also each layer's predicted saving and error, and the formats weighed."""
+        if any(p.alternatives for p in self.layers):
+            return self._choice_table()
         n = len(self.fp8_layers)
         head = (f"plan ({self.scaling_family}, {self.batches} batches measured): {n} of {len(self.layers)} linear"
                 " layers in fp8")
@@ -325,6 +519,23 @@ class PrecisionPlan:
                      (p.numbers.get("output_error"), 7, ".3f"), (p.numbers.get("grad_input_error"), 7, ".3f")]
             nums = "  ".join(f"{'-' if v is None else format(v, f):>{w}}" for v, w, f in cells)
             lines.append(f"  {p.fqn:<{width}}  {p.precision:<4}  {nums}  {p.reason}")
+        return "\n".join(lines)
+
+    def _choice_table(self) -> str:
+        budget = self.rule.error_budget
+        head = (f"plan ({self.batches} batches measured, error budget {'none' if math.isinf(budget) else f'{budget:g}'}"
+                f"): {len(self.fp8_layers)} of {len(self.layers)} linear layers in low precision; {self.saving_line()}")
+        width = max((len(p.fqn) for p in self.layers), default=5)
+        fmt_width = max((len(p.precision) for p in self.layers), default=6)
+        lines = [head, f"  {'layer':<{width}}  {'format':<{fmt_width}}  saving us  error     others (saving us, error)"
+                       "  reason"]
+        for p in self.layers:
+            chosen = next((a for a in p.alternatives if a.verdict == "chosen"), None)
+            error = "-" if chosen is None else f"{chosen.error:.2e}"
+            others = ", ".join(f"{a.format} ({a.predicted_saving * 1e6:.1f}, {a.error:.1e})" for a in p.alternatives
+                               if a is not chosen) or "-"
+            lines.append(f"  {p.fqn:<{width}}  {p.precision:<{fmt_width}}  {p.predicted_saving * 1e6:>9.1f}  {error:<8}"
+                         f"  {others}  {p.reason}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -341,12 +552,15 @@ class PrecisionPlan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain data (what ``save`` writes): infinities and NaN as the strings ``"inf"``, ``"-inf"``,
         ``"nan"``, since strict JSON has none."""
-        return {
+        data: dict[str, Any] = {
             "version": PLAN_VERSION, "scaling_family": self.scaling_family, "batches": self.batches,
             "rule": json_safe(dataclasses.asdict(self.rule)),
-            "layers": [{"fqn": p.fqn, "precision": p.precision, "reason": p.reason,
-                        "numbers": json_safe(p.numbers)} for p in self.layers],
         }
+        if self.device:  # a plan that chose among formats: what its savings are for
+            data.update(device=self.device, device_here=self.device_here, benchmarked=self.benchmarked,
+                        baseline=self.baseline)
+        data["layers"] = [_layer_dict(p) for p in self.layers]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None) -> PrecisionPlan:
@@ -365,7 +579,8 @@ class PrecisionPlan:
                              f" write `version: {PLAN_VERSION}`, or read the file with the lightning-precision that"
                              " wrote it.")
         # after the version: a later format may add fields, and its plans should be refused for their version
-        _check_keys(where, "the plan", data, ("version", "scaling_family", "recipe", "batches", "rule", "layers"))
+        _check_keys(where, "the plan", data, ("version", "scaling_family", "recipe", "batches", "rule", "device",
+                                              "device_here", "benchmarked", "baseline", "layers"))
         # `recipe`: the field's name in the plans written before `scaling_family`; they keep loading
         if "scaling_family" in data and "recipe" in data:
             raise ValueError(f"{where}: both `scaling_family` and `recipe` (its older name) are given; keep"
@@ -394,7 +609,8 @@ class PrecisionPlan:
             at = f"{where}: `layers[{i}]`"
             if not isinstance(d, Mapping):
                 raise ValueError(f"{at} is {_shown(d)}; each layer is a mapping with `fqn` and `precision`.")
-            _check_keys(where, f"`layers[{i}]`", d, ("fqn", "precision", "reason", "numbers"))
+            _check_keys(where, f"`layers[{i}]`", d, ("fqn", "precision", "reason", "numbers", "predicted_saving",
+                                                     "alternatives"))
             missing = [k for k in ("fqn", "precision") if k not in d]
             if missing:
                 raise ValueError(f"{at} has no `{missing[0]}`; each layer needs `fqn` and `precision` (fp8, or the"
@@ -405,9 +621,20 @@ class PrecisionPlan:
             numbers = {k: _number(v) for k, v in numbers.items()} if isinstance(numbers, Mapping) else numbers
             _check_layer(functools.partial(_field_of_entry, where, i), d["fqn"], d["precision"],
                          reason, numbers)
-            layers.append(LayerPlan(d["fqn"], d["precision"], reason, numbers))
+            alternatives = _alternatives(f"{where}: `layers[{i}].alternatives`", d.get("alternatives"))
+            saving = _number(d.get("predicted_saving", 0.0))
+            try:
+                layers.append(LayerPlan(d["fqn"], d["precision"], reason, numbers, alternatives, saving))
+            except ValueError as err:
+                raise ValueError(f"{where}: `layers[{i}]`: {err}") from None
         _check_unique(where, (p.fqn for p in layers))
-        return cls(tuple(layers), scaling_family, PlanRule(**bounds), batches)
+        extra = {k: data[k] for k in ("device", "device_here", "benchmarked", "baseline") if k in data}
+        if "baseline" in extra:
+            extra["baseline"] = _number(extra["baseline"])
+        try:
+            return cls(tuple(layers), scaling_family, PlanRule(**bounds), batches, **extra)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
 
     def save(self, path: str | Path) -> Path:
         """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), whole or not at all: to a uniquely named temporary
@@ -435,6 +662,40 @@ class PrecisionPlan:
         except UnicodeDecodeError as err:
             raise ValueError(f"{source}: not UTF-8 text ({err.reason} at byte {err.start}); is it a plan?") from None
         return cls.from_dict(_parse(text, path, source), source=source)
+
+
+def _layer_dict(p: LayerPlan) -> dict[str, Any]:
+    entry: dict[str, Any] = {"fqn": p.fqn, "precision": p.precision, "reason": p.reason,
+                             "numbers": json_safe(p.numbers)}
+    if p.alternatives:
+        entry["predicted_saving"] = p.predicted_saving
+        entry["alternatives"] = [json_safe(dataclasses.asdict(a)) for a in p.alternatives]
+    return entry
+
+
+def _alternatives(where: str, value: Any) -> tuple[FormatOption, ...]:
+    """A file's ``alternatives`` list: each a mapping of FormatOption's fields (inf as the string "inf")."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: {_shown(value)} is not a list of formats weighed (each with format, error,"
+                         " predicted_saving, verdict); leave it out if there are none.")
+    out = []
+    for i, entry in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{at}: {_shown(entry)} is not a mapping with format, error, predicted_saving, verdict.")
+        names = [f.name for f in dataclasses.fields(FormatOption)]
+        _check_keys(where, f"entry {i}", entry, names)
+        missing = [n for n in names if n not in entry]
+        if missing:
+            raise ValueError(f"{at} has no `{missing[0]}`; each entry has {', '.join(names)}.")
+        try:
+            out.append(FormatOption(entry["format"], _number(entry["error"]), _number(entry["predicted_saving"]),
+                                    entry["verdict"]))
+        except ValueError as err:
+            raise ValueError(f"{at}: {err}") from None
+    return tuple(out)
 
 
 def _check_keys(where: str, what: str, data: Mapping[Any, Any], known: Iterable[str]) -> None:
@@ -536,6 +797,21 @@ def as_plan(layers: PlanLike) -> PrecisionPlan:
     return layers if isinstance(layers, PrecisionPlan) else PrecisionPlan.load(layers)
 
 
+def check_candidates(owner: str, candidates: Any) -> tuple[str, ...]:
+    """``candidates`` as a tuple of format names, or a ``ValueError`` repeating ``owner``'s call."""
+    if isinstance(candidates, str) or not isinstance(candidates, Iterable):
+        raise ValueError(f"`{owner}(candidates={candidates!r})`: a tuple of format names, e.g."
+                         " `candidates=('tensorwise', 'rowwise', 'mxfp8')`; the formats: " + ", ".join(FORMATS) + ".")
+    names = tuple(candidates)
+    bad = [c for c in names if not isinstance(c, str) or c not in FORMATS]
+    if not names or bad:
+        what = f"{bad[0]!r} is not a format" if bad else "no format given"
+        raise ValueError(f"`{owner}(candidates={candidates!r})`: {what}; choose among {', '.join(FORMATS)}.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"`{owner}(candidates={candidates!r})`: a format is listed twice; list each once.")
+    return names
+
+
 def make_plan(
     model: nn.Module,
     batches: Iterable[Any],
@@ -548,17 +824,52 @@ def make_plan(
     autocast_dtype: torch.dtype | None = torch.bfloat16,
     *,
     layer_policy: FP8LayerPolicy | None = None,
+    candidates: Iterable[str] | None = None,
+    device: str | None = None,
+    benchmark: bool = False,
 ) -> PrecisionPlan:
-    """Shape rules, then ``fp8_sensitivity`` on ``batches`` for the layers they leave, then ``plan_rule``: the plan
-    ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``). Arguments
-    as ``fp8_sensitivity`` and ``FP8Precision``: the layer choice is ``layer_policy`` or the flat ``module_filter``,
-    ``skip_small_layers`` and ``skip_first_last`` (not both). The weights are not updated."""
-    config = probe_config(recipe, "make_plan")
-    scaling_family = torchao_scaling_family(config)
-    policy = resolve_layer_policy("make_plan", layer_policy, module_filter=module_filter,
-                                  skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
+    """Shape rules, then what fp8 would cost each layer they leave, measured on ``batches``, then the decision: the
+    plan ``FP8Precision(layers="auto")`` would make, before training (the Fabric route: pass it as ``layers=``).
+    Arguments as ``fp8_sensitivity`` and ``FP8Precision``: the layer choice is ``layer_policy`` or the flat
+    ``module_filter``, ``skip_small_layers`` and ``skip_first_last`` (not both). The weights are not updated.
+
+    ``candidates`` (format names, e.g. ``("tensorwise", "rowwise", "mxfp8")``): choose among them per layer
+    (``PrecisionPlan.choose``): each is measured in the same pass over ``batches``, its step-time saving predicted for
+    ``device`` (a GPU's name; default this process's GPU, else an H100 SXM, said to be a prediction) or, with
+    ``benchmark=True`` on a CUDA GPU, timed on the layer's own shapes; the plan takes the most saving within
+    ``plan_rule`` (its per-layer bounds and ``error_budget``). Without ``candidates`` (and without an error budget),
+    ``recipe`` alone is measured and each layer is fp8 or high precision by the per-layer bounds, as before."""
     if plan_rule is not None and not isinstance(plan_rule, PlanRule):
         raise ValueError(f"`make_plan(plan_rule={plan_rule!r})`: pass a `PlanRule` (`PlanRule()` for the defaults).")
-    decisions = select_fp8_layers(model, scaling_family, layer_policy=policy)
-    sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8], autocast_dtype)
-    return PrecisionPlan.decide(decisions, sensitivity, plan_rule, scaling_family, high=high_label(autocast_dtype))
+    policy = resolve_layer_policy("make_plan", layer_policy, module_filter=module_filter,
+                                  skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
+    budgeted = plan_rule is not None and math.isfinite(plan_rule.error_budget)
+    if candidates is None and not budgeted:
+        if device is not None or benchmark:
+            raise ValueError("`make_plan(device=..., benchmark=...)`: savings are weighed when choosing among formats;"
+                             " pass `candidates=(...)` too.")
+        config = probe_config(recipe, "make_plan")
+        scaling_family = torchao_scaling_family(config)
+        decisions = select_fp8_layers(model, scaling_family, layer_policy=policy)
+        sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8],
+                                      autocast_dtype)
+        return PrecisionPlan.decide(decisions, sensitivity, plan_rule, scaling_family,
+                                    high=high_label(autocast_dtype))
+    names = check_candidates("make_plan", candidates if candidates is not None else (recipe,))
+    if benchmark and not torch.cuda.is_available():
+        raise ValueError("`make_plan(benchmark=True)`: timing the layers' formats needs a CUDA GPU; there is none"
+                         " here. Leave `benchmark` off: the speed model predicts the savings (and says so).")
+    # The speed model judges what is too small to gain, per format: the shape rule's size thresholds stand aside.
+    shape_policy = dataclasses.replace(policy, skip_small_layers=False)
+    decisions = select_fp8_layers(model, "tensorwise", layer_policy=shape_policy)
+    measured = measure_candidates(model, batches, names, loss_fn, [d.fqn for d in decisions if d.fp8], autocast_dtype)
+    high = high_label(autocast_dtype)
+    savings = None
+    if benchmark:
+        from lightning_precision.fp8._speed import benchmark_saving
+
+        savings = {fmt: {fqn: benchmark_saving(model.get_submodule(fqn), fmt, max(1, round(s.tokens)),
+                                               high if high != HIGH else "bf16")
+                         for fqn, s in by_layer.items()} for fmt, by_layer in measured.items()}
+    return PrecisionPlan.choose(decisions, measured, plan_rule, device, high, policy.skip_small_layers,
+                                savings=savings)

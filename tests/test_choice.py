@@ -1,0 +1,75 @@
+"""The exact per-layer format choice (``fp8._choice.choose``) against brute force, and its refusals."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from lightning_precision.fp8._choice import choose
+
+
+def _brute(options, budget):
+    best = None
+    for picks in itertools.product(*(range(len(layer)) for layer in options)):
+        error = sum(layer[j][0] for layer, j in zip(options, picks))
+        value = sum(layer[j][1] for layer, j in zip(options, picks))
+        if error <= budget and (best is None or value > best):
+            best = value
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_brute_force_on_small_layer_counts(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        layers = rng.randint(1, 7)
+        # option 0 is high precision (no error, no saving); values may be negative (a format slower than bf16)
+        options = [[(0.0, 0.0)] + [(rng.choice([0.0, round(rng.random(), 2), math.inf]), round(rng.uniform(-1, 2), 2))
+                                   for _ in range(rng.randint(0, 4))] for _ in range(layers)]
+        budget = rng.choice([0.0, 0.3, rng.random() * 3, math.inf])
+        picks = choose(options, budget)
+        assert len(picks) == layers
+        error = sum(layer[j][0] for layer, j in zip(options, picks))
+        value = sum(layer[j][1] for layer, j in zip(options, picks))
+        assert error <= budget
+        assert value == pytest.approx(_brute(options, budget), abs=1e-9)
+
+
+def test_a_budget_of_zero_keeps_only_errorless_options():
+    options = [[(0.0, 0.0), (0.1, 5.0)], [(0.0, 0.0), (0.0, 1.0), (0.2, 3.0)]]
+    assert choose(options, 0.0) == [0, 1]
+
+
+def test_the_budget_moves_the_error_where_it_buys_most():
+    # layer 0's format buys 3 for 0.5 of error, layer 1's 2 for 0.5: one fits
+    options = [[(0.0, 0.0), (0.5, 3.0)], [(0.0, 0.0), (0.5, 2.0)]]
+    assert choose(options, 0.6) == [1, 0]
+    assert choose(options, 1.0) == [1, 1]
+
+
+def test_ties_take_the_smaller_error():
+    assert choose([[(0.0, 1.0), (0.3, 1.0)]], 1.0) == [0]
+    assert choose([[(0.0, 1.0), (0.3, 1.0)]]) == [0]
+
+
+def test_hundreds_of_layers_are_solved():
+    rng = random.Random(0)
+    options = [[(0.0, 0.0)] + [(rng.random() * 1e-3, rng.random() * 1e-4) for _ in range(4)] for _ in range(300)]
+    picks = choose(options, 300 * 1e-3 * 0.3)
+    assert sum(options[i][j][0] for i, j in enumerate(picks)) <= 300 * 1e-3 * 0.3
+
+
+@pytest.mark.parametrize(("options", "budget", "match"), [
+    ([[(0.0, 0.0)]], -1.0, "budget=-1.0"),
+    ([[(0.0, 0.0)]], math.nan, "budget=nan"),
+    ([[]], 1.0, "layer 0 has no option"),
+    ([[(-0.1, 0.0)]], 1.0, "errors are >= 0"),
+    ([[(0.1, math.nan)]], 1.0, "values finite"),
+    ([[(0.5, 0.0)], [(0.6, 1.0)]], 1.0, "no choice fits the error budget 1: the least summed error is 1.1"),
+])
+def test_refusals_name_the_problem(options, budget, match):
+    with pytest.raises(ValueError, match=match):
+        choose(options, budget)

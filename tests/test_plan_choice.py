@@ -1,0 +1,167 @@
+"""Plans that choose among formats: ``PrecisionPlan.choose`` (the exact choice under an error budget, the reasons, the
+alternatives kept), its files, and ``make_plan(candidates=...)`` on a real model with torchao's casts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_precision.fp8 import LayerDecision, LayerSensitivity, PlanRule, PrecisionPlan, TensorNumerics, make_plan
+from lightning_precision.fp8._plan import error_contribution
+from lightning_precision.fp8._speed import predicted_saving, speed_device
+
+GOOD = TensorNumerics(31.0, 1e-5, 0.0)
+BIG = (16384, 4096, 4096)  # tokens, in, out: a GEMM fp8 speeds up on an H100
+
+
+def _s(fqn, out_err, gin_err, tokens=BIG[0], k=BIG[1], n=BIG[2], numerics=GOOD):
+    return LayerSensitivity(fqn, k, n, numerics, numerics, numerics, out_err, gin_err, batches=4, tokens=tokens)
+
+
+def _decisions(*fqns, k=BIG[1], n=BIG[2]):
+    return [LayerDecision(f, k, n, True, "fp8") for f in fqns]
+
+
+def test_without_a_budget_each_layer_takes_the_format_that_saves_most_within_the_rule():
+    measured = {"tensorwise": {"a": _s("a", 0.04, 0.05), "b": _s("b", 0.5, 0.05)},
+                "rowwise": {"a": _s("a", 0.03, 0.04), "b": _s("b", 0.03, 0.04)}}
+    plan = PrecisionPlan.choose(_decisions("a", "b"), measured, device="H100 SXM", high="bf16")
+    gpu = speed_device("H100 SXM")[0]
+    # tensorwise saves more than rowwise at this shape; b's tensorwise output error breaks the per-layer bound
+    assert predicted_saving("tensorwise", *BIG, gpu) > predicted_saving("rowwise", *BIG, gpu) > 0
+    assert plan.format_of("a") == "tensorwise" and plan.format_of("b") == "rowwise"
+    b = plan.get("b")
+    verdicts = {o.format: o.verdict for o in b.alternatives}
+    assert verdicts["rowwise"] == "chosen" and verdicts["tensorwise"].startswith("output error 0.500 > 0.1")
+    assert plan.predicted_saving == pytest.approx(predicted_saving("tensorwise", *BIG, gpu)
+                                                  + predicted_saving("rowwise", *BIG, gpu))
+    assert plan.device == "H100 SXM" and plan.fp8_layers == {"a", "b"}
+
+
+def test_an_outlier_layer_never_gets_a_format_that_breaks_the_budget():
+    # "out" errs 30x more in tensorwise (an outlier channel), less in MXFP8's blocks
+    measured = {"tensorwise": {f: _s(f, 0.03, 0.03) for f in "abc"} | {"out": _s("out", 0.09, 0.09)},
+                "mxfp8": {f: _s(f, 0.035, 0.035) for f in "abc"} | {"out": _s("out", 0.04, 0.04)}}
+    decisions = _decisions("a", "b", "c", "out")
+    for budget in (0.0, 0.002, 0.005, 0.008, 0.012, 0.02, 0.05, math.inf):
+        plan = PrecisionPlan.choose(decisions, measured, PlanRule(error_budget=budget), device="B200", high="bf16")
+        spent = 0.0
+        for p in plan.layers:
+            if p.low:
+                spent += error_contribution(measured[p.precision][p.fqn])
+            assert p.precision != "tensorwise" or p.fqn != "out" or budget == math.inf or \
+                error_contribution(measured["tensorwise"]["out"]) <= budget
+        assert spent <= budget
+    tight = PrecisionPlan.choose(decisions, measured, PlanRule(error_budget=0.0), device="B200", high="bf16")
+    assert not tight.fp8_layers and all("error budget" in p.reason for p in tight.layers)
+    assert tight.predicted_saving == 0.0
+
+
+def test_the_budget_choice_is_the_brute_force_optimum():
+    import itertools
+
+    measured = {"tensorwise": {f: _s(f, e, e) for f, e in zip("abcd", (0.02, 0.05, 0.03, 0.08))},
+                "rowwise": {f: _s(f, e, e) for f, e in zip("abcd", (0.015, 0.03, 0.02, 0.04))}}
+    decisions = _decisions(*"abcd")
+    gpu = speed_device("H100 SXM")[0]
+    saving = {fmt: predicted_saving(fmt, *BIG, gpu) for fmt in measured}
+    for budget in (0.001, 0.003, 0.006, 0.01, 0.02):
+        plan = PrecisionPlan.choose(decisions, measured, PlanRule(error_budget=budget), device="H100 SXM")
+        best = 0.0
+        for picks in itertools.product((None, "tensorwise", "rowwise"), repeat=4):
+            error = sum(error_contribution(measured[f][x]) for f, x in zip(picks, "abcd") if f)
+            if error <= budget:
+                best = max(best, sum(saving[f] for f in picks if f))
+        assert plan.predicted_saving == pytest.approx(best)
+
+
+def test_one_candidate_without_budget_is_todays_rule():
+    rule = PlanRule()
+    sens = {"a": _s("a", 0.04, 0.05), "b": _s("b", 0.5, 0.05), "c": _s("c", 0.02, 0.2)}
+    decisions = _decisions("a", "b", "c")
+    binary = PrecisionPlan.decide(decisions, sens, rule, high="bf16")
+    chosen = PrecisionPlan.choose(decisions, {"tensorwise": sens}, rule, device="H100 SXM", high="bf16")
+    assert binary.fp8_layers == chosen.fp8_layers == {"a"}
+
+
+def test_small_layers_are_judged_by_the_speed_model():
+    sens = {"tiny": _s("tiny", 0.03, 0.03, tokens=256, k=64, n=64)}
+    decisions = _decisions("tiny", k=64, n=64)
+    plan = PrecisionPlan.choose(decisions, {"tensorwise": sens}, device="H100 SXM", high="bf16")
+    assert not plan.fp8_layers and "predicted slower than bf16 on H100 SXM" in plan.get("tiny").reason
+    # skip_small_layers=False: as many layers in low precision as allowed, even if slower
+    forced = PrecisionPlan.choose(decisions, {"tensorwise": sens}, device="H100 SXM", high="bf16",
+                                  skip_small_layers=False)
+    assert forced.fp8_layers == {"tiny"} and forced.predicted_saving < 0
+
+
+def test_dims_a_block_format_cannot_divide_are_out():
+    sens = _s("a", 0.03, 0.03, k=4096, n=4112)  # 4112 = 16 * 257: not a multiple of 32
+    plan = PrecisionPlan.choose([LayerDecision("a", 4096, 4112, True, "fp8")],
+                                {"mxfp8": {"a": sens}, "tensorwise": {"a": sens}}, device="B200")
+    verdicts = {o.format: o.verdict for o in plan.get("a").alternatives}
+    assert verdicts["mxfp8"] == "dims 4096x4112 not divisible by 32" and plan.format_of("a") == "tensorwise"
+
+
+def test_a_chosen_plan_round_trips_through_files_and_prints_its_saving(tmp_path):
+    measured = {"tensorwise": {"a": _s("a", 0.04, 0.05)}, "rowwise": {"a": _s("a", 0.03, 0.04)}}
+    decisions = [*_decisions("a"), LayerDecision("head", 4096, 10, False, "dims 4096x10 not divisible by 16")]
+    plan = PrecisionPlan.choose(decisions, measured, PlanRule(error_budget=0.01), high="bf16")
+    for suffix in (".yaml", ".json"):
+        path = plan.save(tmp_path / f"plan{suffix}")
+        assert PrecisionPlan.load(path) == plan
+    table = plan.table()
+    assert "error budget 0.01" in table and "ms per step" in table
+    if not torch.cuda.is_available():
+        assert "(a prediction: this process does not run on one)" in table and plan.device == "H100 SXM"
+    assert "rowwise (" in table  # the other format weighed, with its saving and error
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda d: d["layers"][0]["alternatives"][0].update(format="fp4"), "format='fp4'"),
+    (lambda d: d["layers"][0]["alternatives"][0].pop("verdict"), "has no `verdict`"),
+    (lambda d: d["layers"][0].update(predicted_saving="fast"), "predicted_saving"),
+    (lambda d: d.update(device=3), "device"),
+    (lambda d: d.update(baseline=-1), "baseline"),
+])
+def test_bad_choice_fields_in_a_file_fail_clearly(edit, match):
+    plan = PrecisionPlan.choose(_decisions("a"), {"tensorwise": {"a": _s("a", 0.04, 0.05)}}, high="bf16")
+    data = plan.to_dict()
+    edit(data)
+    with pytest.raises(ValueError, match=match):
+        PrecisionPlan.from_dict(data)
+
+
+@pytest.mark.parametrize(("candidates", "match"), [
+    ("tensorwise", "a tuple of format names"),
+    ((), "no format given"),
+    (("fp4",), "'fp4' is not a format"),
+    (("rowwise", "rowwise"), "listed twice"),
+])
+def test_make_plan_refuses_bad_candidates(candidates, match):
+    model = nn.Sequential(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match=match):
+        make_plan(model, [torch.randn(4, 32)], loss_fn=lambda m, b: m(b).sum(), candidates=candidates)
+
+
+def test_make_plan_measures_every_candidate_in_one_pass_and_chooses():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[2].weight[:, 3] *= 200.0  # an outlier input channel of the middle layer's weight
+    batches = [torch.randn(64, 64) for _ in range(3)]
+    loss = lambda m, b: m(b).float().pow(2).mean()  # noqa: E731
+    plan = make_plan(model, batches, loss_fn=loss, candidates=("tensorwise", "rowwise", "mxfp8"),
+                     skip_small_layers=False, skip_first_last=False, device="B200")
+    assert plan.batches == 3 and plan.device == "B200"
+    for p in plan.layers:
+        assert {o.format for o in p.alternatives} == {"tensorwise", "rowwise", "mxfp8"}
+        assert all(o.error < math.inf for o in p.alternatives)
+    assert len(plan.fp8_layers) == 3  # skip_small_layers=False: low precision wherever the rule allows
+    tight = make_plan(model, batches, loss_fn=loss, candidates=("tensorwise", "rowwise", "mxfp8"),
+                      skip_small_layers=False, skip_first_last=False, device="B200",
+                      plan_rule=PlanRule(error_budget=0.0))
+    assert not tight.fp8_layers
