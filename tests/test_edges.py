@@ -233,23 +233,22 @@ def test_gradient_checkpointing_recomputation_is_not_a_forward(reentrant, bracke
 
 def test_a_freed_input_whose_memory_is_reused_is_another_tensor():
     """Without a bracket (no model, no backward) every call counts: a tensor freed after the first layer read it and
-    a new one at the same address must not be taken for it."""
+    a new one at the same address must not be taken for it (an address-keyed identity would)."""
     first, other, head = nn.Linear(1024, 16), nn.Linear(1024, 16), nn.Linear(16, 4)
-    recorder = EdgeRecorder({"first": first, "other": other, "head": head})
     with torch.no_grad():
-        reused = None
         for _ in range(200):
+            recorder = EdgeRecorder({"first": first, "other": other, "head": head})
             x = torch.randn(4, 1024)
             address = x.data_ptr()
             first(x)
             del x
             y = torch.randn(4, 1024)
             if y.data_ptr() == address:
-                reused = y
                 break
-        if reused is None:
+            recorder.stop()
+        else:
             pytest.skip("the allocator never reused the freed input's memory in 200 tries")
-        other(reused)
+        other(y)
         head(torch.randn(2, 16))
     assert recorder.edges() == {"first": FIRST_REASON, "head": LAST_REASON}
     recorder.stop()
@@ -388,3 +387,31 @@ def test_recorded_during_the_measurement_pass(bracket):
     assert set(measured) == set(linears(model))
     assert recorder.edges() == DISTILBERT_EDGES
     assert len(recorder.calls) == len(linears(model))  # one forward's calls
+
+
+class FailsOnce(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.failed = False
+
+    def forward(self, x):
+        h = self.b(self.a(x))
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a batch the loop skips")
+        return self.head(h)
+
+
+def test_a_forward_that_raises_is_not_the_first_forward():
+    model = FailsOnce()
+    recorder = EdgeRecorder(dict(model.named_children()), model=model)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="skips"):
+            model(torch.randn(2, 8))
+        assert not recorder.done
+        model(torch.randn(2, 8))
+        assert recorder.done  # the next forward that ends closes the record
+        model(torch.randn(2, 8))
+    assert recorder.edges() == {"a": FIRST_REASON, "head": LAST_REASON}
+    assert len(recorder.calls) == 5

@@ -102,7 +102,8 @@ class EdgeRecorder:
             self._handles.append(module.register_forward_hook(self._after))
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._enter))
-            self._handles.append(model.register_forward_hook(self._exit))
+            # Called also when the forward raises (with output None), so that a failed forward leaves no count behind.
+            self._handles.append(model.register_forward_hook(self._exit, always_call=True))
 
     def edges(self) -> dict[str, str]:
         """``{fqn: reason}``: the layers that read the model's input or its embedding, then those that write the
@@ -144,7 +145,9 @@ class EdgeRecorder:
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
-        if self._depth == 0 and self.calls:  # the model's forward ran the layers: that was the first forward
+        # The model's forward ran the layers: that was the first forward. One that raised (output None) was not: its
+        # calls stay, and the next forward's are added to them.
+        if self._depth == 0 and self.calls and output is not None:
             self.stop()
 
     def _before(self, fqn: str) -> Callable[..., None]:
