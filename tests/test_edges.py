@@ -270,6 +270,8 @@ def test_edges_given_under_an_alias_or_unknown():
     assert decided["0"].fp8 and decided["2"].fp8
     with pytest.raises(ValueError, match=r"model\.1 is no nn\.Linear of this model"):
         select_fp8_layers(model, edges={"model.1": "first"})
+    with pytest.raises(TypeError, match=r"select_fp8_layers\(edges=\['0'\]\)`: pass a mapping"):
+        select_fp8_layers(model, edges=["0"])  # type: ignore[arg-type]
     # An empty mapping (no forward seen) falls back on the registration order.
     assert [d.fp8 for d in select_fp8_layers(model, skip_small_layers=False, edges={})] == [False, True, False]
 

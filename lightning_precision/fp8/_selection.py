@@ -27,9 +27,9 @@ __all__ = [
     "RecipeLike",
     "SCALING_FAMILIES",
     "ScalingFamily",
+    "block_stack",
     "check_module_filter",
     "format_summary",
-    "block_stack",
     "functional_linears",
     "gemm_divisor",
     "linear_layers",
@@ -218,6 +218,9 @@ def select_fp8_layers(
 def _named_edges(linears: list[tuple[str, nn.Linear, tuple[str, ...]]], edges: Mapping[str, str]) -> dict[str, str]:
     """``edges`` keyed by each layer's first name; a name that is no linear layer of the model is an error: a silent
     miss would send an edge to fp8."""
+    if not isinstance(edges, Mapping):
+        raise TypeError(f"`select_fp8_layers(edges={edges!r})`: pass a mapping {{fqn: reason}}, as"
+                        " `EdgeRecorder.edges()` and `edges_of` return.")
     first = {name: fqn for fqn, _, aliases in linears for name in (fqn, *aliases)}
     unknown = sorted(set(edges) - set(first))
     if unknown:
@@ -262,13 +265,13 @@ def _edge_blocks(module: nn.Module, linears: list[tuple[str, nn.Linear, tuple[st
     if stack is None:
         warn(f"FP8LayerPolicy(first_last_blocks={n}): the model has no stack of repeated blocks (an nn.ModuleList or"
              " nn.Sequential of two or more blocks of one class holding nn.Linear layers), so no block is kept in high"
-             " precision. Name the layers with `module_filter` instead.", NoEffectWarning)
+             " precision. Drop first_last_blocks and name the layers with `module_filter` instead.", NoEffectWarning)
         return {}
     path, blocks = stack
     if 2 * n >= len(blocks):
         warn(f"FP8LayerPolicy(first_last_blocks={n}): `{path}` has {len(blocks)} blocks, so the first and last {n}"
              f" are all of them: no linear layer in them runs in fp8. Pass at most {(len(blocks) - 1) // 2} to keep"
-             " some.")
+             " some (0: off).")
     kept = {id(linear) for _, linear, _ in linears}
     out: dict[int, str] = {}
     for i, block in enumerate(blocks):
