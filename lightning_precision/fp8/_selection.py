@@ -27,6 +27,7 @@ __all__ = [
     "RecipeLike",
     "SCALING_FAMILIES",
     "ScalingFamily",
+    "block_stack",
     "check_module_filter",
     "format_summary",
     "functional_linears",
@@ -134,6 +135,7 @@ def select_fp8_layers(
     skip_first_last: bool = True,
     *,
     layer_policy: FP8LayerPolicy | None = None,
+    edges: Mapping[str, str] | None = None,
 ) -> list[LayerDecision]:
     """Decide, for every ``nn.Linear`` in ``module``, whether it runs in fp8. ``scaling_family`` is what the rules
     depend on: the per-tensor, per-row or block scaling of the recipe (``FP8Precision.scaling_family``; torchao's
@@ -145,14 +147,20 @@ def select_fp8_layers(
        block-scaled recipe (32 for MXFP8 and NVFP4, ``gemm_divisor``). Always applied.
     2. A layer whose forward never runs (``nn.MultiheadAttention.out_proj``) stays as it is. Always applied.
     3. ``module_filter(module, fqn)``, when given, decides alone for the rest.
-    4. Otherwise the first and last linear layers in registration order, among those that run as modules (rule 2's
-       are passed over), stay in high precision (``skip_first_last``). The aim is the input projection and the
-       classifier head, where e4m3's 3 explicit mantissa bits cost the most accuracy and which are usually small; that
-       holds when a model registers its layers in forward order (in a bare ``nn.TransformerEncoder`` the first is the
-       first feed-forward ``linear1``).
+    4. Otherwise the model's edges stay in high precision (``skip_first_last``): the layers that read its input (or
+       its embedding) and those that write its logits, where e4m3's 3 explicit mantissa bits cost the most accuracy.
+       ``edges`` (``{fqn: reason}``, from :class:`~lightning_precision.fp8._edges.EdgeRecorder` on a forward) names
+       them as seen: on DistilBERT layer 0's ``q_lin``, ``k_lin`` and ``v_lin`` and the classifier. Without ``edges``
+       (or with an empty mapping: no forward was seen) the first and last linear layers in registration order stand
+       in for them, among those that run as modules (rule 2's are passed over); that holds when a model registers
+       its layers in forward order and its input is read by one layer (in a bare ``nn.TransformerEncoder`` the first
+       is the first feed-forward ``linear1``). Besides, with ``first_last_blocks=N`` (Megatron's rule), every linear
+       layer in the first and last N blocks of :func:`block_stack` stays in high precision.
     5. Layers too small to gain are skipped (``skip_small_layers``; thresholds above).
 
-    A layer registered under several names is decided (and converted) once, under its first name.
+    A layer registered under several names is decided (and converted) once, under its first name; ``edges`` may name
+    it by any of them. A name in ``edges`` that is no ``nn.Linear`` of ``module`` is an error (a plan of another
+    model, or the names of a wrapper).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10))
@@ -165,6 +173,8 @@ def select_fp8_layers(
         [False, True, False]
         >>> [d.fp8 for d in select_fp8_layers(model, module_filter=lambda module, fqn: fqn == "0")]
         [True, False, False]
+        >>> [d.reason for d in select_fp8_layers(model, edges={"1": "writes the logits"})][1]
+        'writes the logits (kept in high precision for accuracy)'
     """
     policy = resolve_layer_policy("select_fp8_layers", layer_policy, module_filter=module_filter,
                                   skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
@@ -173,10 +183,15 @@ def select_fp8_layers(
     )
     linears = linear_layers(module)
     functional = functional_linears(module)
-    # MultiheadAttention's out_proj is registered first in a TransformerEncoder layer but never runs: choosing it would
-    # protect nothing and send the first layer that runs to fp8.
-    runs = [fqn for fqn, linear, _ in linears if id(linear) not in functional]
-    edge = {runs[-1]: "last", runs[0]: "first"} if runs else {}  # a lone layer: "first"
+    if edges:
+        edge = _named_edges(linears, edges)
+    else:
+        # MultiheadAttention's out_proj is registered first in a TransformerEncoder layer but never runs: choosing it
+        # would protect nothing and send the first layer that runs to fp8.
+        runs = [fqn for fqn, linear, _ in linears if id(linear) not in functional]
+        ends = {runs[-1]: "last", runs[0]: "first"} if runs else {}  # a lone layer: "first"
+        edge = {fqn: f"{end} linear layer that runs as a module" for fqn, end in ends.items()}
+    blocks = _edge_blocks(module, linears, policy.first_last_blocks) if policy.first_last_blocks else {}
     decisions = []
     divisor = gemm_divisor(scaling_family)
     for fqn, linear, aliases in linears:
@@ -189,13 +204,84 @@ def select_fp8_layers(
             fp8 = bool(module_filter(linear, fqn))
             reason = "module_filter" if fp8 else "excluded by module_filter"
         elif skip_first_last and fqn in edge:
-            fp8, reason = False, f"{edge[fqn]} linear layer that runs as a module (kept in high precision for accuracy)"
+            fp8, reason = False, f"{edge[fqn]} (kept in high precision for accuracy)"
+        elif id(linear) in blocks:
+            fp8, reason = False, blocks[id(linear)]
         elif skip_small_layers and _too_small(scaling_family, n, k):
             fp8, reason = False, f"too small to gain ({k}x{n} is under the {scaling_family} thresholds)"
         else:
             fp8, reason = True, "fp8"
         decisions.append(LayerDecision(fqn, k, n, fp8, reason, aliases))
     return decisions
+
+
+def _named_edges(linears: list[tuple[str, nn.Linear, tuple[str, ...]]], edges: Mapping[str, str]) -> dict[str, str]:
+    """``edges`` keyed by each layer's first name; a name that is no linear layer of the model is an error: a silent
+    miss would send an edge to fp8."""
+    if not isinstance(edges, Mapping):
+        raise TypeError(f"`select_fp8_layers(edges={edges!r})`: pass a mapping {{fqn: reason}}, as"
+                        " `EdgeRecorder.edges()` and `edges_of` return.")
+    first = {name: fqn for fqn, _, aliases in linears for name in (fqn, *aliases)}
+    unknown = sorted(set(edges) - set(first))
+    if unknown:
+        raise ValueError(f"`select_fp8_layers(edges=...)`: {', '.join(unknown)} is no nn.Linear of this model (its"
+                         f" layers: {', '.join(fqn for fqn, _, _ in linears) or 'none'}). Record the edges on this"
+                         " model, under its own names (`EdgeRecorder`, `edges_of`).")
+    out: dict[str, str] = {}
+    for name, reason in edges.items():
+        out.setdefault(first[name], reason)
+    return out
+
+
+def block_stack(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The model's stack of repeated blocks, as Megatron counts its layers: ``(path, blocks)`` of the first
+    ``nn.ModuleList`` or ``nn.Sequential`` in registration order (a container before what it holds) of which at least
+    two children hold an ``nn.Linear``, all of one class; the blocks are those children, in order (children without a
+    linear layer, an activation or a dropout, are not blocks). None when the model has no such stack.
+
+    DistilBERT: ``distilbert.transformer.layer`` (its ``TransformerBlock`` modules); ``nn.TransformerEncoder``: its
+    ``layers``; an ``nn.Sequential`` MLP: its linear layers. A model wrapped in an ``nn.Sequential`` beside other
+    modules (an input projection, a head) is passed over for the stack inside. Only the first stack counts: an
+    encoder-decoder's decoder blocks are not in it.
+
+    Example:
+        >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2), 3, enable_nested_tensor=False)
+        >>> model = nn.Sequential(nn.Linear(8, 16), encoder)
+        >>> path, blocks = block_stack(model)
+        >>> path, len(blocks), type(blocks[0]).__name__
+        ('1.layers', 3, 'TransformerEncoderLayer')
+    """
+    for path, container in module.named_modules():
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            holders = [child for child in container if any(isinstance(m, nn.Linear) for m in child.modules())]
+            if len(holders) >= 2 and len({type(child) for child in holders}) == 1:
+                return path, holders
+    return None
+
+
+def _edge_blocks(module: nn.Module, linears: list[tuple[str, nn.Linear, tuple[str, ...]]], n: int) -> dict[int, str]:
+    """``{id(linear): reason}`` for the linear layers in the first and last ``n`` blocks of ``block_stack``."""
+    stack = block_stack(module)
+    if stack is None:
+        warn(f"FP8LayerPolicy(first_last_blocks={n}): the model has no stack of repeated blocks (an nn.ModuleList or"
+             " nn.Sequential of two or more blocks of one class holding nn.Linear layers), so no block is kept in high"
+             " precision. Drop first_last_blocks and name the layers with `module_filter` instead.", NoEffectWarning)
+        return {}
+    path, blocks = stack
+    if 2 * n >= len(blocks):
+        warn(f"FP8LayerPolicy(first_last_blocks={n}): `{path}` has {len(blocks)} blocks, so the first and last {n}"
+             f" are all of them: no linear layer in them runs in fp8. Pass at most {(len(blocks) - 1) // 2} to keep"
+             " some (0: off).")
+    kept = {id(linear) for _, linear, _ in linears}
+    out: dict[int, str] = {}
+    for i, block in enumerate(blocks):
+        if i < n or i >= len(blocks) - n:
+            end = "first" if i < n else "last"
+            for m in block.modules():
+                if id(m) in kept:
+                    out.setdefault(id(m), f"in block {i} of {len(blocks)} of `{path}`, among the {end} {n}"
+                                          f" (first_last_blocks={n}: kept in high precision for accuracy)")
+    return out
 
 
 def check_module_filter(owner: str, module_filter: Any) -> None:
@@ -236,12 +322,24 @@ class FP8LayerPolicy:
     # Keep the first and last linear layers that run as modules in high precision: usually the input projection and the
     # classifier head, where e4m3's 3 mantissa bits cost the most accuracy, and small.
     skip_first_last: bool = True
+    # Megatron's "first/last N layers in high precision": every linear layer in the first and last N blocks of the
+    # model's stack of repeated blocks (`block_stack`: DistilBERT's `transformer.layer`) stays in high precision.
+    # 0: off. Beside `skip_first_last`, not instead of it: the embedding's readers and the head are outside the stack.
+    first_last_blocks: int = 0
 
     def validate(self, owner: str) -> None:
         check_module_filter(owner, self.module_filter)
         for name in ("skip_small_layers", "skip_first_last"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{owner}({name}={getattr(self, name)!r})`: pass True or False.")
+        n = self.first_last_blocks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"`{owner}(first_last_blocks={n!r})`: pass a whole number of blocks, 0 (off) or more:"
+                             " `FP8LayerPolicy(first_last_blocks=2)` keeps the first two and the last two blocks in"
+                             " high precision.")
+        if n and self.module_filter is not None:
+            raise ValueError(f"`{owner}(module_filter=..., first_last_blocks={n})`: the module_filter decides alone,"
+                             " so the blocks would not be kept. Keep them in the filter, or drop module_filter.")
 
 
 def resolve_layer_policy(owner: str, policy: FP8LayerPolicy | None, **flat: Any) -> FP8LayerPolicy:
