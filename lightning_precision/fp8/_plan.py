@@ -8,11 +8,12 @@ diffs against another; ``FP8Precision(layers=plan_or_path)`` applies one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
@@ -22,6 +23,7 @@ from torch import nn
 
 from lightning_precision._io import atomic_write_text, json_safe
 from lightning_precision.fp8._choice import choose
+from lightning_precision.fp8._edges import EdgeRecorder
 from lightning_precision.fp8._selection import (
     BLOCK_SCALED,
     SCALING_FAMILIES,
@@ -35,6 +37,7 @@ from lightning_precision.fp8._selection import (
     ScalingFamily,
     resolve_layer_policy,
     gemm_divisor,
+    linear_layers,
     select_fp8_layers,
 )
 from lightning_precision.fp8._sensitivity import (
@@ -797,6 +800,26 @@ def as_plan(layers: PlanLike) -> PrecisionPlan:
     return layers if isinstance(layers, PrecisionPlan) else PrecisionPlan.load(layers)
 
 
+def _measuring(policy: FP8LayerPolicy) -> FP8LayerPolicy:
+    """The layers to measure: those the policy leaves, and the first and last too, since which layers are edges (the
+    readers of the model's input, the writers of its logits) is known only once the forward has run."""
+    return dataclasses.replace(policy, skip_first_last=False) if policy.module_filter is None else policy
+
+
+@contextlib.contextmanager
+def _edges_while(model: nn.Module, policy: FP8LayerPolicy) -> Iterator[Callable[[], dict[str, str] | None]]:
+    """Record the edges during the measuring pass (``EdgeRecorder``: no forward of its own); yields what gives them
+    once the pass is over (None when ``skip_first_last`` is off or a filter decides: nothing to keep)."""
+    if not policy.skip_first_last or policy.module_filter is not None:
+        yield lambda: None
+        return
+    recorder = EdgeRecorder({fqn: m for fqn, m, _ in linear_layers(model)}, model=model)
+    try:
+        yield recorder.edges
+    finally:
+        recorder.close()
+
+
 def check_candidates(owner: str, candidates: Any) -> tuple[str, ...]:
     """``candidates`` as a tuple of format names, or a ``ValueError`` repeating ``owner``'s call."""
     if isinstance(candidates, str) or not isinstance(candidates, Iterable):
@@ -850,9 +873,11 @@ def make_plan(
                              " pass `candidates=(...)` too.")
         config = probe_config(recipe, "make_plan")
         scaling_family = torchao_scaling_family(config)
-        decisions = select_fp8_layers(model, scaling_family, layer_policy=policy)
-        sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in decisions if d.fp8],
-                                      autocast_dtype)
+        with _edges_while(model, policy) as edges:
+            measuring = select_fp8_layers(model, scaling_family, layer_policy=_measuring(policy))
+            sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in measuring if d.fp8],
+                                          autocast_dtype)
+        decisions = select_fp8_layers(model, scaling_family, layer_policy=policy, edges=edges())
         return PrecisionPlan.decide(decisions, sensitivity, plan_rule, scaling_family,
                                     high=high_label(autocast_dtype))
     names = check_candidates("make_plan", candidates if candidates is not None else (recipe,))
@@ -861,8 +886,11 @@ def make_plan(
                          " here. Leave `benchmark` off: the speed model predicts the savings (and says so).")
     # The speed model judges what is too small to gain, per format: the shape rule's size thresholds stand aside.
     shape_policy = dataclasses.replace(policy, skip_small_layers=False)
-    decisions = select_fp8_layers(model, "tensorwise", layer_policy=shape_policy)
-    measured = measure_candidates(model, batches, names, loss_fn, [d.fqn for d in decisions if d.fp8], autocast_dtype)
+    with _edges_while(model, policy) as edges:
+        measuring = select_fp8_layers(model, "tensorwise", layer_policy=_measuring(shape_policy))
+        measured = measure_candidates(model, batches, names, loss_fn, [d.fqn for d in measuring if d.fp8],
+                                      autocast_dtype)
+    decisions = select_fp8_layers(model, "tensorwise", layer_policy=shape_policy, edges=edges())
     high = high_label(autocast_dtype)
     savings = None
     if benchmark:
