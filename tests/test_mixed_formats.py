@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 pytest.importorskip("torchao", reason="the torchao backend needs `pip install 'lightning-precision[fp8]'`")
-from lightning_precision import FP8Precision  # noqa: E402
+from lightning_precision import FP8Precision, NoEffectWarning  # noqa: E402
 from lightning_precision import fabric as lp_fabric  # noqa: E402
 from lightning_precision.fp8 import LayerDecision, LayerPlan, PrecisionPlan, _torchao, convert_with_torchao  # noqa: E402
 from lightning_precision.fp8._selection import LADDER, TE_CANDIDATES, TORCHAO_CANDIDATES, format_summary  # noqa: E402
@@ -225,6 +225,25 @@ def test_a_plan_format_is_held_to_its_own_gemm_rules():
     decisions = {d.fqn: d for d in plugin.layer_decisions}
     assert not decisions["2"].fp8 and "not divisible by 32 (mxfp8 GEMM requirement)" in decisions["2"].reason
     assert decisions["4"].fp8 and decisions["4"].format == "rowwise" and format_of_layer(net[4]) == "rowwise"
+
+
+@needs_plan_formats
+def test_an_mxfp8_layer_short_of_a_block_is_reported_alone():
+    """Batches of 16 tokens: the MXFP8 layer runs every call in bf16 (its backward casts tokens in blocks of 32) and is
+    reported not fp8, with why and a warning naming it; the tensorwise and rowwise layers beside it stay fp8."""
+    plugin = lp_fabric.FP8Precision(emulate=True, layers=plan())
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = net_of()
+    model, opt = fabric.setup(net, optimizer(net))
+    x, y = next(iter(data(rows=16)))
+    with pytest.warns(NoEffectWarning, match=r"MXFP8 layers\): 1 layer\(s\) ran every training call.*8 \(16 tokens\)"):
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+    decisions = {d.fqn: d for d in plugin.layer_decisions}
+    assert not decisions["8"].fp8 and "not a multiple of 32" in decisions["8"].reason
+    assert [fqn for fqn, d in decisions.items() if d.fp8] == ["2", "4", "6"]
+    metrics = {k: float(v) for k, v in plugin.metrics().items()}
+    assert metrics["precision/fp8_layers"] == 3 and "precision/fp8_layers/mxfp8" not in metrics
+    assert metrics["precision/fp8_layers/rowwise"] == 1
 
 
 @needs_plan_formats
