@@ -215,6 +215,26 @@ def test_fabric_trains_mixed_formats_from_a_plan_file_and_resumes_them(tmp_path)
 
 
 @needs_plan_formats
+def test_resuming_under_a_plan_of_other_formats_says_so(tmp_path):
+    """The checkpoint's plan ran layer 4 in rowwise; resumed with a plan that runs it in the plugin's tensorwise, the
+    run says which layers changed format (the model converted as now asked), not silently."""
+    plugin = lp_fabric.FP8Precision(emulate=True, layers=plan())
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = net_of()
+    model, opt = fabric.setup(net, optimizer(net))
+    fabric.save(tmp_path / "state.ckpt", {"model": model, "opt": opt, "precision": plugin})
+    edited = plan().with_layer("4", "fp8", "edited")
+    again = lp_fabric.FP8Precision(emulate=True, layers=edited)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[again])
+    net = net_of()
+    model, opt = fabric.setup(net, optimizer(net))
+    with pytest.warns(UserWarning, match=r"runs 1 fp8 layer\(s\) in another format.*4: tensorwise now, rowwise in the"
+                                         r" checkpoint"):
+        fabric.load(tmp_path / "state.ckpt", {"model": model, "opt": opt, "precision": again})
+    assert format_of_layer(net[4]) == "tensorwise" and format_of_layer(net[8]) == "mxfp8"
+
+
+@needs_plan_formats
 def test_a_plan_format_is_held_to_its_own_gemm_rules():
     """An MXFP8 layer whose dims are not a multiple of 32 stays in high precision, with why, whatever the plugin's
     recipe allows (tensorwise asks 16)."""

@@ -789,6 +789,24 @@ class FP8Precision(ScaledPrecision):
                 self.plan = given
         else:  # converted already: what the run moved back to high precision stays there
             self.demote({f: p.reason for f, p in high.items()}, {f: p.numbers for f, p in high.items()})
+            self._warn_other_formats(saved, owner)
+
+    def _warn_other_formats(self, saved: PrecisionPlan, owner: str) -> None:
+        """Resuming into a converted model: fp8 layers the checkpoint's plan runs in another format than they were
+        converted in now (a plan edited between the runs). They cannot change format in place here: said, not
+        silent."""
+        differ = {}
+        for d in self.layer_decisions:
+            entry = saved.get(d.fqn)
+            if d.fp8 and entry is not None and _plan_format(entry.precision) is not None:
+                now, then = d.format or self._recipe_format, self._layer_format(entry.precision) or self._recipe_format
+                if now != then:
+                    differ[d.fqn] = f"{d.fqn}: {now} now, {then} in the checkpoint"
+        if differ:
+            warn(f"{owner}: resuming: the checkpoint's plan runs {len(differ)} fp8 layer(s) in another format than"
+                 f" this run converted them in ({'; '.join(differ.values())}). They train on in the format they run in"
+                 " now. To resume in the checkpoint's formats, pass its plan as `layers=` (the checkpoint's `plan`"
+                 " entry, read with `PrecisionPlan.from_dict`).")
 
     @override
     def _scaler_step(self, optimizer: Any, closure_step: Any = None, **kwargs: Any) -> Any:
