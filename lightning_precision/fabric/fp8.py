@@ -21,16 +21,28 @@ from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.fp8._hardware import check_fp8_hardware
-from lightning_precision.fp8._plan import FP8, HighLabel, PlanLike, PlanRule, PrecisionPlan, as_plan, high_label
+from lightning_precision.fp8._plan import (
+    FP8,
+    HIGH_LABELS,
+    HighLabel,
+    PlanLike,
+    PlanRule,
+    PrecisionPlan,
+    as_plan,
+    high_label,
+)
 from lightning_precision.fp8._selection import (
     BACKENDS,
     BLOCK_SCALED,
+    TE_CANDIDATES,
     TE_NVFP4,
+    TORCHAO_CANDIDATES,
     FP8LayerPolicy,
     LayerDecision,
     ModuleFilter,
     RecipeLike,
     ScalingFamily,
+    format_family,
     format_summary,
     resolve_layer_policy,
     select_fp8_layers,
@@ -46,6 +58,7 @@ from lightning_precision.fp8._torchao import (
     mxfp8_after_first_step,
     run_outside_inference_mode,
     torchao_config,
+    torchao_format_name,
     with_float8_all_gather,
 )
 from lightning_precision.fp8._watch import NEVER_RAN, ForwardWatch, warn_never_ran
@@ -63,6 +76,31 @@ _PRECISION_OF = {
 
 
 _CONVERTED = "_lightning_precision_fp8_converted"
+
+# Transformer Engine's layers compute in the one recipe of the `te.autocast` around the forward.
+_TE_ONE_RECIPE = (
+    "Transformer Engine runs every layer in the one recipe of `te.autocast(recipe=...)`. A different format per layer"
+    " needs Transformer Engine >= 2.16's experimental `CustomRecipe` (its quantizer factory sees each module's name,"
+    " `QuantizerRole.name`), which lightning-precision does not drive. Mixed per-layer formats run under"
+    " `backend='torchao'` (tensorwise, rowwise, rowwise_with_gw_hp and mxfp8 side by side; `emulate=True` anywhere)."
+)
+
+
+def _plan_format(precision: str) -> str | None:
+    """What a plan's ``precision`` runs a layer in: None for high precision, ``"fp8"`` for the plugin's recipe, else
+    the format's name."""
+    return None if precision in HIGH_LABELS else precision
+
+
+def _low_layers(plan: PrecisionPlan) -> frozenset[str]:
+    """The layers a plan runs in fp8, in the plugin's recipe or a format of their own."""
+    return frozenset(p.fqn for p in plan.layers if _plan_format(p.precision) is not None)
+
+
+def _default_candidates() -> tuple[str, ...]:
+    """The torchao formats ``layers="auto"`` chooses among when neither ``candidates`` nor ``recipe`` is given: the
+    per-tensor and per-row ones, which every fp8 GPU runs (MXFP8 needs compute capability 10.0)."""
+    return ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def _world_size() -> int:
@@ -170,11 +208,17 @@ class FP8Precision(ScaledPrecision):
             optimizer is untouched) and the plan is logged and kept in ``plan`` and in checkpoints. A plan made here
             belongs to its model: set up with another model, the plugin measures again. A ``PrecisionPlan`` or the
             path of a saved one (YAML/JSON): its fp8 layers, as saved (``skip_small_layers``/``skip_first_last`` do
-            not apply; a plan with ``module_filter`` is refused).
+            not apply; a plan with ``module_filter`` is refused). A plan's layer may name its own format
+            (``precision: rowwise``; ``"fp8"`` is the plugin's ``recipe``): under torchao each layer is converted in
+            its format, tensorwise, rowwise, rowwise_with_gw_hp and MXFP8 side by side.
         calibration_batches: with ``layers="auto"``, how many batches to measure (default 8): Trainer training steps
             (whatever the optimizers or the gradient accumulation), Fabric backward passes. With fp16 compute, batches
             whose step the loss scaler skipped (its overflows) are measured again.
         plan_rule: with ``layers="auto"``, the thresholds (``PlanRule()`` by default).
+        candidates: with ``layers="auto"``, the formats each layer chooses among (high precision is always a choice):
+            torchao's ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, ``"mxfp8"``. Default: the ``recipe``
+            when one is passed (fp8 in it or high precision, as before), else what the backend and the device run.
+            Transformer Engine runs one recipe per model: its only candidate is the plugin's ``recipe``.
         fsdp_float8_all_gather: torchao, tensorwise: FSDP2 all-gathers the fp8 layers' weights in fp8 (a quarter of
             fp32's bytes), and their scales are precomputed after each optimizer step. ``None`` (default): on when the
             model is known to be sharded by FSDP2 at conversion (the Trainer's ``ModelParallelStrategy``, with
@@ -206,6 +250,7 @@ class FP8Precision(ScaledPrecision):
         scaler: ScalerConfig | None = None,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
+        candidates: tuple[str, ...] | None = None,
     ) -> None:
         owner = type(self).__name__
         if backend not in BACKENDS:
@@ -239,6 +284,10 @@ class FP8Precision(ScaledPrecision):
                 check_fp8_hardware("cpu", backend, "", emulate=True)
             self.recipe = te_recipe(recipe if recipe is not None else "delayed", owner)
         self.scaling_family: ScalingFamily = scaling_family_of(backend, self.recipe)
+        # The format name of the plugin's recipe: a plan's layer in this format runs the recipe as configured. A torchao
+        # config that is none of the named recipes goes by its scaling family.
+        self._recipe_format: str = ((torchao_format_name(self.recipe) if backend == "torchao" else None)
+                                    or self.scaling_family)
         if (self.scaling_family == TE_NVFP4) != self._nvfp4:
             raise ValueError(f"`{owner}(recipe={recipe!r})`: NVFP4 is 4-bit, not fp8: use `NVFP4Precision()`."
                              if not self._nvfp4 else
@@ -256,6 +305,8 @@ class FP8Precision(ScaledPrecision):
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
         self.layers, self.calibration_batches, self.plan_rule = layers, calibration_batches, plan_rule
         self.plan: PrecisionPlan | None = self._check_layers(owner)
+        # With `layers="auto"`, the formats each layer chooses among (high precision is always a choice).
+        self.candidates: tuple[str, ...] = self._check_candidates(owner, candidates, recipe is not None)
         self._calibration: _Calibration | None = None
         self._float8_all_gather = False  # whether the converted layers all-gather in fp8
         self._scales: _fsdp.Float8ScalePrecompute | None = None
@@ -301,13 +352,84 @@ class FP8Precision(ScaledPrecision):
             raise ValueError(f"`{owner}(layers=<plan>, module_filter=...)`: a plan names its fp8 layers itself; pass"
                              " one or the other.")
         plan = as_plan(layers)
+        shown = "<PrecisionPlan>" if isinstance(layers, PrecisionPlan) else repr(str(layers))
+        self._check_plan_formats(plan, f"`{owner}(layers={shown})`")
         # Warned, not refused: the plan is still a valid choice of layers, and some plugins can only be given a plan
         # measured with another cast (Transformer Engine under FSDP2, block-scaled recipes that cannot be measured).
         mismatch = plan.recipe_mismatch(self.scaling_family)
         if mismatch:
-            shown = "<PrecisionPlan>" if isinstance(layers, PrecisionPlan) else repr(str(layers))
             warn(f"`{owner}(layers={shown})`: {mismatch}")
         return plan
+
+    def _layer_format(self, precision: str) -> str | None:
+        """The ``LayerDecision.format`` of a plan's low-precision layer: None where it runs the plugin's recipe
+        (``"fp8"``, or the recipe's own name), else the format's name."""
+        return None if precision in (FP8, self._recipe_format) else precision
+
+    def _check_plan_formats(self, plan: PrecisionPlan, where: str) -> None:
+        """The formats a plan names must run on this backend: torchao's side by side; under Transformer Engine, the
+        plugin's one recipe."""
+        formats = {p.fqn: self._layer_format(p.precision) for p in plan.layers if _plan_format(p.precision)}
+        if self.backend == "torchao":
+            other = {fqn: f for fqn, f in formats.items() if f is not None and f not in TORCHAO_CANDIDATES}
+            if other:
+                fqn, fmt = next(iter(other.items()))
+                raise ValueError(f"{where}: the plan runs {len(other)} layer(s) in a format torchao does not have"
+                                 f" ({fqn!r}: {fmt!r}); torchao's are {', '.join(TORCHAO_CANDIDATES)} (or 'fp8': the"
+                                 f" plugin's recipe). Write one of them, or use the backend whose format it is.")
+            if self.fsdp_float8_all_gather and any(
+                    format_family(f) != "tensorwise" for f in formats.values() if f is not None):
+                raise ValueError(f"{where}, fsdp_float8_all_gather=True: torchao all-gathers in fp8 with tensorwise"
+                                 " scaling only, and the plan runs layers in other formats. Leave"
+                                 " `fsdp_float8_all_gather` unset, or make those layers tensorwise.")
+            return
+        named = {fqn: f for fqn, f in formats.items() if f is not None}
+        if not named:
+            return
+        unknown = {f for f in named.values() if f not in TE_CANDIDATES}
+        distinct = sorted(set(named.values()))
+        if unknown:
+            fix = (f"Transformer Engine's are {', '.join(TE_CANDIDATES)} (or 'fp8': the plugin's recipe); torchao's"
+                   " formats run with `backend='torchao'`.")
+        elif len(distinct) == 1:
+            fix = (f"This plugin's recipe is {self._recipe_format!r}: pass `recipe={distinct[0]!r}` to run them in"
+                   f" it. {_TE_ONE_RECIPE}")
+        else:
+            fix = _TE_ONE_RECIPE
+        shown = ", ".join(f"{fqn}: {f}" for fqn, f in list(named.items())[:4]) + (", ..." if len(named) > 4 else "")
+        raise ValueError(f"{where}: the plan runs layers in {', '.join(map(repr, distinct))} beside this plugin's"
+                         f" {self._recipe_format!r} ({shown}). {fix}")
+
+    def _check_candidates(self, owner: str, candidates: Any, recipe_given: bool) -> tuple[str, ...]:
+        """``candidates`` checked, or its default: the recipe asked for (one candidate: fp8 or high precision, as
+        before), else what the backend and the device run."""
+        if candidates is None:
+            # Transformer Engine runs one recipe per model: the plugin's is its one candidate.
+            return _default_candidates() if not recipe_given and self.backend == "torchao" else (self._recipe_format,)
+        if self.layers != "auto":
+            raise ValueError(f"`{owner}(candidates={candidates!r})` applies to `layers='auto'` only: the formats it"
+                             " chooses among. A plan names each layer's format itself.")
+        call = f"`{owner}(layers='auto', candidates={candidates!r})`"
+        known = TORCHAO_CANDIDATES if self.backend == "torchao" else TE_CANDIDATES
+        example = "candidates=('tensorwise', 'rowwise')" if self.backend == "torchao" else \
+            f"candidates=({self._recipe_format!r},)"
+        if isinstance(candidates, str) or not isinstance(candidates, (tuple, list)):
+            raise ValueError(f"{call}: a tuple of format names, e.g. `{example}`; {self.backend}'s are"
+                             f" {', '.join(known)}.")
+        if not candidates:
+            raise ValueError(f"{call}: name at least one format, e.g. `{example}` (high precision is always a"
+                             " choice), or leave `candidates` out for what this backend and device run.")
+        for name in candidates:
+            if not isinstance(name, str) or name not in known:
+                high = " High precision is always a choice: leave it out." if name in HIGH_LABELS or name == FP8 \
+                    else ""
+                raise ValueError(f"{call}: {name!r} is not a {self.backend} format; use {', '.join(known)}.{high}")
+        repeated = sorted({name for name in candidates if candidates.count(name) > 1})
+        if repeated:
+            raise ValueError(f"{call}: {', '.join(map(repr, repeated))} named more than once; name each format once.")
+        if self.backend != "torchao" and tuple(candidates) != (self._recipe_format,):
+            raise ValueError(f"{call}: this plugin's recipe is {self._recipe_format!r}. {_TE_ONE_RECIPE}")
+        return tuple(candidates)
 
     # The layer choice is `layer_policy`; these read it, for code written against the flat arguments.
     module_filter = property(lambda self: self.layer_policy.module_filter)
@@ -365,22 +487,32 @@ class FP8Precision(ScaledPrecision):
         return self._swap(module, decisions)
 
     def _decisions_of_plan(self, module: Module, plan: PrecisionPlan) -> list[LayerDecision]:
-        """fp8 where the plan says so and the rules that always hold (divisibility, a forward that runs) allow."""
-        hard = select_fp8_layers(module, self.scaling_family, module_filter=lambda m, fqn: True)
-        unknown = sorted(plan.fp8_layers - {d.fqn for d in hard})
+        """fp8 where the plan says so, each layer in the format it names, where the rules that always hold for that
+        format (divisibility, a forward that runs) allow."""
+        self._check_plan_formats(plan, type(self).__name__)  # a plan restored from a checkpoint is checked here
+        every = lambda m, fqn: True  # noqa: E731  (the hard rules alone)
+        hard = select_fp8_layers(module, self.scaling_family, module_filter=every)
+        unknown = sorted(_low_layers(plan) - {d.fqn for d in hard})
         if unknown:
             raise ValueError(f"{type(self).__name__}: the plan puts layers in fp8 that this model does not have as"
                              f" nn.Linear: {', '.join(unknown)}. Is it the plan of another model?")
         entries = {p.fqn: p for p in plan.layers}
+        rules = {self.scaling_family: {d.fqn: d for d in hard}}  # the hard rules per scaling family, made once each
         out = []
         for d in hard:
             entry = entries.get(d.fqn)
-            if not d.fp8:
-                out.append(d)
+            low = entry is not None and _plan_format(entry.precision) is not None
+            fmt = self._layer_format(entry.precision) if entry is not None and low else None
+            family = format_family(fmt) if fmt is not None else self.scaling_family
+            if family not in rules:
+                rules[family] = {r.fqn: r for r in select_fp8_layers(module, family, module_filter=every)}
+            rule = rules[family][d.fqn]
+            if not rule.fp8:
+                out.append(rule)
             elif entry is None:
-                out.append(dataclasses.replace(d, fp8=False, reason="not in the plan"))
+                out.append(dataclasses.replace(rule, fp8=False, reason="not in the plan"))
             else:
-                out.append(dataclasses.replace(d, fp8=entry.precision == "fp8", reason=f"plan: {entry.reason}"))
+                out.append(dataclasses.replace(rule, fp8=low, reason=f"plan: {entry.reason}", format=fmt))
         return out
 
     def _start_calibration(self, module: Module, decisions: list[LayerDecision]) -> Module:
@@ -422,9 +554,15 @@ class FP8Precision(ScaledPrecision):
                  f" {probe.batches}.")
         not_measured = (f"not measured: all {probe.dropped} batches measured had non-finite values"
                         if probe.dropped and not probe.batches else None)
-        self.plan = PrecisionPlan.decide(calibration.decisions, sensitivity, self.plan_rule, self.scaling_family,
-                                         not_measured=not_measured, high=self._high)
+        self.plan = self._decide(calibration.decisions, sensitivity, not_measured)
         self._apply_plan(calibration.module)
+
+    def _decide(self, decisions: list[LayerDecision], sensitivity: dict[str, Any],
+                not_measured: str | None = None) -> PrecisionPlan:
+        """``layers="auto"``'s plan from the shape rules' ``decisions`` and what was measured: each layer in fp8 where
+        ``plan_rule`` accepts its numbers, else in high precision."""
+        return PrecisionPlan.decide(decisions, sensitivity, self.plan_rule, self.scaling_family,
+                                    not_measured=not_measured, high=self._high)
 
     def _apply_plan(self, module: Module, restored: bool = False) -> Module:
         """Convert as ``layers="auto"``'s plan says, and print it once: the plan's table, with its numbers."""
@@ -469,7 +607,9 @@ class FP8Precision(ScaledPrecision):
             return False
         if self.fsdp_float8_all_gather is None and not self._to_be_sharded(module):
             return False
-        why_not = float8_all_gather_possible(self.scaling_family)
+        # Every fp8 layer must be tensorwise: one layer of another format is enough to refuse.
+        families = sorted(self._families(self.layer_decisions) or {self.scaling_family})
+        why_not = next(filter(None, map(float8_all_gather_possible, families)), None)
         if why_not is None:
             return True
         if self.fsdp_float8_all_gather:  # asked for explicitly (tensorwise is checked at construction)
@@ -477,6 +617,10 @@ class FP8Precision(ScaledPrecision):
                                " all-gather in the policy's dtype.")
         rank_zero_info(f"fp8: weights are all-gathered in the policy's dtype, not in fp8: {why_not}.")
         return False
+
+    def _families(self, decisions: list[LayerDecision]) -> set[str]:
+        """The scaling families the fp8 layers of ``decisions`` compute in (their own formats, or the recipe's)."""
+        return {format_family(d.format) if d.format is not None else self.scaling_family for d in decisions if d.fp8}
 
     @override
     def _on_sharded(self, module: Module) -> None:
@@ -550,7 +694,7 @@ class FP8Precision(ScaledPrecision):
         for fqn in chosen:
             plan = plan.with_layer(fqn, self._high, layers[fqn], (numbers or {}).get(fqn))
         self.plan = plan
-        self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=f"demoted: {layers[d.fqn]}")
+        self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=f"demoted: {layers[d.fqn]}", format=None)
                                 if d.fqn in chosen else d for d in self.layer_decisions]
         if self._fp8_layers is not None:
             self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
@@ -613,12 +757,12 @@ class FP8Precision(ScaledPrecision):
             # The checkpoint's plan is what the run trained with, FP8Guard's demotions included; the given one is what
             # the user asks for now (perhaps edited after a divergence). Neither is dropped: a layer stays in fp8 only
             # where both say fp8, and nothing is promoted to fp8 behind the optimizer's back.
-            differ = sorted(given.fp8_layers ^ saved.fp8_layers)
+            differ = sorted(_low_layers(given) ^ _low_layers(saved))
             if differ:
                 def says(plan: PrecisionPlan, fqn: str) -> str:
                     entry = plan.get(fqn)
-                    if fqn in plan.fp8_layers:
-                        return "fp8"
+                    if fqn in _low_layers(plan):
+                        return entry.precision if entry else FP8
                     return f"{entry.precision} ({entry.reason})" if entry else "not listed"
 
                 shown = "<PrecisionPlan>" if isinstance(self.layers, PrecisionPlan) else repr(str(self.layers))
@@ -628,9 +772,9 @@ class FP8Precision(ScaledPrecision):
                      + f". They run in {self.compute_dtype}: on resume a layer stays in fp8 only where both plans"
                      " say fp8. To train a layer in fp8 that the checkpoint keeps in high precision, start a new fit"
                      " from the checkpoint's weights (not `ckpt_path=`).")
-            high = {p.fqn: p for p in saved.layers if p.precision != FP8 and p.fqn in given.fp8_layers}
+            high = {p.fqn: p for p in saved.layers if _plan_format(p.precision) is None and p.fqn in _low_layers(given)}
         else:
-            high = {p.fqn: p for p in saved.layers if p.precision != FP8}
+            high = {p.fqn: p for p in saved.layers if _plan_format(p.precision) is None}
         if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
             self.plan = saved
             calibration, self._calibration = self._calibration, None
@@ -645,6 +789,24 @@ class FP8Precision(ScaledPrecision):
                 self.plan = given
         else:  # converted already: what the run moved back to high precision stays there
             self.demote({f: p.reason for f, p in high.items()}, {f: p.numbers for f, p in high.items()})
+            self._warn_other_formats(saved, owner)
+
+    def _warn_other_formats(self, saved: PrecisionPlan, owner: str) -> None:
+        """Resuming into a converted model: fp8 layers the checkpoint's plan runs in another format than they were
+        converted in now (a plan edited between the runs). They cannot change format in place here: said, not
+        silent."""
+        differ = {}
+        for d in self.layer_decisions:
+            entry = saved.get(d.fqn)
+            if d.fp8 and entry is not None and _plan_format(entry.precision) is not None:
+                now, then = d.format or self._recipe_format, self._layer_format(entry.precision) or self._recipe_format
+                if now != then:
+                    differ[d.fqn] = f"{d.fqn}: {now} now, {then} in the checkpoint"
+        if differ:
+            warn(f"{owner}: resuming: the checkpoint's plan runs {len(differ)} fp8 layer(s) in another format than"
+                 f" this run converted them in ({'; '.join(differ.values())}). They train on in the format they run in"
+                 " now. To resume in the checkpoint's formats, pass its plan as `layers=` (the checkpoint's `plan`"
+                 " entry, read with `PrecisionPlan.from_dict`).")
 
     @override
     def _scaler_step(self, optimizer: Any, closure_step: Any = None, **kwargs: Any) -> Any:
@@ -708,8 +870,9 @@ class FP8Precision(ScaledPrecision):
         self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
         for fqn, decision in restored.items():
             entry = self.plan.get(fqn) if self.plan is not None else None
-            if self.plan is not None and entry is not None and entry.precision != FP8 and entry.reason == was.get(fqn):
-                self.plan = self.plan.with_layer(fqn, FP8, decision.reason)
+            if self.plan is not None and entry is not None and _plan_format(entry.precision) is None \
+                    and entry.reason == was.get(fqn):
+                self.plan = self.plan.with_layer(fqn, decision.format or FP8, decision.reason)
 
     def _judge_mxfp8(self, watch: ForwardWatch, ran: list[str]) -> None:
         """MXFP8 layers among ``ran`` (each in the backward after its first call) that ran but never in MXFP8 (too few
@@ -742,6 +905,10 @@ class FP8Precision(ScaledPrecision):
         metrics = super().metrics()  # the loss scale and skipped steps, where there are
         if self._fp8_layers is not None:
             metrics["precision/fp8_layers"] = torch.tensor(float(self._fp8_layers))
+            if any(d.format is not None for d in self.layer_decisions if d.fp8):  # mixed formats: each one's count
+                formats = [d.format or self._recipe_format for d in self.layer_decisions if d.fp8]
+                for fmt in dict.fromkeys(formats):
+                    metrics[f"precision/fp8_layers/{fmt}"] = torch.tensor(float(formats.count(fmt)))
         return metrics
 
     @override
@@ -750,8 +917,9 @@ class FP8Precision(ScaledPrecision):
         # While `layers="auto"` measures, its eligible layers are the ones that will run in fp8: checked now, not
         # after the measured batches.
         eligible = self._calibration.decisions if self._calibration is not None else self.layer_decisions
-        if any(d.fp8 for d in eligible):
-            check_fp8_hardware(device_type, self.backend, self.scaling_family, self.emulate, type(self).__name__)
+        # Each format the layers compute in, block-scaled first: MXFP8 asks the most of the device.
+        for family in sorted(self._families(eligible), key=lambda family: (family not in BLOCK_SCALED, family)):
+            check_fp8_hardware(device_type, self.backend, family, self.emulate, type(self).__name__)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from torch import nn
 
@@ -17,9 +17,12 @@ __all__ = [
     "BACKENDS",
     "BLOCK_SCALED",
     "HYBRID_FORMAT",
+    "LADDER",
     "TENSORS",
+    "TE_CANDIDATES",
     "TE_NVFP4",
     "TE_RECIPES",
+    "TORCHAO_CANDIDATES",
     "TORCHAO_RECIPES",
     "FP8LayerPolicy",
     "LayerDecision",
@@ -29,6 +32,7 @@ __all__ = [
     "ScalingFamily",
     "block_stack",
     "check_module_filter",
+    "format_family",
     "format_summary",
     "functional_linears",
     "gemm_divisor",
@@ -54,6 +58,14 @@ TE_RECIPES = ("delayed", "current", "mxfp8", "block")
 # NVFP4 is not fp8: its own plugin (NVFP4Precision) names it; the TE table below holds it beside the fp8 recipes.
 TE_NVFP4 = "nvfp4"
 
+# The formats a layer may compute in, per backend: what `FP8Precision(candidates=...)` chooses among and what a plan's
+# `precision` may name besides "fp8" (the plugin's own recipe) and the high labels.
+TORCHAO_CANDIDATES = TORCHAO_RECIPES
+TE_CANDIDATES = (*TE_RECIPES, TE_NVFP4)
+# The rungs a failing layer steps down, most aggressive first; "fp8" stands for every per-tensor or per-row format
+# (tensorwise, rowwise, rowwise_with_gw_hp, delayed, current, block). Below the last rung is high precision.
+LADDER = ("nvfp4", "mxfp8", "fp8")
+
 # The scaling family: what the layer rules, the hardware checks and a plan depend on. torchao's recipes fall in three
 # (tensorwise; rowwise, rowwise_with_gw_hp included; mxfp8), Transformer Engine's recipes are each their own (delayed,
 # current, mxfp8, block, nvfp4), and "custom" is a TE recipe object of another class.
@@ -65,6 +77,21 @@ SCALING_FAMILIES: tuple[ScalingFamily, ...] = get_args(ScalingFamily)
 # Engine asks 32 of its NVFP4 GEMMs' dims).
 _DIVISOR = {"mxfp8": 32, TE_NVFP4: 32}
 BLOCK_SCALED = tuple(_DIVISOR)
+
+
+def format_family(fmt: str) -> ScalingFamily:
+    """The scaling family of a format name (a candidate): what its GEMM rules and hardware checks depend on.
+
+    Example:
+        >>> format_family("rowwise_with_gw_hp"), format_family("mxfp8"), format_family("delayed")
+        ('rowwise', 'mxfp8', 'delayed')
+    """
+    if fmt == "rowwise_with_gw_hp":
+        return "rowwise"
+    if fmt not in SCALING_FAMILIES or fmt == "custom":
+        known = ", ".join(dict.fromkeys(TORCHAO_CANDIDATES + TE_CANDIDATES))
+        raise ValueError(f"{fmt!r} is not a format; one of {known}.")
+    return cast(ScalingFamily, fmt)
 
 
 def gemm_divisor(scaling_family: str) -> int:
@@ -94,7 +121,8 @@ def _too_small(scaling_family: str, n: int, k: int) -> bool:
 @dataclass(frozen=True)
 class LayerDecision:
     """Whether one linear layer runs in fp8, and why. ``aliases`` are its other paths in the model (one module
-    registered under several names is one layer, converted once)."""
+    registered under several names is one layer, converted once). ``format``: the format an fp8 layer computes in
+    when it is not the plugin's recipe (``None``), e.g. ``"rowwise"`` or ``"mxfp8"`` beside tensorwise layers."""
 
     fqn: str
     in_features: int
@@ -102,6 +130,7 @@ class LayerDecision:
     fp8: bool
     reason: str
     aliases: tuple[str, ...] = ()
+    format: str | None = None
 
 
 def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear, tuple[str, ...]]]:
@@ -362,7 +391,9 @@ def replace_modules(root: nn.Module, replacements: dict[int, nn.Module]) -> nn.M
 
 
 def format_summary(decisions: list[LayerDecision]) -> str:
-    """``select_fp8_layers``'s decisions as the table ``FP8Precision`` logs: one line per layer, with why.
+    """``select_fp8_layers``'s decisions as the table ``FP8Precision`` logs: one line per layer, with why. An fp8 layer
+    shows its own format where it has one (``LayerDecision.format``), ``fp8`` where it runs the plugin's recipe; the
+    head counts each format when they are mixed.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 10))
@@ -371,12 +402,18 @@ def format_summary(decisions: list[LayerDecision]) -> str:
           0      32 -> 64      fp8   fp8
           1      64 -> 10      high  dims 64x10 not divisible by 16 (tensorwise GEMM requirement)
     """
+    labels = [(d.format or "fp8") if d.fp8 else "high" for d in decisions]
     n = sum(d.fp8 for d in decisions)
-    lines = [f"fp8: {n} of {len(decisions)} linear layers run in fp8"]
+    head = f"fp8: {n} of {len(decisions)} linear layers run in fp8"
+    counts = {label: labels.count(label) for label in labels if label != "high"}
+    if any(d.fp8 and d.format for d in decisions):
+        head += " (" + ", ".join(f"{label} {count}" for label, count in counts.items()) + ")"
+    lines = [head]
     width = max((len(d.fqn) for d in decisions), default=5)
-    for d in decisions:
+    label_width = max([4, *(len(label) for label in labels)])
+    for d, label in zip(decisions, labels, strict=True):
         also = f" (also {', '.join(d.aliases)})" if d.aliases else ""
-        lines.append(f"  {d.fqn:<{width}}  {d.in_features:>6} -> {d.out_features:<6}  {'fp8 ' if d.fp8 else 'high'}"
+        lines.append(f"  {d.fqn:<{width}}  {d.in_features:>6} -> {d.out_features:<6}  {label:<{label_width}}"
                      f"  {d.reason}{also}")
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from lightning_precision import _fsdp, _imports
 from lightning_precision._upstream import torchao as upstream
 from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fp8._selection import (
+    TORCHAO_CANDIDATES,
     TORCHAO_RECIPES,
     LayerDecision,
     ScalingFamily,
@@ -35,12 +36,14 @@ __all__ = [
     "demote_torchao_layer",
     "float8_all_gather_possible",
     "float8_linear_class",
+    "layer_config",
     "mark_ran",
     "mxfp8_after_first_step",
     "mxfp8_linear_module",
     "run_outside_inference_mode",
     "to_mxfp8_linear",
     "torchao_config",
+    "torchao_format_name",
     "torchao_scaling_family",
     "with_float8_all_gather",
 ]
@@ -167,22 +170,49 @@ def torchao_scaling_family(config: Any) -> ScalingFamily:
     return "tensorwise" if granularity == ScalingGranularity.TENSORWISE else "rowwise"
 
 
+def torchao_format_name(config: Any) -> str | None:
+    """The format name (``TORCHAO_CANDIDATES``) of a torchao config, whatever its emulation and float8 all-gather; None
+    for a config that is none of the named recipes (its options changed)."""
+    if isinstance(config, MXFP8Recipe):
+        return "mxfp8"
+    plain = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
+    return next((name for name in TORCHAO_CANDIDATES
+                 if name != "mxfp8" and plain == torchao_config(name, config.emulate)), None)
+
+
+def layer_config(config: Any, fmt: str | None) -> Any:
+    """What a layer in format ``fmt`` converts with, under a plugin whose torchao config is ``config``: ``config``
+    itself for ``None`` (the plugin's recipe, its options included), else the named recipe with ``config``'s
+    emulation. Float8 all-gather carries over to a tensorwise layer only (torchao all-gathers tensorwise weights
+    only)."""
+    if fmt is None:
+        return config
+    if fmt not in TORCHAO_CANDIDATES:
+        raise ValueError(f"{fmt!r} is not a torchao format; one of {', '.join(TORCHAO_CANDIDATES)}.")
+    layer = torchao_config(fmt, config.emulate)
+    if getattr(config, "enable_fsdp_float8_all_gather", False) and torchao_scaling_family(layer) == "tensorwise":
+        layer = with_float8_all_gather(layer)
+    return layer
+
+
 def convert_with_torchao(module: nn.Module, config: Any, decisions: list[LayerDecision]) -> nn.Module:
-    """The chosen layers as torchao ``Float8Linear`` (same Parameter objects), by module: a layer registered under
-    several names becomes one ``Float8Linear`` under all of them."""
+    """The chosen layers as torchao fp8 layers (same Parameter objects): ``Float8Linear`` by module (a layer registered
+    under several names becomes one ``Float8Linear`` under all of them), MXFP8 in place. Each layer in its own format
+    where its decision names one (``LayerDecision.format``: tensorwise, rowwise, rowwise_with_gw_hp and MXFP8 layers
+    side by side), else in ``config``."""
     convert_to_float8_training = _imports.import_quietly("torchao.float8").convert_to_float8_training
 
-    chosen = {d.fqn for d in decisions if d.fp8}
-    if isinstance(config, MXFP8Recipe):
-        for fqn, m, _ in linear_layers(module):
-            if fqn in chosen:
-                to_mxfp8_linear(m, config, fqn)
-        return module
-    # torchao's public verb converts a bare nn.Linear into its Float8Linear, reusing weight and bias.
-    replacements = {id(m): convert_to_float8_training(m, config=config) for fqn, m, _ in linear_layers(module)
-                    if fqn in chosen}
-    for layer in replacements.values():
-        layer.__class__ = float8_linear_class()
+    configs = {d.fqn: layer_config(config, d.format) for d in decisions if d.fp8}
+    replacements = {}
+    for fqn, m, _ in linear_layers(module):
+        layer = configs.get(fqn)
+        if isinstance(layer, MXFP8Recipe):
+            to_mxfp8_linear(m, layer, fqn)
+        elif layer is not None:
+            # torchao's public verb converts a bare nn.Linear into its Float8Linear, reusing weight and bias.
+            replacements[id(m)] = convert_to_float8_training(m, config=layer)
+    for converted in replacements.values():
+        converted.__class__ = float8_linear_class()
     return replace_modules(module, replacements)
 
 
@@ -354,12 +384,13 @@ def mxfp8_after_first_step(layers: Mapping[str, nn.Module], dtype: torch.dtype, 
         # and no choice of sequence length helps them.
         fix = (f"They see fewer tokens than the model's other MXFP8 layers (a head over pooled tokens, say). Exclude"
                f" them, as they run in {dtype} anyway: `module_filter=lambda module, fqn: fqn not in"
-               f" {set(short)!r}` (it replaces the default layer rules), or give them a multiple of 32 tokens (a"
-               " batch size that is, for a head that sees one token per sample).")
+               f" {set(short)!r}` (it replaces the default layer rules; with a plan, write them in high precision"
+               " there), or give them a multiple of 32 tokens (a batch size that is, for a head that sees one token per"
+               " sample).")
     else:
         fix = ("No MXFP8 layer ran in MXFP8: batch x sequence is what is short. Make it a multiple of 32 (pad sequences"
                " to a multiple of 32, e.g. a tokenizer's `pad_to_multiple_of=32`, or choose such a batch size).")
-    warn(f"{owner}(recipe='mxfp8'): {len(short)} layer(s) ran every training call of the first step they ran in"
+    warn(f"{owner} (MXFP8 layers): {len(short)} layer(s) ran every training call of the first step they ran in"
          f" {dtype}, not in MXFP8, because the tokens reaching them are not a multiple of {MXFP8_TOKENS} (the block"
          f" MXFP8's backward casts tokens in): {named}. `layer_decisions` and `precision/fp8_layers` count them as not"
          f" fp8 (and as fp8 again if a later call runs in MXFP8). {fix}", NoEffectWarning)
@@ -384,7 +415,7 @@ def with_float8_all_gather(config: Any) -> Any:
 def float8_all_gather_possible(scaling_family: str) -> str | None:
     """None if torchao's float8 all-gather can run here, else why not."""
     if scaling_family != "tensorwise":
-        return f"torchao all-gathers in fp8 with tensorwise scaling only (this recipe is {scaling_family})"
+        return f"torchao all-gathers in fp8 with tensorwise scaling only (these layers are {scaling_family})"
     if _fsdp.process_group_backend() == "gloo" and not _fsdp.custom_all_gather_supported():
         return (f"gloo has no float8 dtype, and torch {torch.__version__} cannot give FSDP2 the uint8 all-gather that"
                 " carries it (torch >= 2.8 can)")
