@@ -14,8 +14,8 @@ from lightning_precision.fp8._choice import choose
 def _brute(options, budget):
     best = None
     for picks in itertools.product(*(range(len(layer)) for layer in options)):
-        error = sum(layer[j][0] for layer, j in zip(options, picks))
-        value = sum(layer[j][1] for layer, j in zip(options, picks))
+        error = sum(layer[j][0] for layer, j in zip(options, picks, strict=True))
+        value = sum(layer[j][1] for layer, j in zip(options, picks, strict=True))
         if error <= budget and (best is None or value > best):
             best = value
     return best
@@ -32,8 +32,8 @@ def test_matches_brute_force_on_small_layer_counts(seed):
         budget = rng.choice([0.0, 0.3, rng.random() * 3, math.inf])
         picks = choose(options, budget)
         assert len(picks) == layers
-        error = sum(layer[j][0] for layer, j in zip(options, picks))
-        value = sum(layer[j][1] for layer, j in zip(options, picks))
+        error = sum(layer[j][0] for layer, j in zip(options, picks, strict=True))
+        value = sum(layer[j][1] for layer, j in zip(options, picks, strict=True))
         assert error <= budget
         assert value == pytest.approx(_brute(options, budget), abs=1e-9)
 

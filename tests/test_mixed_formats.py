@@ -20,19 +20,6 @@ pytestmark = pytest.mark.skipif(not (has_mxfp8() and rowwise_emulates_on_cpu()),
                                 reason="this torchao cannot emulate rowwise under CPU autocast or has no MXFP8 layer")
 
 
-def _plans_name_formats() -> bool:
-    try:
-        LayerPlan("x", "rowwise", "")
-    except ValueError:
-        return False
-    return True
-
-
-# A plan's `precision` naming a format is the plan module's side of this feature: until `LayerPlan` accepts format
-# names, the tests that go through a plan say so (skipped), and the conversion itself is tested without a plan below.
-needs_plan_formats = pytest.mark.skipif(not _plans_name_formats(),
-                                        reason="LayerPlan.precision does not accept format names yet (fp8/_plan.py)")
-
 STEPS, BATCHES, ROWS, WIDTH = 16, 4, 32, 64  # MXFP8's backward casts the tokens in blocks of 32
 # Layer path -> the plan's precision: "fp8" is the plugin's recipe (tensorwise), the others each their own format.
 FORMATS = {"0": "bf16", "2": "fp8", "4": "rowwise", "6": "rowwise_with_gw_hp", "8": "mxfp8", "10": "bf16"}
@@ -149,7 +136,6 @@ def test_layer_config_keeps_the_plugins_emulation_and_its_own_recipe():
 # ---- the plugin, with a plan naming formats -------------------------------------------------------------------------
 
 
-@needs_plan_formats
 def test_trainer_trains_mixed_formats_and_resumes_them(tmp_path):
     model = Net()
     plugin = FP8Precision(emulate=True, layers=plan("net."))
@@ -178,7 +164,6 @@ def test_trainer_trains_mixed_formats_and_resumes_them(tmp_path):
     assert all(torch.isfinite(torch.tensor(resumed.losses))) and len(resumed.losses) == 4
 
 
-@needs_plan_formats
 def test_fabric_trains_mixed_formats_from_a_plan_file_and_resumes_them(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text("version: 1\nrecipe: tensorwise\nlayers:\n" + "".join(
@@ -214,7 +199,6 @@ def test_fabric_trains_mixed_formats_from_a_plan_file_and_resumes_them(tmp_path)
     assert again.plan == plugin.plan
 
 
-@needs_plan_formats
 def test_resuming_under_a_plan_of_other_formats_says_so(tmp_path):
     """The checkpoint's plan ran layer 4 in rowwise; resumed with a plan that runs it in the plugin's tensorwise, the
     run says which layers changed format (the model converted as now asked), not silently."""
@@ -234,7 +218,6 @@ def test_resuming_under_a_plan_of_other_formats_says_so(tmp_path):
     assert format_of_layer(net[4]) == "tensorwise" and format_of_layer(net[8]) == "mxfp8"
 
 
-@needs_plan_formats
 def test_a_plan_format_is_held_to_its_own_gemm_rules():
     """An MXFP8 layer whose dims are not a multiple of 32 stays in high precision, with why, whatever the plugin's
     recipe allows (tensorwise asks 16)."""
@@ -247,7 +230,6 @@ def test_a_plan_format_is_held_to_its_own_gemm_rules():
     assert decisions["4"].fp8 and decisions["4"].format == "rowwise" and format_of_layer(net[4]) == "rowwise"
 
 
-@needs_plan_formats
 def test_an_mxfp8_layer_short_of_a_block_is_reported_alone():
     """Batches of 16 tokens: the MXFP8 layer runs every call in bf16 (its backward casts tokens in blocks of 32) and is
     reported not fp8, with why and a warning naming it; the tensorwise and rowwise layers beside it stay fp8."""
@@ -266,20 +248,17 @@ def test_an_mxfp8_layer_short_of_a_block_is_reported_alone():
     assert metrics["precision/fp8_layers/rowwise"] == 1
 
 
-@needs_plan_formats
 def test_a_plan_with_a_transformer_engine_recipe_is_refused_by_torchao():
     layers = (LayerPlan("0", "delayed", "by hand"),)
     with pytest.raises(ValueError, match=r"layers=<PrecisionPlan>.*'0': 'delayed'.*tensorwise, rowwise"):
         FP8Precision(emulate=True, layers=PrecisionPlan(layers))
 
 
-@needs_plan_formats
 def test_float8_all_gather_needs_every_fp8_layer_tensorwise():
     with pytest.raises(ValueError, match="fsdp_float8_all_gather=True: torchao all-gathers in fp8 with tensorwise"):
         FP8Precision(emulate=True, layers=plan(), fsdp_float8_all_gather=True)
 
 
-@needs_plan_formats
 def test_mxfp8_layers_need_capability_10_unless_emulated(monkeypatch):
     """The hardware check asks what the most demanding format of the model needs, not the plugin's recipe."""
     model = Net()
@@ -357,7 +336,6 @@ def test_transformer_engine_candidates_are_its_one_recipe(monkeypatch):
         FP8Precision(backend="transformer_engine", layers="auto", candidates=("delayed", "current"))
 
 
-@needs_plan_formats
 def test_transformer_engine_refuses_a_plan_of_mixed_formats(monkeypatch):
     te_standin.install(monkeypatch)
     mixed = PrecisionPlan((LayerPlan("0", "fp8", ""), LayerPlan("2", "current", ""), LayerPlan("4", "mxfp8", "")))

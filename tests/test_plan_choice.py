@@ -63,8 +63,8 @@ def test_an_outlier_layer_never_gets_a_format_that_breaks_the_budget():
 def test_the_budget_choice_is_the_brute_force_optimum():
     import itertools
 
-    measured = {"tensorwise": {f: _s(f, e, e) for f, e in zip("abcd", (0.02, 0.05, 0.03, 0.08))},
-                "rowwise": {f: _s(f, e, e) for f, e in zip("abcd", (0.015, 0.03, 0.02, 0.04))}}
+    measured = {"tensorwise": {f: _s(f, e, e) for f, e in zip("abcd", (0.02, 0.05, 0.03, 0.08), strict=True)},
+                "rowwise": {f: _s(f, e, e) for f, e in zip("abcd", (0.015, 0.03, 0.02, 0.04), strict=True)}}
     decisions = _decisions(*"abcd")
     gpu = speed_device("H100 SXM")[0]
     saving = {fmt: predicted_saving(fmt, *BIG, gpu) for fmt in measured}
@@ -72,7 +72,7 @@ def test_the_budget_choice_is_the_brute_force_optimum():
         plan = PrecisionPlan.choose(decisions, measured, PlanRule(error_budget=budget), device="H100 SXM")
         best = 0.0
         for picks in itertools.product((None, "tensorwise", "rowwise"), repeat=4):
-            error = sum(error_contribution(measured[f][x]) for f, x in zip(picks, "abcd") if f)
+            error = sum(error_contribution(measured[f][x]) for f, x in zip(picks, "abcd", strict=True) if f)
             if error <= budget:
                 best = max(best, sum(saving[f] for f in picks if f))
         assert plan.predicted_saving == pytest.approx(best)

@@ -86,21 +86,12 @@ _TE_ONE_RECIPE = (
 )
 
 
-def _plan_format(precision: str) -> str | None:
-    """What a plan's ``precision`` runs a layer in: None for high precision, ``"fp8"`` for the plugin's recipe, else
-    the format's name."""
-    return None if precision in HIGH_LABELS else precision
-
-
-def _low_layers(plan: PrecisionPlan) -> frozenset[str]:
-    """The layers a plan runs in fp8, in the plugin's recipe or a format of their own."""
-    return frozenset(p.fqn for p in plan.layers if _plan_format(p.precision) is not None)
-
-
 def _default_candidates() -> tuple[str, ...]:
-    """The torchao formats ``layers="auto"`` chooses among when neither ``candidates`` nor ``recipe`` is given: the
-    per-tensor and per-row ones, which every fp8 GPU runs (MXFP8 needs compute capability 10.0)."""
-    return ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    """The torchao formats ``layers="auto"`` chooses among when neither ``candidates`` nor ``recipe`` is given: those
+    this process's GPU runs (an H100's when there is none: the plan's savings are then predicted for one)."""
+    from lightning_precision.fp8._speed import speed_device, supported_candidates
+
+    return supported_candidates(speed_device()[0], "torchao") or ("tensorwise",)
 
 
 def _world_size() -> int:
@@ -369,7 +360,7 @@ class FP8Precision(ScaledPrecision):
     def _check_plan_formats(self, plan: PrecisionPlan, where: str) -> None:
         """The formats a plan names must run on this backend: torchao's side by side; under Transformer Engine, the
         plugin's one recipe."""
-        formats = {p.fqn: self._layer_format(p.precision) for p in plan.layers if _plan_format(p.precision)}
+        formats = {p.fqn: self._layer_format(p.precision) for p in plan.layers if p.low}
         if self.backend == "torchao":
             other = {fqn: f for fqn, f in formats.items() if f is not None and f not in TORCHAO_CANDIDATES}
             if other:
@@ -492,7 +483,7 @@ class FP8Precision(ScaledPrecision):
         self._check_plan_formats(plan, type(self).__name__)  # a plan restored from a checkpoint is checked here
         every = lambda m, fqn: True  # noqa: E731  (the hard rules alone)
         hard = select_fp8_layers(module, self.scaling_family, module_filter=every)
-        unknown = sorted(_low_layers(plan) - {d.fqn for d in hard})
+        unknown = sorted(plan.fp8_layers - {d.fqn for d in hard})
         if unknown:
             raise ValueError(f"{type(self).__name__}: the plan puts layers in fp8 that this model does not have as"
                              f" nn.Linear: {', '.join(unknown)}. Is it the plan of another model?")
@@ -501,7 +492,7 @@ class FP8Precision(ScaledPrecision):
         out = []
         for d in hard:
             entry = entries.get(d.fqn)
-            low = entry is not None and _plan_format(entry.precision) is not None
+            low = entry is not None and entry.low
             fmt = self._layer_format(entry.precision) if entry is not None and low else None
             family = format_family(fmt) if fmt is not None else self.scaling_family
             if family not in rules:
@@ -757,11 +748,11 @@ class FP8Precision(ScaledPrecision):
             # The checkpoint's plan is what the run trained with, FP8Guard's demotions included; the given one is what
             # the user asks for now (perhaps edited after a divergence). Neither is dropped: a layer stays in fp8 only
             # where both say fp8, and nothing is promoted to fp8 behind the optimizer's back.
-            differ = sorted(_low_layers(given) ^ _low_layers(saved))
+            differ = sorted(given.fp8_layers ^ saved.fp8_layers)
             if differ:
                 def says(plan: PrecisionPlan, fqn: str) -> str:
                     entry = plan.get(fqn)
-                    if fqn in _low_layers(plan):
+                    if fqn in plan.fp8_layers:
                         return entry.precision if entry else FP8
                     return f"{entry.precision} ({entry.reason})" if entry else "not listed"
 
@@ -772,9 +763,9 @@ class FP8Precision(ScaledPrecision):
                      + f". They run in {self.compute_dtype}: on resume a layer stays in fp8 only where both plans"
                      " say fp8. To train a layer in fp8 that the checkpoint keeps in high precision, start a new fit"
                      " from the checkpoint's weights (not `ckpt_path=`).")
-            high = {p.fqn: p for p in saved.layers if _plan_format(p.precision) is None and p.fqn in _low_layers(given)}
+            high = {p.fqn: p for p in saved.layers if not p.low and p.fqn in given.fp8_layers}
         else:
-            high = {p.fqn: p for p in saved.layers if _plan_format(p.precision) is None}
+            high = {p.fqn: p for p in saved.layers if not p.low}
         if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
             self.plan = saved
             calibration, self._calibration = self._calibration, None
@@ -798,7 +789,7 @@ class FP8Precision(ScaledPrecision):
         differ = {}
         for d in self.layer_decisions:
             entry = saved.get(d.fqn)
-            if d.fp8 and entry is not None and _plan_format(entry.precision) is not None:
+            if d.fp8 and entry is not None and entry.low:
                 now, then = d.format or self._recipe_format, self._layer_format(entry.precision) or self._recipe_format
                 if now != then:
                     differ[d.fqn] = f"{d.fqn}: {now} now, {then} in the checkpoint"
@@ -870,7 +861,7 @@ class FP8Precision(ScaledPrecision):
         self.layer_decisions = [restored.get(d.fqn, d) for d in self.layer_decisions]
         for fqn, decision in restored.items():
             entry = self.plan.get(fqn) if self.plan is not None else None
-            if self.plan is not None and entry is not None and _plan_format(entry.precision) is None \
+            if self.plan is not None and entry is not None and not entry.low \
                     and entry.reason == was.get(fqn):
                 self.plan = self.plan.with_layer(fqn, decision.format or FP8, decision.reason)
 

@@ -87,7 +87,7 @@ class _SuffixBound:
                     hull.pop()  # under the chord: never on the LP's path
                 hull.append((e, v))
             bases.append(hull[0] if hull else (math.inf, 0.0))
-            steps.append([(b[0] - a[0], b[1] - a[1]) for a, b in zip(hull, hull[1:])])
+            steps.append([(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(hull)])
         # suffix sums of the bases, and the suffix's increments sorted by slope (cumulative error and value)
         self.base_error = [0.0] * (n + 1)
         self.base_value = [0.0] * (n + 1)

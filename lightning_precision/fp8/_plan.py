@@ -35,9 +35,9 @@ from lightning_precision.fp8._selection import (
     LayerDecision,
     ModuleFilter,
     ScalingFamily,
-    resolve_layer_policy,
     gemm_divisor,
     linear_layers,
+    resolve_layer_policy,
     select_fp8_layers,
 )
 from lightning_precision.fp8._sensitivity import (
