@@ -339,9 +339,19 @@ class _Torchao:
                 fp8_grad_input(fp8, grad.to(output_dtype)).to(input_dtype))
 
 
+def _gemm_input(x: Tensor, xf: Tensor) -> Tensor:
+    """The layer's input (fp32) as a low-precision layer reads it: rounded to the autocast dtype when autocast is on
+    (the forward hook runs inside the forward's autocast), as torchao's fp8 and MXFP8 layers round it first."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return xf
+    return x.to(torch.get_autocast_dtype(device)).float()
+
+
 class _Blocks:
     """How a block-scaled format computes a layer, with its real casts (``formats.BlockFormat.cast``: each block at its
-    own scale, NVFP4's tensor scale from the whole tensor): the output from input and weight cast in blocks along K
+    own scale, NVFP4's tensor scale from the whole tensor): the output from input (in the autocast dtype, as the layer
+    reads it) and weight (its fp32 master, as torchao casts it) cast in blocks along K
     (``in_features``), the input gradient from the output gradient and the weight cast in blocks along N
     (``out_features``), each product in fp32 then rounded to the dtype the layer's own result had (a low-precision
     GEMM writes the autocast dtype). The weight's numerics are those of its forward cast (along K); the backward's cast
@@ -364,9 +374,10 @@ class _Blocks:
 
     def forward(self, layer: nn.Linear, x: Tensor, xf: Tensor, w: Tensor, b: Tensor | None,
                 output_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Any]:
-        (cast_x, xq), (cast_w, wq) = block_cast_numerics(xf, self.format), block_cast_numerics(w, self.format)
+        xa = _gemm_input(x, xf)
+        (cast_x, xq), (cast_w, wq) = block_cast_numerics(xa, self.format), block_cast_numerics(w, self.format)
         with torch.autocast(x.device.type, enabled=False):
-            y = nn.functional.linear(xq.view(xf.shape), wq, b)
+            y = nn.functional.linear(xq.view(xa.shape), wq, b)
         return cast_x, cast_w, y.to(output_dtype), x.dtype
 
     def backward(self, state: Any, grad: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -374,7 +385,7 @@ class _Blocks:
         wt = self.format.cast(w.t())  # blocks along N: the weight as the input-gradient GEMM reads it
         with torch.autocast(grad.device.type, enabled=False):
             g = (gq @ wt.t()).view(*grad.shape[:-1], w.shape[1])
-        return cast_g, g.to(state)
+        return cast_g, g.to(grad.dtype).to(state)  # the GEMM writes the output gradient's dtype; autograd the input's
 
 
 class _Tiles:
@@ -413,9 +424,10 @@ class _Tiles:
 
     def forward(self, layer: nn.Linear, x: Tensor, xf: Tensor, w: Tensor, b: Tensor | None,
                 output_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Any]:
-        (cast_x, xq), (cast_w, wq) = self._numerics(xf, 1), self._numerics(w, self.SIZE)
+        xa = _gemm_input(x, xf)
+        (cast_x, xq), (cast_w, wq) = self._numerics(xa, 1), self._numerics(w, self.SIZE)
         with torch.autocast(x.device.type, enabled=False):
-            y = nn.functional.linear(xq.view(xf.shape), wq, b)
+            y = nn.functional.linear(xq.view(xa.shape), wq, b)
         return cast_x, cast_w, y.to(output_dtype), x.dtype
 
     def backward(self, state: Any, grad: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -423,7 +435,7 @@ class _Tiles:
         wq = self._cast(w, self.SIZE)  # cast again, not held from the forward: one more fp32 weight per layer
         with torch.autocast(grad.device.type, enabled=False):
             g = (gq @ wq).view(*grad.shape[:-1], w.shape[1])
-        return cast_g, g.to(state)
+        return cast_g, g.to(grad.dtype).to(state)  # the GEMM writes the output gradient's dtype; autograd the input's
 
 
 _Emulator = _Torchao | _Blocks | _Tiles
