@@ -1,13 +1,17 @@
-"""How much each linear layer would lose in fp8, measured on real batches: the numbers a ``PrecisionPlan`` decides on.
+"""How much each linear layer would lose in fp8 (or another low-precision format), measured on real batches: the
+numbers a ``PrecisionPlan`` decides on.
 
-For every linear layer and each tensor fp8 casts (input, weight, output gradient), under the recipe's real scaling
-(torchao's dynamic scales: per tensor or per row, e4m3fn forward and e5m2 or e4m3fn gradients as the recipe says):
-the signal-to-quantization-noise ratio of the cast, and the fractions that underflow (non-zero values cast to zero)
-or overflow (non-finite values: dynamic scales never saturate finite ones). Then the error of the layer's output and
-input gradient when that layer alone runs in fp8, through torchao's own ``Float8Linear`` (emulated: any device).
+For every linear layer and each tensor the format casts (input, weight, output gradient), under the format's real
+scaling: the signal-to-quantization-noise ratio of the cast, and the fractions that underflow (non-zero values cast to
+zero) or overflow (non-finite values: dynamic scales never saturate finite ones). Then the error of the layer's output
+and input gradient when that layer alone runs in the format, against fp32 results. How each format is computed (an
+"emulator" per format; any device): torchao's per-tensor and per-row recipes through its own ``Float8Linear``
+(emulated); the block formats (MXFP8, NVFP4) with the block casts of ``lightning_precision.formats``, each block at its
+own scale; Transformer Engine's ``Float8BlockScaling`` with its 1x128 / 128x128 blocks (``CANDIDATE_CASTS``).
 
-``SensitivityProbe`` is the one place that measures: ``fp8_sensitivity`` (before training, weights untouched) and
-``FP8Precision(layers="auto")`` (the first training steps) both use it.
+``SensitivityProbe`` (one format) and ``MultiProbe`` (several, in one pass) are the one place that measures:
+``fp8_sensitivity`` and ``measure_candidates`` (before training, weights untouched), ``FP8Precision(layers="auto")``
+(the first training steps) and ``FP8Guard`` use them.
 """
 
 from __future__ import annotations
@@ -21,20 +25,24 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_precision import _imports
 from lightning_precision._accumulator import Accumulator, Reduce, as_reduce_op
-from lightning_precision._upstream import torchao as upstream
 from lightning_precision._upstream.torch import inside_compiled_call
-from lightning_precision._upstream.torchao import FLOAT8_EPS
 from lightning_precision._warnings import warn
-from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, NumberFormat, get_format
-from lightning_precision.fp8._selection import (
-    HYBRID_FORMAT,
-    TENSORS,
-    TORCHAO_RECIPES,
-    functional_linears,
-    linear_layers,
+from lightning_precision.fp8._emulate import (
+    CANDIDATE_CASTS,
+    TORCHAO_EPS,
+    BlockEmulator,
+    CastSpec,
+    Emulator,
+    TileEmulator,
+    TorchaoEmulator,
+    cast_numerics,
+    cast_specs,
+    fp8_grad_input,
+    squares_sum,
+    torchao_scale,
 )
+from lightning_precision.fp8._selection import TENSORS, TORCHAO_RECIPES, functional_linears, linear_layers
 from lightning_precision.fp8._torchao import MXFP8Recipe, torchao_config
 
 __all__ = [
@@ -47,7 +55,6 @@ __all__ = [
     "SensitivityProbe",
     "TORCHAO_EPS",
     "TensorNumerics",
-    "block_cast_numerics",
     "candidate_casts",
     "cast_numerics",
     "cast_specs",
@@ -58,118 +65,10 @@ __all__ = [
     "torchao_scale",
 ]
 
-TORCHAO_EPS = FLOAT8_EPS  # torchao's floor under amax (tests/test_upstream_torchao.py checks it against torchao's)
-
 # Per tensor, accumulated over batches: signal power, noise power, non-zero values, underflows, non-finite, elements.
 _NUMERIC_FIELDS = 6
 # Per layer: three tensors' fields, then the output's and the input gradient's (error power, reference power).
 _WIDTH = 3 * _NUMERIC_FIELDS + 4
-
-
-@dataclass(frozen=True)
-class CastSpec:
-    """How one tensor is cast: the fp8 dtype, per-row (``axiswise``) or per-tensor scale, power-of-two scales."""
-
-    dtype: torch.dtype
-    axiswise: bool
-    pow2: bool
-
-
-def _fp8_dtype(name: str) -> torch.dtype:
-    """The torch dtype of an fp8 format (torchao's when a config names none)."""
-    fmt = get_format(name)
-    if not isinstance(fmt, NumberFormat) or fmt.dtype is None:
-        raise ValueError(f"{name!r} is not an fp8 format with a torch dtype")
-    return fmt.dtype
-
-
-def cast_specs(config: Any) -> dict[str, CastSpec]:
-    """The ``CastSpec`` of input, weight and grad_output under a torchao ``Float8LinearConfig``."""
-    ScalingGranularity = _imports.import_quietly("torchao.float8.config").ScalingGranularity
-
-    specs = {}
-    for tensor in TENSORS:
-        cast = getattr(config, f"cast_config_{tensor}")
-        target: torch.dtype = getattr(cast, "target_dtype", None) or _fp8_dtype(HYBRID_FORMAT[tensor])
-        specs[tensor] = CastSpec(target,
-                                 cast.scaling_granularity == ScalingGranularity.AXISWISE,
-                                 bool(getattr(config, "round_scales_to_power_of_2", False)))
-    return specs
-
-
-def torchao_scale(amax: Tensor, fmax: float, pow2: bool = False) -> Tensor:
-    """torchao's dynamic scale for a largest magnitude ``amax`` (per tensor or per row): ``fmax / max(amax, EPS)`` in
-    fp64, then fp32, rounded down to a power of two when ``pow2`` (its rowwise recipes). The one place it is computed:
-    ``cast_numerics`` and ``functional.dynamic_scale_stats`` both use it.
-
-    Example:
-        >>> torchao_scale(torch.tensor(2.0), 448.0).item(), torchao_scale(torch.tensor(2.0), 448.0, pow2=True).item()
-        (224.0, 128.0)
-    """
-    scale = (fmax / amax.double().clamp(min=TORCHAO_EPS)).float()
-    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
-
-
-def _squares_sum(t: Tensor, buffer: Tensor | None = None) -> Tensor:
-    """The sum of ``t``'s squares in fp64 (each square exact: an fp32 value squared fits fp64's mantissa), summed as
-    ``t.double().pow(2).sum()`` sums them, so the same float; ``buffer``: an fp64 tensor of ``t``'s shape to hold the
-    squares (no new one)."""
-    d = buffer.copy_(t) if buffer is not None else t.double()
-    return d.mul_(d).sum()
-
-
-def _finite_rows(t: Tensor) -> tuple[Tensor, Tensor]:
-    """``t`` in fp32 as rows of its last dimension, non-finite values set to 0 (a new tensor: ``t`` is not written),
-    and how many were non-finite."""
-    x = t.detach().float()
-    x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    finite = x.abs() < math.inf  # isfinite (nan and inf compare false), in a third of its time
-    not_finite = (~finite).sum()
-    return torch.where(finite, x, 0.0), not_finite
-
-
-def _cast_fields(x: Tensor, q: Tensor, not_finite: Tensor, keep: bool = False) -> Tensor:
-    """The six fields of casting ``x`` (finite, fp32) to ``q`` (its cast, dequantized: what the matmul reads);
-    ``keep``: ``q`` is read afterwards, else its storage holds the cast's error."""
-    nonzero = x != 0
-    counts = torch.stack([nonzero.sum(), (nonzero & (q == 0)).sum(), not_finite]).double()
-    del nonzero
-    buffer = torch.empty(x.shape, dtype=torch.float64, device=x.device)
-    noise = _squares_sum(q - x if keep else q.sub_(x), buffer)
-    signal = _squares_sum(x, buffer)
-    # torch.full, not torch.tensor: a host-to-device copy from pageable memory would wait for the device.
-    return torch.cat([torch.stack([signal, noise]), counts,
-                      torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)])
-
-
-def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
-    """``[signal power, noise power, non-zero, underflow, non-finite, elements]`` of casting ``t`` to fp8 as torchao
-    does (scale ``max / max(amax, EPS)`` in fp64 then fp32, rounded down to a power of two if asked, saturating cast),
-    in fp64 on ``t``'s device. Non-finite values are left out of the powers.
-
-    Each figure is the one the straightforward expression gives (tests/sensitivity_reference.py keeps it, and
-    tests/test_sensitivity_equal.py holds this to it), computed with fewer passes and temporaries: in-place steps, one
-    fp64 buffer for both powers, ``|x| < inf`` for ``isfinite``."""
-    # Each temporary goes as soon as it is read: the peak is what a layer's measurement adds to the step's.
-    x, not_finite = _finite_rows(t)
-    magnitude = x.abs()
-    amax = magnitude.amax(dim=-1, keepdim=True) if spec.axiswise else magnitude.amax()
-    del magnitude
-    fmax = torch.finfo(spec.dtype).max
-    scale = torchao_scale(amax, fmax, spec.pow2)
-    # Dequantized in place; a value cast to zero stays zero (scale <= fmax / EPS: q / scale never underflows fp32).
-    q = (x * scale).clamp_(-fmax, fmax).to(spec.dtype).float().div_(scale)
-    return _cast_fields(x, q, not_finite)
-
-
-def block_cast_numerics(t: Tensor, fmt: BlockFormat) -> tuple[Tensor, Tensor]:
-    """``cast_numerics``'s six fields for the block-scaled cast ``fmt.cast`` (blocks of ``fmt.block_size`` along the
-    last dimension, each at its own scale; NVFP4's tensor scale from the whole of ``t``), and the cast itself
-    (dequantized, fp32, rows of the last dimension): what the emulated matmul reads, cast once for both. The error is
-    taken in fp32, as ``cast_numerics`` takes it."""
-    x, not_finite = _finite_rows(t)
-    q = fmt.cast(x)
-    return _cast_fields(x, q, not_finite, keep=True), q
 
 
 @dataclass(frozen=True)
@@ -220,34 +119,9 @@ def _relative(err: float, ref: float) -> float:
 def _error_powers(fp8_result: Tensor, ref: Tensor) -> Tensor:
     """``[||fp8 - ref||^2, ||ref||^2]`` in fp64 (``ref`` fp32), through one fp64 buffer."""
     buffer = torch.empty(ref.shape, dtype=torch.float64, device=ref.device)
-    error = _squares_sum(fp8_result.float().sub_(ref) if fp8_result.dtype != torch.float32 else fp8_result - ref,
+    error = squares_sum(fp8_result.float().sub_(ref) if fp8_result.dtype != torch.float32 else fp8_result - ref,
                          buffer)
-    return torch.stack([error, _squares_sum(ref, buffer)])
-
-
-def fp8_grad_input(fp8: Any, grad_output: Tensor) -> Tensor:
-    """The input gradient a torchao ``Float8Linear`` computes in its backward, for ``grad_output``: its casts of the
-    output gradient (``cast_config_grad_output``) and of the weight (``cast_config_weight_for_grad_input``), and their
-    matmul, as ``matmul_with_hp_or_float8_args.backward`` does them, without the weight gradient that backward also
-    computes (the probe reads only the input gradient: a third of the work, and an fp32 input beside a bf16 output
-    gradient made that hp weight gradient fail). tests/test_sensitivity_equal.py holds it to torchao's own backward."""
-    to_float8, axiswise_dim, roles = upstream.float8_dynamic_cast()
-    disabled = _imports.import_quietly("torchao.float8.config").ScalingType.DISABLED
-    config, mm_config = fp8.config, fp8.linear_mm_config
-
-    def cast(t: Tensor, cast_config: Any, role: Any) -> Any:
-        if cast_config.scaling_type is disabled:
-            return t
-        return to_float8(
-            t, cast_config.target_dtype, mm_config, gemm_input_role=role,
-            scaling_granularity=cast_config.scaling_granularity,
-            axiswise_dim=axiswise_dim(-1, cast_config.scaling_granularity),
-            round_scales_to_power_of_2=config.round_scales_to_power_of_2)
-
-    shape = grad_output.shape
-    g = cast(grad_output.reshape(-1, shape[-1]), config.cast_config_grad_output, roles.GRAD_OUTPUT)
-    w = cast(fp8.weight.t(), config.cast_config_weight_for_grad_input, roles.WEIGHT)
-    return torch.mm(g, w.t()).reshape(*shape[:-1], -1)
+    return torch.stack([error, squares_sum(ref, buffer)])
 
 
 class _Eager:
@@ -290,175 +164,17 @@ def _say_eager() -> None:
          " steps pay their eager time.")
 
 
-class _Torchao:
-    """How torchao's per-tensor and per-row recipes compute a layer: its casts (``cast_specs``) and its own
-    ``Float8Linear`` (emulated), the input gradient as its backward computes it (``fp8_grad_input``)."""
-
-    def __init__(self, config: Any) -> None:
-        self.config = dataclasses.replace(config, emulate=True, enable_fsdp_float8_all_gather=False)
-        self.specs = cast_specs(self.config)
-        self._copies: dict[nn.Module, tuple[tuple, nn.Module]] = {}  # per layer: its fp8 copy, and what it copied
-
-    def cannot_run(self, layer: nn.Linear) -> str | None:
-        return None
-
-    def clear(self) -> None:
-        self._copies.clear()  # views of the layers' weights: a replaced weight is not kept alive by them
-
-    def _fp8_copy(self, layer: nn.Linear) -> nn.Module:
-        """torchao's ``Float8Linear`` over the layer's current weight and bias (views, no gradient of their own): the
-        layer's forward in fp8, without touching its parameters or their ``.grad``. Made once per layer and kept while
-        the layer's parameters are the same tensors (views: an optimizer's in-place update is seen); made again when
-        one is replaced (``.data`` set, the model moved)."""
-        key = (layer.weight, layer.weight.data_ptr(), layer.bias,
-               layer.bias.data_ptr() if layer.bias is not None else None)
-        kept = self._copies.get(layer)
-        if kept is not None and all(a is b if isinstance(a, Tensor) else a == b for a, b in zip(kept[0], key,
-                                                                                                 strict=True)):
-            return kept[1]
-        convert = _imports.import_quietly("torchao.float8").convert_to_float8_training
-        shadow = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-        shadow.weight = nn.Parameter(layer.weight.detach(), requires_grad=False)
-        if layer.bias is not None:
-            shadow.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
-        copy = convert(shadow, config=self.config)
-        self._copies[layer] = (key, copy)
-        return copy
-
-    def forward(self, layer: nn.Linear, x: Tensor, xf: Tensor, w: Tensor, b: Tensor | None,
-                output_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Any]:
-        cast_x, cast_w = cast_numerics(xf, self.specs["input"]), cast_numerics(w, self.specs["weight"])
-        fp8 = self._fp8_copy(layer)
-        with torch.no_grad():  # the fp8 input gradient is computed in the backward hook: no graph is kept
-            y8 = fp8(x)
-        return cast_x, cast_w, y8, (fp8, x.dtype, y8.dtype)
-
-    def backward(self, state: Any, grad: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        fp8, input_dtype, output_dtype = state
-        return (cast_numerics(grad, self.specs["grad_output"]),
-                fp8_grad_input(fp8, grad.to(output_dtype)).to(input_dtype))
-
-
-def _gemm_input(x: Tensor, xf: Tensor) -> Tensor:
-    """The layer's input (fp32) as a low-precision layer reads it: rounded to the autocast dtype when autocast is on
-    (the forward hook runs inside the forward's autocast), as torchao's fp8 and MXFP8 layers round it first."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return xf
-    return x.to(torch.get_autocast_dtype(device)).float()
-
-
-class _Blocks:
-    """How a block-scaled format computes a layer, with its real casts (``formats.BlockFormat.cast``: each block at its
-    own scale, NVFP4's tensor scale from the whole tensor): the output from input (in the autocast dtype, as the layer
-    reads it) and weight (its fp32 master, as torchao casts it) cast in blocks along K
-    (``in_features``), the input gradient from the output gradient and the weight cast in blocks along N
-    (``out_features``), each product in fp32 then rounded to the dtype the layer's own result had (a low-precision
-    GEMM writes the autocast dtype). The weight's numerics are those of its forward cast (along K); the backward's cast
-    shows in the input gradient's error. A layer whose K or N the block does not divide cannot run the format."""
-
-    def __init__(self, name: str) -> None:
-        fmt = get_format(name)
-        assert isinstance(fmt, BlockFormat)
-        self.format = fmt
-
-    def cannot_run(self, layer: nn.Linear) -> str | None:
-        size = self.format.block_size
-        if layer.in_features % size == 0 and layer.out_features % size == 0:
-            return None
-        return (f"{self.format.name} casts blocks of {size} along in_features and out_features, and"
-                f" {size} does not divide {layer.in_features} x {layer.out_features}")
-
-    def clear(self) -> None:
-        pass
-
-    def forward(self, layer: nn.Linear, x: Tensor, xf: Tensor, w: Tensor, b: Tensor | None,
-                output_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Any]:
-        xa = _gemm_input(x, xf)
-        (cast_x, xq), (cast_w, wq) = block_cast_numerics(xa, self.format), block_cast_numerics(w, self.format)
-        with torch.autocast(x.device.type, enabled=False):
-            y = nn.functional.linear(xq.view(xa.shape), wq, b)
-        return cast_x, cast_w, y.to(output_dtype), x.dtype
-
-    def backward(self, state: Any, grad: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        cast_g, gq = block_cast_numerics(grad, self.format)
-        wt = self.format.cast(w.t())  # blocks along N: the weight as the input-gradient GEMM reads it
-        with torch.autocast(grad.device.type, enabled=False):
-            g = (gq @ wt.t()).view(*grad.shape[:-1], w.shape[1])
-        return cast_g, g.to(grad.dtype).to(state)  # the GEMM writes the output gradient's dtype; autograd the input's
-
-
-class _Tiles:
-    """Transformer Engine's ``Float8BlockScaling``: e4m3 throughout, one fp32 scale (a power of two, TE's default) per
-    1x128 block of the input (along K) and of the output gradient (along N), and per 128x128 tile of the weight, so one
-    weight cast serves both GEMMs. The scale is ``448 / amax`` rounded down to a power of two (1 for an all-zero block);
-    a block at a dimension's edge that the 128 does not fill takes the amax of the values it holds, so every layer
-    runs it."""
-
-    SIZE = 128
-
-    def __init__(self) -> None:
-        self.element = FORMATS["e4m3fn"]
-
-    def cannot_run(self, layer: nn.Linear) -> str | None:
-        return None
-
-    def clear(self) -> None:
-        pass
-
-    def _cast(self, x: Tensor, tile_rows: int) -> Tensor:
-        """``x`` (2-d, finite, fp32) cast in tiles of ``tile_rows`` x 128, back in fp32."""
-        rows, cols = x.shape
-        padded = nn.functional.pad(x, (0, -cols % self.SIZE, 0, -rows % tile_rows))  # zeros: no block's amax moves
-        tiles = padded.view(padded.shape[0] // tile_rows, tile_rows, -1, self.SIZE)
-        amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
-        scale = (self.element.max / amax).clamp(max=torch.finfo(torch.float32).max)  # fp32 amax near 0: TE's largest
-        scale = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(scale))), 1.0)
-        q = self.element.cast(tiles * scale).div_(scale)
-        return q.view(padded.shape)[:rows, :cols]
-
-    def _numerics(self, t: Tensor, tile_rows: int) -> tuple[Tensor, Tensor]:
-        x, not_finite = _finite_rows(t)
-        q = self._cast(x, tile_rows)
-        return _cast_fields(x, q, not_finite, keep=True), q
-
-    def forward(self, layer: nn.Linear, x: Tensor, xf: Tensor, w: Tensor, b: Tensor | None,
-                output_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Any]:
-        xa = _gemm_input(x, xf)
-        (cast_x, xq), (cast_w, wq) = self._numerics(xa, 1), self._numerics(w, self.SIZE)
-        with torch.autocast(x.device.type, enabled=False):
-            y = nn.functional.linear(xq.view(xa.shape), wq, b)
-        return cast_x, cast_w, y.to(output_dtype), x.dtype
-
-    def backward(self, state: Any, grad: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        cast_g, gq = self._numerics(grad, 1)
-        wq = self._cast(w, self.SIZE)  # cast again, not held from the forward: one more fp32 weight per layer
-        with torch.autocast(grad.device.type, enabled=False):
-            g = (gq @ wq).view(*grad.shape[:-1], w.shape[1])
-        return cast_g, g.to(grad.dtype).to(state)  # the GEMM writes the output gradient's dtype; autograd the input's
-
-
-_Emulator = _Torchao | _Blocks | _Tiles
-
-# What each candidate format is measured as: torchao's recipes by their own casts; Transformer Engine's per-tensor
-# recipes ("delayed", "current") by torchao's tensorwise cast, the same per-tensor e4m3/e5m2 scaling (delayed scaling's
-# scale comes from earlier steps' amax: the current step's is what it converges to); block formats by their block casts.
-CANDIDATE_CASTS = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise_with_gw_hp": "rowwise_with_gw_hp",
-                   "delayed": "tensorwise", "current": "tensorwise", "mxfp8": "mxfp8", "nvfp4": "nvfp4",
-                   "block": "block"}
-
-
-def _emulator(config: Any, owner: str) -> _Emulator:
+def _emulator_for(config: Any, owner: str) -> Emulator:
     """What measures ``config``: a torchao ``Float8LinearConfig``, an ``MXFP8Recipe`` (its blocks), or a block format's
     name ("mxfp8", "nvfp4", "block")."""
     if isinstance(config, MXFP8Recipe):
-        return _Blocks("mxfp8")
+        return BlockEmulator("mxfp8")
     if config == "block":
-        return _Tiles()
-    if isinstance(config, str) and config in BLOCK_FORMATS and config != "mxfp8_floor":
-        return _Blocks(config)
+        return TileEmulator()
+    if config in ("mxfp8", "nvfp4"):
+        return BlockEmulator(config)
     if dataclasses.is_dataclass(config) and hasattr(config, "cast_config_input"):
-        return _Torchao(config)
+        return TorchaoEmulator(config)
     raise ValueError(f"{owner}: {config!r} is not what the probe measures: a torchao `Float8LinearConfig`, an"
                      " `MXFP8Recipe`, or a block format's name ('mxfp8', 'nvfp4', or 'block' for Transformer Engine's"
                      " 1x128 / 128x128 blocks).")
@@ -478,7 +194,7 @@ class _Probe:
     expert) are not measured. A layer an emulator's format cannot run (its block does not divide the layer's
     dimensions) is not measured by it: ``_skipped[i]`` says why."""
 
-    def __init__(self, layers: Mapping[str, nn.Linear], emulators: list[_Emulator], keep_outputs: bool) -> None:
+    def __init__(self, layers: Mapping[str, nn.Linear], emulators: list[Emulator], keep_outputs: bool) -> None:
         self.layers = dict(layers)
         self._emulators = emulators
         self._skipped = [{fqn: why for fqn, m in self.layers.items() if (why := e.cannot_run(m))} for e in emulators]
@@ -640,9 +356,9 @@ class SensitivityProbe(_Probe):
     from the result."""
 
     def __init__(self, layers: Mapping[str, nn.Linear], config: Any, keep_outputs: bool = False) -> None:
-        emulator = _emulator(config, "SensitivityProbe")
-        self.config = emulator.config if isinstance(emulator, _Torchao) else config
-        self.specs = emulator.specs if isinstance(emulator, _Torchao) else {}
+        emulator = _emulator_for(config, "SensitivityProbe")
+        self.config = emulator.config if isinstance(emulator, TorchaoEmulator) else config
+        self.specs = emulator.specs if isinstance(emulator, TorchaoEmulator) else {}
         super().__init__(layers, [emulator], keep_outputs)
         self.skipped = self._skipped[0]
 
@@ -687,7 +403,7 @@ class MultiProbe(_Probe):
         self._casts = list(dict.fromkeys(self.candidates.values()))
         configs = [cast if cast in ("mxfp8", "nvfp4", "block") else torchao_config(cast, emulate=True)
                    for cast in self._casts]
-        super().__init__(layers, [_emulator(config, "MultiProbe") for config in configs], keep_outputs)
+        super().__init__(layers, [_emulator_for(config, "MultiProbe") for config in configs], keep_outputs)
         self.skipped = {name: self._skipped[self._casts.index(cast)] for name, cast in self.candidates.items()}
 
     def result(self, reduce: Reduce | None = None) -> dict[str, dict[str, LayerSensitivity]]:
