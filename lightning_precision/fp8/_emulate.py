@@ -43,6 +43,7 @@ __all__ = [
 
 TORCHAO_EPS = FLOAT8_EPS  # torchao's floor under amax (tests/test_upstream_torchao.py checks it against torchao's)
 
+
 @dataclass(frozen=True)
 class CastSpec:
     """How one tensor is cast: the fp8 dtype, per-row (``axiswise``) or per-tensor scale, power-of-two scales."""
@@ -232,14 +233,49 @@ def _gemm_input(x: Tensor, xf: Tensor) -> Tensor:
     return x.to(torch.get_autocast_dtype(device)).float()
 
 
-class BlockEmulator:
-    """How a block-scaled format computes a layer, with its real casts (``formats.BlockFormat.cast``: each block at its
-    own scale, NVFP4's tensor scale from the whole tensor): the output from input (in the autocast dtype, as the layer
-    reads it) and weight (its fp32 master, as torchao casts it) cast in blocks along K
-    (``in_features``), the input gradient from the output gradient and the weight cast in blocks along N
-    (``out_features``), each product in fp32 then rounded to the dtype the layer's own result had (a low-precision
-    GEMM writes the autocast dtype). The weight's numerics are those of its forward cast (along K); the backward's cast
-    shows in the input gradient's error. A layer whose K or N the block does not divide cannot run the format."""
+class _Recast:
+    """A format whose casts are written here (``cast``) and whose GEMMs are emulated in fp32: the output from the input
+    (in the autocast dtype, as the layer reads it) and the weight (its fp32 master, as torchao casts it), the input
+    gradient from the output gradient and the weight as that GEMM reads it (``weight_for_grad_input``); each product
+    then rounded to the dtype the real GEMM writes (the layer's output dtype; the output gradient's, then autograd's
+    input dtype). The weight's numerics are those of its forward cast; its backward cast shows in the input gradient's
+    error."""
+
+    def cannot_run(self, layer: nn.Linear) -> str | None:
+        return None
+
+    def clear(self) -> None:
+        pass
+
+    def cast(self, t: Tensor, tensor: str) -> tuple[Tensor, Tensor]:
+        """The six fields of ``t``'s cast and the cast (fp32, rows of the last dimension); ``tensor``: one of
+        ``TENSORS``."""
+        raise NotImplementedError
+
+    def weight_for_grad_input(self, w: Tensor) -> Tensor:
+        """The weight (N x K, fp32) as the input-gradient GEMM reads it, cast."""
+        raise NotImplementedError
+
+    def forward(self, layer: nn.Linear, x: Tensor, xf: Tensor, w: Tensor, b: Tensor | None,
+                output_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Any]:
+        xa = _gemm_input(x, xf)
+        (cast_x, xq), (cast_w, wq) = self.cast(xa, "input"), self.cast(w, "weight")
+        with torch.autocast(x.device.type, enabled=False):
+            y = nn.functional.linear(xq.view(xa.shape), wq, b)
+        return cast_x, cast_w, y.to(output_dtype), x.dtype
+
+    def backward(self, state: Any, grad: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        cast_g, gq = self.cast(grad, "grad_output")
+        with torch.autocast(grad.device.type, enabled=False):
+            g = (gq @ self.weight_for_grad_input(w)).view(*grad.shape[:-1], w.shape[1])
+        return cast_g, g.to(grad.dtype).to(state)
+
+
+class BlockEmulator(_Recast):
+    """A block-scaled format (MXFP8, NVFP4) with its real casts (``formats.BlockFormat.cast``: each block at its own
+    scale, NVFP4's tensor scale from the whole tensor): input and weight in blocks along K (``in_features``) for the
+    output, output gradient and weight in blocks along N (``out_features``) for the input gradient. A layer whose K or
+    N the block does not divide cannot run the format."""
 
     def __init__(self, name: str) -> None:
         fmt = get_format(name)
@@ -253,42 +289,24 @@ class BlockEmulator:
         return (f"{self.format.name} casts blocks of {size} along in_features and out_features, and"
                 f" {size} does not divide {layer.in_features} x {layer.out_features}")
 
-    def clear(self) -> None:
-        pass
+    def cast(self, t: Tensor, tensor: str) -> tuple[Tensor, Tensor]:
+        return block_cast_numerics(t, self.format)
 
-    def forward(self, layer: nn.Linear, x: Tensor, xf: Tensor, w: Tensor, b: Tensor | None,
-                output_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Any]:
-        xa = _gemm_input(x, xf)
-        (cast_x, xq), (cast_w, wq) = block_cast_numerics(xa, self.format), block_cast_numerics(w, self.format)
-        with torch.autocast(x.device.type, enabled=False):
-            y = nn.functional.linear(xq.view(xa.shape), wq, b)
-        return cast_x, cast_w, y.to(output_dtype), x.dtype
-
-    def backward(self, state: Any, grad: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        cast_g, gq = block_cast_numerics(grad, self.format)
-        wt = self.format.cast(w.t())  # blocks along N: the weight as the input-gradient GEMM reads it
-        with torch.autocast(grad.device.type, enabled=False):
-            g = (gq @ wt.t()).view(*grad.shape[:-1], w.shape[1])
-        return cast_g, g.to(grad.dtype).to(state)  # the GEMM writes the output gradient's dtype; autograd the input's
+    def weight_for_grad_input(self, w: Tensor) -> Tensor:
+        return self.format.cast(w.t()).t()  # blocks along N
 
 
-class TileEmulator:
+class TileEmulator(_Recast):
     """Transformer Engine's ``Float8BlockScaling``: e4m3 throughout, one fp32 scale (a power of two, TE's default) per
     1x128 block of the input (along K) and of the output gradient (along N), and per 128x128 tile of the weight, so one
-    weight cast serves both GEMMs. The scale is ``448 / amax`` rounded down to a power of two (1 for an all-zero block);
-    a block at a dimension's edge that the 128 does not fill takes the amax of the values it holds, so every layer
-    runs it."""
+    weight cast serves both GEMMs (cast again in the backward, not held: one fp32 weight less per layer). The scale is
+    ``448 / amax`` rounded down to a power of two (1 for an all-zero block); a block at a dimension's edge that the 128
+    does not fill takes the amax of the values it holds, so every layer runs it."""
 
     SIZE = 128
 
     def __init__(self) -> None:
         self.element = FORMATS["e4m3fn"]
-
-    def cannot_run(self, layer: nn.Linear) -> str | None:
-        return None
-
-    def clear(self) -> None:
-        pass
 
     def _cast(self, x: Tensor, tile_rows: int) -> Tensor:
         """``x`` (2-d, finite, fp32) cast in tiles of ``tile_rows`` x 128, back in fp32."""
@@ -301,25 +319,13 @@ class TileEmulator:
         q = self.element.cast(tiles * scale).div_(scale)
         return q.view(padded.shape)[:rows, :cols]
 
-    def _numerics(self, t: Tensor, tile_rows: int) -> tuple[Tensor, Tensor]:
+    def cast(self, t: Tensor, tensor: str) -> tuple[Tensor, Tensor]:
         x, not_finite = _finite_rows(t)
-        q = self._cast(x, tile_rows)
+        q = self._cast(x, self.SIZE if tensor == "weight" else 1)
         return _cast_fields(x, q, not_finite, keep=True), q
 
-    def forward(self, layer: nn.Linear, x: Tensor, xf: Tensor, w: Tensor, b: Tensor | None,
-                output_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Any]:
-        xa = _gemm_input(x, xf)
-        (cast_x, xq), (cast_w, wq) = self._numerics(xa, 1), self._numerics(w, self.SIZE)
-        with torch.autocast(x.device.type, enabled=False):
-            y = nn.functional.linear(xq.view(xa.shape), wq, b)
-        return cast_x, cast_w, y.to(output_dtype), x.dtype
-
-    def backward(self, state: Any, grad: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        cast_g, gq = self._numerics(grad, 1)
-        wq = self._cast(w, self.SIZE)  # cast again, not held from the forward: one more fp32 weight per layer
-        with torch.autocast(grad.device.type, enabled=False):
-            g = (gq @ wq).view(*grad.shape[:-1], w.shape[1])
-        return cast_g, g.to(grad.dtype).to(state)  # the GEMM writes the output gradient's dtype; autograd the input's
+    def weight_for_grad_input(self, w: Tensor) -> Tensor:
+        return self._cast(w, self.SIZE)
 
 
 Emulator = TorchaoEmulator | BlockEmulator | TileEmulator
