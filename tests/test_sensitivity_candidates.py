@@ -117,6 +117,13 @@ def test_mxfp8_recipe_mxfp8_name_and_probe_config_measure_the_same():
     by_name = fp8_sensitivity(model, data, "mxfp8", loss_fn=loss)
     assert by_name == fp8_sensitivity(model, data, MXFP8Recipe(), loss_fn=loss)
     assert by_name == measure_candidates(model, data, ("mxfp8",), loss_fn=loss)["mxfp8"]
+    # A format's name measures as its config does (what FP8Guard passes per layer format).
+    for name, config in (("tensorwise", probe_config("tensorwise")), ("mxfp8", MXFP8Recipe())):
+        probes = [SensitivityProbe({"0": model[0]}, c) for c in (name, config)]
+        loss(model, data[0]).backward()
+        for probe in probes:
+            probe.close()
+        assert probes[0].result() == probes[1].result() != {}
     assert set(by_name) == {"0", "2"}
 
 
@@ -139,8 +146,7 @@ def test_multiprobe_gives_each_candidate_the_numbers_it_gets_alone(autocast):
     model = Routed()
     layers = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     multi = MultiProbe(layers, candidates, keep_outputs=True)
-    alone = {c: SensitivityProbe(layers, c if c in ("mxfp8", "nvfp4", "block") else probe_config(
-        {"delayed": "tensorwise", "current": "tensorwise"}.get(c, c))) for c in candidates}
+    alone = {c: SensitivityProbe(layers, c) for c in candidates}
     for batch in edge_batches():
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             loss = loss_of(model, batch)
@@ -272,7 +278,8 @@ def test_candidates_and_configs_the_probe_does_not_know_are_refused_clearly():
         MultiProbe({"l": layer}, "mxfp8")
     with pytest.raises(ValueError, match=r"`MultiProbe\(candidates=\(\)\)`: name at least one format"):
         MultiProbe({"l": layer}, ())
-    with pytest.raises(ValueError, match=r"SensitivityProbe: 'e4m3fn' is not what the probe measures"):
+    with pytest.raises(ValueError, match=r"SensitivityProbe: 'e4m3fn' is not what the probe measures: a candidate"
+                                         r" format's name \('tensorwise', "):
         SensitivityProbe({"l": layer}, "e4m3fn")
 
 

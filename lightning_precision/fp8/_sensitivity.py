@@ -165,19 +165,21 @@ def _say_eager() -> None:
 
 
 def _emulator_for(config: Any, owner: str) -> Emulator:
-    """What measures ``config``: a torchao ``Float8LinearConfig``, an ``MXFP8Recipe`` (its blocks), or a block format's
-    name ("mxfp8", "nvfp4", "block")."""
+    """What measures ``config``: a candidate format's name (``CANDIDATE_CASTS``), a torchao ``Float8LinearConfig``,
+    or an ``MXFP8Recipe`` (its blocks)."""
     if isinstance(config, MXFP8Recipe):
         return BlockEmulator("mxfp8")
-    if config == "block":
+    cast = CANDIDATE_CASTS.get(config) if isinstance(config, str) else None
+    if cast == "block":
         return TileEmulator()
-    if config in ("mxfp8", "nvfp4"):
-        return BlockEmulator(config)
+    if cast in ("mxfp8", "nvfp4"):
+        return BlockEmulator(cast)
+    if cast is not None:
+        config = torchao_config(cast, emulate=True)
     if dataclasses.is_dataclass(config) and hasattr(config, "cast_config_input"):
         return TorchaoEmulator(config)
-    raise ValueError(f"{owner}: {config!r} is not what the probe measures: a torchao `Float8LinearConfig`, an"
-                     " `MXFP8Recipe`, or a block format's name ('mxfp8', 'nvfp4', or 'block' for Transformer Engine's"
-                     " 1x128 / 128x128 blocks).")
+    raise ValueError(f"{owner}: {config!r} is not what the probe measures: a candidate format's name"
+                     f" {tuple(CANDIDATE_CASTS)}, a torchao `Float8LinearConfig` or an `MXFP8Recipe`.")
 
 
 class _Probe:
@@ -347,13 +349,13 @@ class _Probe:
 
 
 class SensitivityProbe(_Probe):
-    """The probe for one format (see ``_Probe``; the module docstring): ``config`` is a torchao
-    ``Float8LinearConfig``, an ``MXFP8Recipe``, or a block format's name ("mxfp8", "nvfp4", "block"). Holds, per layer,
-    what its backward needs (the fp8 copy, or the weight's cast) until the backward. ``keep_outputs``: collect each
-    forward's layer outputs in ``outputs`` (for a gradient-only backward; the caller empties it every step, since each
-    output holds its step's graph). ``batches`` and ``dropped`` count the batches committed and dropped, summed across
-    processes by ``result(reduce)``. ``skipped``: the layers the format cannot run ({fqn: why}), not measured and absent
-    from the result."""
+    """The probe for one format (see ``_Probe``; the module docstring): ``config`` is a candidate format's name
+    (``CANDIDATE_CASTS``: "tensorwise", "mxfp8", "nvfp4", "block", ...), a torchao ``Float8LinearConfig`` or an
+    ``MXFP8Recipe``. Holds, per layer, what its backward needs (the fp8 copy) until the backward. ``keep_outputs``:
+    collect each forward's layer outputs in ``outputs`` (for a gradient-only backward; the caller empties it every
+    step, since each output holds its step's graph). ``batches`` and ``dropped`` count the batches committed and
+    dropped, summed across processes by ``result(reduce)``. ``skipped``: the layers the format cannot run ({fqn:
+    why}), not measured and absent from the result."""
 
     def __init__(self, layers: Mapping[str, nn.Linear], config: Any, keep_outputs: bool = False) -> None:
         emulator = _emulator_for(config, "SensitivityProbe")
@@ -401,9 +403,7 @@ class MultiProbe(_Probe):
     def __init__(self, layers: Mapping[str, nn.Linear], candidates: Iterable[str], keep_outputs: bool = False) -> None:
         self.candidates = candidate_casts(candidates, "MultiProbe")
         self._casts = list(dict.fromkeys(self.candidates.values()))
-        configs = [cast if cast in ("mxfp8", "nvfp4", "block") else torchao_config(cast, emulate=True)
-                   for cast in self._casts]
-        super().__init__(layers, [_emulator_for(config, "MultiProbe") for config in configs], keep_outputs)
+        super().__init__(layers, [_emulator_for(cast, "MultiProbe") for cast in self._casts], keep_outputs)
         self.skipped = {name: self._skipped[self._casts.index(cast)] for name, cast in self.candidates.items()}
 
     def result(self, reduce: Reduce | None = None) -> dict[str, dict[str, LayerSensitivity]]:
