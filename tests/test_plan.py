@@ -359,7 +359,7 @@ def test_the_sums_every_rank_reduces_have_one_row_per_layer_whichever_ran():
     probe.close()
     seen = []
     result = probe.result(lambda t: seen.append(tuple(t.shape)) or t)
-    assert seen == [(3, 22)] and list(result) == ["a"]  # a row per layer, and one of batch counts
+    assert seen == [(1, 3, 22)] and list(result) == ["a"]  # per format measured: a row per layer, one of batch counts
     assert probe.result() == result
 
 
@@ -440,11 +440,18 @@ def test_measuring_under_no_grad_measures_all_the_same():
     assert plan.fp8_layers == {"a", "d", "head"} and plan.batches == 2
 
 
-def test_block_scaled_recipes_and_models_without_linear_layers_are_refused_clearly():
-    with pytest.raises(ValueError, match=r"`fp8_sensitivity\(recipe='mxfp8'\)`: .*underflow_stats\(x, 'mxfp8'\)"):
-        fp8_sensitivity(Outliers(), batches(1), recipe="mxfp8", loss_fn=_loss)
-    with pytest.raises(ValueError, match=r"`make_plan\(recipe='mxfp8'\)`"):
-        make_plan(Outliers(), batches(1), recipe="mxfp8", loss_fn=_loss)
+def test_non_torchao_recipes_and_models_without_linear_layers_are_refused_clearly():
+    """MXFP8 is measured with its block casts now (tests/test_sensitivity_candidates.py); Transformer Engine's formats
+    and NVFP4 are not torchao recipes: ``measure_candidates`` measures them, and the error says so."""
+    for recipe in ("nvfp4", "delayed", "block"):
+        with pytest.raises(ValueError, match=rf"`fp8_sensitivity\(recipe='{recipe}'\)`: not a torchao recipe.*"
+                                             rf"measure_candidates\(model, batches, candidates=\('{recipe}',\)\)"):
+            fp8_sensitivity(Outliers(), batches(1), recipe=recipe, loss_fn=_loss)
+    with pytest.raises(ValueError, match=r"`make_plan\(recipe='nvfp4'\)`"):
+        make_plan(Outliers(), batches(1), recipe="nvfp4", loss_fn=_loss)
+    plan = make_plan(Outliers(), batches(1), recipe="mxfp8", loss_fn=_loss, skip_small_layers=False,
+                     skip_first_last=False)
+    assert plan.scaling_family == "mxfp8" and plan.batches == 1 and plan.get("a").numbers
     for measure in (fp8_sensitivity, make_plan):
         with pytest.raises(ValueError, match="ReLU has no nn.Linear layer, so there is nothing to measure"):
             measure(nn.ReLU(), [torch.randn(4, 64)], loss_fn=lambda m, b: m(b).sum())

@@ -1,13 +1,17 @@
-"""How much each linear layer would lose in fp8, measured on real batches: the numbers a ``PrecisionPlan`` decides on.
+"""How much each linear layer would lose in fp8 (or another low-precision format), measured on real batches: the
+numbers a ``PrecisionPlan`` decides on.
 
-For every linear layer and each tensor fp8 casts (input, weight, output gradient), under the recipe's real scaling
-(torchao's dynamic scales: per tensor or per row, e4m3fn forward and e5m2 or e4m3fn gradients as the recipe says):
-the signal-to-quantization-noise ratio of the cast, and the fractions that underflow (non-zero values cast to zero)
-or overflow (non-finite values: dynamic scales never saturate finite ones). Then the error of the layer's output and
-input gradient when that layer alone runs in fp8, through torchao's own ``Float8Linear`` (emulated: any device).
+For every linear layer and each tensor the format casts (input, weight, output gradient), under the format's real
+scaling: the signal-to-quantization-noise ratio of the cast, and the fractions that underflow (non-zero values cast to
+zero) or overflow (non-finite values: dynamic scales never saturate finite ones). Then the error of the layer's output
+and input gradient when that layer alone runs in the format, against fp32 results. How each format is computed (an
+"emulator" per format; any device): torchao's per-tensor and per-row recipes through its own ``Float8Linear``
+(emulated); the block formats (MXFP8, NVFP4) with the block casts of ``lightning_precision.formats``, each block at its
+own scale; Transformer Engine's ``Float8BlockScaling`` with its 1x128 / 128x128 blocks (``CANDIDATE_CASTS``).
 
-``SensitivityProbe`` is the one place that measures: ``fp8_sensitivity`` (before training, weights untouched) and
-``FP8Precision(layers="auto")`` (the first training steps) both use it.
+``SensitivityProbe`` (one format) and ``MultiProbe`` (several, in one pass) are the one place that measures:
+``fp8_sensitivity`` and ``measure_candidates`` (before training, weights untouched), ``FP8Precision(layers="auto")``
+(the first training steps) and ``FP8Guard`` use them.
 """
 
 from __future__ import annotations
@@ -21,123 +25,50 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_precision import _imports
 from lightning_precision._accumulator import Accumulator, Reduce, as_reduce_op
-from lightning_precision._upstream import torchao as upstream
 from lightning_precision._upstream.torch import inside_compiled_call
-from lightning_precision._upstream.torchao import FLOAT8_EPS
 from lightning_precision._warnings import warn
-from lightning_precision.formats import NumberFormat, get_format
-from lightning_precision.fp8._selection import BLOCK_SCALED, HYBRID_FORMAT, TENSORS, functional_linears, linear_layers
+from lightning_precision.fp8._emulate import (
+    CANDIDATE_CASTS,
+    TORCHAO_EPS,
+    BlockEmulator,
+    CastSpec,
+    Emulator,
+    TileEmulator,
+    TorchaoEmulator,
+    cast_numerics,
+    cast_specs,
+    fp8_grad_input,
+    squares_sum,
+    torchao_scale,
+)
+from lightning_precision.fp8._selection import TENSORS, TORCHAO_RECIPES, functional_linears, linear_layers
 from lightning_precision.fp8._torchao import MXFP8Recipe, torchao_config
 
 __all__ = [
+    "CANDIDATE_CASTS",
     "CastSpec",
     "LayerSensitivity",
     "LossFn",
+    "MultiProbe",
     "Reduce",
     "SensitivityProbe",
     "TORCHAO_EPS",
     "TensorNumerics",
+    "candidate_casts",
     "cast_numerics",
     "cast_specs",
     "fp8_grad_input",
     "fp8_sensitivity",
+    "measure_candidates",
     "probe_config",
     "torchao_scale",
 ]
-
-TORCHAO_EPS = FLOAT8_EPS  # torchao's floor under amax (tests/test_upstream_torchao.py checks it against torchao's)
 
 # Per tensor, accumulated over batches: signal power, noise power, non-zero values, underflows, non-finite, elements.
 _NUMERIC_FIELDS = 6
 # Per layer: three tensors' fields, then the output's and the input gradient's (error power, reference power).
 _WIDTH = 3 * _NUMERIC_FIELDS + 4
-
-
-@dataclass(frozen=True)
-class CastSpec:
-    """How one tensor is cast: the fp8 dtype, per-row (``axiswise``) or per-tensor scale, power-of-two scales."""
-
-    dtype: torch.dtype
-    axiswise: bool
-    pow2: bool
-
-
-def _fp8_dtype(name: str) -> torch.dtype:
-    """The torch dtype of an fp8 format (torchao's when a config names none)."""
-    fmt = get_format(name)
-    if not isinstance(fmt, NumberFormat) or fmt.dtype is None:
-        raise ValueError(f"{name!r} is not an fp8 format with a torch dtype")
-    return fmt.dtype
-
-
-def cast_specs(config: Any) -> dict[str, CastSpec]:
-    """The ``CastSpec`` of input, weight and grad_output under a torchao ``Float8LinearConfig``."""
-    ScalingGranularity = _imports.import_quietly("torchao.float8.config").ScalingGranularity
-
-    specs = {}
-    for tensor in TENSORS:
-        cast = getattr(config, f"cast_config_{tensor}")
-        target: torch.dtype = getattr(cast, "target_dtype", None) or _fp8_dtype(HYBRID_FORMAT[tensor])
-        specs[tensor] = CastSpec(target,
-                                 cast.scaling_granularity == ScalingGranularity.AXISWISE,
-                                 bool(getattr(config, "round_scales_to_power_of_2", False)))
-    return specs
-
-
-def torchao_scale(amax: Tensor, fmax: float, pow2: bool = False) -> Tensor:
-    """torchao's dynamic scale for a largest magnitude ``amax`` (per tensor or per row): ``fmax / max(amax, EPS)`` in
-    fp64, then fp32, rounded down to a power of two when ``pow2`` (its rowwise recipes). The one place it is computed:
-    ``cast_numerics`` and ``functional.dynamic_scale_stats`` both use it.
-
-    Example:
-        >>> torchao_scale(torch.tensor(2.0), 448.0).item(), torchao_scale(torch.tensor(2.0), 448.0, pow2=True).item()
-        (224.0, 128.0)
-    """
-    scale = (fmax / amax.double().clamp(min=TORCHAO_EPS)).float()
-    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
-
-
-def _squares_sum(t: Tensor, buffer: Tensor | None = None) -> Tensor:
-    """The sum of ``t``'s squares in fp64 (each square exact: an fp32 value squared fits fp64's mantissa), summed as
-    ``t.double().pow(2).sum()`` sums them, so the same float; ``buffer``: an fp64 tensor of ``t``'s shape to hold the
-    squares (no new one)."""
-    d = buffer.copy_(t) if buffer is not None else t.double()
-    return d.mul_(d).sum()
-
-
-def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
-    """``[signal power, noise power, non-zero, underflow, non-finite, elements]`` of casting ``t`` to fp8 as torchao
-    does (scale ``max / max(amax, EPS)`` in fp64 then fp32, rounded down to a power of two if asked, saturating cast),
-    in fp64 on ``t``'s device. Non-finite values are left out of the powers.
-
-    Each figure is the one the straightforward expression gives (tests/sensitivity_reference.py keeps it, and
-    tests/test_sensitivity_equal.py holds this to it), computed with fewer passes and temporaries: in-place steps, one
-    fp64 buffer for both powers, ``|x| < inf`` for ``isfinite``."""
-    x = t.detach().float()
-    x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    # Each temporary goes as soon as it is read: the peak is what a layer's measurement adds to the step's.
-    finite = x.abs() < math.inf  # isfinite (nan and inf compare false), in a third of its time
-    not_finite = (~finite).sum()
-    x = torch.where(finite, x, 0.0)
-    del finite
-    magnitude = x.abs()
-    amax = magnitude.amax(dim=-1, keepdim=True) if spec.axiswise else magnitude.amax()
-    del magnitude
-    fmax = torch.finfo(spec.dtype).max
-    scale = torchao_scale(amax, fmax, spec.pow2)
-    q = (x * scale).clamp_(-fmax, fmax).to(spec.dtype).float()
-    nonzero = x != 0
-    counts = torch.stack([nonzero.sum(), (nonzero & (q == 0)).sum(), not_finite]).double()
-    del nonzero
-    buffer = torch.empty(x.shape, dtype=torch.float64, device=x.device)
-    noise = _squares_sum(q.div_(scale).sub_(x), buffer)
-    del q
-    signal = _squares_sum(x, buffer)
-    # torch.full, not torch.tensor: a host-to-device copy from pageable memory would wait for the device.
-    return torch.cat([torch.stack([signal, noise]), counts,
-                      torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)])
 
 
 @dataclass(frozen=True)
@@ -165,6 +96,7 @@ class LayerSensitivity:
     output_error: float
     grad_input_error: float
     batches: int
+    tokens: float = 0.0  # mean tokens (input rows: numel / in_features) per committed batch: the GEMM's M
 
     def tensors(self) -> dict[str, TensorNumerics]:
         return {t: getattr(self, t) for t in TENSORS}
@@ -187,34 +119,9 @@ def _relative(err: float, ref: float) -> float:
 def _error_powers(fp8_result: Tensor, ref: Tensor) -> Tensor:
     """``[||fp8 - ref||^2, ||ref||^2]`` in fp64 (``ref`` fp32), through one fp64 buffer."""
     buffer = torch.empty(ref.shape, dtype=torch.float64, device=ref.device)
-    error = _squares_sum(fp8_result.float().sub_(ref) if fp8_result.dtype != torch.float32 else fp8_result - ref,
+    error = squares_sum(fp8_result.float().sub_(ref) if fp8_result.dtype != torch.float32 else fp8_result - ref,
                          buffer)
-    return torch.stack([error, _squares_sum(ref, buffer)])
-
-
-def fp8_grad_input(fp8: Any, grad_output: Tensor) -> Tensor:
-    """The input gradient a torchao ``Float8Linear`` computes in its backward, for ``grad_output``: its casts of the
-    output gradient (``cast_config_grad_output``) and of the weight (``cast_config_weight_for_grad_input``), and their
-    matmul, as ``matmul_with_hp_or_float8_args.backward`` does them, without the weight gradient that backward also
-    computes (the probe reads only the input gradient: a third of the work, and an fp32 input beside a bf16 output
-    gradient made that hp weight gradient fail). tests/test_sensitivity_equal.py holds it to torchao's own backward."""
-    to_float8, axiswise_dim, roles = upstream.float8_dynamic_cast()
-    disabled = _imports.import_quietly("torchao.float8.config").ScalingType.DISABLED
-    config, mm_config = fp8.config, fp8.linear_mm_config
-
-    def cast(t: Tensor, cast_config: Any, role: Any) -> Any:
-        if cast_config.scaling_type is disabled:
-            return t
-        return to_float8(
-            t, cast_config.target_dtype, mm_config, gemm_input_role=role,
-            scaling_granularity=cast_config.scaling_granularity,
-            axiswise_dim=axiswise_dim(-1, cast_config.scaling_granularity),
-            round_scales_to_power_of_2=config.round_scales_to_power_of_2)
-
-    shape = grad_output.shape
-    g = cast(grad_output.reshape(-1, shape[-1]), config.cast_config_grad_output, roles.GRAD_OUTPUT)
-    w = cast(fp8.weight.t(), config.cast_config_weight_for_grad_input, roles.WEIGHT)
-    return torch.mm(g, w.t()).reshape(*shape[:-1], -1)
+    return torch.stack([error, squares_sum(ref, buffer)])
 
 
 class _Eager:
@@ -257,34 +164,48 @@ def _say_eager() -> None:
          " steps pay their eager time.")
 
 
-class SensitivityProbe:
-    """Forward hooks on the given linear layers that measure each training forward and backward (see the module
-    docstring) and accumulate on the device; ``result(reduce)`` reads them once (``reduce`` sums across processes, so
-    every rank decides on the same numbers). Holds, per layer, the fp8 copy's input and output until the backward.
-    ``keep_outputs``: collect each forward's layer outputs in ``outputs`` (for a gradient-only backward; the caller
-    empties it every step, since each output holds its step's graph).
+def _emulator_for(config: Any, owner: str) -> Emulator:
+    """What measures ``config``: a candidate format's name (``CANDIDATE_CASTS``), a torchao ``Float8LinearConfig``,
+    or an ``MXFP8Recipe`` (its blocks)."""
+    if isinstance(config, MXFP8Recipe):
+        return BlockEmulator("mxfp8")
+    cast = CANDIDATE_CASTS.get(config) if isinstance(config, str) else None
+    if cast == "block":
+        return TileEmulator()
+    if cast in ("mxfp8", "nvfp4"):
+        return BlockEmulator(cast)
+    if cast is not None:
+        config = torchao_config(cast, emulate=True)
+    if dataclasses.is_dataclass(config) and hasattr(config, "cast_config_input"):
+        return TorchaoEmulator(config)
+    raise ValueError(f"{owner}: {config!r} is not what the probe measures: a candidate format's name"
+                     f" {tuple(CANDIDATE_CASTS)}, a torchao `Float8LinearConfig` or an `MXFP8Recipe`.")
 
-    A batch's numbers are staged, and ``commit()`` (the caller's batch boundary; ``result`` commits what is pending)
-    adds them to the sums only if every tensor measured in that batch was finite: its inputs, weights and output
-    gradients and the fp32 reference results. A non-finite input or loss is a fault of the data, not of fp8, and one
-    such batch would otherwise mark every layer as overflowing. The choice is made on the device, without a read;
-    ``batches`` and ``dropped`` count the batches committed and dropped, summed across processes by
-    ``result(reduce)``. An fp8 result that is not finite where the fp32 one is stays counted: that is fp8 failing.
-    Empty tensors (a layer that received no tokens, as an idle mixture-of-experts expert) are not measured."""
 
-    def __init__(self, layers: Mapping[str, nn.Linear], config: Any, keep_outputs: bool = False) -> None:
-        if not dataclasses.is_dataclass(config) or not hasattr(config, "cast_config_input"):
-            raise ValueError(f"SensitivityProbe: {config!r} is not a torchao `Float8LinearConfig`: the probe measures"
-                             " torchao's per-tensor and per-row casts. Block-scaled casts (MXFP8, NVFP4) are measured"
-                             " by `lightning_precision.functional.underflow_stats(x, 'mxfp8')`.")
-        config = dataclasses.replace(cast(Any, config), emulate=True, enable_fsdp_float8_all_gather=False)
-        self.specs = cast_specs(config)
-        self.config = config
+class _Probe:
+    """Forward hooks on the given linear layers that measure each training forward and backward, for one or more
+    emulators (formats) at once: the fp32 reference results are computed once and every emulator's error is taken
+    against them. Accumulates on the device; the subclasses read the sums (``result``).
+
+    A batch's numbers are staged, and ``commit()`` (the caller's batch boundary) adds them to the sums only if every
+    tensor measured in that batch was finite: its inputs, weights and output gradients and the fp32 reference results.
+    A non-finite input or loss is a fault of the data, not of fp8, and one such batch would otherwise mark every layer
+    as overflowing. The choice is made on the device, without a read, for each emulator over the layers it measures
+    (so each one's numbers are those it would have alone). An fp8 result that is not finite where the fp32 one is
+    stays counted: that is fp8 failing. Empty tensors (a layer that received no tokens, as an idle mixture-of-experts
+    expert) are not measured. A layer an emulator's format cannot run (its block does not divide the layer's
+    dimensions) is not measured by it: ``_skipped[i]`` says why."""
+
+    def __init__(self, layers: Mapping[str, nn.Linear], emulators: list[Emulator], keep_outputs: bool) -> None:
         self.layers = dict(layers)
+        self._emulators = emulators
+        self._skipped = [{fqn: why for fqn, m in self.layers.items() if (why := e.cannot_run(m))} for e in emulators]
+        # Per layer, the emulators that measure it (by index).
+        self._measuring = {fqn: [i for i, s in enumerate(self._skipped) if fqn not in s] for fqn in self.layers}
         self.batches = 0  # batches committed, summed across processes: known after `result()`
         self.dropped = 0  # batches left out for a non-finite value, likewise
         self._row = {fqn: i for i, fqn in enumerate(self.layers)}
-        # Declared at the first measurement, on its device:
+        # Declared at the first measurement, on its device, one block per emulator:
         # - "sums" (summed across processes by `result`): one row per layer, 3 tensors x _NUMERIC_FIELDS, then output
         #   error/ref powers and grad-input error/ref powers; one more row for the batch counts (committed, dropped).
         # - "staged": this process's batch in progress, the same rows but the last (summed into "sums" by `commit`).
@@ -295,7 +216,6 @@ class SensitivityProbe:
         self.keep_outputs = keep_outputs
         self.outputs: list[Tensor] = []  # this step's layer outputs: where a gradient-only backward must reach
         self._handles: list[Any] = []
-        self._copies: dict[nn.Module, tuple[tuple, nn.Module]] = {}  # per layer: its fp8 copy, and what it copied
         self._open = False
         self.reopen()
 
@@ -317,23 +237,24 @@ class SensitivityProbe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._copies.clear()  # views of the layers' weights: a replaced weight is not kept alive by them
+        for emulator in self._emulators:
+            emulator.clear()
         self._open = False
         _run_eagerly(False)
 
     def _allocate(self, device: torch.device) -> None:
-        sums = torch.zeros(len(self.layers) + 1, _WIDTH, dtype=torch.float64, device=device)
+        sums = torch.zeros(len(self._emulators), len(self.layers) + 1, _WIDTH, dtype=torch.float64, device=device)
         self.state.add_state("sums", sums, "sum")
-        self.state.add_state("staged", sums[:-1], "sum")
-        self.state.add_state("finite", torch.ones((), dtype=torch.float64, device=device), "min")
+        self.state.add_state("staged", sums[:, :-1], "sum")
+        self.state.add_state("finite", torch.ones(len(self._emulators), dtype=torch.float64, device=device), "min")
 
-    def _add(self, fqn: str, index: slice, values: Tensor, finite: Tensor) -> None:
-        """Stage ``values``; ``finite``: whether the tensors they were measured on were all finite."""
+    def _add(self, fqn: str, index: slice, values: Tensor, finite: Tensor, emulator: int = 0) -> None:
+        """Stage ``values`` for ``emulator``; ``finite``: whether the tensors they were measured on were all finite."""
         if "staged" not in self.state:
             self._allocate(values.device)
-        staged = self.state["staged"]
-        staged[self._row[fqn], index] += values.to(staged.device)  # in place: this process's own, never shared
-        self.state.update("finite", finite.to(self.state["finite"]))
+        staged, flags = self.state["staged"], self.state["finite"]
+        staged[emulator, self._row[fqn], index] += values.to(staged.device)  # in place: this process's own
+        flags[emulator] = torch.minimum(flags[emulator], finite.to(flags))
         self._pending = True
 
     def commit(self) -> None:
@@ -341,117 +262,177 @@ class SensitivityProbe:
         way. Device ops only; nothing when nothing was staged."""
         if not self._pending:
             return
-        finite = self.state["finite"]
-        counts = torch.cat([finite.view(1), (1 - finite).view(1), finite.new_zeros(_WIDTH - 2)]).view(1, _WIDTH)
+        finite = self.state["finite"].view(-1, 1, 1)
+        counts = torch.cat([finite, 1 - finite, finite.new_zeros(len(finite), 1, _WIDTH - 2)], dim=-1)
         # `where`, not `staged * finite`: a dropped batch's staged numbers may be inf or nan, and inf * 0 is nan.
-        self.state.update("sums", torch.cat([torch.where(finite > 0, self.state["staged"], 0.0), counts]))
+        self.state.update("sums", torch.cat([torch.where(finite > 0, self.state["staged"], 0.0), counts], dim=1))
         self.state.reset("staged", "finite")
         self._pending = False
 
-    def _fp8_copy(self, layer: nn.Linear) -> nn.Module:
-        """torchao's ``Float8Linear`` over the layer's current weight and bias (views, no gradient of their own): the
-        layer's forward in fp8, without touching its parameters or their ``.grad``. Made once per layer and kept while
-        the layer's parameters are the same tensors (views: an optimizer's in-place update is seen); made again when
-        one is replaced (``.data`` set, the model moved)."""
-        key = (layer.weight, layer.weight.data_ptr(), layer.bias,
-               layer.bias.data_ptr() if layer.bias is not None else None)
-        kept = self._copies.get(layer)
-        if kept is not None and all(a is b if isinstance(a, Tensor) else a == b for a, b in zip(kept[0], key,
-                                                                                                 strict=True)):
-            return kept[1]
-        convert = _imports.import_quietly("torchao.float8").convert_to_float8_training
-        shadow = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-        shadow.weight = nn.Parameter(layer.weight.detach(), requires_grad=False)
-        if layer.bias is not None:
-            shadow.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
-        copy = convert(shadow, config=self.config)
-        self._copies[layer] = (key, copy)
-        return copy
-
     def _forward(self, fqn: str) -> Callable[..., None]:
+        measuring = self._measuring[fqn]
+
         def hook(module: nn.Linear, args: tuple, output: Any) -> None:
             x = args[0] if args else None
             if not torch.is_grad_enabled() or not isinstance(x, Tensor) or not isinstance(output, Tensor):
                 return
             self.ran = True
             _say_eager()
-            if x.numel() == 0:  # no tokens reached this layer (an idle expert): nothing to measure, nothing to cast
+            if x.numel() == 0 or not measuring:  # no tokens (an idle expert): nothing to measure, nothing to cast
                 return
             n = _NUMERIC_FIELDS
             x = x.detach()
-            xf = x.float()  # once: the input's numerics and the fp32 reference both read it
-            cast_x, cast_w = cast_numerics(xf, self.specs["input"]), cast_numerics(module.weight, self.specs["weight"])
-            fp8 = self._fp8_copy(module)
-            with torch.no_grad():  # the fp8 input gradient is computed in the backward hook: no graph is kept
-                y8 = fp8(x)
+            xf = x.float()  # once: the casts and the fp32 reference all read it
             w = module.weight.detach().float()
             b = module.bias.detach().float() if module.bias is not None else None
-            with torch.autocast(x.device.type, enabled=False):  # the hook runs inside the forward's autocast
-                ref = nn.functional.linear(xf, w, b)
-            del xf
-            finite = (cast_x[4] == 0) & (cast_w[4] == 0) & torch.isfinite(ref).all()
-            self._add(fqn, slice(0, n), cast_x, finite)
-            self._add(fqn, slice(n, 2 * n), cast_w, finite)
-            self._add(fqn, slice(3 * n, 3 * n + 2), _error_powers(y8, ref), finite)
+            ref: Tensor | None = None
+            states = []
+            for i in measuring:
+                cast_x, cast_w, y, state = self._emulators[i].forward(module, x, xf, w, b, output.dtype)
+                if ref is None:  # after the first format's casts, not beside them: the measurement's peak stays lower
+                    with torch.autocast(x.device.type, enabled=False):  # the hook runs inside the forward's autocast
+                        ref = nn.functional.linear(xf, w, b)
+                    ref_finite = torch.isfinite(ref).all()
+                finite = (cast_x[4] == 0) & (cast_w[4] == 0) & ref_finite
+                self._add(fqn, slice(0, n), cast_x, finite, i)
+                self._add(fqn, slice(n, 2 * n), cast_w, finite, i)
+                self._add(fqn, slice(3 * n, 3 * n + 2), _error_powers(y, ref), finite, i)
+                states.append((i, state))
+            del xf, ref
             if output.requires_grad:
-                output.register_hook(self._backward(fqn, fp8, x.dtype, y8.dtype, w))
+                output.register_hook(self._backward(fqn, states, w))
                 if self.keep_outputs:
                     self.outputs.append(output)
 
         return hook
 
-    def _backward(self, fqn: str, fp8: nn.Module, input_dtype: torch.dtype, output_dtype: torch.dtype,
-                  w: Tensor) -> Callable[[Tensor], None]:
+    def _backward(self, fqn: str, states: list[tuple[int, Any]], w: Tensor) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             n = _NUMERIC_FIELDS
-            cast_g = cast_numerics(grad, self.specs["grad_output"])
-            g8 = fp8_grad_input(fp8, grad.to(output_dtype)).to(input_dtype)
             with torch.autocast(grad.device.type, enabled=False):
                 ref = grad.detach().float() @ w
-            finite = (cast_g[4] == 0) & torch.isfinite(ref).all()
-            self._add(fqn, slice(2 * n, 3 * n), cast_g, finite)
-            self._add(fqn, slice(3 * n + 2, 3 * n + 4), _error_powers(g8, ref), finite)
+            ref_finite = torch.isfinite(ref).all()
+            for i, state in states:
+                cast_g, g = self._emulators[i].backward(state, grad, w)
+                finite = (cast_g[4] == 0) & ref_finite
+                self._add(fqn, slice(2 * n, 3 * n), cast_g, finite, i)
+                self._add(fqn, slice(3 * n + 2, 3 * n + 4), _error_powers(g, ref), finite, i)
 
         return hook
 
-    def result(self, reduce: Reduce | None = None) -> dict[str, LayerSensitivity]:
-        """Per layer that ran (on any process): its ``LayerSensitivity`` over the committed batches (what is staged is
-        committed first; one device read). ``reduce`` gets one row for every probed layer, ran or not, and one of batch
-        counts, so the all-reduce has the same shape on every rank even when a layer runs on some ranks only
-        (data-dependent routing). Sets ``batches`` and ``dropped``."""
+    def _results(self, reduce: Reduce | None) -> list[tuple[int, int, dict[str, LayerSensitivity]]]:
+        """Per emulator: batches committed, batches dropped, and per layer it measured that ran (on any process) its
+        ``LayerSensitivity``. What is staged is committed first; one device read. ``reduce`` gets the same shape on
+        every rank (a row for every probed layer, ran or not), even when a layer runs on some ranks only
+        (data-dependent routing)."""
         if not self.layers:
-            return {}
+            return [(0, 0, {}) for _ in self._emulators]
         self.commit()
         # Nothing measured here? Other ranks may have: take part in the reduce all the same.
         if "sums" not in self.state:
             self._allocate(next(iter(self.layers.values())).weight.device)
-        stacked = self.state.sync(as_reduce_op(reduce), ["sums"])["sums"].cpu()
-        self.batches, self.dropped = (int(v) for v in stacked[-1, :2].tolist())
+        stacked = self.state.sync(as_reduce_op(reduce), ["sums"])["sums"].detach().cpu()
         n = _NUMERIC_FIELDS
-        out = {}
-        for (fqn, layer), row in zip(self.layers.items(), stacked[:-1], strict=True):
-            if row[n - 1] == 0:  # the input's element count: the layer never ran (with tokens) in a committed batch
-                continue
-            cast_x, cast_w, cast_g = (_numerics(row[i * n : (i + 1) * n]) for i in range(3))
-            out_err, out_ref, gin_err, gin_ref = row[3 * n :].tolist()
-            out[fqn] = LayerSensitivity(fqn, layer.in_features, layer.out_features, cast_x, cast_w, cast_g,
-                                        output_error=_relative(out_err, out_ref),
-                                        grad_input_error=_relative(gin_err, gin_ref), batches=self.batches)
+        out = []
+        for rows, skipped in zip(stacked, self._skipped, strict=True):
+            batches, dropped = (int(v) for v in rows[-1, :2].tolist())
+            measured = {}
+            for (fqn, layer), row in zip(self.layers.items(), rows[:-1], strict=True):
+                if row[n - 1] == 0 or fqn in skipped:  # the input's element count: never ran in a committed batch
+                    continue
+                cast_x, cast_w, cast_g = (_numerics(row[i * n : (i + 1) * n]) for i in range(3))
+                out_err, out_ref, gin_err, gin_ref = row[3 * n :].tolist()
+                measured[fqn] = LayerSensitivity(
+                    fqn, layer.in_features, layer.out_features, cast_x, cast_w, cast_g,
+                    output_error=_relative(out_err, out_ref), grad_input_error=_relative(gin_err, gin_ref),
+                    batches=batches, tokens=row[n - 1].item() / layer.in_features / batches)
+            out.append((batches, dropped, measured))
         return out
+
+
+class SensitivityProbe(_Probe):
+    """The probe for one format (see ``_Probe``; the module docstring): ``config`` is a candidate format's name
+    (``CANDIDATE_CASTS``: "tensorwise", "mxfp8", "nvfp4", "block", ...), a torchao ``Float8LinearConfig`` or an
+    ``MXFP8Recipe``. Holds, per layer, what its backward needs (the fp8 copy) until the backward. ``keep_outputs``:
+    collect each forward's layer outputs in ``outputs`` (for a gradient-only backward; the caller empties it every
+    step, since each output holds its step's graph). ``batches`` and ``dropped`` count the batches committed and
+    dropped, summed across processes by ``result(reduce)``. ``skipped``: the layers the format cannot run ({fqn:
+    why}), not measured and absent from the result."""
+
+    def __init__(self, layers: Mapping[str, nn.Linear], config: Any, keep_outputs: bool = False) -> None:
+        emulator = _emulator_for(config, "SensitivityProbe")
+        self.config = emulator.config if isinstance(emulator, TorchaoEmulator) else config
+        self.specs = emulator.specs if isinstance(emulator, TorchaoEmulator) else {}
+        super().__init__(layers, [emulator], keep_outputs)
+        self.skipped = self._skipped[0]
+
+    def result(self, reduce: Reduce | None = None) -> dict[str, LayerSensitivity]:
+        """Per layer that ran (on any process): its ``LayerSensitivity`` over the committed batches (what is staged is
+        committed first; one device read). ``reduce`` sums across processes, so every rank decides on the same
+        numbers. Sets ``batches`` and ``dropped``."""
+        if not self.layers:
+            return {}
+        self.batches, self.dropped, out = self._results(reduce)[0]
+        return out
+
+
+def candidate_casts(candidates: Iterable[str], owner: str) -> dict[str, str]:
+    """Each candidate format and the cast that measures it (``CANDIDATE_CASTS``), or a ``ValueError`` naming ``owner``'s
+    call and the known candidates. A high label ("bf16", ...) is no candidate to measure: it is the reference."""
+    if isinstance(candidates, str):
+        raise ValueError(f"`{owner}(candidates={candidates!r})`: a tuple of format names, e.g. ({candidates!r},).")
+    casts = {}
+    for name in candidates:
+        if name not in CANDIDATE_CASTS:
+            raise ValueError(f"`{owner}(candidates=...)`: {name!r} is not a format it measures; use some of"
+                             f" {tuple(CANDIDATE_CASTS)} (the high-precision dtype needs no measurement: it is the"
+                             " reference).")
+        casts[name] = CANDIDATE_CASTS[name]
+    if not casts:
+        raise ValueError(f"`{owner}(candidates=())`: name at least one format to measure, e.g. ('tensorwise',).")
+    return casts
+
+
+class MultiProbe(_Probe):
+    """Several candidate formats measured on the same layers in one pass (``SensitivityProbe``'s interface): the fp32
+    references once, each format's casts and errors beside them, each candidate's numbers the float for float those of
+    a ``SensitivityProbe`` measuring it alone. Candidates measured by the same cast (``CANDIDATE_CASTS``: "delayed",
+    "current" and "tensorwise") are measured once. ``result(reduce)``: candidate -> fqn -> ``LayerSensitivity``; a layer
+    a candidate cannot run is absent from its numbers (``skipped``: candidate -> {fqn: why}). ``batches`` and
+    ``dropped``: the fewest batches any candidate kept and the most it dropped (they differ only when a non-finite
+    value was in a layer some candidate cannot run)."""
+
+    def __init__(self, layers: Mapping[str, nn.Linear], candidates: Iterable[str], keep_outputs: bool = False) -> None:
+        self.candidates = candidate_casts(candidates, "MultiProbe")
+        self._casts = list(dict.fromkeys(self.candidates.values()))
+        super().__init__(layers, [_emulator_for(cast, "MultiProbe") for cast in self._casts], keep_outputs)
+        self.skipped = {name: self._skipped[self._casts.index(cast)] for name, cast in self.candidates.items()}
+
+    def result(self, reduce: Reduce | None = None) -> dict[str, dict[str, LayerSensitivity]]:
+        """Per candidate, per layer that ran (on any process) and that the candidate can run: its ``LayerSensitivity``
+        (see ``SensitivityProbe.result``). Sets ``batches`` and ``dropped``."""
+        results = self._results(reduce)
+        if results:
+            self.batches, self.dropped = min(r[0] for r in results), max(r[1] for r in results)
+        return {name: results[self._casts.index(cast)][2] for name, cast in self.candidates.items()}
 
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 
 def probe_config(recipe: str | Any, owner: str = "fp8_sensitivity") -> Any:
-    """The emulated torchao ``Float8LinearConfig`` that measures ``recipe`` (a torchao recipe name or config), or a
-    ``ValueError`` naming ``owner``'s call: the probe casts per tensor or per row, as those recipes do, and MXFP8's
-    blocks are another measurement."""
-    if (isinstance(recipe, str) and recipe in BLOCK_SCALED) or isinstance(recipe, MXFP8Recipe):
-        raise ValueError(f"`{owner}(recipe={recipe!r})`: it measures torchao's per-tensor and per-row casts"
-                         " ('tensorwise', 'rowwise', 'rowwise_with_gw_hp' or a Float8LinearConfig), not the blocks of a"
-                         " block-scaled format. Measure what a block-scaled cast loses with"
-                         " `lightning_precision.functional.underflow_stats(x, 'mxfp8')`.")
+    """What measures ``recipe``, a torchao recipe (a name, ``Float8LinearConfig`` or ``MXFP8Recipe``): the emulated
+    ``Float8LinearConfig`` of a per-tensor or per-row recipe, an ``MXFP8Recipe`` (emulated) for MXFP8, whose blocks the
+    probe casts. Another name (Transformer Engine's formats, NVFP4) is a ``ValueError`` naming ``owner``'s call and
+    ``measure_candidates``, which measures those."""
+    if isinstance(recipe, MXFP8Recipe):
+        return dataclasses.replace(recipe, emulate=True)
+    if recipe == "mxfp8":
+        return MXFP8Recipe(emulate=True)
+    if isinstance(recipe, str) and recipe in CANDIDATE_CASTS and recipe not in TORCHAO_RECIPES:
+        raise ValueError(f"`{owner}(recipe={recipe!r})`: not a torchao recipe ({TORCHAO_RECIPES}). Measure"
+                         f" Transformer Engine's formats and NVFP4 with `measure_candidates(model, batches,"
+                         f" candidates=({recipe!r},))`.")
     return torchao_config(recipe, emulate=True)
 
 
@@ -467,26 +448,10 @@ def _default_loss(model: nn.Module, batch: Any) -> Tensor:
     return loss
 
 
-def fp8_sensitivity(
-    model: nn.Module,
-    batches: Iterable[Any],
-    recipe: str | Any = "tensorwise",
-    loss_fn: LossFn | None = None,
-    layers: Iterable[str] | None = None,
-    autocast_dtype: torch.dtype | None = torch.bfloat16,
-) -> dict[str, LayerSensitivity]:
-    """Measure, per linear layer, what fp8 under ``recipe`` would lose on these batches (see the module docstring).
-
-    Forward and backward run on each batch (``loss_fn(model, batch)``, by default the model's scalar output or its
-    ``.loss``) under ``autocast_dtype`` autocast, as training would; gradients are taken with respect to the layers'
-    outputs only, so no parameter's ``.grad`` changes and the weights are not updated. ``layers``: the paths to measure
-    (default: every ``nn.Linear`` whose forward runs). ``recipe``: a torchao recipe name or ``Float8LinearConfig``.
-    torchao must be installed; it runs emulated, so any device works. Gradients are enabled inside (the measurement
-    needs a backward), also when called under ``torch.no_grad()``. A batch with a non-finite input, loss or gradient
-    is left out with a warning (``SensitivityProbe``), and ``batches`` counts the others.
-    """
-    owner = "fp8_sensitivity"
-    config = probe_config(recipe, owner)
+def _measure(owner: str, model: nn.Module, batches: Iterable[Any], make_probe: Callable[[dict[str, nn.Linear]], _Probe],
+             loss_fn: LossFn | None, layers: Iterable[str] | None, autocast_dtype: torch.dtype | None) -> _Probe | None:
+    """``owner``'s loop: the probe ``make_probe`` makes over the layers asked for, forward and a gradient-only
+    backward on each batch, then closed (None when no layer is to be measured). Its ``result()`` is the caller's."""
     linears = {fqn: m for fqn, m, _ in linear_layers(model)}
     if not linears:
         raise ValueError(f"{owner}: {type(model).__name__} has no nn.Linear layer, so there is nothing to measure;"
@@ -497,8 +462,8 @@ def fp8_sensitivity(
     if unknown:
         raise ValueError(f"{owner}(layers=...): not nn.Linear layers of the model: {', '.join(unknown)}.")
     if not wanted:  # none asked for (or every one used functionally): no batch needs to run
-        return {}
-    probe = SensitivityProbe({f: linears[f] for f in wanted}, config, keep_outputs=True)
+        return None
+    probe = make_probe({f: linears[f] for f in wanted})
     loss_fn = loss_fn or _default_loss
     device = linears[wanted[0]].weight.device
     try:
@@ -512,9 +477,78 @@ def fp8_sensitivity(
                 probe.commit()
     finally:
         probe.close()
-    result = probe.result()
+    return probe
+
+
+def _say_dropped(owner: str, probe: _Probe) -> None:
     if probe.dropped:
         warn(f"{owner}: {probe.dropped} of {probe.dropped + probe.batches} batches had a non-finite input, loss or"
              " gradient in a measured layer: a fault of the data, not of fp8. They were left out; the numbers are"
              f" those of the other {probe.batches}.")
+
+
+def fp8_sensitivity(
+    model: nn.Module,
+    batches: Iterable[Any],
+    recipe: str | Any = "tensorwise",
+    loss_fn: LossFn | None = None,
+    layers: Iterable[str] | None = None,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+) -> dict[str, LayerSensitivity]:
+    """Measure, per linear layer, what fp8 under ``recipe`` would lose on these batches (see the module docstring).
+
+    Forward and backward run on each batch (``loss_fn(model, batch)``, by default the model's scalar output or its
+    ``.loss``) under ``autocast_dtype`` autocast, as training would; gradients are taken with respect to the layers'
+    outputs only, so no parameter's ``.grad`` changes and the weights are not updated. ``layers``: the paths to measure
+    (default: every ``nn.Linear`` whose forward runs). ``recipe``: a torchao recipe name (``"mxfp8"`` included: its
+    blocks are cast), ``Float8LinearConfig`` or ``MXFP8Recipe``; ``measure_candidates`` measures Transformer Engine's
+    formats and NVFP4, and several at once. A layer whose dimensions the format's block does not divide cannot run it
+    and is absent from the result. torchao must be installed; it runs emulated, so any device works. Gradients are
+    enabled inside (the measurement needs a backward), also when called under ``torch.no_grad()``. A batch with a
+    non-finite input, loss or gradient is left out with a warning (``SensitivityProbe``), and ``batches`` counts the
+    others.
+    """
+    owner = "fp8_sensitivity"
+    config = probe_config(recipe, owner)
+    probe = _measure(owner, model, batches, lambda layers: SensitivityProbe(layers, config, keep_outputs=True),
+                     loss_fn, layers, autocast_dtype)
+    if probe is None:
+        return {}
+    result = cast(SensitivityProbe, probe).result()
+    _say_dropped(owner, probe)
+    return result
+
+
+def measure_candidates(
+    model: nn.Module,
+    batches: Iterable[Any],
+    candidates: Iterable[str],
+    loss_fn: LossFn | None = None,
+    layers: Iterable[str] | None = None,
+    autocast_dtype: torch.dtype | None = torch.bfloat16,
+) -> dict[str, dict[str, LayerSensitivity]]:
+    """``fp8_sensitivity`` for several candidate formats in one pass over ``batches`` (one forward and one backward per
+    batch; ``MultiProbe``): candidate -> fqn -> ``LayerSensitivity``, each candidate's numbers those it would get
+    measured alone. ``candidates``: names from ``CANDIDATE_CASTS`` (torchao's "tensorwise", "rowwise",
+    "rowwise_with_gw_hp", "mxfp8"; Transformer Engine's "delayed", "current", "mxfp8", "block", "nvfp4"). A layer a
+    candidate cannot run (its block does not divide the layer's dimensions) is absent from that candidate's numbers.
+    Other arguments as ``fp8_sensitivity``.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+        >>> numbers = measure_candidates(model, [torch.randn(8, 64)], ("tensorwise", "mxfp8", "nvfp4"),
+        ...                              loss_fn=lambda m, x: m(x).float().pow(2).mean())
+        >>> sorted(numbers), sorted(numbers["mxfp8"]), numbers["nvfp4"]["0"].tokens
+        (['mxfp8', 'nvfp4', 'tensorwise'], ['0', '2'], 8.0)
+    """
+    owner = "measure_candidates"
+    names = candidate_casts(candidates, owner)
+    probe = _measure(owner, model, batches, lambda layers: MultiProbe(layers, names, keep_outputs=True), loss_fn,
+                     layers, autocast_dtype)
+    if probe is None:
+        return {name: {} for name in names}
+    result = cast(MultiProbe, probe).result()
+    _say_dropped(owner, probe)
     return result
