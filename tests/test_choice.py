@@ -16,7 +16,7 @@ def _brute(options, budget):
     for picks in itertools.product(*(range(len(layer)) for layer in options)):
         error = sum(layer[j][0] for layer, j in zip(options, picks, strict=True))
         value = sum(layer[j][1] for layer, j in zip(options, picks, strict=True))
-        if error <= budget and (best is None or value > best):
+        if math.isfinite(error) and error <= budget and (best is None or value > best):
             best = value
     return best
 
@@ -34,7 +34,7 @@ def test_matches_brute_force_on_small_layer_counts(seed):
         assert len(picks) == layers
         error = sum(layer[j][0] for layer, j in zip(options, picks, strict=True))
         value = sum(layer[j][1] for layer, j in zip(options, picks, strict=True))
-        assert error <= budget
+        assert error <= budget and math.isfinite(error)
         assert value == pytest.approx(_brute(options, budget), abs=1e-9)
 
 
@@ -69,6 +69,7 @@ def test_hundreds_of_layers_are_solved():
     ([[(-0.1, 0.0)]], 1.0, "errors are >= 0"),
     ([[(0.1, math.nan)]], 1.0, "values finite"),
     ([[(0.5, 0.0)], [(0.6, 1.0)]], 1.0, "no choice fits the error budget 1: the least summed error is 1.1"),
+    ([[(0.0, 0.0)], [(math.inf, 1.0)]], math.inf, "every option of layer 1 has an infinite error"),
 ])
 def test_refusals_name_the_problem(options, budget, match):
     with pytest.raises(ValueError, match=match):

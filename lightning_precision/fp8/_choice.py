@@ -18,8 +18,9 @@ Option = tuple[float, float]  # (error, value) of one format for one layer
 
 def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> list[int]:
     """Per layer, the index of the option chosen: the choice with the largest summed value whose summed error is at
-    most ``budget``; among equal values the smaller error, then the earlier options. Every layer needs an option
-    (in a plan, its high precision: error 0, value 0), and some choice must fit the budget.
+    most ``budget``; among equal values the smaller error, then the earlier options. An option of error inf never
+    fits, whatever the budget. Every layer needs an option (in a plan, its high precision: error 0, value 0), and some
+    choice must fit the budget.
 
     Example:
         Two layers, each with high precision (0, 0) and two formats; a budget of 1.0 fits one aggressive format:
@@ -36,9 +37,14 @@ def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> lis
             if not (error >= 0 and math.isfinite(value)):
                 raise ValueError(f"choose: layer {i} has an option of error {error!r} and value {value!r}; errors are"
                                  " >= 0 (inf: never fits) and values finite.")
-    if math.isinf(budget):  # no coupling between layers: each takes its best
-        return [max(range(len(layer)), key=lambda j, layer=layer: (layer[j][1], -layer[j][0], -j))
-                for layer in options]
+    if math.isinf(budget):  # no coupling between layers: each takes its best (an error of inf never fits)
+        picks = []
+        for i, layer in enumerate(options):
+            fits = [j for j, (error, _) in enumerate(layer) if math.isfinite(error)]
+            if not fits:
+                raise ValueError(f"choose: no choice fits: every option of layer {i} has an infinite error.")
+            picks.append(max(fits, key=lambda j, layer=layer: (layer[j][1], -layer[j][0], -j)))
+        return picks
     bound = _SuffixBound(options)
     incumbent = bound.greedy(budget)  # a feasible total: states that cannot beat it are dropped
     if incumbent is None:
