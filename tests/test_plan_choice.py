@@ -165,3 +165,86 @@ def test_make_plan_measures_every_candidate_in_one_pass_and_chooses():
                       skip_small_layers=False, skip_first_last=False, device="B200",
                       plan_rule=PlanRule(error_budget=0.0))
     assert not tight.fp8_layers
+
+
+class _Outliers(nn.Module):
+    """Four layers of 64; the input of ``c`` has two outlier channels (x 1e4, the weight scaling them back): one
+    tensorwise scale flushes the rest of its input, MXFP8's blocks of 32 isolate them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(64, 64) for _ in range(4))
+        with torch.no_grad():
+            self.c.weight[:, :2] /= 1e4
+
+    def forward(self, x):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        h = torch.cat([h[:, :2] * 1e4, h[:, 2:]], dim=1)
+        return self.d(torch.relu(self.c(h)))
+
+
+def _loss(model, batch):
+    return model(batch).float().pow(2).mean()
+
+
+def test_layers_auto_chooses_among_formats_under_the_trainer_and_trains_the_mix():
+    import lightning as L
+
+    from lightning_precision import FP8Precision
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _Outliers()
+
+        def training_step(self, batch, batch_idx):
+            return _loss(self.net, batch[0])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    plugin = FP8Precision(layers="auto", candidates=("tensorwise", "rowwise", "mxfp8"), emulate=True,
+                          calibration_batches=2, skip_small_layers=False, skip_first_last=False)
+    data = torch.utils.data.TensorDataset(torch.randn(32 * 6, 64))
+    trainer = L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    lit = Lit()
+    trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=32))
+    plan = plugin.plan
+    assert plan.device and all(p.alternatives for p in plan.layers)
+    # the outlier layer: tensorwise flushes its input, so it never runs tensorwise
+    assert plan.format_of("net.c") != "tensorwise"
+    out = {o.format: o for o in plan.get("net.c").alternatives}
+    assert out["mxfp8"].error < out["tensorwise"].error
+    for p in plan.layers:
+        layer = lit.net.get_submodule(p.fqn.removeprefix("net."))
+        from lightning_precision.fp8._torchao import layer_format
+
+        assert layer_format(layer) == (p.precision if p.low else None)
+    assert torch.isfinite(torch.stack([q.detach().float().sum() for q in lit.parameters()])).all()
+
+
+def test_layers_auto_chooses_among_formats_in_a_fabric_loop():
+    import lightning as L
+
+    from lightning_precision.fabric import FP8Precision
+
+    torch.manual_seed(0)
+    plugin = FP8Precision(layers="auto", candidates=("tensorwise", "mxfp8"), emulate=True, calibration_batches=2,
+                          skip_small_layers=False, skip_first_last=False,
+                          plan_rule=PlanRule(error_budget=1e-3))
+    fabric = L.Fabric(accelerator="cpu", plugins=[plugin])
+    model = _Outliers()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = []
+    for _ in range(5):
+        loss = _loss(model, torch.randn(32, 64))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    plan = plugin.plan
+    assert plan is not None and plan.rule.error_budget == 1e-3
+    spent = sum(next(o.error for o in p.alternatives if o.verdict == "chosen") for p in plan.layers if p.low)
+    assert spent <= 1e-3 and all(math.isfinite(v) for v in losses)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, cast
 
@@ -20,6 +21,7 @@ from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fabric._autocast import MatmulPrecision
 from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision.fp8._edges import EdgeRecorder
 from lightning_precision.fp8._hardware import check_fp8_hardware
 from lightning_precision.fp8._plan import (
     FP8,
@@ -29,7 +31,9 @@ from lightning_precision.fp8._plan import (
     PlanRule,
     PrecisionPlan,
     as_plan,
+    edge_recorder,
     high_label,
+    planning_policies,
 )
 from lightning_precision.fp8._selection import (
     BACKENDS,
@@ -48,7 +52,7 @@ from lightning_precision.fp8._selection import (
     select_fp8_layers,
     warn_if_no_fp8,
 )
-from lightning_precision.fp8._sensitivity import SensitivityProbe
+from lightning_precision.fp8._sensitivity import MultiProbe, SensitivityProbe
 from lightning_precision.fp8._te import convert_with_te, import_te, scaling_family_of, te_recipe
 from lightning_precision.fp8._torchao import (
     MXFP8_TOKENS,
@@ -125,14 +129,21 @@ class _Calibration:
     A batch is a Trainer ``training_step`` (whatever the number of optimizers it steps, or of batches accumulated per
     step) and a Fabric backward pass: the unit the probe measures, counted on the host (no device read)."""
 
-    def __init__(self, module: Module, decisions: list[LayerDecision], config: Any, batches: int) -> None:
+    def __init__(self, module: Module, decisions: list[LayerDecision], probe: Callable[[dict[str, Linear]], Any],
+                 batches: int, recorder: EdgeRecorder | None = None) -> None:
         self.module, self.decisions, self.batches = module, decisions, batches
         self.seen = 0  # batches that ran while measured
         self.counted = 0  # of them, those up to the last optimizer step the loss scaler took
         self.retaken = 0  # batches measured again because the loss scaler skipped their step
         self.ended = False  # a fit stopped before the plan was made (teardown); a later fit measures on
         layers = {d.fqn: cast(Linear, module.get_submodule(d.fqn)) for d in decisions if d.fp8}
-        self.probe = SensitivityProbe(layers, config)
+        self.probe = probe(layers)  # a SensitivityProbe (one format), or a MultiProbe (choosing among several)
+        self.recorder = recorder  # which layers read the model's input and write its logits (its first forward)
+
+    def close(self) -> None:
+        self.probe.close()
+        if self.recorder is not None:
+            self.recorder.close()  # its record stays
 
     def next_batch(self) -> None:
         """A batch boundary: what the probe staged since the last one is committed (dropped if not finite), and one
@@ -327,11 +338,6 @@ class FP8Precision(ScaledPrecision):
         if auto:
             _imports.require(_imports.TORCHAO_AVAILABLE, "torchao",
                              f"{owner}(layers='auto'), which measures with torchao,")
-            if self.scaling_family in BLOCK_SCALED:
-                raise ValueError(f"`{owner}(layers='auto', recipe={self.scaling_family!r})`: the measurement casts"
-                                 " per tensor"
-                                 " or per row, not in blocks; choose the layers with a plan, `module_filter`, or the"
-                                 " shape rules. `underflow_stats(x, 'mxfp8')` measures block-scaled casts.")
             if self.fsdp_float8_all_gather:
                 raise ValueError(f"`{owner}(layers='auto', fsdp_float8_all_gather=True)`: layers cannot be chosen"
                                  " during sharded training. Measure first and pass the plan: see docs/plan.md.")
@@ -396,7 +402,9 @@ class FP8Precision(ScaledPrecision):
         before), else what the backend and the device run."""
         if candidates is None:
             # Transformer Engine runs one recipe per model: the plugin's is its one candidate.
-            return _default_candidates() if not recipe_given and self.backend == "torchao" else (self._recipe_format,)
+            # Emulated, the choice would be one of speed that emulation does not have: the recipe asked for alone.
+            choose = not recipe_given and self.backend == "torchao" and not self.emulate
+            return _default_candidates() if choose else (self._recipe_format,)
         if self.layers != "auto":
             raise ValueError(f"`{owner}(candidates={candidates!r})` applies to `layers='auto'` only: the formats it"
                              " chooses among. A plan names each layer's format itself.")
@@ -474,7 +482,7 @@ class FP8Precision(ScaledPrecision):
         else:
             decisions = select_fp8_layers(module, self.scaling_family, layer_policy=self.layer_policy)
         if self.layers == "auto" and self.plan is None:
-            return self._start_calibration(module, decisions)
+            return self._start_calibration(module)
         return self._swap(module, decisions)
 
     def _decisions_of_plan(self, module: Module, plan: PrecisionPlan) -> list[LayerDecision]:
@@ -506,7 +514,13 @@ class FP8Precision(ScaledPrecision):
                 out.append(dataclasses.replace(rule, fp8=low, reason=f"plan: {entry.reason}", format=fmt))
         return out
 
-    def _start_calibration(self, module: Module, decisions: list[LayerDecision]) -> Module:
+    @property
+    def _choosing(self) -> bool:
+        """Whether ``layers="auto"`` chooses among formats (several candidates, or an error budget) rather than between
+        the plugin's recipe and high precision."""
+        return len(self.candidates) > 1 or math.isfinite((self.plan_rule or PlanRule()).error_budget)
+
+    def _start_calibration(self, module: Module) -> Module:
         if self._to_be_sharded(module) or _fsdp.is_sharded(module):
             raise RuntimeError(
                 f"{type(self).__name__}(layers='auto') cannot choose layers under FSDP2: they must be converted before"
@@ -515,17 +529,31 @@ class FP8Precision(ScaledPrecision):
             )
         batches = self.calibration_batches or 8
         if self._calibration is not None:  # a model whose measuring never finished: its hooks go
-            self._calibration.probe.close()
-        self._calibration = _Calibration(module, decisions, self._probe_config(), batches)
+            self._calibration.close()
+        final, measure = planning_policies(self.layer_policy, self._choosing)
+        decisions = select_fp8_layers(module, self._planning_family, layer_policy=measure)
+        probe: Callable[[dict[str, Linear]], Any] = (
+            (lambda layers: MultiProbe(layers, self.candidates)) if self._choosing
+            else (lambda layers: SensitivityProbe(layers, self._probe_config())))
+        self._calibration = _Calibration(module, decisions, probe, batches, edge_recorder(module, final))
         self.layer_decisions = self._calibration.measuring()
         self._fp8_layers = 0  # none runs in fp8 while measuring: `metrics()` says so, as `layer_decisions` does
         setattr(module, _CONVERTED, True)
         return module
 
+    @property
+    def _planning_family(self) -> str:
+        """The scaling family whose GEMM rules choose the layers to plan: the recipe's, or (choosing among formats,
+        each held to its own rules by the choice) fp8's 16."""
+        return "tensorwise" if self._choosing else self.scaling_family
+
     def _probe_config(self) -> Any:
         if self.backend == "torchao":
             return self.recipe
-        # Transformer Engine's fp8 is measured through torchao's emulation of the same per-tensor scaling.
+        # Transformer Engine's block-scaled recipes are measured with their own block casts; its per-tensor ones
+        # through torchao's emulation of the same per-tensor scaling.
+        if self.scaling_family in (*BLOCK_SCALED, "block"):
+            return self.scaling_family
         return torchao_config("tensorwise", emulate=True)
 
     def _finish_calibration(self) -> None:
@@ -545,13 +573,20 @@ class FP8Precision(ScaledPrecision):
                  f" {probe.batches}.")
         not_measured = (f"not measured: all {probe.dropped} batches measured had non-finite values"
                         if probe.dropped and not probe.batches else None)
-        self.plan = self._decide(calibration.decisions, sensitivity, not_measured)
+        final, _ = planning_policies(self.layer_policy, self._choosing)
+        edges = calibration.recorder.edges() if calibration.recorder is not None else None
+        decisions = select_fp8_layers(calibration.module, self._planning_family, layer_policy=final, edges=edges)
+        self.plan = self._decide(decisions, sensitivity, not_measured)
         self._apply_plan(calibration.module)
 
     def _decide(self, decisions: list[LayerDecision], sensitivity: dict[str, Any],
                 not_measured: str | None = None) -> PrecisionPlan:
-        """``layers="auto"``'s plan from the shape rules' ``decisions`` and what was measured: each layer in fp8 where
-        ``plan_rule`` accepts its numbers, else in high precision."""
+        """``layers="auto"``'s plan from the shape rules' ``decisions`` and what was measured: with one candidate,
+        each layer in fp8 where ``plan_rule`` accepts its numbers, else in high precision; with several (or an error
+        budget), the exact choice of ``PrecisionPlan.choose`` (savings predicted for this process's GPU)."""
+        if self._choosing:
+            return PrecisionPlan.choose(decisions, sensitivity, self.plan_rule, None, self._high,
+                                        self.layer_policy.skip_small_layers, self.backend)
         return PrecisionPlan.decide(decisions, sensitivity, self.plan_rule, self.scaling_family,
                                     not_measured=not_measured, high=self._high)
 
@@ -769,7 +804,7 @@ class FP8Precision(ScaledPrecision):
         if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
             self.plan = saved
             calibration, self._calibration = self._calibration, None
-            calibration.probe.close()
+            calibration.close()
             self._apply_plan(calibration.module, restored=True)
         elif not self.layer_decisions:  # not converted yet: convert as the saved run was (and as asked, if asked)
             if given is None:
@@ -812,7 +847,7 @@ class FP8Precision(ScaledPrecision):
         if calibration is not None:
             # No hooks on the model between fits (nor the eager stance they hold): it pickles (`torch.save(model)`),
             # and a forward of the user's is not measured. The next training batch puts them back.
-            calibration.probe.close()
+            calibration.close()
         if calibration is not None and calibration.seen:  # a run that trained but stopped before deciding
             ended = (f"training ended after {calibration.seen} of the {calibration.batches} batches to measure"
                      if not calibration.done else f"training ended after the {calibration.seen} batches measured,"

@@ -10,6 +10,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["Option", "choose"]
 
@@ -38,13 +39,13 @@ def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> lis
                 raise ValueError(f"choose: layer {i} has an option of error {error!r} and value {value!r}; errors are"
                                  " >= 0 (inf: never fits) and values finite.")
     if math.isinf(budget):  # no coupling between layers: each takes its best (an error of inf never fits)
-        picks = []
+        best_each: list[int] = []
         for i, layer in enumerate(options):
             fits = [j for j, (error, _) in enumerate(layer) if math.isfinite(error)]
             if not fits:
                 raise ValueError(f"choose: no choice fits: every option of layer {i} has an infinite error.")
-            picks.append(max(fits, key=lambda j, layer=layer: (layer[j][1], -layer[j][0], -j)))
-        return picks
+            best_each.append(max(fits, key=lambda j: (layer[j][1], -layer[j][0], -j)))  # noqa: B023 (used at once)
+        return best_each
     bound = _SuffixBound(options)
     incumbent = bound.greedy(budget)  # a feasible total: states that cannot beat it are dropped
     if incumbent is None:
@@ -52,7 +53,7 @@ def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> lis
         raise ValueError(f"choose: no choice fits the error budget {budget:g}: the least summed error is {least:g}.")
     slack = 1e-12 * (1.0 + abs(incumbent))  # keep states that tie with the incumbent, rounding aside
     # frontier: (error, value, link); link = (option, previous link) spells the choice back to the first layer
-    frontier: list[tuple[float, float, tuple[int, object] | None]] = [(0.0, 0.0, None)]
+    frontier: list[tuple[float, float, Any]] = [(0.0, 0.0, None)]
     for i, layer in enumerate(options):
         grown = [(e + error, v + value, (j, link)) for e, v, link in frontier for j, (error, value) in enumerate(layer)
                  if e + error <= budget]
@@ -68,7 +69,7 @@ def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> lis
     picks: list[int] = []
     link = best[2]
     while link is not None:
-        j, link = link  # type: ignore[misc]
+        j, link = link
         picks.append(j)
     return picks[::-1]
 

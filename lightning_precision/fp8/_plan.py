@@ -66,10 +66,12 @@ __all__ = [
     "demotions",
     "error_contribution",
     "dump_plan",
+    "edge_recorder",
     "high_label",
     "make_plan",
     "measured_numbers",
     "plan_suffix",
+    "planning_policies",
 ]
 
 # A layer's precision in a plan: "fp8", or the high precision it runs in: the real dtype where the plan's maker knows it
@@ -359,29 +361,36 @@ class PrecisionPlan:
         ``skip_small_layers=False``: a format predicted slower than ``high`` may still be chosen (first as many layers
         in low precision as the budget allows, then the most saving), as the shape rule's flag means. ``savings``:
         seconds saved per format and layer, timed (``_speed.benchmark_saving``) instead of predicted."""
-        from lightning_precision.fp8._speed import high_time, predicted_saving, speed_device
+        from lightning_precision.fp8._speed import high_time, planning_device, predicted_saving, runs
 
         rule = rule or PlanRule()
-        gpu, prediction = speed_device(device)
+        gpu, prediction = planning_device(device, measured, backend)
         high_dtype = high if high != HIGH else "bf16"
         candidates = list(measured)
-        rows = []  # per layer: the decision, its options [(format, error, saving, verdict, numbers)]
+        # per layer: the decision, its options [(format, error, saving, verdict, numbers)]
+        rows: list[tuple[LayerDecision, list[tuple[str, float, float, str, dict[str, float]]]]] = []
         baseline = 0.0
         for d in decisions:
             if not d.fp8:
                 rows.append((d, []))
                 continue
-            options = []
+            options: list[tuple[str, float, float, str, dict[str, float]]] = []
             for fmt in candidates:
                 s = measured[fmt].get(d.fqn)
+                divisor = gemm_divisor(fmt)
+                if d.in_features % divisor or d.out_features % divisor:
+                    options.append((fmt, math.inf, 0.0, f"dims {d.in_features}x{d.out_features} not divisible by"
+                                                        f" {divisor}", {}))
+                    continue
                 if s is None:
                     options.append((fmt, math.inf, 0.0, "did not run while measured", {}))
                     continue
+                if savings is None and not runs(gpu, fmt, backend):
+                    options.append((fmt, math.inf, 0.0, f"the {gpu.name} does not run {fmt}", measured_numbers(s)))
+                    continue
                 saving = savings[fmt][d.fqn] if savings is not None else predicted_saving(
                     fmt, s.tokens, s.in_features, s.out_features, gpu, high_dtype, backend)
-                divisor = gemm_divisor(fmt)
-                why = (f"dims {s.in_features}x{s.out_features} not divisible by {divisor}"
-                       if s.in_features % divisor or s.out_features % divisor else rule.why_not(s))
+                why = rule.why_not(s)
                 if why is None and skip_small_layers and saving <= 0:
                     why = f"predicted slower than {high_dtype} on {gpu.name}"
                 options.append((fmt, error_contribution(s), saving, why or "eligible", measured_numbers(s)))
@@ -479,7 +488,8 @@ class PrecisionPlan:
             how = (f"`make_plan(..., recipe={scaling_family!r})`, `lightning-precision plan --recipe-fp8"
                    f" {scaling_family}`, or `layers='auto'`")
         elif scaling_family in BLOCK_SCALED or scaling_family == "block":
-            how = "not possible for block-scaled casts (docs/plan.md): choose the layers by hand or by shape rules"
+            how = (f"`make_plan(..., candidates=({scaling_family!r},))`, or `layers='auto'` with this plugin, which"
+                   " measure its blocks")
         else:
             how = "`layers='auto'` with this plugin, on one process"
         return (f"the plan was measured with the {self.scaling_family!r} cast and this plugin casts with"
@@ -800,24 +810,33 @@ def as_plan(layers: PlanLike) -> PrecisionPlan:
     return layers if isinstance(layers, PrecisionPlan) else PrecisionPlan.load(layers)
 
 
-def _measuring(policy: FP8LayerPolicy) -> FP8LayerPolicy:
-    """The layers to measure: those the policy leaves, and the first and last too, since which layers are edges (the
-    readers of the model's input, the writers of its logits) is known only once the forward has run."""
-    return dataclasses.replace(policy, skip_first_last=False) if policy.module_filter is None else policy
+def planning_policies(policy: FP8LayerPolicy, choosing: bool) -> tuple[FP8LayerPolicy, FP8LayerPolicy]:
+    """The layer policies of a measured plan: the one its decisions are made with (choosing among formats, the speed
+    model judges what is too small to gain: the shape rule's size thresholds stand aside), and the one choosing the
+    layers to measure (the first and last too, since which layers are edges, the readers of the model's input and the
+    writers of its logits, is known only once the forward has run)."""
+    final = dataclasses.replace(policy, skip_small_layers=False) if choosing else policy
+    measure = dataclasses.replace(final, skip_first_last=False) if final.module_filter is None else final
+    return final, measure
+
+
+def edge_recorder(model: nn.Module, policy: FP8LayerPolicy) -> EdgeRecorder | None:
+    """An ``EdgeRecorder`` on the model's linear layers for the measuring pass (no forward of its own), or None when
+    no edge is kept (``skip_first_last`` off, or a ``module_filter`` decides)."""
+    if not policy.skip_first_last or policy.module_filter is not None:
+        return None
+    return EdgeRecorder({fqn: m for fqn, m, _ in linear_layers(model)}, model=model)
 
 
 @contextlib.contextmanager
 def _edges_while(model: nn.Module, policy: FP8LayerPolicy) -> Iterator[Callable[[], dict[str, str] | None]]:
-    """Record the edges during the measuring pass (``EdgeRecorder``: no forward of its own); yields what gives them
-    once the pass is over (None when ``skip_first_last`` is off or a filter decides: nothing to keep)."""
-    if not policy.skip_first_last or policy.module_filter is not None:
-        yield lambda: None
-        return
-    recorder = EdgeRecorder({fqn: m for fqn, m, _ in linear_layers(model)}, model=model)
+    """``edge_recorder`` open for the body; yields what gives the edges once it is over."""
+    recorder = edge_recorder(model, policy)
     try:
-        yield recorder.edges
+        yield (lambda: None) if recorder is None else recorder.edges
     finally:
-        recorder.close()
+        if recorder is not None:
+            recorder.close()
 
 
 def check_candidates(owner: str, candidates: Any) -> tuple[str, ...]:
@@ -873,8 +892,9 @@ def make_plan(
                              " pass `candidates=(...)` too.")
         config = probe_config(recipe, "make_plan")
         scaling_family = torchao_scaling_family(config)
+        _, measure = planning_policies(policy, choosing=False)
         with _edges_while(model, policy) as edges:
-            measuring = select_fp8_layers(model, scaling_family, layer_policy=_measuring(policy))
+            measuring = select_fp8_layers(model, scaling_family, layer_policy=measure)
             sensitivity = fp8_sensitivity(model, batches, config, loss_fn, [d.fqn for d in measuring if d.fp8],
                                           autocast_dtype)
         decisions = select_fp8_layers(model, scaling_family, layer_policy=policy, edges=edges())
@@ -885,9 +905,9 @@ def make_plan(
         raise ValueError("`make_plan(benchmark=True)`: timing the layers' formats needs a CUDA GPU; there is none"
                          " here. Leave `benchmark` off: the speed model predicts the savings (and says so).")
     # The speed model judges what is too small to gain, per format: the shape rule's size thresholds stand aside.
-    shape_policy = dataclasses.replace(policy, skip_small_layers=False)
+    shape_policy, measure = planning_policies(policy, choosing=True)
     with _edges_while(model, policy) as edges:
-        measuring = select_fp8_layers(model, "tensorwise", layer_policy=_measuring(shape_policy))
+        measuring = select_fp8_layers(model, "tensorwise", layer_policy=measure)
         measured = measure_candidates(model, batches, names, loss_fn, [d.fqn for d in measuring if d.fp8],
                                       autocast_dtype)
     decisions = select_fp8_layers(model, "tensorwise", layer_policy=shape_policy, edges=edges())
@@ -896,7 +916,7 @@ def make_plan(
     if benchmark:
         from lightning_precision.fp8._speed import benchmark_saving
 
-        savings = {fmt: {fqn: benchmark_saving(model.get_submodule(fqn), fmt, max(1, round(s.tokens)),
+        savings = {fmt: {fqn: benchmark_saving(cast(nn.Linear, model.get_submodule(fqn)), fmt, max(1, round(s.tokens)),
                                                high if high != HIGH else "bf16")
                          for fqn, s in by_layer.items()} for fmt, by_layer in measured.items()}
     return PrecisionPlan.choose(decisions, measured, plan_rule, device, high, policy.skip_small_layers,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,8 @@ __all__ = [
     "GemmDevice",
     "benchmark_saving",
     "gemm_seconds",
+    "planning_device",
+    "runs",
     "high_time",
     "predicted_saving",
     "speed_device",
@@ -134,6 +136,25 @@ def speed_device(name: str | None = None) -> tuple[GemmDevice, bool]:
         raise ValueError(f"speed_device(name={name!r}): no such GPU in the speed table; known:"
                          f" {', '.join(d.name for d in DEVICES)} (or a CUDA device name that contains one).")
     return found, found is not current
+
+
+def runs(device: GemmDevice, candidate: str, backend: str | None = None) -> bool:
+    """Whether ``device`` runs ``candidate`` (``backend``: whose format it is; None: the backend that has a format of
+    that name, torchao for ``"mxfp8"``)."""
+    if backend is None:
+        backend = next((b for b in BACKENDS if candidate in _formats(b)), "torchao")
+    return candidate in supported_candidates(device, backend)
+
+
+def planning_device(name: str | None, candidates: Iterable[str], backend: str | None = None) -> tuple[GemmDevice, bool]:
+    """The GPU a plan's savings are for: ``speed_device(name)``; but where that is a prediction for a GPU this process
+    does not run on and it runs not every candidate (an H100 and MXFP8), the first GPU of the table that runs them all
+    (a B200), so that a plan made on a CPU weighs every format it was asked to."""
+    device, prediction = speed_device(name)
+    wanted = list(candidates)
+    if name is None and prediction and not all(runs(device, c, backend) for c in wanted):
+        device = next((d for d in DEVICES if all(runs(d, c, backend) for c in wanted)), device)
+    return device, prediction
 
 
 def supported_candidates(device: GemmDevice, backend: str) -> tuple[str, ...]:

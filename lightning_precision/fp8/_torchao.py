@@ -235,6 +235,12 @@ def float8_linear_class() -> type:
                 mark_ran(self)
                 if input.numel() == 0:
                     return nn.functional.linear(input, self.weight, self.bias)
+                device = input.device.type
+                if device != "cuda" and torch.is_autocast_enabled(device):
+                    # torchao casts the input to the autocast dtype under CUDA autocast only; elsewhere (emulated on a
+                    # CPU) an fp32 input met a bf16 output gradient in rowwise_with_gw_hp's high-precision weight
+                    # gradient and failed. Cast as on a GPU: the same numerics there and here.
+                    input = input.to(torch.get_autocast_dtype(device))
                 return super().forward(input)
 
         setattr(Float8LinearNoTokens, MARKS_RAN, True)
