@@ -241,6 +241,35 @@ def test_plan_measures_a_recipe_and_writes_the_plan(tmp_path, capsys):
     assert f"wrote {out}" in capsys.readouterr().out
 
 
+def test_plan_with_a_budget_chooses_among_formats_and_prints_the_predicted_saving(tmp_path, capsys):
+    pytest.importorskip("torchao")
+    from lightning_precision.fp8._plan import PrecisionPlan
+
+    out = tmp_path / "vit.yaml"
+    assert cli.main(["plan", "--recipe", "vit", "--emulate", "--batches", "1", "--budget", "0.05", "--candidates",
+                     "tensorwise,mxfp8", "--device", "B200", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = PrecisionPlan.load(out)
+    assert plan.rule.error_budget == 0.05 and plan.device == "B200"
+    assert all({o.format for o in p.alternatives} == {"tensorwise", "mxfp8"} for p in plan.layers if p.alternatives)
+    assert "error budget 0.05" in printed and "ms per step" in printed and "on B200" in printed
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--budget", "-1"], "--budget '-1': a number >= 0"),
+    (["--budget", "lots"], "--budget 'lots': a number >= 0"),
+    (["--candidates", "fp4"], "'fp4' is not a format"),
+    (["--device", "TPU"], "--device 'TPU': no such GPU in the speed table"),
+    (["--device", "A100"], "--device 'A100' runs no fp8 format"),
+])
+def test_plan_refuses_bad_choice_arguments_before_measuring(args, said, tmp_path, capsys, monkeypatch):
+    from lightning_precision.cli import plan
+
+    monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("measured before checking the arguments"))
+    assert cli.main(["plan", "--recipe", "vit", "--out", str(tmp_path / "p.yaml"), *args]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_plan_refuses_a_bad_output_name_before_measuring(tmp_path, capsys, monkeypatch):
     from lightning_precision.cli import plan  # where the command looks make_plan up
 

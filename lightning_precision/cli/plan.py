@@ -113,7 +113,8 @@ def _choice_arguments(args: Any) -> dict[str, Any]:
             raise ValueError(f"--budget {args.budget!r}: a number >= 0 (or inf)") from None
         if math.isnan(budget) or budget < 0:
             raise ValueError(f"--budget {args.budget!r}: a number >= 0 (or inf)")
-    return {"candidates": names, "device": gpu.name, "plan_rule": PlanRule(error_budget=budget)}
+    # no --device: the plan's own choice (this GPU; without one, a GPU that runs every candidate, as a prediction)
+    return {"candidates": names, "device": args.device, "plan_rule": PlanRule(error_budget=budget)}
 
 
 def _nothing_to_measure(model: nn.Module, recipe: str, scaling_family: str, emulate: bool) -> str | None:

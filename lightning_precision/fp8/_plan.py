@@ -545,8 +545,9 @@ class PrecisionPlan:
         for p in self.layers:
             chosen = next((a for a in p.alternatives if a.verdict == "chosen"), None)
             error = "-" if chosen is None else f"{chosen.error:.2e}"
-            others = ", ".join(f"{a.format} ({a.predicted_saving * 1e6:.1f}, {a.error:.1e})" for a in p.alternatives
-                               if a is not chosen) or "-"
+            others = ", ".join(f"{a.format} ({a.predicted_saving * 1e6:.1f}, {a.error:.1e})"
+                               if a.verdict == "eligible" else f"{a.format} (out: {_short(a.verdict)})"
+                               for a in p.alternatives if a is not chosen) or "-"
             lines.append(f"  {p.fqn:<{width}}  {p.precision:<{fmt_width}}  {p.predicted_saving * 1e6:>9.1f}  {error:<8}"
                          f"  {others}  {p.reason}")
         return "\n".join(lines)
@@ -675,6 +676,10 @@ class PrecisionPlan:
         except UnicodeDecodeError as err:
             raise ValueError(f"{source}: not UTF-8 text ({err.reason} at byte {err.start}); is it a plan?") from None
         return cls.from_dict(_parse(text, path, source), source=source)
+
+
+def _short(text: str, width: int = 48) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _layer_dict(p: LayerPlan) -> dict[str, Any]:
