@@ -24,7 +24,9 @@ from lightning_precision._io import atomic_write_text, json_safe
 from lightning_precision.fp8._selection import (
     BLOCK_SCALED,
     SCALING_FAMILIES,
+    TE_CANDIDATES,
     TENSORS,
+    TORCHAO_CANDIDATES,
     FP8LayerPolicy,
     LayerDecision,
     ModuleFilter,
@@ -60,6 +62,8 @@ HighLabel = Literal["high", "bf16", "fp16", "fp32"]
 HIGH_LABELS: tuple[HighLabel, ...] = get_args(HighLabel)
 FP8 = "fp8"
 HIGH: HighLabel = "high"
+# A layer in low precision: "fp8" (the plugin's recipe) or the format it runs in.
+_FORMATS = tuple(dict.fromkeys((FP8, *TORCHAO_CANDIDATES, *TE_CANDIDATES)))
 _HIGH_OF_DTYPE: dict[torch.dtype | None, HighLabel] = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -120,9 +124,10 @@ def _check_layer(field: Callable[[str], str], fqn: Any, precision: Any, reason: 
     if not isinstance(fqn, str) or not fqn:
         raise ValueError(f"{field('fqn')}: {_shown(fqn)} is not a layer's path; write the path of an nn.Linear in the"
                          f" model (as `model.named_modules()` names it){'' if isinstance(fqn, str) else f' ({bare})'}.")
-    if not isinstance(precision, str) or precision not in (FP8, *HIGH_LABELS):
+    if not isinstance(precision, str) or precision not in (*_FORMATS, *HIGH_LABELS):
         raise ValueError(f"{field('precision')}: {precision!r} is not 'fp8' or a high precision"
-                         f" ({', '.join(map(repr, HIGH_LABELS))}: the dtype the layer runs in); write one of them.")
+                         f" ({', '.join(map(repr, HIGH_LABELS))}: the dtype the layer runs in), nor a format"
+                         f" ({', '.join(map(repr, _FORMATS[1:]))}); write one of them.")
     if not isinstance(reason, str):
         raise ValueError(f"{field('reason')}: {_shown(reason)} is not text; write it as a string ({bare}).")
     if not isinstance(numbers, Mapping):
@@ -271,10 +276,16 @@ class PrecisionPlan:
 
     @property
     def fp8_layers(self) -> frozenset[str]:
-        return frozenset(p.fqn for p in self.layers if p.precision == FP8)
+        """The layers in low precision: "fp8" or a format."""
+        return frozenset(p.fqn for p in self.layers if p.precision not in HIGH_LABELS)
 
     def get(self, fqn: str) -> LayerPlan | None:
         return next((p for p in self.layers if p.fqn == fqn), None)
+
+    def format_of(self, fqn: str) -> str | None:
+        """The format ``fqn`` runs in: None in high precision (or not listed), "fp8" for the plugin's recipe."""
+        entry = self.get(fqn)
+        return None if entry is None or entry.precision in HIGH_LABELS else entry.precision
 
     @property
     def measured(self) -> bool:

@@ -17,9 +17,12 @@ __all__ = [
     "BACKENDS",
     "BLOCK_SCALED",
     "HYBRID_FORMAT",
+    "LADDER",
     "TENSORS",
+    "TE_CANDIDATES",
     "TE_NVFP4",
     "TE_RECIPES",
+    "TORCHAO_CANDIDATES",
     "TORCHAO_RECIPES",
     "FP8LayerPolicy",
     "LayerDecision",
@@ -52,6 +55,13 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 TE_RECIPES = ("delayed", "current", "mxfp8", "block")
 # NVFP4 is not fp8: its own plugin (NVFP4Precision) names it; the TE table below holds it beside the fp8 recipes.
 TE_NVFP4 = "nvfp4"
+
+# The formats a layer may run in (a plan's per-layer choice), and FP8Guard's ladder, most aggressive first: "fp8"
+# stands for the per-tensor and per-row formats (tensorwise, rowwise, rowwise_with_gw_hp, delayed, current, block);
+# below the last rung is high precision.
+TORCHAO_CANDIDATES = TORCHAO_RECIPES
+TE_CANDIDATES = ("delayed", "current", "mxfp8", "block", TE_NVFP4)
+LADDER = (TE_NVFP4, "mxfp8", "fp8")
 
 # The scaling family: what the layer rules, the hardware checks and a plan depend on. torchao's recipes fall in three
 # (tensorwise; rowwise, rowwise_with_gw_hp included; mxfp8), Transformer Engine's recipes are each their own (delayed,
@@ -93,7 +103,8 @@ def _too_small(scaling_family: str, n: int, k: int) -> bool:
 @dataclass(frozen=True)
 class LayerDecision:
     """Whether one linear layer runs in fp8, and why. ``aliases`` are its other paths in the model (one module
-    registered under several names is one layer, converted once)."""
+    registered under several names is one layer, converted once). ``format``: the format it runs in when fp8 (None:
+    the plugin's recipe)."""
 
     fqn: str
     in_features: int
@@ -101,6 +112,7 @@ class LayerDecision:
     fp8: bool
     reason: str
     aliases: tuple[str, ...] = ()
+    format: str | None = None
 
 
 def linear_layers(module: nn.Module) -> list[tuple[str, nn.Linear, tuple[str, ...]]]:
