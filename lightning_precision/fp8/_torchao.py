@@ -39,6 +39,7 @@ __all__ = [
     "mark_ran",
     "mxfp8_after_first_step",
     "mxfp8_linear_module",
+    "recipe_format",
     "run_outside_inference_mode",
     "set_layer_format",
     "to_mxfp8_linear",
@@ -401,9 +402,13 @@ def layer_format(module: nn.Module) -> str | None:
     if getattr(module, MXFP8_FLAG, False):
         return "mxfp8"
     Float8Linear = _imports.import_quietly("torchao.float8.float8_linear").Float8Linear
-    if not isinstance(module, Float8Linear):
-        return None
-    config = module.config
+    return recipe_format(module.config) if isinstance(module, Float8Linear) else None
+
+
+def recipe_format(config: Any) -> str:
+    """The torchao format a ``Float8LinearConfig`` or ``MXFP8Recipe`` computes in (see ``layer_format``)."""
+    if isinstance(config, MXFP8Recipe):
+        return "mxfp8"
     if torchao_scaling_family(config) == "tensorwise":
         return "tensorwise"
     disabled = _imports.import_quietly("torchao.float8.config").ScalingType.DISABLED
