@@ -63,9 +63,8 @@ def _check_movable(plugin: Any) -> None:
                          " (`layers='plan.yaml'`).")
     if _unmeasurable(plugin.scaling_family):
         raise _refuse_blocks(plugin.scaling_family)
-    blocks = {layer_format(m) for m in plugin.fp8_modules().values()} & set(BLOCK_SCALED)
-    for fmt in blocks:  # a plan of mixed formats
-        if _unmeasurable(fmt):
+    for fmt in {layer_format(m) for m in plugin.fp8_modules().values()}:  # a plan of mixed formats
+        if fmt is not None and _unmeasurable(fmt):
             raise _refuse_blocks(fmt)
     if getattr(plugin, "_float8_all_gather", False):
         raise ValueError("FP8Guard: these fp8 layers all-gather their weights in fp8 (`fsdp_float8_all_gather`), whose"
@@ -95,7 +94,7 @@ class InputSignals:
     call holding a non-finite value is left out (a fault of the data, as the probe judges it). ``result(reduce)``
     reads them once: ``{fqn: (kurtosis, amax)}`` for the layers that ran."""
 
-    def __init__(self, layers: Mapping[str, nn.Module]) -> None:
+    def __init__(self, layers: Mapping[str, nn.Linear]) -> None:
         self.layers = dict(layers)
         self._row = {fqn: i for i, fqn in enumerate(self.layers)}
         self.state = Accumulator()
@@ -170,8 +169,9 @@ class FP8Guard(Callback):
     On each measured step the guard also logs, per fp8 layer, two early divergence signals of its input:
     ``precision/fp8_kurtosis/<layer>`` (Pearson's kurtosis of every element of the input: 3 for a Gaussian) and
     ``precision/fp8_amax_growth/<layer>`` (its largest magnitude over the one at the layer's first measured step);
-    ``signals`` holds the last step's (with Fabric, log them yourself). Computed on the device, read with the probe's
-    numbers: no read on the steps between.
+    after ``check``, ``signals`` holds the step's (empty on a step not measured; with Fabric, log them yourself:
+    ``fabric.log_dict(guard.signals)``). Computed on the device, read with the probe's numbers: no read on the steps
+    between.
 
     Args:
         every_n_steps: measure one optimizer step in this many (default 100; the cost is in docs/plan.md).
@@ -213,7 +213,7 @@ class FP8Guard(Callback):
         self.max_kurtosis = max_kurtosis
         self.max_amax_growth = max_amax_growth
         self.events: list[GuardEvent] = []
-        self.signals: dict[str, float] = {}  # the last measured step's, as logged
+        self.signals: dict[str, float] = {}  # the step's, as logged (after `check`; empty when not measured)
         self._first_amax: dict[str, float] = {}  # each layer's input amax at its first measured step
         self._probes: list[SensitivityProbe] | None = None  # one per format, while a step is measured
         self._inputs: InputSignals | None = None
@@ -256,7 +256,7 @@ class FP8Guard(Callback):
         if self._probes is not None:
             return False
         layers = plugin.fp8_modules()
-        watched: dict[Any, dict[str, nn.Module]] = {}  # by the format's probe config, in the layers' order
+        watched: dict[Any, dict[str, nn.Linear]] = {}  # by the format's probe config, in the layers' order
         for fqn, module in layers.items():
             fmt = layer_format(module)
             if _unmeasurable(fmt):  # layers="auto" or a plan converted them after the checks before training
@@ -278,6 +278,7 @@ class FP8Guard(Callback):
         measured."""
         probes, inputs = self._probes, self._inputs
         self._stop()
+        self.signals = {}
         if probes is None or inputs is None:
             return []
         sensitivity = {}
@@ -325,7 +326,6 @@ class FP8Guard(Callback):
                        numbers: dict[str, dict[str, float]]) -> dict[str, str]:
         """Keep the step's signals (``signals`` as logged, and beside each layer's ``numbers``); the layers past a
         bound, with why."""
-        self.signals = {}
         failed = {}
         for fqn, (kurtosis, amax) in signals.items():
             if fqn not in self._first_amax and amax > 0:

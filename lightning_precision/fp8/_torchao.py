@@ -8,7 +8,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -431,7 +431,7 @@ def set_layer_format(layer: nn.Module, fmt: Any, emulate: bool, name: str | None
         raise TypeError(f"set_layer_format: {type(layer).__name__} is not an nn.Linear.")
     config = torchao_config(fmt, emulate)
     if isinstance(config, MXFP8Recipe):
-        to_mxfp8_linear(cast(nn.Linear, layer), config, name)
+        to_mxfp8_linear(layer, config, name)
     else:
         # torchao's own constructor fills the config's attributes (scaling types, matmul configs) on a weightless
         # twin; the layer takes them and the class, and keeps its Parameters.
