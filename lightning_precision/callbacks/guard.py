@@ -36,7 +36,7 @@ from lightning_precision.fp8._selection import BLOCK_SCALED
 from lightning_precision.fp8._sensitivity import SensitivityProbe
 from lightning_precision.fp8._torchao import MXFP8_FLAG, layer_format
 
-__all__ = ["DEFAULT_PLAN_FILE", "FP8Guard", "GuardEvent"]
+__all__ = ["DEFAULT_PLAN_FILE", "FP8Guard", "GuardEvent", "InputSignals", "MEASURED_BLOCK_FORMATS"]
 
 DEFAULT_PLAN_FILE = "fp8_plan.yaml"
 
