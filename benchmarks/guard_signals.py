@@ -1,5 +1,5 @@
-"""What FP8Guard's early divergence signals read on the embedded recipes: per linear layer, the kurtosis of its input and
-the growth of its input's largest magnitude since the first measured step.
+"""What FP8Guard's early divergence signals read on the embedded recipes: per linear layer, the kurtosis of its input
+and the growth of its input's largest magnitude since the first measured step.
 
     python benchmarks/guard_signals.py [--recipes vit distilbert] [--steps 60] [--every 2] [--lr-scale 1]
 
@@ -20,7 +20,6 @@ import statistics
 import warnings
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_precision import BF16MixedPrecision

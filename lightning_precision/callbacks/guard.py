@@ -58,8 +58,8 @@ def _refuse_blocks(fmt: str) -> ValueError:
 def _check_movable(plugin: Any) -> None:
     """Refuse, before training, fp8 layers that could not be measured or moved in place when the time came."""
     if plugin.backend != "torchao":
-        raise ValueError("FP8Guard: Transformer Engine layers (NVFP4 included) cannot change format or return to high"
-                         " precision in place; use `FP8Precision(backend='torchao')`, or pass a plan"
+        raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place, nor"
+                         " change format (NVFP4 included); use `FP8Precision(backend='torchao')`, or pass a plan"
                          " (`layers='plan.yaml'`).")
     if _unmeasurable(plugin.scaling_family):
         raise _refuse_blocks(plugin.scaling_family)

@@ -586,8 +586,8 @@ class FP8Precision(ScaledPrecision):
         if not chosen:
             return {}
         if self.backend != "torchao":
-            raise RuntimeError(f"{type(self).__name__}.{verb}: Transformer Engine layers (NVFP4 included) cannot change"
-                               " format or return to high precision in place; only torchao's can"
+            raise RuntimeError(f"{type(self).__name__}.{verb}: Transformer Engine layers cannot return to high"
+                               " precision in place, nor change format (NVFP4 included); only torchao's can"
                                " (backend='torchao').")
         assert root is not None  # layers compute in fp8: the model is converted
         moved: dict[str, str | None] = {}
