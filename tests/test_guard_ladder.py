@@ -126,6 +126,35 @@ def test_the_rung_below_mxfp8_is_the_plugins_own_per_row_recipe():
     assert formats(net) == {"a": "rowwise", "b": None, "head": "rowwise"}
 
 
+def test_step_down_by_another_name_and_of_a_layer_not_run_yet():
+    """A layer registered under two names moves by either; an expert no token has reached yet moves too, stays
+    reported not fp8 until it runs, then is reported in the format it stepped to."""
+
+    class Net2(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.expert = nn.Linear(64, 64), nn.Linear(64, 64)
+            self.alias = self.a
+            self.route = False
+
+        def forward(self, x):
+            x = self.alias(self.a(x))
+            return self.expert(x) if self.route else x
+
+    plugin, net = lp_fabric.FP8Precision(recipe="mxfp8", **FP8_KW), Net2()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup_module(net)
+    fabric.backward(model(torch.randn(32, 64)).float().sum())
+    assert plugin.step_down({"alias": "by the other name", "expert": "not run yet"}) == {
+        "a": "tensorwise", "expert": "tensorwise"}
+    assert layer_format(net.a) == layer_format(net.expert) == "tensorwise"
+    assert not next(d for d in plugin.layer_decisions if d.fqn == "expert").fp8  # still not run
+    net.route = True
+    fabric.backward(model(torch.randn(32, 64)).float().sum())
+    expert = next(d for d in plugin.layer_decisions if d.fqn == "expert")
+    assert (expert.fp8, expert.format, plugin.plan.get("expert").precision) == (True, "tensorwise", "tensorwise")
+
+
 def test_demote_and_step_down_refuse_transformer_engine_layers():
     """Transformer Engine's layers (NVFP4 included) cannot change format in place: a clear error naming the call.
     (No Transformer Engine here: the backend is set by hand on a torchao plugin, after conversion.)"""
