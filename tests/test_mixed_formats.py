@@ -199,9 +199,10 @@ def test_fabric_trains_mixed_formats_from_a_plan_file_and_resumes_them(tmp_path)
     assert again.plan == plugin.plan
 
 
-def test_resuming_under_a_plan_of_other_formats_says_so(tmp_path):
+def test_resuming_under_a_plan_of_other_formats_says_so_and_keeps_the_checkpoints(tmp_path):
     """The checkpoint's plan ran layer 4 in rowwise; resumed with a plan that runs it in the plugin's tensorwise, the
-    run says which layers changed format (the model converted as now asked), not silently."""
+    run says which layers differ and keeps the checkpoint's format (a guard may have stepped it down for a reason):
+    the converted layer moves in place, its Parameters the same."""
     plugin = lp_fabric.FP8Precision(emulate=True, layers=plan())
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     net = net_of()
@@ -212,10 +213,12 @@ def test_resuming_under_a_plan_of_other_formats_says_so(tmp_path):
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[again])
     net = net_of()
     model, opt = fabric.setup(net, optimizer(net))
-    with pytest.warns(UserWarning, match=r"runs 1 fp8 layer\(s\) in another format.*4: tensorwise now, rowwise in the"
-                                         r" checkpoint"):
+    weight = net[4].weight
+    with pytest.warns(UserWarning, match=r"differs from `layers=<PrecisionPlan>` for 1 layer\(s\): 4: fp8 given,"
+                                         r" rowwise in the checkpoint"):
         fabric.load(tmp_path / "state.ckpt", {"model": model, "opt": opt, "precision": again})
-    assert format_of_layer(net[4]) == "tensorwise" and format_of_layer(net[8]) == "mxfp8"
+    assert format_of_layer(net[4]) == "rowwise" and format_of_layer(net[8]) == "mxfp8" and net[4].weight is weight
+    assert again.plan_in_force().format_of("4") == "rowwise"
 
 
 def test_a_plan_format_is_held_to_its_own_gemm_rules():

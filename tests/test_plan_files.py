@@ -360,7 +360,8 @@ def test_resuming_with_another_plan_file_warns_and_a_layer_stays_fp8_only_where_
                         enable_model_summary=False, enable_checkpointing=False)
     with pytest.warns(UserWarning, match=rf"differs from `layers='{second_plan}'` for 2 layer\(s\): net.a: bf16 \(by"
                                          r" hand\) given, fp8 in the checkpoint; net.b: fp8 given, bf16 \(by hand\) in"
-                                         r" the checkpoint\. They run in torch.bfloat16"):
+                                         r" the checkpoint\. On resume a layer stays in fp8 only where both plans say"
+                                         r" so \(else it runs in torch.bfloat16\)"):
         trainer.fit(module, loader(5), ckpt_path=str(tmp_path / "last.ckpt"))
     fp8 = {n for n in ("a", "b", "c", "d", "head") if type(getattr(module.net, n)).__name__ == "Float8Linear"}
     assert fp8 == {"d", "head"} and resumed.plan.fp8_layers == {"net.d", "net.head"}

@@ -38,6 +38,7 @@ from lightning_precision.fp8._plan import (
 from lightning_precision.fp8._selection import (
     BACKENDS,
     BLOCK_SCALED,
+    LADDER,
     TE_CANDIDATES,
     TE_NVFP4,
     TORCHAO_CANDIDATES,
@@ -48,6 +49,7 @@ from lightning_precision.fp8._selection import (
     ScalingFamily,
     format_family,
     format_summary,
+    replace_modules,
     resolve_layer_policy,
     select_fp8_layers,
     warn_if_no_fp8,
@@ -57,10 +59,12 @@ from lightning_precision.fp8._te import convert_with_te, import_te, scaling_fami
 from lightning_precision.fp8._torchao import (
     MXFP8_TOKENS,
     convert_with_torchao,
-    demote_torchao_layer,
     float8_all_gather_possible,
+    layer_format,
     mxfp8_after_first_step,
+    recipe_format,
     run_outside_inference_mode,
+    set_layer_format,
     torchao_config,
     torchao_format_name,
     with_float8_all_gather,
@@ -694,6 +698,40 @@ class FP8Precision(ScaledPrecision):
         measurements behind each. Returns the paths moved (layers in high precision are left; a converted one reported
         not fp8 for now, an expert not run yet or an MXFP8 layer whose calls all fell back, moves too). Call it on
         every process at the same step (``FP8Guard`` does)."""
+        return list(self._move_layers("demote", layers, numbers, lambda fqn, module: None))
+
+    def step_down(self, layers: Mapping[str, str], numbers: Mapping[str, dict[str, float]] | None = None
+                  ) -> dict[str, str]:
+        """Move each named low-precision layer ONE rung down the ladder (``fp8._selection.LADDER``): MXFP8 -> the
+        per-tensor or per-row fp8 format (the plugin's recipe if it is one, else ``"tensorwise"``) -> ``compute_dtype``.
+        In place, as ``demote``: the same module and Parameters, the optimizer's state untouched; ``layers`` maps a
+        path to the reason, recorded with ``numbers`` in ``plan`` (the layer's precision becomes its new format, or
+        the high label) and ``layer_decisions``, and so in checkpoints. Returns ``{path: the format it moved to, or
+        the high label}``. torchao only: Transformer Engine's layers (NVFP4 included) cannot change format in place.
+        Call it on every process at the same step (``FP8Guard`` does)."""
+        return self._move_layers("step_down", layers, numbers, lambda fqn, module: self._rung_below(module))
+
+    def _rung_below(self, module: Module) -> str | None:
+        """The format one rung below the one ``module`` computes in (None: high precision)."""
+        here = layer_format(module)
+        rung = here if here in LADDER else LADDER[-1]  # the per-tensor and per-row formats share the last rung
+        below = LADDER[LADDER.index(rung) + 1] if rung != LADDER[-1] else None
+        if below != LADDER[-1]:
+            return below
+        own = recipe_format(self.recipe) if self.backend == "torchao" else None
+        return own if own in TORCHAO_CANDIDATES and own != "mxfp8" else "tensorwise"
+
+    def _format_config(self, fmt: str | None) -> Any:
+        """What ``set_layer_format`` takes for ``fmt``: the plugin's own recipe where it is that format (a custom
+        ``Float8LinearConfig`` keeps its settings), else the name."""
+        if fmt is not None and recipe_format(self.recipe) == fmt:
+            return self.recipe
+        return fmt
+
+    def _move_layers(self, verb: str, layers: Mapping[str, str], numbers: Mapping[str, dict[str, float]] | None,
+                     target: Callable[[str, Module], str | None]) -> dict[str, str]:
+        """Move the named converted layers to the format ``target`` gives each (None: ``compute_dtype``), in place,
+        and record it (``demote``, ``step_down``, and a resumed run's plan). A layer already in its target stays."""
         current = self.fp8_modules()
         root = self._root() if self._root is not None else None
         if root is not None and self._calibration is None:  # as `fp8_modules()`
@@ -706,25 +744,46 @@ class FP8Precision(ScaledPrecision):
         numbers = {first.get(fqn, fqn): n for fqn, n in numbers.items()} if numbers else None
         chosen = [fqn for fqn in layers if fqn in current]
         if not chosen:
-            return []
+            return {}
         if self.backend != "torchao":
-            raise RuntimeError(f"{type(self).__name__}.demote: Transformer Engine layers cannot return to high"
-                               " precision"
-                               " in place; only torchao's can (backend='torchao').")
+            raise RuntimeError(f"{type(self).__name__}.{verb}: Transformer Engine layers cannot return to high"
+                               " precision in place, nor change format (NVFP4 included); only torchao's can"
+                               " (backend='torchao').")
+        assert root is not None  # layers compute in fp8: the model is converted
+        moved: dict[str, str | None] = {}
         for fqn in chosen:
-            demote_torchao_layer(current[fqn])
-            self._idle_decisions.pop(fqn, None)
-            self._short_mxfp8.pop(fqn, None)
+            module = current[fqn]
+            fmt = target(fqn, module)
+            if fmt == layer_format(module):
+                continue
+            new = set_layer_format(module, self._format_config(fmt), self.emulate, fqn)
+            if new is not module:
+                replace_modules(root, {id(module): new})
+            moved[fqn] = fmt
+            self._short_mxfp8.pop(fqn, None)  # no longer an MXFP8 layer: its fallbacks are over
+        if not moved:
+            return {}
         plan = self.plan_in_force()
         assert plan is not None  # layers run in fp8: the model is converted and decided
-        for fqn in chosen:
-            plan = plan.with_layer(fqn, self._high, layers[fqn], (numbers or {}).get(fqn))
+        for fqn, fmt in moved.items():
+            plan = plan.with_layer(fqn, fmt or self._high, layers[fqn], (numbers or {}).get(fqn))
         self.plan = plan
-        self.layer_decisions = [dataclasses.replace(d, fp8=False, reason=f"demoted: {layers[d.fqn]}", format=None)
-                                if d.fqn in chosen else d for d in self.layer_decisions]
+
+        def moved_decision(d: LayerDecision) -> LayerDecision:
+            fmt = moved[d.fqn]
+            if fmt is None:
+                return dataclasses.replace(d, fp8=False, format=None, reason=f"demoted: {layers[d.fqn]}")
+            return dataclasses.replace(d, fp8=True, format=fmt, reason=f"stepped down to {fmt}: {layers[d.fqn]}")
+
+        for fqn in moved:  # an expert not run yet: reported not fp8 until it runs, then as it is now
+            idle = self._idle_decisions.pop(fqn, None)
+            if idle is not None and moved[fqn] is not None:
+                self._idle_decisions[fqn] = moved_decision(idle)
+        self.layer_decisions = [moved_decision(d) if d.fqn in moved and d.fqn not in self._idle_decisions else d
+                                for d in self.layer_decisions]
         if self._fp8_layers is not None:
             self._fp8_layers = sum(d.fp8 for d in self.layer_decisions)
-        return chosen
+        return {fqn: fmt or self._high for fqn, fmt in moved.items()}
 
     @override
     def _after_optimizer_step(self) -> None:
@@ -783,7 +842,11 @@ class FP8Precision(ScaledPrecision):
             # The checkpoint's plan is what the run trained with, FP8Guard's demotions included; the given one is what
             # the user asks for now (perhaps edited after a divergence). Neither is dropped: a layer stays in fp8 only
             # where both say fp8, and nothing is promoted to fp8 behind the optimizer's back.
-            differ = sorted(given.fp8_layers ^ saved.fp8_layers)
+            def runs_in(plan: PrecisionPlan, fqn: str) -> str | None:
+                fmt = plan.format_of(fqn)
+                return self._recipe_format if fmt == FP8 else fmt
+
+            differ = sorted(f for f in given.fp8_layers | saved.fp8_layers if runs_in(given, f) != runs_in(saved, f))
             if differ:
                 def says(plan: PrecisionPlan, fqn: str) -> str:
                     entry = plan.get(fqn)
@@ -795,12 +858,14 @@ class FP8Precision(ScaledPrecision):
                 warn(f"{owner}: the checkpoint's plan (what the run trained with, FP8Guard's demotions included)"
                      f" differs from `layers={shown}` for {len(differ)} layer(s): "
                      + "; ".join(f"{f}: {says(given, f)} given, {says(saved, f)} in the checkpoint" for f in differ)
-                     + f". They run in {self.compute_dtype}: on resume a layer stays in fp8 only where both plans"
-                     " say fp8. To train a layer in fp8 that the checkpoint keeps in high precision, start a new fit"
-                     " from the checkpoint's weights (not `ckpt_path=`).")
-            high = {p.fqn: p for p in saved.layers if not p.low and p.fqn in given.fp8_layers}
+                     + f". On resume a layer stays in fp8 only where both plans say so (else it runs in"
+                     f" {self.compute_dtype}), and in the checkpoint's format where it names one of its own (FP8Guard"
+                     " steps a failing layer down). To train a layer in a format the checkpoint moved it from, start a"
+                     " new fit from the checkpoint's weights (not `ckpt_path=`).")
+            moved = {p.fqn: p for p in saved.layers if p.precision != FP8 and p.fqn in given.fp8_layers}
         else:
-            high = {p.fqn: p for p in saved.layers if not p.low}
+            # in high precision, or in a format of its own (FP8Guard's steps down the ladder)
+            moved = {p.fqn: p for p in saved.layers if p.precision != FP8}
         if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
             self.plan = saved
             calibration, self._calibration = self._calibration, None
@@ -810,29 +875,14 @@ class FP8Precision(ScaledPrecision):
             if given is None:
                 self.plan = saved
             else:
-                for fqn, p in high.items():
-                    given = given.with_layer(fqn, self._high, p.reason, p.numbers)
+                for fqn, p in moved.items():
+                    given = given.with_layer(fqn, self._high if p.precision in HIGH_LABELS else p.precision, p.reason,
+                                             p.numbers)
                 self.plan = given
-        else:  # converted already: what the run moved back to high precision stays there
-            self.demote({f: p.reason for f, p in high.items()}, {f: p.numbers for f, p in high.items()})
-            self._warn_other_formats(saved, owner)
-
-    def _warn_other_formats(self, saved: PrecisionPlan, owner: str) -> None:
-        """Resuming into a converted model: fp8 layers the checkpoint's plan runs in another format than they were
-        converted in now (a plan edited between the runs). They cannot change format in place here: said, not
-        silent."""
-        differ = {}
-        for d in self.layer_decisions:
-            entry = saved.get(d.fqn)
-            if d.fp8 and entry is not None and entry.low:
-                now, then = d.format or self._recipe_format, self._layer_format(entry.precision) or self._recipe_format
-                if now != then:
-                    differ[d.fqn] = f"{d.fqn}: {now} now, {then} in the checkpoint"
-        if differ:
-            warn(f"{owner}: resuming: the checkpoint's plan runs {len(differ)} fp8 layer(s) in another format than"
-                 f" this run converted them in ({'; '.join(differ.values())}). They train on in the format they run in"
-                 " now. To resume in the checkpoint's formats, pass its plan as `layers=` (the checkpoint's `plan`"
-                 " entry, read with `PrecisionPlan.from_dict`).")
+        else:  # converted already: what the run moved (to high precision, or down the ladder) stays where it went
+            self._move_layers("load_state_dict", {f: p.reason for f, p in moved.items()},
+                              {f: p.numbers for f, p in moved.items()},
+                              lambda fqn, module: saved.format_of(fqn))
 
     @override
     def _scaler_step(self, optimizer: Any, closure_step: Any = None, **kwargs: Any) -> Any:

@@ -37,10 +37,13 @@ __all__ = [
     "float8_all_gather_possible",
     "float8_linear_class",
     "layer_config",
+    "layer_format",
     "mark_ran",
     "mxfp8_after_first_step",
     "mxfp8_linear_module",
+    "recipe_format",
     "run_outside_inference_mode",
+    "set_layer_format",
     "to_mxfp8_linear",
     "torchao_config",
     "torchao_format_name",
@@ -426,3 +429,53 @@ def float8_all_gather_possible(scaling_family: str) -> str | None:
         return (f"gloo has no float8 dtype, and torch {torch.__version__} cannot give FSDP2 the uint8 all-gather that"
                 " carries it (torch >= 2.8 can)")
     return None
+
+
+def layer_format(module: nn.Module) -> str | None:
+    """The torchao format ``module`` computes in now: ``"mxfp8"`` (``to_mxfp8_linear``), ``"tensorwise"``,
+    ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (a ``Float8Linear``, named by its config: the input's scaling
+    granularity, and whether the weight gradient's input cast is disabled), None for a plain ``nn.Linear``. A
+    ``Float8Linear`` of a custom config is named after the recipe it scales as."""
+    if getattr(module, MXFP8_FLAG, False):
+        return "mxfp8"
+    Float8Linear = _imports.import_quietly("torchao.float8.float8_linear").Float8Linear
+    return recipe_format(module.config) if isinstance(module, Float8Linear) else None
+
+
+def recipe_format(config: Any) -> str:
+    """The torchao format a ``Float8LinearConfig`` or ``MXFP8Recipe`` computes in (see ``layer_format``)."""
+    if isinstance(config, MXFP8Recipe):
+        return "mxfp8"
+    if torchao_scaling_family(config) == "tensorwise":
+        return "tensorwise"
+    disabled = _imports.import_quietly("torchao.float8.config").ScalingType.DISABLED
+    return "rowwise_with_gw_hp" if config.cast_config_input_for_grad_weight.scaling_type is disabled else "rowwise"
+
+
+def set_layer_format(layer: nn.Module, fmt: Any, emulate: bool, name: str | None = None) -> nn.Module:
+    """Make ``layer`` (an ``nn.Linear``, a ``Float8Linear`` or an MXFP8 layer) compute in ``fmt``, in place: a torchao
+    format name (``TORCHAO_RECIPES``), a ``Float8LinearConfig`` or ``MXFP8Recipe``, or None for high precision. The
+    same module object, so its Parameters (and the optimizer's state of them), hooks and references stay valid; a
+    converted layer gets the inference-mode hooks the plugin's conversion gives it (``run_outside_inference_mode``).
+    Returns the module that computes in ``fmt`` (with torchao, ``layer`` itself). ``name``: its path, named by an
+    MXFP8 layer's warnings. A weight that is a torchao tensor subclass (float8 all-gather under FSDP2) cannot move:
+    ``demote_torchao_layer``'s error."""
+    if layer_format(layer) is not None:
+        demote_torchao_layer(layer)  # a plain nn.Linear again: one way in, whatever the format it leaves
+    if fmt is None:
+        return layer
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"set_layer_format: {type(layer).__name__} is not an nn.Linear.")
+    config = torchao_config(fmt, emulate)
+    if isinstance(config, MXFP8Recipe):
+        to_mxfp8_linear(layer, config, name)
+    else:
+        # torchao's own constructor fills the config's attributes (scaling types, matmul configs) on a weightless
+        # twin; the layer takes them and the class, and keeps its Parameters.
+        twin = float8_linear_class()(layer.in_features, layer.out_features, bias=False, config=config, device="meta")
+        for attribute, value in vars(twin).items():
+            if not attribute.startswith("_") and attribute not in ("in_features", "out_features", "training"):
+                layer.__dict__[attribute] = value
+        layer.__class__ = float8_linear_class()
+    run_outside_inference_mode(layer)
+    return layer
