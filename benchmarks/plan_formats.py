@@ -1,7 +1,8 @@
 """Plans that choose among formats: the loss gap to bf16 and the predicted saving of a plan made by
 ``make_plan(candidates=...)``, beside "every layer fp8 tensorwise" and Megatron's "first and last block in bf16".
 
-    python benchmarks/plan_formats.py [--models vit distilbert outlier] [--steps 60] [--calibration 4] [--tail 10]
+    python benchmarks/plan_formats.py [--models vit distilbert outlier] [--steps 120] [--calibration 4] [--tail 10]
+        [--seeds 3] [--plans] [--no-shapes]
 
 For each model (the embedded ViT and DistilBERT defaults, random weights, their own generated data; and ``Outliers``,
 a residual MLP whose normalised activations carry a few channels 1e3-1e4x larger than the rest, as LLM.int8 (Dettmers
@@ -302,6 +303,8 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             check = saving({p.fqn: p.precision for p in plan.layers if p.low}, shapes, speed_device(plan.device)[0])
             print(f"{row['config']}: the plan's own figure: {plan.saving_line()}"
                   f" [recomputed here: {(check or 0.0) * 1e3:.4f} ms]")
+            if args.plans:
+                print(plan.table())
     return rows
 
 
@@ -376,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
                         help="bf16 also from the initial weights of seeds 1..SEEDS-1 (the spread of the loss)")
     parser.add_argument("--outlier-dim", type=int, default=128)
     parser.add_argument("--outlier-depth", type=int, default=6)
+    parser.add_argument("--plans", action="store_true", help="print each plan's table (its per-layer choice)")
     parser.add_argument("--no-shapes", action="store_true", help="skip the realistic-shape predictions")
     args = parser.parse_args(argv)
     if args.calibration > args.steps:
