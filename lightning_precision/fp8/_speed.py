@@ -81,22 +81,32 @@ class GemmDevice:
 # What `_mfu.PEAKS` (the dense bf16/fp8 peaks used for MFU, matched by device name) lacks: memory bandwidth, compute
 # capability, and Blackwell's block-scaled peaks (MXFP8 runs at the fp8 rate; NVFP4 at twice it). Hopper and Ada have
 # no MXFP8/NVFP4 tensor cores, Ampere no fp8 at all. One row per PEAKS entry (a test checks both tables agree).
-_MORE: dict[str, tuple[float, tuple[int, int], dict[str, float], str]] = {
-    "B200": (8.0, (10, 0), {"mxfp8": 4500.0, "nvfp4": 9000.0},
+_MORE: dict[str, tuple[float, str, dict[str, float], str]] = {
+    "B200": (8.0, "sm_100", {"mxfp8": 4500.0, "nvfp4": 9000.0},
              "HGX B200 datasheet: HBM3e 8 TB/s per GPU; FP4 18 PFLOPS per GPU with sparsity (9 dense); MXFP8 at the"
              " FP8 rate (Blackwell architecture technical brief)"),
-    "H200 NVL": (4.8, (9, 0), {}, "H200 NVL datasheet: HBM3e 4.8 TB/s"),
-    "H200 SXM": (4.8, (9, 0), {}, "H200 SXM datasheet: HBM3e 4.8 TB/s"),
-    "H100 NVL": (3.9, (9, 0), {}, "H100 NVL datasheet: HBM3 3.9 TB/s"),
-    "H100 PCIe": (2.0, (9, 0), {}, "H100 PCIe datasheet: HBM2e 2 TB/s"),
-    "H100 SXM": (3.35, (9, 0), {}, "H100 SXM datasheet: HBM3 3.35 TB/s"),
-    "A100": (2.039, (8, 0), {}, "A100 datasheet: 80GB SXM HBM2e 2,039 GB/s (the 40GB PCIe card: 1,555 GB/s)"),
-    "L40S": (0.864, (8, 9), {}, "L40S datasheet: GDDR6 864 GB/s"),
-    "L4": (0.3, (8, 9), {}, "L4 datasheet: GDDR6 300 GB/s"),
+    "H200 NVL": (4.8, "sm_90", {}, "H200 NVL datasheet: HBM3e 4.8 TB/s"),
+    "H200 SXM": (4.8, "sm_90", {}, "H200 SXM datasheet: HBM3e 4.8 TB/s"),
+    "H100 NVL": (3.9, "sm_90", {}, "H100 NVL datasheet: HBM3 3.9 TB/s"),
+    "H100 PCIe": (2.0, "sm_90", {}, "H100 PCIe datasheet: HBM2e 2 TB/s"),
+    "H100 SXM": (3.35, "sm_90", {}, "H100 SXM datasheet: HBM3 3.35 TB/s"),
+    "A100": (2.039, "sm_80", {}, "A100 datasheet: 80GB SXM HBM2e 2,039 GB/s (the 40GB PCIe card: 1,555 GB/s)"),
+    "L40S": (0.864, "sm_89", {}, "L40S datasheet: GDDR6 864 GB/s"),
+    "L4": (0.3, "sm_89", {}, "L4 datasheet: GDDR6 300 GB/s"),
 }
 
+
+def _capability(arch: str) -> tuple[int, int]:
+    """``"sm_90"`` -> ``(9, 0)``: the table names each GPU's architecture as CUDA does; the capabilities formats
+    need are fp8._hardware's."""
+    digits = arch.removeprefix("sm_")
+    return int(digits[:-1]), int(digits[-1])
+
+
+_HOPPER = _capability("sm_90")  # Transformer Engine's block scaling (Float8BlockScaling) needs Hopper or later
+
 DEVICES: tuple[GemmDevice, ...] = tuple(
-    GemmDevice(p.name, {**p.tflops, **_MORE[p.name][2]}, _MORE[p.name][0], _MORE[p.name][1],
+    GemmDevice(p.name, {**p.tflops, **_MORE[p.name][2]}, _MORE[p.name][0], _capability(_MORE[p.name][1]),
                f"{p.source}; {_MORE[p.name][3]}")
     for p in PEAKS
 )
@@ -174,7 +184,7 @@ def supported_candidates(device: GemmDevice, backend: str) -> tuple[str, ...]:
     if "fp8" not in device.tflops:
         return ()
     block = {"mxfp8": "mxfp8" in device.tflops, TE_NVFP4: TE_NVFP4 in device.tflops,
-             "block": device.capability >= (9, 0)}
+             "block": device.capability >= _HOPPER}
     return tuple(n for n in _formats(backend) if block.get(n, True))
 
 

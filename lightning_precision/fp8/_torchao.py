@@ -239,12 +239,17 @@ def float8_linear_class() -> type:
                 if input.numel() == 0:
                     return nn.functional.linear(input, self.weight, self.bias)
                 device = input.device.type
-                if device != "cuda" and torch.is_autocast_enabled(device):
-                    # torchao casts the input to the autocast dtype under CUDA autocast only; elsewhere (emulated on a
-                    # CPU) an fp32 input met a bf16 output gradient in rowwise_with_gw_hp's high-precision weight
-                    # gradient and failed. Cast as on a GPU: the same numerics there and here.
+                if device != "cuda" and self.hp_weight_gradient and torch.is_autocast_enabled(device):
+                    # torchao casts the input to the autocast dtype under CUDA autocast only; emulated on a CPU, an
+                    # fp32 input met a bf16 output gradient in rowwise_with_gw_hp's high-precision weight gradient and
+                    # failed. Cast as on a GPU. (Only there: the fp8 casts of the other recipes take either dtype, and
+                    # their CPU numerics stay torchao's own.)
                     input = input.to(torch.get_autocast_dtype(device))
                 return super().forward(input)
+
+            @property
+            def hp_weight_gradient(self) -> bool:  # rowwise_with_gw_hp: the weight gradient's casts are off
+                return self.config.cast_config_input_for_grad_weight.scaling_type.name == "DISABLED"
 
         setattr(Float8LinearNoTokens, MARKS_RAN, True)
         Float8LinearNoTokens.__name__ = Float8Linear.__name__
