@@ -31,7 +31,8 @@ __all__ = ["FIRST_REASON", "LAST_REASON", "EdgeRecorder", "edges_of"]
 
 # The reasons `edges()` gives: the first layer that runs and those that read the same tensor; the last layer that runs
 # and those that read the same tensor as its last call (parallel heads).
-FIRST_REASON = "reads the model's input or its embedding"
+FIRST_REASON = ("reads the first linear layer's input (the model's input or embedding, unless a functional linear"
+                " runs first)")
 LAST_REASON = "writes the logits"
 
 
