@@ -28,7 +28,7 @@ from lightning_precision._single_pass import HIST_MAX, HIST_MIN, in_one_pass, si
 from lightning_precision.fabric._scaler import MAX_LOG2_SCALE
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format
 from lightning_precision.fp8._selection import select_fp8_layers
-from lightning_precision.fp8._sensitivity import fp8_sensitivity, torchao_scale
+from lightning_precision.fp8._sensitivity import fp8_sensitivity, measure_candidates, torchao_scale
 
 __all__ = [
     # cast statistics
@@ -51,6 +51,7 @@ __all__ = [
     "to_channels_last",
     # re-exported: fp8 layer selection and numerics per layer (lightning_precision.fp8)
     "fp8_sensitivity",
+    "measure_candidates",
     "select_fp8_layers",
     # re-exported: model FLOPs utilisation (lightning_precision._mfu)
     "choose_peak",

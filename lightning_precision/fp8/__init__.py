@@ -1,16 +1,22 @@
-"""fp8 training, backend-neutral: which linear layers run in fp8 (``select_fp8_layers``, ``FP8LayerPolicy``), what each
-would lose (``fp8_sensitivity``), the plan that decides from it (``make_plan``, ``PrecisionPlan``), and whether this
-machine runs fp8 (``check_fp8_hardware``). ``FP8Precision`` (Trainer and Fabric) applies them; use them directly where
+"""fp8 training, backend-neutral: which linear layers run in fp8 (``select_fp8_layers``, ``FP8LayerPolicy``, the
+model's edges ``edges_of``), what each would lose in one format or several (``fp8_sensitivity``,
+``measure_candidates``), the plan that decides from it (``make_plan``, ``PrecisionPlan``: fp8 or high precision, or
+one format per layer for the most predicted speed within an error budget), and whether this machine runs fp8
+(``check_fp8_hardware``). ``FP8Precision`` (Trainer and Fabric) applies them; use them directly where
 a plugin cannot go (before training, or inside ``configure_model`` before FSDP2's ``fully_shard``).
 
-One concern per private module: ``_selection`` (layer rules), ``_torchao`` and ``_te`` (the backends), ``_hardware``,
-``_sensitivity``, ``_plan``, ``_watch`` (which converted layers ran).
+One concern per private module: ``_selection`` (layer rules), ``_edges`` (which layers read the input and write the
+logits), ``_torchao`` and ``_te`` (the backends), ``_hardware``, ``_emulate`` (each format's casts) and ``_sensitivity``
+(the probe), ``_speed`` (the step-time model), ``_choice`` (the exact choice), ``_plan``, ``_watch`` (which converted
+layers ran).
 """
 
 from typing import Any
 
+from lightning_precision.fp8._edges import edges_of
 from lightning_precision.fp8._hardware import check_fp8_hardware, fp8_capable, fp8_gpu_available
 from lightning_precision.fp8._plan import (
+    FormatOption,
     HighLabel,
     LayerPlan,
     PlanRule,
@@ -25,7 +31,7 @@ from lightning_precision.fp8._selection import (
     format_summary,
     select_fp8_layers,
 )
-from lightning_precision.fp8._sensitivity import LayerSensitivity, TensorNumerics, fp8_sensitivity
+from lightning_precision.fp8._sensitivity import LayerSensitivity, TensorNumerics, fp8_sensitivity, measure_candidates
 from lightning_precision.fp8._torchao import (
     NO_TOKENS_CLASS,
     MXFP8Recipe,
@@ -36,6 +42,7 @@ from lightning_precision.fp8._torchao import (
 
 __all__ = [
     "FP8LayerPolicy",
+    "FormatOption",
     "HighLabel",
     "LayerDecision",
     "LayerPlan",
@@ -48,11 +55,13 @@ __all__ = [
     "TensorNumerics",
     "check_fp8_hardware",
     "convert_with_torchao",
+    "edges_of",
     "format_summary",
     "fp8_capable",
     "fp8_gpu_available",
     "fp8_sensitivity",
     "make_plan",
+    "measure_candidates",
     "select_fp8_layers",
     "torchao_config",
 ]
