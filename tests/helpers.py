@@ -245,3 +245,22 @@ def fp8_recipe(recipe: str) -> Any:
     if recipe == "mxfp8" and not has_mxfp8():
         return pytest.param(recipe, marks=pytest.mark.skip(reason="this torchao has no MXFP8 training layer"))
     return recipe
+
+
+class Classifier(L.LightningModule):
+    """``net`` trained on (input, label) batches with cross-entropy, each loss kept in ``losses``; ``optimizer(module)``
+    builds its optimizer; ``log_plugin`` logs the precision plugin's metrics every step."""
+
+    def __init__(self, net: nn.Module, optimizer, log_plugin: bool = False):
+        super().__init__()
+        self.net, self.losses, self._optimizer, self._log_plugin = net, [], optimizer, log_plugin
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        self.losses.append(float(loss.detach()))
+        if self._log_plugin:
+            self.log_dict(self.trainer.precision_plugin.metrics())
+        return loss
+
+    def configure_optimizers(self):
+        return self._optimizer(self)

@@ -14,7 +14,7 @@ from lightning_precision import fabric as lp_fabric  # noqa: E402
 from lightning_precision.fp8 import LayerDecision, LayerPlan, PrecisionPlan, _torchao, convert_with_torchao  # noqa: E402
 from lightning_precision.fp8._selection import LADDER, TE_CANDIDATES, TORCHAO_CANDIDATES, format_summary  # noqa: E402
 from tests import te_standin  # noqa: E402
-from tests.helpers import has_mxfp8, rowwise_emulates_on_cpu, trainer  # noqa: E402
+from tests.helpers import Classifier, has_mxfp8, rowwise_emulates_on_cpu, trainer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (has_mxfp8() and rowwise_emulates_on_cpu()),
                                 reason="this torchao cannot emulate rowwise under CPU autocast or has no MXFP8 layer")
@@ -72,19 +72,9 @@ def assert_decisions(plugin, prefix=""):
         "2": None, "4": "rowwise", "6": "rowwise_with_gw_hp", "8": "mxfp8"}
 
 
-class Net(L.LightningModule):
+class Net(Classifier):
     def __init__(self):
-        super().__init__()
-        self.net, self.losses = net_of(), []
-
-    def training_step(self, batch, batch_idx):
-        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-        self.losses.append(float(loss.detach()))
-        self.log_dict(self.trainer.precision_plugin.metrics())
-        return loss
-
-    def configure_optimizers(self):
-        return optimizer(self)
+        super().__init__(net_of(), optimizer, log_plugin=True)
 
 
 def decreasing(losses):

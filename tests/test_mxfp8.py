@@ -13,7 +13,7 @@ from lightning_precision import FP8Precision, NoEffectWarning  # noqa: E402
 from lightning_precision import fabric as lp_fabric  # noqa: E402
 from lightning_precision import fp8 as lp_fp8  # noqa: E402
 from lightning_precision.fp8 import _torchao  # noqa: E402
-from tests.helpers import assert_params_equal, params, trainer  # noqa: E402
+from tests.helpers import Classifier, assert_params_equal, params, trainer  # noqa: E402
 
 try:
     mx = _torchao.mxfp8_linear_module()
@@ -57,18 +57,9 @@ def hand_loop():
     return losses, net
 
 
-class Net(L.LightningModule):
+class Net(Classifier):
     def __init__(self):
-        super().__init__()
-        self.net, self.losses = net_of(), []
-
-    def training_step(self, batch, batch_idx):
-        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-        self.losses.append(float(loss))
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        super().__init__(net_of(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
 
 
 def test_trainer_matches_a_hand_written_torchao_mxfp8_loop():
