@@ -248,3 +248,31 @@ def test_layers_auto_chooses_among_formats_in_a_fabric_loop():
     assert plan is not None and plan.rule.error_budget == 1e-3
     spent = sum(next(o.error for o in p.alternatives if o.verdict == "chosen") for p in plan.layers if p.low)
     assert spent <= 1e-3 and all(math.isfinite(v) for v in losses)
+
+
+def test_a_calibration_whose_every_batch_was_non_finite_says_so_for_every_candidate():
+    # Choosing among formats, a layer with nothing measured must say why (every batch non-finite), not that it did not
+    # run: it ran, on data that could not be measured.
+    import lightning as L
+
+    from lightning_precision.fabric import FP8Precision
+
+    torch.manual_seed(0)
+    plugin = FP8Precision(layers="auto", candidates=("tensorwise", "mxfp8"), emulate=True, calibration_batches=2,
+                          skip_small_layers=False, skip_first_last=False, skip_nonfinite=True)
+    fabric = L.Fabric(accelerator="cpu", plugins=[plugin])
+    model = _Outliers()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.warns(UserWarning, match="2 of the 2 batches measured"):
+        for _ in range(2):
+            batch = torch.randn(32, 64)
+            batch[0, 0] = float("inf")
+            fabric.backward(_loss(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+    plan = plugin.plan
+    assert plan is not None and not plan.fp8_layers and plan.batches == 0
+    for p in plan.layers:
+        assert "all 2 batches measured had non-finite values" in p.reason, p.reason
+        assert "did not run" not in p.reason
+        assert all("non-finite" in o.verdict for o in p.alternatives)

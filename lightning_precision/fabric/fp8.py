@@ -590,7 +590,7 @@ class FP8Precision(ScaledPrecision):
         budget), the exact choice of ``PrecisionPlan.choose`` (savings predicted for this process's GPU)."""
         if self._choosing:
             return PrecisionPlan.choose(decisions, sensitivity, self.plan_rule, None, self._high,
-                                        self.layer_policy.skip_small_layers, self.backend)
+                                        self.layer_policy.skip_small_layers, self.backend, not_measured=not_measured)
         return PrecisionPlan.decide(decisions, sensitivity, self.plan_rule, self.scaling_family,
                                     not_measured=not_measured, high=self._high)
 

@@ -352,7 +352,8 @@ class PrecisionPlan:
     def choose(cls, decisions: list[LayerDecision], measured: Mapping[str, Mapping[str, LayerSensitivity]],
                rule: PlanRule | None = None, device: str | None = None, high: HighLabel = HIGH,
                skip_small_layers: bool = True, backend: str | None = None,
-               savings: Mapping[str, Mapping[str, float]] | None = None) -> PrecisionPlan:
+               savings: Mapping[str, Mapping[str, float]] | None = None,
+               not_measured: str | None = None) -> PrecisionPlan:
         """The plan that chooses, per layer the shape rules leave (``decisions``), one of the formats measured
         (``measured``: format -> layer -> numbers, ``measure_candidates``'s result) or high precision: the most
         predicted saving (``_speed.predicted_saving`` on ``device``, default this process's GPU, else an H100 SXM as a
@@ -360,7 +361,8 @@ class PrecisionPlan:
         ``error_contribution`` stays within ``rule.error_budget``; solved exactly (``_choice.choose``).
         ``skip_small_layers=False``: a format predicted slower than ``high`` may still be chosen (first as many layers
         in low precision as the budget allows, then the most saving), as the shape rule's flag means. ``savings``:
-        seconds saved per format and layer, timed (``_speed.benchmark_saving``) instead of predicted."""
+        seconds saved per format and layer, timed (``_speed.benchmark_saving``) instead of predicted.
+        ``not_measured``: why a layer has no numbers, if not that it did not run (as ``decide``'s)."""
         from lightning_precision.fp8._speed import high_time, planning_device, predicted_saving, runs
 
         rule = rule or PlanRule()
@@ -383,7 +385,7 @@ class PrecisionPlan:
                                                         f" {divisor}", {}))
                     continue
                 if s is None:
-                    options.append((fmt, math.inf, 0.0, "did not run while measured", {}))
+                    options.append((fmt, math.inf, 0.0, not_measured or "did not run while measured", {}))
                     continue
                 if savings is None and not runs(gpu, fmt, backend):
                     options.append((fmt, math.inf, 0.0, f"the {gpu.name} does not run {fmt}", measured_numbers(s)))
