@@ -325,3 +325,30 @@ def test_events_saved_before_the_ladder_load_and_bad_options_fail_clearly():
     for bad in ({"ladder": "yes"}, {"max_kurtosis": 0}, {"max_amax_growth": float("inf")}, {"max_kurtosis": True}):
         with pytest.raises(ValueError, match=f"FP8Guard\\({next(iter(bad))}="):
             FP8Guard(**bad)
+
+
+def test_stepping_down_a_chosen_layer_keeps_its_alternatives_and_the_saving_of_its_new_format():
+    """A plan that chose among formats records what each format saves; a layer stepped down (mxfp8 -> tensorwise ->
+    bf16) then saves what its new format saves, not nothing, and keeps the formats weighed, in the plan in force and
+    in the file the guard writes."""
+    from lightning_precision.fp8 import LayerDecision, LayerSensitivity, PrecisionPlan, TensorNumerics
+
+    n = TensorNumerics(31.0, 1e-5, 0.0)
+    measured = {fmt: {fqn: LayerSensitivity(fqn, 4096, 4096, n, n, n, e, e, batches=2, tokens=16384)
+                      for fqn in ("a", "b", "head")} for fmt, e in (("tensorwise", 0.04), ("mxfp8", 0.03))}
+    chosen = PrecisionPlan.choose([LayerDecision(f, 4096, 4096, True, "fp8") for f in ("a", "b", "head")], measured,
+                                  device="B200", high="bf16")
+    assert chosen.format_of("b") == "mxfp8"
+    saving = {o.format: o.predicted_saving for o in chosen.get("b").alternatives}
+    assert saving["tensorwise"] > 0 and saving["mxfp8"] > 0
+    plugin = lp_fabric.FP8Precision(layers=chosen, **FP8_KW)
+    net = Net()
+    L.Fabric(accelerator="cpu", devices=1, plugins=[plugin]).setup_module(net)
+    for rung, expected in (("tensorwise", saving["tensorwise"]), ("bf16", 0.0)):
+        assert plugin.step_down({"b": "by hand"}) == {"b": rung}
+        entry = plugin.plan.get("b")
+        assert entry.precision == rung and entry.predicted_saving == expected
+        assert [o.format for o in entry.alternatives] == ["tensorwise", "mxfp8"]
+        assert [o.verdict == "chosen" for o in entry.alternatives] == [rung == "tensorwise", False]
+        assert plugin.plan.predicted_saving == pytest.approx(2 * saving["mxfp8"] + expected)
+        assert PrecisionPlan.from_dict(plugin.plan.to_dict()) == plugin.plan

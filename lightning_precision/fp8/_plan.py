@@ -501,11 +501,19 @@ class PrecisionPlan:
 
     def with_layer(self, fqn: str, precision: str, reason: str,
                    numbers: dict[str, float] | None = None) -> PrecisionPlan:
-        """A copy with one layer's decision replaced."""
-        if self.get(fqn) is None:
+        """A copy with one layer's decision replaced. A layer that chose among formats keeps the formats weighed, the
+        new one marked chosen (the old one: why it was left), and saves what its new format saves (0 in high
+        precision, or in a format not weighed): the plan's total stays true after FP8Guard moves a layer."""
+        old = self.get(fqn)
+        if old is None:
             raise KeyError(f"PrecisionPlan has no layer {fqn!r}.")
+        alternatives = tuple(dataclasses.replace(a, verdict="chosen" if a.format == precision else
+                                                 f"left: {reason}" if a.verdict == "chosen" else a.verdict)
+                             for a in old.alternatives)
+        saving = next((a.predicted_saving for a in alternatives if a.verdict == "chosen"), 0.0)
         return dataclasses.replace(self, layers=tuple(
-            LayerPlan(fqn, precision, reason, numbers or {}) if p.fqn == fqn else p for p in self.layers))
+            LayerPlan(fqn, precision, reason, numbers or {}, alternatives, saving) if p.fqn == fqn else p
+            for p in self.layers))
 
     def saving_line(self) -> str:
         """The plan's predicted saving in words: per step, as a fraction of the baseline, on which GPU, and whether it
