@@ -352,3 +352,26 @@ def test_stepping_down_a_chosen_layer_keeps_its_alternatives_and_the_saving_of_i
         assert [o.verdict == "chosen" for o in entry.alternatives] == [rung == "tensorwise", False]
         assert plugin.plan.predicted_saving == pytest.approx(2 * saving["mxfp8"] + expected)
         assert PrecisionPlan.from_dict(plugin.plan.to_dict()) == plugin.plan
+
+
+def test_input_kurtosis_is_never_a_wrong_number_for_an_input_far_from_zero_mean():
+    """Kurtosis from raw power sums cancels catastrophically when the input's mean dwarfs its spread: a fp32 input of
+    mean 0.1 read -2.1e7 (a kurtosis is >= 1), and one of mean 100 a value big enough to trip `max_kurtosis`. What
+    fp64 cannot resolve is NaN (not logged, not judged); what it can stays right."""
+    from lightning_precision.callbacks.guard import InputSignals
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64)
+    cases = {"gauss": torch.randn(4096, 64), "shifted": torch.randn(4096, 64) + 5.0,
+             "offset": torch.full((4096, 64), 0.1).index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(0.101)),
+             "far": 100.0 + 1e-3 * torch.randn(4096, 64)}
+    out = {}
+    for name, x in cases.items():
+        signals = InputSignals({"l": layer})
+        layer(x)
+        signals.close()
+        out[name] = signals.result()["l"][0]
+    assert out["gauss"] == pytest.approx(3.0, abs=0.1) and out["shifted"] == pytest.approx(3.0, abs=0.1)
+    for name in ("offset", "far"):
+        assert math.isnan(out[name]) or out[name] >= 1.0, (name, out[name])
+    assert math.isnan(out["far"]) or out["far"] == pytest.approx(3.0, abs=0.5)
