@@ -127,6 +127,10 @@ def test_a_chosen_plan_round_trips_through_files_and_prints_its_saving(tmp_path)
     (lambda d: d["layers"][0].update(predicted_saving="fast"), "predicted_saving"),
     (lambda d: d.update(device=3), "device"),
     (lambda d: d.update(baseline=-1), "baseline"),
+    # a NaN saving would reach the plan in force when FP8Guard steps the layer to that format (a crash mid-fit)
+    (lambda d: d["layers"][0]["alternatives"][0].update(predicted_saving="nan"),
+     r"alternatives`\[0\]: FormatOption\(predicted_saving=nan\)"),
+    (lambda d: d["layers"][0]["alternatives"][0].update(error="nan"), r"FormatOption\(error=nan\)"),
 ])
 def test_bad_choice_fields_in_a_file_fail_clearly(edit, match):
     plan = PrecisionPlan.choose(_decisions("a"), {"tensorwise": {"a": _s("a", 0.04, 0.05)}}, high="bf16")

@@ -261,8 +261,11 @@ class FormatOption:
             raise ValueError(f"FormatOption(format={_shown(self.format)}): one of {', '.join(FORMATS)} or a high"
                              " precision.")
         for name in ("error", "predicted_saving"):
-            if not _is_number(getattr(self, name)):
-                raise ValueError(f"FormatOption({name}={_shown(getattr(self, name))}): a number.")
+            value = getattr(self, name)
+            if not _is_number(value) or math.isnan(value):  # inf error: not measured; nan means nothing
+                shown = repr(value) if _is_number(value) else _shown(value)
+                raise ValueError(f"FormatOption({name}={shown}): a number"
+                                 f"{' (inf: never fits)' if name == 'error' else ' (seconds per training step)'}.")
         if not isinstance(self.verdict, str):
             raise ValueError(f"FormatOption(verdict={_shown(self.verdict)}): text.")
 
