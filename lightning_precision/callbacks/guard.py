@@ -152,7 +152,7 @@ class InputSignals:
             mean = s1 / n
             var = s2 / n - mean * mean
             m4 = s4 / n - 4 * mean * s3 / n + 6 * mean * mean * s2 / n - 3 * mean**4
-            # From raw power sums both moments cancel when the mean dwarfs the spread (|mean| beyond ~300 standard
+            # From raw power sums both moments cancel when the mean dwarfs the spread (|mean| beyond ~200 standard
             # deviations): below what fp64 resolves of their terms the result is noise (even negative), so nan.
             terms = s4 / n + abs(4 * mean * s3 / n) + 6 * mean * mean * s2 / n + 3 * mean**4
             resolved = var > _RESOLVED * s2 / n and m4 > _RESOLVED * terms
