@@ -229,3 +229,28 @@ def test_a_model_saved_whole_with_the_earlier_watch_hook_still_loads(tmp_path):
     torch.save(layer, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     torch.testing.assert_close(loaded(torch.ones(1, 4)), layer(torch.ones(1, 4)))
+
+
+def test_a_compiled_plan_of_mixed_formats_compiles_nothing_after_the_first_step():
+    """MXFP8, rowwise and a high-precision layer side by side in one compiled model: one graph, none again later."""
+    pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
+    from lightning_precision.fp8 import LayerPlan, PrecisionPlan
+
+    torch._dynamo.reset()
+    counter = torch_dynamo_testing.CompileCounter()
+    plan = PrecisionPlan((LayerPlan("a", "mxfp8", "x"), LayerPlan("b", "rowwise", "x"), LayerPlan("c", "bf16", "x")))
+    plugin = FabricFP8Precision(layers=plan, emulate=True)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(cast(nn.Module, torch.compile(model, backend=lambda gm, inputs: counter(gm, inputs))),
+                                     optimizer)
+    graphs = []
+    for x in batches() * 2:
+        fabric.backward(model(x).float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        graphs.append(counter.frame_count)
+    torch._dynamo.reset()
+    assert graphs == [1] * 2 * STEPS
+    assert plugin.metrics()["precision/fp8_layers"].item() == 2

@@ -325,3 +325,53 @@ def test_events_saved_before_the_ladder_load_and_bad_options_fail_clearly():
     for bad in ({"ladder": "yes"}, {"max_kurtosis": 0}, {"max_amax_growth": float("inf")}, {"max_kurtosis": True}):
         with pytest.raises(ValueError, match=f"FP8Guard\\({next(iter(bad))}="):
             FP8Guard(**bad)
+
+
+def test_stepping_down_a_chosen_layer_keeps_its_alternatives_and_the_saving_of_its_new_format():
+    """A plan that chose among formats records what each format saves; a layer stepped down (mxfp8 -> tensorwise ->
+    bf16) then saves what its new format saves, not nothing, and keeps the formats weighed, in the plan in force and
+    in the file the guard writes."""
+    from lightning_precision.fp8 import LayerDecision, LayerSensitivity, PrecisionPlan, TensorNumerics
+
+    n = TensorNumerics(31.0, 1e-5, 0.0)
+    measured = {fmt: {fqn: LayerSensitivity(fqn, 4096, 4096, n, n, n, e, e, batches=2, tokens=16384)
+                      for fqn in ("a", "b", "head")} for fmt, e in (("tensorwise", 0.04), ("mxfp8", 0.03))}
+    chosen = PrecisionPlan.choose([LayerDecision(f, 4096, 4096, True, "fp8") for f in ("a", "b", "head")], measured,
+                                  device="B200", high="bf16")
+    assert chosen.format_of("b") == "mxfp8"
+    saving = {o.format: o.predicted_saving for o in chosen.get("b").alternatives}
+    assert saving["tensorwise"] > 0 and saving["mxfp8"] > 0
+    plugin = lp_fabric.FP8Precision(layers=chosen, **FP8_KW)
+    net = Net()
+    L.Fabric(accelerator="cpu", devices=1, plugins=[plugin]).setup_module(net)
+    for rung, expected in (("tensorwise", saving["tensorwise"]), ("bf16", 0.0)):
+        assert plugin.step_down({"b": "by hand"}) == {"b": rung}
+        entry = plugin.plan.get("b")
+        assert entry.precision == rung and entry.predicted_saving == expected
+        assert [o.format for o in entry.alternatives] == ["tensorwise", "mxfp8"]
+        assert [o.verdict == "chosen" for o in entry.alternatives] == [rung == "tensorwise", False]
+        assert plugin.plan.predicted_saving == pytest.approx(2 * saving["mxfp8"] + expected)
+        assert PrecisionPlan.from_dict(plugin.plan.to_dict()) == plugin.plan
+
+
+def test_input_kurtosis_is_never_a_wrong_number_for_an_input_far_from_zero_mean():
+    """Kurtosis from raw power sums cancels catastrophically when the input's mean dwarfs its spread: a fp32 input of
+    mean 0.1 read -2.1e7 (a kurtosis is >= 1), and one of mean 100 a value big enough to trip `max_kurtosis`. What
+    fp64 cannot resolve is NaN (not logged, not judged); what it can stays right."""
+    from lightning_precision.callbacks.guard import InputSignals
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64)
+    cases = {"gauss": torch.randn(4096, 64), "shifted": torch.randn(4096, 64) + 5.0,
+             "offset": torch.full((4096, 64), 0.1).index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(0.101)),
+             "far": 100.0 + 1e-3 * torch.randn(4096, 64)}
+    out = {}
+    for name, x in cases.items():
+        signals = InputSignals({"l": layer})
+        layer(x)
+        signals.close()
+        out[name] = signals.result()["l"][0]
+    assert out["gauss"] == pytest.approx(3.0, abs=0.1) and out["shifted"] == pytest.approx(3.0, abs=0.1)
+    for name in ("offset", "far"):
+        assert math.isnan(out[name]) or out[name] >= 1.0, (name, out[name])
+    assert math.isnan(out["far"]) or out["far"] == pytest.approx(3.0, abs=0.5)

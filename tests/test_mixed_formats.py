@@ -345,3 +345,27 @@ def test_transformer_engine_refuses_a_plan_of_mixed_formats(monkeypatch):
     # The plugin's own recipe by name is the plugin's recipe.
     plugin = FP8Precision(backend="transformer_engine", recipe="current", layers=single)
     assert plugin.plan.layers[0].precision == "current"
+
+
+def test_mxfp8_with_fp16_compute_is_refused_at_construction_and_left_out_of_the_default_candidates(tmp_path,
+                                                                                                 monkeypatch):
+    """torchao's MXFP8 casts take bf16 or fp32 ("torch.float16 is not supported yet"): with fp16 compute an MXFP8
+    recipe, candidate or plan layer failed at its first forward, after `layers='auto'` had measured its batches."""
+    fp16 = {"emulate": True, "compute_dtype": torch.float16}
+    with pytest.raises(ValueError, match=r"FP8Precision\(recipe='mxfp8', compute_dtype=torch.float16\)`.*bfloat16"):
+        FP8Precision(recipe="mxfp8", **fp16)
+    with pytest.raises(ValueError, match=r"candidates=\('tensorwise', 'mxfp8'\).*compute_dtype=torch.float16"):
+        FP8Precision(layers="auto", candidates=("tensorwise", "mxfp8"), **fp16)
+    path = tmp_path / "plan.yaml"
+    path.write_text("version: 1\nlayers:\n  - fqn: a\n    precision: mxfp8\n")
+    with pytest.raises(ValueError, match=r"plan.yaml', compute_dtype=torch.float16\)`: the plan runs 1 layer\(s\) in MXFP8 \('a'"):
+        FP8Precision(layers=str(path), **fp16)
+    # On a B200 (none here: the speed table's entry stands in for this process's GPU) the default candidates include
+    # MXFP8, but not under fp16 compute.
+    from lightning_precision.fp8 import _speed
+
+    b200 = _speed.speed_device("B200")
+    monkeypatch.setattr(_speed, "speed_device", lambda name=None: b200)
+    assert "mxfp8" in FP8Precision(layers="auto").candidates
+    assert FP8Precision(layers="auto", compute_dtype=torch.float16).candidates == tuple(
+        c for c in FP8Precision(layers="auto").candidates if c != "mxfp8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -126,6 +127,10 @@ def test_a_chosen_plan_round_trips_through_files_and_prints_its_saving(tmp_path)
     (lambda d: d["layers"][0].update(predicted_saving="fast"), "predicted_saving"),
     (lambda d: d.update(device=3), "device"),
     (lambda d: d.update(baseline=-1), "baseline"),
+    # a NaN saving would reach the plan in force when FP8Guard steps the layer to that format (a crash mid-fit)
+    (lambda d: d["layers"][0]["alternatives"][0].update(predicted_saving="nan"),
+     r"alternatives`\[0\]: FormatOption\(predicted_saving=nan\)"),
+    (lambda d: d["layers"][0]["alternatives"][0].update(error="nan"), r"FormatOption\(error=nan\)"),
 ])
 def test_bad_choice_fields_in_a_file_fail_clearly(edit, match):
     plan = PrecisionPlan.choose(_decisions("a"), {"tensorwise": {"a": _s("a", 0.04, 0.05)}}, high="bf16")
@@ -248,3 +253,94 @@ def test_layers_auto_chooses_among_formats_in_a_fabric_loop():
     assert plan is not None and plan.rule.error_budget == 1e-3
     spent = sum(next(o.error for o in p.alternatives if o.verdict == "chosen") for p in plan.layers if p.low)
     assert spent <= 1e-3 and all(math.isfinite(v) for v in losses)
+
+
+def test_a_calibration_whose_every_batch_was_non_finite_says_so_for_every_candidate():
+    # Choosing among formats, a layer with nothing measured must say why (every batch non-finite), not that it did not
+    # run: it ran, on data that could not be measured.
+    import lightning as L
+
+    from lightning_precision.fabric import FP8Precision
+
+    torch.manual_seed(0)
+    plugin = FP8Precision(layers="auto", candidates=("tensorwise", "mxfp8"), emulate=True, calibration_batches=2,
+                          skip_small_layers=False, skip_first_last=False, skip_nonfinite=True)
+    fabric = L.Fabric(accelerator="cpu", plugins=[plugin])
+    model = _Outliers()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.warns(UserWarning, match="2 of the 2 batches measured"):
+        for _ in range(2):
+            batch = torch.randn(32, 64)
+            batch[0, 0] = float("inf")
+            fabric.backward(_loss(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+    plan = plugin.plan
+    assert plan is not None and not plan.fp8_layers and plan.batches == 0
+    for p in plan.layers:
+        assert "all 2 batches measured had non-finite values" in p.reason, p.reason
+        assert "did not run" not in p.reason
+        assert all("non-finite" in o.verdict for o in p.alternatives)
+
+
+class _RankExpert(torch.nn.Module):
+    """``e`` is an expert routed tokens on rank 0 only; rank 1 feeds ``a`` outlier channels."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.e, self.head = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x, rank):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return self.head(h + self.e(h) if rank == 0 else h)
+
+
+class _RankLit(L.LightningModule):
+    def __init__(self, out_dir):
+        super().__init__()
+        self.net, self.out_dir = _RankExpert(), out_dir
+
+    def training_step(self, batch, batch_idx):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 * batch_idx + self.global_rank))
+        if self.global_rank == 1:
+            x = torch.cat([x[:, :2] * 1e4, x[:, 2:]], dim=1)
+        return _loss_of(self.net(x, self.global_rank))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def on_train_end(self):
+        import json
+
+        from lightning_precision.fp8._torchao import layer_format
+
+        plugin = self.trainer.precision_plugin
+        report = {"plan": plugin.plan.to_dict(), "formats": {n: layer_format(m) for n, m in self.net.named_children()}}
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump(report, f)
+
+
+def _loss_of(out):
+    return out.float().pow(2).mean()
+
+
+def test_under_ddp_every_rank_chooses_the_same_formats(tmp_path):
+    """Each candidate's sums are all-reduced before the choice: the rank that saw outliers and the rank whose expert
+    got no token reach one plan (formats, errors, alternatives), and convert alike."""
+    from lightning_precision import FP8Precision
+    from tests.distributed import fit_spawned
+
+    plugin = FP8Precision(layers="auto", candidates=("tensorwise", "rowwise", "mxfp8"), emulate=True,
+                          calibration_batches=2, skip_small_layers=False, skip_first_last=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn_find_unused_parameters_true",
+                        plugins=[plugin], max_steps=3, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(32 * 4, 1)), batch_size=32)
+    reports = fit_spawned(trainer, _RankLit(str(tmp_path)), data, tmp_path)
+    assert reports[0] == reports[1]
+    layers = {p["fqn"]: p for p in reports[0]["plan"]["layers"]}
+    assert layers["net.a"]["precision"] == "bf16" and "input underflow" in layers["net.a"]["reason"]
+    assert layers["net.e"]["precision"] in ("tensorwise", "rowwise", "mxfp8")  # measured on rank 0's tokens alone
+    assert reports[0]["formats"] == {n: layers[f"net.{n}"]["precision"] if layers[f"net.{n}"]["precision"] != "bf16"
+                                     else None for n in ("a", "b", "e", "head")}

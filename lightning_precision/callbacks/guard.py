@@ -45,6 +45,11 @@ DEFAULT_PLAN_FILE = "fp8_plan.yaml"
 MEASURED_BLOCK_FORMATS: tuple[str, ...] = ("mxfp8",)
 
 
+# The smallest share of its terms' size a moment computed from fp64 power sums keeps: ~1e6 fp64 epsilons, room for
+# the sums' rounding over millions of elements.
+_RESOLVED = 1e-10
+
+
 def _unmeasurable(fmt: str | None) -> bool:
     return fmt in BLOCK_SCALED and fmt not in MEASURED_BLOCK_FORMATS
 
@@ -131,7 +136,8 @@ class InputSignals:
 
     def result(self, reduce: ReduceOp | None = None) -> dict[str, tuple[float, float]]:
         """``{fqn: (kurtosis, amax)}`` over the finite calls on every process (``reduce``: ``all_reduce``). Kurtosis
-        is Pearson's (3 for a Gaussian; nan for a constant input). One read, after the probe's: the device has done
+        is Pearson's (3 for a Gaussian; nan for a constant input, or one whose mean dwarfs its spread beyond what the
+        fp64 sums resolve). One read, after the probe's: the device has done
         the step's work by then, so it waits for nothing more."""
         if not self.layers:
             return {}
@@ -146,7 +152,11 @@ class InputSignals:
             mean = s1 / n
             var = s2 / n - mean * mean
             m4 = s4 / n - 4 * mean * s3 / n + 6 * mean * mean * s2 / n - 3 * mean**4
-            out[fqn] = (m4 / (var * var) if var > 0 else math.nan, amax)
+            # From raw power sums both moments cancel when the mean dwarfs the spread (|mean| beyond ~200 standard
+            # deviations): below what fp64 resolves of their terms the result is noise (even negative), so nan.
+            terms = s4 / n + abs(4 * mean * s3 / n) + 6 * mean * mean * s2 / n + 3 * mean**4
+            resolved = var > _RESOLVED * s2 / n and m4 > _RESOLVED * terms
+            out[fqn] = (m4 / (var * var) if resolved else math.nan, amax)
         return out
 
 

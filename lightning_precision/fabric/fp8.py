@@ -313,6 +313,7 @@ class FP8Precision(ScaledPrecision):
         self.plan: PrecisionPlan | None = self._check_layers(owner)
         # With `layers="auto"`, the formats each layer chooses among (high precision is always a choice).
         self.candidates: tuple[str, ...] = self._check_candidates(owner, candidates, recipe is not None)
+        self._check_fp16_mxfp8(owner, recipe, candidates is None)
         self._calibration: _Calibration | None = None
         self._float8_all_gather = False  # whether the converted layers all-gather in fp8
         self._scales: _fsdp.Float8ScalePrecompute | None = None
@@ -400,6 +401,28 @@ class FP8Precision(ScaledPrecision):
         shown = ", ".join(f"{fqn}: {f}" for fqn, f in list(named.items())[:4]) + (", ..." if len(named) > 4 else "")
         raise ValueError(f"{where}: the plan runs layers in {', '.join(map(repr, distinct))} beside this plugin's"
                          f" {self._recipe_format!r} ({shown}). {fix}")
+
+    def _check_fp16_mxfp8(self, owner: str, recipe: Any, default_candidates: bool) -> None:
+        """torchao's MXFP8 casts take bf16 or fp32 ("torch.float16 is not supported yet"): with fp16 compute an MXFP8
+        recipe, candidate or plan layer is refused now, not at its first forward (after ``layers="auto"`` measured);
+        the default candidates leave MXFP8 out."""
+        if self.backend != "torchao" or self.compute_dtype != torch.float16:
+            return
+        fix = "pass `compute_dtype=torch.bfloat16` (the default), or leave MXFP8 out"
+        if self._recipe_format == "mxfp8":
+            raise ValueError(f"`{owner}(recipe={recipe!r}, compute_dtype=torch.float16)`: torchao's MXFP8 casts take"
+                             f" bf16 or fp32, not fp16; {fix}.")
+        if default_candidates:
+            self.candidates = tuple(c for c in self.candidates if c != "mxfp8") or ("tensorwise",)
+        elif "mxfp8" in self.candidates:
+            raise ValueError(f"`{owner}(layers='auto', candidates={self.candidates!r}, compute_dtype=torch.float16)`:"
+                             f" torchao's MXFP8 casts take bf16 or fp32, not fp16; {fix} of `candidates`.")
+        mx = [p.fqn for p in self.plan.layers if self._layer_format(p.precision) == "mxfp8"] if self.plan else []
+        if mx:
+            shown = "<PrecisionPlan>" if isinstance(self.layers, PrecisionPlan) else repr(str(self.layers))
+            raise ValueError(f"`{owner}(layers={shown}, compute_dtype=torch.float16)`: the plan runs {len(mx)}"
+                             f" layer(s) in MXFP8 ({mx[0]!r}: 'mxfp8'), whose torchao casts take bf16 or fp32, not"
+                             f" fp16; {fix} of the plan (write another format for those layers).")
 
     def _check_candidates(self, owner: str, candidates: Any, recipe_given: bool) -> tuple[str, ...]:
         """``candidates`` checked, or its default: the recipe asked for (one candidate: fp8 or high precision, as
@@ -590,7 +613,7 @@ class FP8Precision(ScaledPrecision):
         budget), the exact choice of ``PrecisionPlan.choose`` (savings predicted for this process's GPU)."""
         if self._choosing:
             return PrecisionPlan.choose(decisions, sensitivity, self.plan_rule, None, self._high,
-                                        self.layer_policy.skip_small_layers, self.backend)
+                                        self.layer_policy.skip_small_layers, self.backend, not_measured=not_measured)
         return PrecisionPlan.decide(decisions, sensitivity, self.plan_rule, self.scaling_family,
                                     not_measured=not_measured, high=self._high)
 

@@ -261,8 +261,11 @@ class FormatOption:
             raise ValueError(f"FormatOption(format={_shown(self.format)}): one of {', '.join(FORMATS)} or a high"
                              " precision.")
         for name in ("error", "predicted_saving"):
-            if not _is_number(getattr(self, name)):
-                raise ValueError(f"FormatOption({name}={_shown(getattr(self, name))}): a number.")
+            value = getattr(self, name)
+            if not _is_number(value) or math.isnan(value):  # inf error: not measured; nan means nothing
+                shown = repr(value) if _is_number(value) else _shown(value)
+                raise ValueError(f"FormatOption({name}={shown}): a number"
+                                 f"{' (inf: never fits)' if name == 'error' else ' (seconds per training step)'}.")
         if not isinstance(self.verdict, str):
             raise ValueError(f"FormatOption(verdict={_shown(self.verdict)}): text.")
 
@@ -352,7 +355,8 @@ class PrecisionPlan:
     def choose(cls, decisions: list[LayerDecision], measured: Mapping[str, Mapping[str, LayerSensitivity]],
                rule: PlanRule | None = None, device: str | None = None, high: HighLabel = HIGH,
                skip_small_layers: bool = True, backend: str | None = None,
-               savings: Mapping[str, Mapping[str, float]] | None = None) -> PrecisionPlan:
+               savings: Mapping[str, Mapping[str, float]] | None = None,
+               not_measured: str | None = None) -> PrecisionPlan:
         """The plan that chooses, per layer the shape rules leave (``decisions``), one of the formats measured
         (``measured``: format -> layer -> numbers, ``measure_candidates``'s result) or high precision: the most
         predicted saving (``_speed.predicted_saving`` on ``device``, default this process's GPU, else an H100 SXM as a
@@ -360,7 +364,8 @@ class PrecisionPlan:
         ``error_contribution`` stays within ``rule.error_budget``; solved exactly (``_choice.choose``).
         ``skip_small_layers=False``: a format predicted slower than ``high`` may still be chosen (first as many layers
         in low precision as the budget allows, then the most saving), as the shape rule's flag means. ``savings``:
-        seconds saved per format and layer, timed (``_speed.benchmark_saving``) instead of predicted."""
+        seconds saved per format and layer, timed (``_speed.benchmark_saving``) instead of predicted.
+        ``not_measured``: why a layer has no numbers, if not that it did not run (as ``decide``'s)."""
         from lightning_precision.fp8._speed import high_time, planning_device, predicted_saving, runs
 
         rule = rule or PlanRule()
@@ -383,7 +388,7 @@ class PrecisionPlan:
                                                         f" {divisor}", {}))
                     continue
                 if s is None:
-                    options.append((fmt, math.inf, 0.0, "did not run while measured", {}))
+                    options.append((fmt, math.inf, 0.0, not_measured or "did not run while measured", {}))
                     continue
                 if savings is None and not runs(gpu, fmt, backend):
                     options.append((fmt, math.inf, 0.0, f"the {gpu.name} does not run {fmt}", measured_numbers(s)))
@@ -499,11 +504,19 @@ class PrecisionPlan:
 
     def with_layer(self, fqn: str, precision: str, reason: str,
                    numbers: dict[str, float] | None = None) -> PrecisionPlan:
-        """A copy with one layer's decision replaced."""
-        if self.get(fqn) is None:
+        """A copy with one layer's decision replaced. A layer that chose among formats keeps the formats weighed, the
+        new one marked chosen (the old one: why it was left), and saves what its new format saves (0 in high
+        precision, or in a format not weighed): the plan's total stays true after FP8Guard moves a layer."""
+        old = self.get(fqn)
+        if old is None:
             raise KeyError(f"PrecisionPlan has no layer {fqn!r}.")
+        alternatives = tuple(dataclasses.replace(a, verdict="chosen" if a.format == precision else
+                                                 f"left: {reason}" if a.verdict == "chosen" else a.verdict)
+                             for a in old.alternatives)
+        saving = next((a.predicted_saving for a in alternatives if a.verdict == "chosen"), 0.0)
         return dataclasses.replace(self, layers=tuple(
-            LayerPlan(fqn, precision, reason, numbers or {}) if p.fqn == fqn else p for p in self.layers))
+            LayerPlan(fqn, precision, reason, numbers or {}, alternatives, saving) if p.fqn == fqn else p
+            for p in self.layers))
 
     def saving_line(self) -> str:
         """The plan's predicted saving in words: per step, as a fraction of the baseline, on which GPU, and whether it
