@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lightning_precision.fp8._choice import choose
+from lightning_precision.fp8._choice import choose, choose_within
 
 
 def _brute(options, budget):
@@ -74,3 +74,26 @@ def test_hundreds_of_layers_are_solved():
 def test_refusals_name_the_problem(options, budget, match):
     with pytest.raises(ValueError, match=match):
         choose(options, budget)
+
+
+def test_a_hard_instance_past_the_state_cap_stays_within_budget_and_says_what_it_gave_up():
+    """Savings proportional to errors (the knapsack's hard case): the frontier grows exponentially. Past
+    ``max_states`` one state per cell of error is kept; the result never breaks the budget and is at least the
+    optimum for the budget less what ``choose_within`` says it gave up."""
+    rng = random.Random(3)
+    options = []
+    for _ in range(9):
+        row = [(0.0, 0.0)]
+        for _ in range(3):
+            e = rng.random()
+            row.append((e, e * rng.uniform(0.99, 1.01)))
+        options.append(row)
+    budget = 3.0
+    picks, given_up = choose_within(options, budget, max_states=8)
+    assert given_up > 0  # the cap was reached: the case this test is about
+    error = sum(layer[j][0] for layer, j in zip(options, picks, strict=True))
+    value = sum(layer[j][1] for layer, j in zip(options, picks, strict=True))
+    assert error <= budget
+    assert value >= _brute(options, budget - given_up) - 1e-9
+    assert choose_within(options, budget)[1] == 0.0  # under the default cap this one is exact
+    assert choose_within(options, budget)[0] == choose(options, budget)

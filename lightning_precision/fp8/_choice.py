@@ -1,7 +1,14 @@
 """The exact choice of one format per layer: the most value (predicted saving) whose summed error stays within a
 budget. A multiple-choice knapsack, solved exactly by dynamic programming over the Pareto frontier of (error, value)
-pairs: after each layer only the partial choices that no other beats on both error and value are kept, so the optimum
-is never pruned, whatever the errors (real numbers: no grid, no rounding). No solver dependency.
+pairs: after each layer only the partial choices that no other beats on both error and value are kept, and those
+whose best completion (the LP relaxation's bound) cannot reach a choice already known, so the optimum is never
+pruned, whatever the errors (real numbers: no grid, no rounding). No solver dependency.
+
+The knapsack is NP-hard: inputs exist (values proportional to errors) whose frontier grows exponentially. So that a
+plan never stalls a run, a frontier past ``MAX_STATES`` keeps one state per ``budget / MAX_STATES`` of error (the one
+of most value: true errors are kept, so the budget still holds); ``choose_within`` says how much budget that may have
+cost (``slack``: the result is at least the optimum for ``budget - slack``). Real models' measured numbers stay far
+below it (tests/test_choice.py); the plan warns when it happens.
 """
 
 from __future__ import annotations
@@ -12,12 +19,20 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Option", "choose"]
+__all__ = ["MAX_STATES", "Option", "choose", "choose_within"]
+
+MAX_STATES = 2000
 
 Option = tuple[float, float]  # (error, value) of one format for one layer
 
 
 def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> list[int]:
+    """``choose_within``'s picks, without its slack."""
+    return choose_within(options, budget)[0]
+
+
+def choose_within(options: Sequence[Sequence[Option]], budget: float = math.inf,
+                  max_states: int = MAX_STATES) -> tuple[list[int], float]:
     """Per layer, the index of the option chosen: the choice with the largest summed value whose summed error is at
     most ``budget``; among equal values the smaller error, then the earlier options. An option of error inf never
     fits, whatever the budget. Every layer needs an option (in a plan, its high precision: error 0, value 0), and some
@@ -26,8 +41,11 @@ def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> lis
     Example:
         Two layers, each with high precision (0, 0) and two formats; a budget of 1.0 fits one aggressive format:
 
-        >>> choose([[(0, 0), (0.2, 1.0), (0.9, 3.0)], [(0, 0), (0.2, 1.0), (0.9, 2.5)]], budget=1.0)
-        [2, 1]
+        >>> choose_within([[(0, 0), (0.2, 1.0), (0.9, 3.0)], [(0, 0), (0.2, 1.0), (0.9, 2.5)]], budget=1.0)
+        ([2, 1], 0.0)
+
+    The second element is the budget the choice may have given up to stay within ``max_states`` (module docstring):
+    0.0 when exact.
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget) or budget < 0:
         raise ValueError(f"choose(budget={budget!r}): a number >= 0 (inf: no budget).")
@@ -45,15 +63,17 @@ def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> lis
             if not fits:
                 raise ValueError(f"choose: no choice fits: every option of layer {i} has an infinite error.")
             best_each.append(max(fits, key=lambda j: (layer[j][1], -layer[j][0], -j)))  # noqa: B023 (used at once)
-        return best_each
+        return best_each, 0.0
     bound = _SuffixBound(options)
-    incumbent = bound.greedy(budget)  # a feasible total: states that cannot beat it are dropped
-    if incumbent is None:
+    greedy = bound.greedy(budget)  # a real choice: states that cannot beat its total are dropped
+    if greedy is None:
         least = sum(min(error for error, _ in layer) for layer in options)
         raise ValueError(f"choose: no choice fits the error budget {budget:g}: the least summed error is {least:g}.")
+    incumbent, fallback = greedy
     slack = 1e-12 * (1.0 + abs(incumbent))  # keep states that tie with the incumbent, rounding aside
     # frontier: (error, value, link); link = (option, previous link) spells the choice back to the first layer
     frontier: list[tuple[float, float, Any]] = [(0.0, 0.0, None)]
+    cell, given_up = budget / max_states, 0.0
     for i, layer in enumerate(options):
         grown = [(e + error, v + value, (j, link)) for e, v, link in frontier for j, (error, value) in enumerate(layer)
                  if e + error <= budget]
@@ -65,13 +85,22 @@ def choose(options: Sequence[Sequence[Option]], budget: float = math.inf) -> lis
             if (not frontier or state[1] > frontier[-1][1]) and \
                     state[1] + bound.upper(i + 1, budget - state[0]) >= incumbent - slack:
                 frontier.append(state)
+        if len(frontier) > max_states and cell > 0:
+            # one state per cell of error: the frontier is sorted by error with values rising, so the last of each
+            # cell has its most value; a dropped state had at most `cell` less error than the one kept
+            kept = {int(state[0] / cell): state for state in frontier}
+            frontier, given_up = sorted(kept.values(), key=lambda s: s[0]), given_up + cell
+    if not frontier:  # past MAX_STATES, every chain kept fell short of the greedy choice: that one, then
+        return fallback, min(given_up, budget)
     best = max(frontier, key=lambda s: (s[1], -s[0]))
+    if best[1] < incumbent:
+        return fallback, min(given_up, budget)
     picks: list[int] = []
     link = best[2]
     while link is not None:
         j, link = link
         picks.append(j)
-    return picks[::-1]
+    return picks[::-1], min(given_up, budget)
 
 
 class _SuffixBound:
@@ -83,18 +112,23 @@ class _SuffixBound:
         n = len(options)
         bases: list[Option] = []
         steps: list[list[Option]] = []  # per layer, the hull's increments (error, value), slopes decreasing
+        self.hull_index: list[list[int]] = []  # per layer, the options on its hull, in order
         for layer in options:
-            finite = sorted((e, -v) for e, v in layer if math.isfinite(e))
+            finite = sorted((e, -v, j) for j, (e, v) in enumerate(layer) if math.isfinite(e))
             hull: list[Option] = []
-            for e, negative in finite:
+            index: list[int] = []
+            for e, negative, j in finite:
                 v = -negative
                 if hull and v <= hull[-1][1]:
                     continue  # no more value for more error
                 while len(hull) >= 2 and _slope(hull[-2], hull[-1]) <= _slope(hull[-1], (e, v)):
                     hull.pop()  # under the chord: never on the LP's path
+                    index.pop()
                 hull.append((e, v))
+                index.append(j)
             bases.append(hull[0] if hull else (math.inf, 0.0))
             steps.append([(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(hull)])
+            self.hull_index.append(index)
         # suffix sums of the bases, and the suffix's increments sorted by slope (cumulative error and value)
         self.base_error = [0.0] * (n + 1)
         self.base_value = [0.0] * (n + 1)
@@ -126,22 +160,24 @@ class _SuffixBound:
             value += step_value * taken / step_error if step_error > 0 else step_value
         return value
 
-    def greedy(self, budget: float) -> float | None:
-        """A total some real choice reaches, or None if none fits: the bases, then each layer's hull increments in
-        slope order while they fit, passing over one that does not (and that layer's later ones) to try the rest."""
+    def greedy(self, budget: float) -> tuple[float, list[int]] | None:
+        """A real choice and its total, or None if none fits: the bases, then each layer's hull increments in slope
+        order while they fit, passing over one that does not (and that layer's later ones) to try the rest."""
         left = budget - self.base_error[0]
         if left < 0:
             return None
         value = self.base_value[0]
+        position = [0] * len(self.hull_index)
         blocked: set[int] = set()
         for _, layer, de, dv in self.first:
             if layer in blocked:
                 continue
             if de <= left:
                 left, value = left - de, value + dv
+                position[layer] += 1
             else:
                 blocked.add(layer)
-        return value
+        return value, [index[k] for index, k in zip(self.hull_index, position, strict=True)]
 
 
 def _slope(a: Option, b: Option) -> float:

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from lightning_precision._io import atomic_write_text, json_safe
-from lightning_precision.fp8._choice import choose
+from lightning_precision._warnings import warn
+from lightning_precision.fp8._choice import choose_within
 from lightning_precision.fp8._edges import EdgeRecorder
 from lightning_precision.fp8._selection import (
     BLOCK_SCALED,
@@ -406,7 +407,12 @@ class PrecisionPlan:
         bonus = 0.0 if skip_small_layers else 1.0  # > any layer's saving: a layer in low precision first
         table = [[(0.0, 0.0)] + [(o[1] if o[3] == "eligible" else math.inf, o[2] + bonus) for o in options]
                  for _, options in rows]
-        picks = choose(table, rule.error_budget)
+        picks, given_up = choose_within(table, rule.error_budget)
+        if given_up > 0:
+            warn(f"PrecisionPlan.choose: the exact choice among {len(candidates)} formats for {len(rows)} layers would"
+                 f" take too long (their savings track their errors too closely: a hard knapsack); the plan is the"
+                 f" best for an error budget at most {given_up:.3g} smaller than {rule.error_budget:g} (never above"
+                 " it).")
         layers = []
         budgeted = math.isfinite(rule.error_budget)
         for (d, options), pick in zip(rows, picks, strict=True):
