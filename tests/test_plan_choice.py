@@ -344,3 +344,11 @@ def test_under_ddp_every_rank_chooses_the_same_formats(tmp_path):
     assert layers["net.e"]["precision"] in ("tensorwise", "rowwise", "mxfp8")  # measured on rank 0's tokens alone
     assert reports[0]["formats"] == {n: layers[f"net.{n}"]["precision"] if layers[f"net.{n}"]["precision"] != "bf16"
                                      else None for n in ("a", "b", "e", "head")}
+
+
+def test_a_chosen_plan_of_no_low_layer_is_no_other_recipes_plan():
+    """Every layer out (a budget of 0): the plan still chose among formats, so no plugin recipe mismatches it."""
+    plan = PrecisionPlan.choose(_decisions("a"), {"mxfp8": {"a": _s("a", 0.04, 0.05)}}, PlanRule(error_budget=0.0),
+                                device="B200")
+    assert not plan.fp8_layers and plan.measured
+    assert plan.recipe_mismatch("rowwise") is None and plan.recipe_mismatch("tensorwise") is None

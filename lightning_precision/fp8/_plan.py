@@ -491,8 +491,8 @@ class PrecisionPlan:
         torchao's ``tensorwise`` cast (what ``FP8Precision(layers="auto")`` does for them), so those three agree."""
         as_measured = {"delayed": "tensorwise", "current": "tensorwise"}
         mine = self.scaling_family
-        if any(p.low and p.precision != FP8 for p in self.layers):
-            return None  # each layer names its own format, measured as such
+        if any((p.low and p.precision != FP8) or p.alternatives for p in self.layers):
+            return None  # a plan that chose among formats: each layer names its own, measured as such
         if not self.measured or as_measured.get(mine, mine) == as_measured.get(scaling_family, scaling_family):
             return None
         if scaling_family in ("tensorwise", "rowwise"):
