@@ -142,9 +142,9 @@ def test_bad_choice_fields_in_a_file_fail_clearly(edit, match):
 
 @pytest.mark.parametrize(("candidates", "match"), [
     ("tensorwise", "a tuple of format names"),
-    ((), "no format given"),
+    ((), "name at least one format"),
     (("fp4",), "'fp4' is not a format"),
-    (("rowwise", "rowwise"), "listed twice"),
+    (("rowwise", "rowwise"), "'rowwise' named more than once"),
 ])
 def test_make_plan_refuses_bad_candidates(candidates, match):
     model = nn.Sequential(nn.Linear(32, 32))

@@ -103,7 +103,7 @@ def _choice_arguments(args: Any) -> dict[str, Any]:
         if not names:
             raise ValueError(f"--device {gpu.name!r} runs no fp8 format: choose another GPU, or --candidates.")
     else:
-        names = check_candidates("lightning-precision plan --candidates",
+        names = check_candidates(f"--candidates {args.candidates!r}",
                                  [c.strip() for c in args.candidates.split(",") if c.strip()])
     budget = math.inf
     if args.budget is not None:

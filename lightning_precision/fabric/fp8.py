@@ -31,6 +31,7 @@ from lightning_precision.fp8._plan import (
     PlanRule,
     PrecisionPlan,
     as_plan,
+    check_candidates,
     edge_recorder,
     high_label,
     planning_policies,
@@ -439,20 +440,7 @@ class FP8Precision(ScaledPrecision):
         known = TORCHAO_CANDIDATES if self.backend == "torchao" else TE_CANDIDATES
         example = "candidates=('tensorwise', 'rowwise')" if self.backend == "torchao" else \
             f"candidates=({self._recipe_format!r},)"
-        if isinstance(candidates, str) or not isinstance(candidates, (tuple, list)):
-            raise ValueError(f"{call}: a tuple of format names, e.g. `{example}`; {self.backend}'s are"
-                             f" {', '.join(known)}.")
-        if not candidates:
-            raise ValueError(f"{call}: name at least one format, e.g. `{example}` (high precision is always a"
-                             " choice), or leave `candidates` out for what this backend and device run.")
-        for name in candidates:
-            if not isinstance(name, str) or name not in known:
-                high = " High precision is always a choice: leave it out." if name in HIGH_LABELS or name == FP8 \
-                    else ""
-                raise ValueError(f"{call}: {name!r} is not a {self.backend} format; use {', '.join(known)}.{high}")
-        repeated = sorted({name for name in candidates if candidates.count(name) > 1})
-        if repeated:
-            raise ValueError(f"{call}: {', '.join(map(repr, repeated))} named more than once; name each format once.")
+        candidates = check_candidates(call, candidates, known, self.backend, example)
         if self.backend != "torchao" and tuple(candidates) != (self._recipe_format,):
             raise ValueError(f"{call}: this plugin's recipe is {self._recipe_format!r}. {_TE_ONE_RECIPE}")
         return tuple(candidates)

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
@@ -863,19 +863,25 @@ def _edges_while(model: nn.Module, policy: FP8LayerPolicy) -> Iterator[Callable[
             recorder.close()
 
 
-def check_candidates(owner: str, candidates: Any) -> tuple[str, ...]:
-    """``candidates`` as a tuple of format names, or a ``ValueError`` repeating ``owner``'s call."""
-    if isinstance(candidates, str) or not isinstance(candidates, Iterable):
-        raise ValueError(f"`{owner}(candidates={candidates!r})`: a tuple of format names, e.g."
-                         " `candidates=('tensorwise', 'rowwise', 'mxfp8')`; the formats: " + ", ".join(FORMATS) + ".")
-    names = tuple(candidates)
-    bad = [c for c in names if not isinstance(c, str) or c not in FORMATS]
-    if not names or bad:
-        what = f"{bad[0]!r} is not a format" if bad else "no format given"
-        raise ValueError(f"`{owner}(candidates={candidates!r})`: {what}; choose among {', '.join(FORMATS)}.")
-    if len(set(names)) != len(names):
-        raise ValueError(f"`{owner}(candidates={candidates!r})`: a format is listed twice; list each once.")
-    return names
+def check_candidates(call: str, candidates: Any, known: Sequence[str] = FORMATS, kind: str = "",
+                     example: str = "candidates=('tensorwise', 'rowwise')") -> tuple[str, ...]:
+    """``candidates`` as a tuple of names among ``known`` (a ``kind`` of format: "torchao", ...), or a ``ValueError``
+    that repeats ``call`` and says the fix. The one check of ``make_plan``, the plan command and ``FP8Precision``."""
+    whose = f"{kind}'s formats" if kind else "the formats"
+    if isinstance(candidates, str) or not isinstance(candidates, (tuple, list)):
+        raise ValueError(f"{call}: a tuple of format names, e.g. `{example}`; {whose} are {', '.join(known)}.")
+    if not candidates:
+        raise ValueError(f"{call}: name at least one format, e.g. `{example}` (high precision is always a choice),"
+                         " or leave `candidates` out.")
+    for name in candidates:
+        if not isinstance(name, str) or name not in known:
+            high = " High precision is always a choice: leave it out." if name in HIGH_LABELS or name == FP8 else ""
+            raise ValueError(f"{call}: {name!r} is not a{' ' + kind if kind else ''} format; use"
+                             f" {', '.join(known)}.{high}")
+    repeated = sorted({name for name in candidates if candidates.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{call}: {', '.join(map(repr, repeated))} named more than once; name each format once.")
+    return tuple(candidates)
 
 
 def make_plan(
@@ -924,7 +930,8 @@ def make_plan(
         decisions = select_fp8_layers(model, scaling_family, layer_policy=policy, edges=edges())
         return PrecisionPlan.decide(decisions, sensitivity, plan_rule, scaling_family,
                                     high=high_label(autocast_dtype))
-    names = check_candidates("make_plan", candidates if candidates is not None else (recipe,))
+    names = check_candidates(f"`make_plan(candidates={candidates!r})`",
+                             candidates if candidates is not None else (recipe,))
     if benchmark and not torch.cuda.is_available():
         raise ValueError("`make_plan(benchmark=True)`: timing the layers' formats needs a CUDA GPU; there is none"
                          " here. Leave `benchmark` off: the speed model predicts the savings (and says so).")
