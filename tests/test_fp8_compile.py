@@ -197,23 +197,28 @@ def test_compiled_mxfp8_layers_compile_nothing_after_the_first_step():
     layer's matmul function is resolved with its class, not imported in each forward: that import broke the graph in
     every MXFP8 layer (12 graphs for this model, now 1)."""
     pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
+    plugin = FabricFP8Precision(recipe="mxfp8", **FP8_KW)
+    assert _graphs_per_step(plugin, batches()) == [1] * STEPS
+    assert plugin.metrics()["precision/fp8_layers"].item() == 3
+
+
+def _graphs_per_step(plugin, steps) -> list[int]:
+    """A compiled ``Net`` trained under ``plugin`` with Fabric on ``steps``: the graphs compiled so far, per step."""
     torch._dynamo.reset()
     counter = torch_dynamo_testing.CompileCounter()
-    plugin = FabricFP8Precision(recipe="mxfp8", **FP8_KW)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = fabric.setup(cast(nn.Module, torch.compile(model, backend=lambda gm, inputs: counter(gm, inputs))),
                                      optimizer)
     graphs = []
-    for x in batches():
+    for x in steps:
         fabric.backward(model(x).float().square().mean())
         optimizer.step()
         optimizer.zero_grad()
         graphs.append(counter.frame_count)
     torch._dynamo.reset()
-    assert graphs == [1] * STEPS
-    assert plugin.metrics()["precision/fp8_layers"].item() == 3
+    return graphs
 
 
 def test_a_model_saved_whole_with_the_earlier_watch_hook_still_loads(tmp_path):
@@ -236,21 +241,7 @@ def test_a_compiled_plan_of_mixed_formats_compiles_nothing_after_the_first_step(
     pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
     from lightning_precision.fp8 import LayerPlan, PrecisionPlan
 
-    torch._dynamo.reset()
-    counter = torch_dynamo_testing.CompileCounter()
     plan = PrecisionPlan((LayerPlan("a", "mxfp8", "x"), LayerPlan("b", "rowwise", "x"), LayerPlan("c", "bf16", "x")))
     plugin = FabricFP8Precision(layers=plan, emulate=True)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, optimizer = fabric.setup(cast(nn.Module, torch.compile(model, backend=lambda gm, inputs: counter(gm, inputs))),
-                                     optimizer)
-    graphs = []
-    for x in batches() * 2:
-        fabric.backward(model(x).float().square().mean())
-        optimizer.step()
-        optimizer.zero_grad()
-        graphs.append(counter.frame_count)
-    torch._dynamo.reset()
-    assert graphs == [1] * 2 * STEPS
+    assert _graphs_per_step(plugin, batches() * 2) == [1] * 2 * STEPS
     assert plugin.metrics()["precision/fp8_layers"].item() == 2
