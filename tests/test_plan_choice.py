@@ -238,7 +238,7 @@ def test_layers_auto_chooses_among_formats_in_a_fabric_loop():
     torch.manual_seed(0)
     plugin = FP8Precision(layers="auto", candidates=("tensorwise", "mxfp8"), emulate=True, calibration_batches=2,
                           skip_small_layers=False, skip_first_last=False,
-                          plan_rule=PlanRule(error_budget=1e-3))
+                          plan_rule=PlanRule(error_budget=0.01))
     fabric = L.Fabric(accelerator="cpu", plugins=[plugin])
     model = _Outliers()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -250,9 +250,15 @@ def test_layers_auto_chooses_among_formats_in_a_fabric_loop():
         optimizer.zero_grad()
         losses.append(loss.item())
     plan = plugin.plan
-    assert plan is not None and plan.rule.error_budget == 1e-3
+    assert plan is not None and plan.rule.error_budget == 0.01
     spent = sum(next(o.error for o in p.alternatives if o.verdict == "chosen") for p in plan.layers if p.low)
-    assert spent <= 1e-3 and all(math.isfinite(v) for v in losses)
+    # the budget admits some layers (each errs ~0.004 here), not all: the choice is what trains
+    assert plan.fp8_layers and len(plan.fp8_layers) < len(plan.layers)
+    assert spent <= 0.01 and all(math.isfinite(v) for v in losses)
+    from lightning_precision.fp8._torchao import layer_format
+
+    for p in plan.layers:
+        assert layer_format(model.module.get_submodule(p.fqn)) == (p.precision if p.low else None)
 
 
 def test_a_calibration_whose_every_batch_was_non_finite_says_so_for_every_candidate():
