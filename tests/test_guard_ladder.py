@@ -15,17 +15,19 @@ from torch import nn
 from lightning_precision import FP8Precision, PlanRule
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import FP8Guard
-from lightning_precision.callbacks.guard import MEASURED_BLOCK_FORMATS, GuardEvent
+from lightning_precision.callbacks.guard import GuardEvent
 
 pytest.importorskip("torchao")
 
 from lightning_precision.fp8._torchao import layer_format, set_layer_format  # noqa: E402  (needs torchao)
+from tests.helpers import has_mxfp8, rowwise_emulates_on_cpu  # noqa: E402
 
 FP8_KW = {"emulate": True, "skip_small_layers": False, "skip_first_last": False}
 FAIL_ALL = PlanRule(min_sqnr_db=1e9)  # no real cast reaches it: every measured layer fails
 # The guard measures MXFP8 layers once the probe measures block casts (MEASURED_BLOCK_FORMATS).
-needs_mxfp8_probe = pytest.mark.skipif("mxfp8" not in MEASURED_BLOCK_FORMATS,
-                                       reason="the probe does not measure MXFP8's block casts yet")
+needs_mxfp8 = pytest.mark.skipif(not has_mxfp8(), reason="this torchao has no MXFP8 training layer (torchao 0.11)")
+needs_rowwise = pytest.mark.skipif(not rowwise_emulates_on_cpu(),
+                                   reason="this torchao cannot emulate rowwise under CPU autocast (torchao 0.11)")
 
 
 class Net(nn.Module):
@@ -77,6 +79,7 @@ def adam_state(optimizer) -> dict[int, dict[str, torch.Tensor]]:
     return {id(p): {k: v for k, v in optimizer.state[p].items()} for g in optimizer.param_groups for p in g["params"]}
 
 
+@needs_mxfp8
 def test_step_down_keeps_the_module_its_parameters_and_the_optimizer_state():
     """mxfp8 -> tensorwise -> bf16 by hand, between real AdamW steps: the same module object and Parameters at each
     rung, the optimizer's state the same tensors with the same values, the plan and the decisions saying the format."""
@@ -116,6 +119,8 @@ def test_step_down_keeps_the_module_its_parameters_and_the_optimizer_state():
     assert {d.fqn for d in plugin.layer_decisions if d.fp8} == {"a", "head"} == set(plugin.fp8_modules())
 
 
+@needs_mxfp8
+@needs_rowwise
 def test_the_rung_below_mxfp8_is_the_plugins_own_per_row_recipe():
     """A rowwise plugin's layer put in MXFP8 (as a plan of mixed formats does) steps down to rowwise, not tensorwise."""
     plugin = lp_fabric.FP8Precision(recipe="rowwise", **FP8_KW)
@@ -126,6 +131,7 @@ def test_the_rung_below_mxfp8_is_the_plugins_own_per_row_recipe():
     assert formats(net) == {"a": "rowwise", "b": None, "head": "rowwise"}
 
 
+@needs_mxfp8
 def test_step_down_by_another_name_and_of_a_layer_not_run_yet():
     """A layer registered under two names moves by either; an expert no token has reached yet moves too, stays
     reported not fp8 until it runs, then is reported in the format it stepped to."""
@@ -167,7 +173,7 @@ def test_demote_and_step_down_refuse_transformer_engine_layers():
         FP8Guard().watch(plugin, 0)
 
 
-@needs_mxfp8_probe
+@needs_mxfp8
 def test_a_failing_layer_steps_down_one_rung_per_measured_step_under_the_trainer(tmp_path):
     plugin, module = FP8Precision(recipe="mxfp8", **FP8_KW), Lit()
     guard = FP8Guard(every_n_steps=2, rule=FAIL_ALL)
@@ -182,7 +188,7 @@ def test_a_failing_layer_steps_down_one_rung_per_measured_step_under_the_trainer
     assert all(math.isfinite(v) for v in module.losses) and len(module.losses) == 6
 
 
-@needs_mxfp8_probe
+@needs_mxfp8
 def test_without_the_ladder_a_failing_layer_goes_straight_to_high_precision(tmp_path):
     plugin, module = FP8Precision(recipe="mxfp8", **FP8_KW), Lit()
     guard = FP8Guard(every_n_steps=2, rule=FAIL_ALL, ladder=False)
@@ -296,6 +302,7 @@ def test_a_non_finite_input_is_left_out_of_the_signals():
     assert guard.events == []
 
 
+@needs_mxfp8
 def test_a_resumed_run_keeps_the_formats_the_run_stepped_down_to(tmp_path):
     """The plugin's plan state holds each layer's format: a run resumed from a checkpoint puts the stepped-down layer
     back in tensorwise (the fresh plugin converts it to MXFP8 first), the others in MXFP8."""
@@ -327,6 +334,7 @@ def test_events_saved_before_the_ladder_load_and_bad_options_fail_clearly():
             FP8Guard(**bad)
 
 
+@needs_mxfp8
 def test_stepping_down_a_chosen_layer_keeps_its_alternatives_and_the_saving_of_its_new_format():
     """A plan that chose among formats records what each format saves; a layer stepped down (mxfp8 -> tensorwise ->
     bf16) then saves what its new format saves, not nothing, and keeps the formats weighed, in the plan in force and
