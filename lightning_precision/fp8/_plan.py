@@ -110,11 +110,14 @@ _KIND = {bool: "a boolean", int: "an integer", float: "a number", str: "a string
 _SCALING_FAMILIES = SCALING_FAMILIES
 
 
+def _short(text: str, width: int = 48) -> str:
+    """``text`` cut to ``width`` characters, an ellipsis saying so."""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _shown(value: Any) -> str:
     """``2 (an integer)``: a YAML file's ``fqn: 2`` reads as a string to its author; say what the parser made of it."""
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return f"{shown} ({_KIND.get(type(value), type(value).__name__)})"
+    return f"{_short(repr(value), 80)} ({_KIND.get(type(value), type(value).__name__)})"
 
 
 def _is_number(value: Any) -> bool:
@@ -695,10 +698,6 @@ class PrecisionPlan:
         except UnicodeDecodeError as err:
             raise ValueError(f"{source}: not UTF-8 text ({err.reason} at byte {err.start}); is it a plan?") from None
         return cls.from_dict(_parse(text, path, source), source=source)
-
-
-def _short(text: str, width: int = 48) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _layer_dict(p: LayerPlan) -> dict[str, Any]:
