@@ -7,6 +7,8 @@ import lightning  # noqa: F401
 import pytest
 import torch
 
+from tests.cuda_kernels import refusing_what_cuda_refuses
+
 _LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
 
 
@@ -33,3 +35,10 @@ def _restore_global_torch_state():
     yield
     torch.set_default_dtype(dtype)
     torch.set_float32_matmul_precision(matmul)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _amp_ops_refuse_what_cuda_refuses():
+    """A private AMP op called with a dtype its CUDA kernel refuses fails here as on a GPU (``tests/cuda_kernels.py``)."""
+    with refusing_what_cuda_refuses():
+        yield

@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 IN, HIDDEN, OUT = 16, 32, 4
@@ -264,3 +265,22 @@ class Classifier(L.LightningModule):
 
     def configure_optimizers(self):
         return self._optimizer(self)
+
+
+class AtenOps(TorchDispatchMode):
+    """The aten ops dispatched while active, by name (``aten.mm.default``, ...): on a GPU each is a kernel launch, and
+    ``aten._local_scalar_dense`` (``item``, ``float``, ``bool`` of a tensor) a host read, a synchronisation."""
+
+    HOST_READ = "aten._local_scalar_dense.default"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def host_reads(self) -> int:
+        return self.names.count(self.HOST_READ)

@@ -22,6 +22,37 @@ def test_the_fused_check_finds_inf_and_nan_per_group_and_unscales():
         assert found.item() == 1
 
 
+def test_the_foreach_infinity_norm_propagates_nan_and_refuses_an_empty_tensor():
+    """The check of bf16 gradients rests on ``torch._foreach_norm(..., inf)``: nan where a value is nan (not the
+    largest other value), inf where one is inf; an empty tensor it refuses on the CPU (the check leaves those out)."""
+    norms = torch._foreach_norm([torch.tensor([1.0, float("nan"), 3.0], dtype=torch.bfloat16),
+                                 torch.tensor([-float("inf"), 2.0], dtype=torch.bfloat16)], float("inf"))
+    assert norms[0].isnan() and norms[1].item() == float("inf") and norms[0].dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="empty tensor"):
+        torch._foreach_norm([torch.empty(0)], float("inf"))
+
+
+def test_torchs_scaler_checks_gradients_in_unscale_grads_alone():
+    """``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)`` is where torch's scaler checks (and unscales)
+    gradients, from ``unscale_`` (fp16 refused) and before a fused optimizer's step (fp16 allowed, scale 1): the one
+    method the package's scaler overrides, so that bf16 gradients never reach a kernel that refuses them on CUDA."""
+    calls = []
+
+    class Seeing(torch.amp.GradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            calls.append((inv_scale.item(), found_inf.item(), allow_fp16))
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    for fused in (False, True):
+        param = nn.Parameter(torch.ones(2))
+        scaler = Seeing("cpu", init_scale=4.0)
+        optimizer = torch.optim.Adam([param], fused=fused)
+        scaler.scale(param.sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert calls == [(0.25, 0.0, False), (1.0, 0.0, True)]
+
+
 def test_sparse_values_of_an_uncoalesced_gradient():
     grad = torch.sparse_coo_tensor([[0, 0]], [1.0, float("inf")], (3,))  # index 0 twice: not coalesced
     assert not grad.is_coalesced()

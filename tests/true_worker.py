@@ -215,4 +215,7 @@ fsdp_worker.SCENARIOS["true"] = run_true
 fsdp_worker.SCENARIOS["fabric_true"] = run_fabric_true
 
 if __name__ == "__main__":
-    fsdp_worker.main()
+    from tests.cuda_kernels import refusing_what_cuda_refuses
+
+    with refusing_what_cuda_refuses():  # as in the test process: the AMP ops refuse what CUDA refuses
+        fsdp_worker.main()

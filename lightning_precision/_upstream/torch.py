@@ -5,8 +5,11 @@ fails loudly there, not deep inside a sharded run or as a wrong loss scale.
 
 Besides the functions below, ``fabric/_scaler.py``'s ``TrackingGradScaler`` subclasses ``torch.amp.GradScaler`` and
 reads and writes its base's own state: ``_per_optimizer_states`` (each optimizer's stage and ``found_inf_per_device``),
-``_scale``, ``_growth_tracker``, ``_init_scale``, ``_init_growth_tracker`` and ``_enabled`` (stable since torch 1.6).
-A subclass's use of its base's state cannot move here; the canary pins each of them by behaviour.
+``_scale``, ``_growth_tracker``, ``_init_scale``, ``_init_growth_tracker`` and ``_enabled`` (stable since torch 1.6),
+and overrides one private method, ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``: the one place
+torch's scaler checks gradients (its ``unscale_``, and the check before a fused optimizer's step), which hands bf16
+gradients to a kernel that refuses them on CUDA (pytorch#127176). A subclass's use of its base cannot move here; the
+canary pins each of them by behaviour.
 """
 
 from __future__ import annotations
@@ -18,17 +21,31 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CUDA_KERNEL_DTYPES",
     "byte_all_gather_base",
     "dtensor_local_tensor",
     "fsdp_mp_policy",
     "grad_scaler_scale",
     "inside_compiled_call",
+    "FUSED_CHECK_DTYPES",
     "non_finite_check_and_unscale_",
     "optimizer_step_hooks",
     "sparse_values",
     "version_counter",
     "xpu_is_compiled",
 ]
+
+
+# The dtypes each private AMP op's CUDA kernel takes, per positional argument (each tensor of a list argument), from
+# aten/src/ATen/native/cuda/AmpKernels.cu: gradients in fp16, fp32 or fp64 (AT_DISPATCH_FLOATING_TYPES_AND_HALF), scale
+# and flags in fp32, the growth tracker in int32. Their CPU kernels take more (bf16 gradients), so a CPU run cannot
+# show a call that every CUDA run refuses (pytorch#127176): the package calls them with these dtypes only, the CPU
+# suite makes them refuse the rest (tests/cuda_kernels.py), and the cuda tier checks this table on a GPU.
+CUDA_KERNEL_DTYPES: dict[str, tuple[tuple[torch.dtype, ...], ...]] = {
+    "_amp_foreach_non_finite_check_and_unscale_": (
+        (torch.float16, torch.float32, torch.float64), (torch.float32,), (torch.float32,)),
+    "_amp_update_scale_": ((torch.float32,), (torch.int32,), (torch.float32,)),
+}
 
 
 def fsdp_mp_policy(fsdp_module: Any) -> Any | None:
@@ -59,11 +76,68 @@ def version_counter(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
-def non_finite_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """torch's fused check-and-unscale kernel (``torch._amp_foreach_non_finite_check_and_unscale_``), the op
-    ``GradScaler.unscale_`` runs: one launch per (device, dtype) group sets ``found_inf`` where a gradient holds inf
-    or nan. No public function checks a list of tensors for non-finite values without a host read."""
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+# The gradients torch's fused check takes on every device: those its CUDA kernel takes.
+FUSED_CHECK_DTYPES = CUDA_KERNEL_DTYPES["_amp_foreach_non_finite_check_and_unscale_"][0]
+
+
+# An fp32 factor of 1 per device: the fused kernel's factor where it only checks.
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def non_finite_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor,
+                                  inv_scale: torch.Tensor | None) -> None:
+    """Set ``found_inf`` (fp32, one element, on the gradients' device) to 1 where a gradient of ``grads`` (one device,
+    one dtype) holds inf or nan, and multiply them by ``inv_scale`` (fp32, one element; None: check only). No host
+    read, and any floating dtype on any device.
+
+    fp16, fp32 and fp64 go through torch's fused check-and-unscale kernel
+    (``torch._amp_foreach_non_finite_check_and_unscale_``, the op ``GradScaler.unscale_`` runs: one launch per group);
+    no public function checks a list of tensors without a host read. Other dtypes (bf16), which its CUDA kernel
+    refuses, go through one ``torch._foreach_norm`` of order inf (the largest magnitude of each tensor: inf or nan
+    exactly when one of its values is; NaN propagates in its CUDA and CPU kernels), grouped as torch's
+    ``get_total_norm`` groups, then ``torch._foreach_mul_``: a fixed number of ops per group, whatever its size."""
+    if grads[0].dtype in FUSED_CHECK_DTYPES:
+        if inv_scale is None:
+            device = found_inf.device
+            inv_scale = _ONES.get(device)
+            if inv_scale is None:
+                inv_scale = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # times 1 is exact
+        return
+    sharded = _dtensor_class()
+    if sharded is not None and not isinstance(grads[0], sharded):
+        sharded = None
+    # A sharded (DTensor) group is checked on this rank's shards, then its flag reduced over the mesh, as torch's
+    # DTensor rule for the fused kernel does: every rank joins that reduction, also one whose shards are all empty.
+    local = [dtensor_local_tensor(g) for g in grads] if sharded is not None else grads
+    nonempty = [g for g in local if g.numel()]  # an empty tensor has no largest value (and nothing to check)
+    flag: torch.Tensor | None = None
+    if nonempty:
+        largest = torch.stack(torch._foreach_norm(nonempty, float("inf"))).amax()
+        flag = largest.mul(0).ne(0)  # inf * 0 and nan * 0 are nan, any finite value * 0 is 0
+    if sharded is not None:
+        flag = _on_any_rank(flag if flag is not None else found_inf.new_zeros((), dtype=torch.bool), grads[0])
+    if flag is not None:
+        found_inf.logical_or_(flag)
+    if inv_scale is not None:
+        torch._foreach_mul_(local, inv_scale)
+
+
+def _dtensor_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _on_any_rank(flag: torch.Tensor, like: Any) -> torch.Tensor:
+    """Whether ``flag`` is set on any rank of the mesh ``like`` (a DTensor) is sharded over (its replicated dims
+    excepted), read as a max over the shards' flags: one all-reduce."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    placements = [p if isinstance(p, Replicate) else Partial("max") for p in like.placements]
+    return DTensor.from_local(flag.float(), like.device_mesh, placements, run_check=False).full_tensor()
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[dict[int, Any]], list[dict[int, Any]]]:

@@ -15,8 +15,10 @@ Three holes of torch's scaler are closed here:
   them, and the host-side answer torch already computed for ordinary optimizers is kept, so that "was this step
   skipped?" is free there.
 
-It uses its base's own state (``_per_optimizer_states``, ``_scale``, ...) and torch's check-and-unscale kernel, all
-listed in ``_upstream/torch.py`` with their canary, and overrides no private method; whether a step ran is seen through
+It uses its base's own state (``_per_optimizer_states``, ``_scale``, ...) and torch's check-and-unscale kernel, and
+overrides one private method, ``_unscale_grads_``, all listed in ``_upstream/torch.py`` with their canary. That
+override checks any gradient dtype on any device without a host read: torch's hands bf16 gradients (a bf16 submodule
+under fp16 autocast, bf16 LoRA adapters) to a kernel that refuses them on CUDA. Whether a step ran is seen through
 the optimizer's public step post-hook (registered once per optimizer: registering and removing one every step cost as
 much as the rest of the bookkeeping together). The host also follows torch's growth tracker while every answer is on
 the host, so the bound is applied (one device op) only on the updates that can move the scale, a backoff or a growth.
@@ -43,7 +45,7 @@ from lightning_precision._upstream.torch import grad_scaler_scale, non_finite_ch
 from lightning_precision._warnings import warn
 
 __all__ = ["MAX_LOG2_SCALE", "InStepScaler", "NonFiniteGuard", "ScalerConfig", "SkippedStepsError",
-           "TrackingGradScaler", "resolve_scaler_config", "scale_of"]
+           "TrackingGradScaler", "check_gradients", "gradient_groups", "resolve_scaler_config", "scale_of"]
 
 
 class SkippedStepsError(RuntimeError):
@@ -178,7 +180,6 @@ class TrackingGradScaler(torch.amp.GradScaler):
         # inf; cleared by `scale` (the next backward).
         self._carried: torch.Tensor | None = None
         self._early_found: torch.Tensor | None = None
-        self._ones: dict[torch.device, torch.Tensor] = {}  # a factor of 1 per device, for the check at scale 1
 
     def scale(self, outputs: Any) -> Any:
         self._carried = self._early_found = None
@@ -240,43 +241,33 @@ class TrackingGradScaler(torch.amp.GradScaler):
 
     def record_check(self, optimizer: Optimizer) -> None:
         """Whether ``optimizer``'s gradients hold inf or nan, recorded where torch's ``unscale_`` records it for
-        ``step`` and ``update``, without unscaling: torch's fused check-and-unscale kernel, once per (device, dtype)
-        group of gradients, multiplying by 1 (exact), without torch's per-parameter bookkeeping, which cost more than
-        the check on small models. Its flag is all-reduced across ranks for sharded (DTensor) gradients, as in torch's
-        ``unscale_``. Sparse gradients are checked through their values, complex ones (which the kernel cannot take)
-        through their real views, fp16 ones as they are (times 1 loses nothing). The non-finite guard's ``unscale_``,
-        and the check of plugins that unscale inside their own step (the true-precision plugins: fp16 gradients
-        stay scaled, and are unscaled in fp32)."""
+        ``step`` and ``update``, without unscaling: one check per (device, dtype) group of gradients
+        (``check_gradients``), without torch's per-parameter bookkeeping, which cost more than the check on small
+        models. Its flag is all-reduced across ranks for sharded (DTensor) gradients, as in torch's ``unscale_``. fp16
+        gradients are checked as they are (nothing is unscaled). The non-finite guard's ``unscale_``, and the check of
+        plugins that unscale inside their own step (the true-precision plugins: fp16 gradients stay scaled, and are
+        unscaled in fp32)."""
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is not OptState.READY:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update(), or"
                                " step() has.")
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    grad = sparse_values(grad)
-                elif grad.is_complex():
-                    grad = torch.view_as_real(grad)
-                groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        found_per_device: dict[torch.device, torch.Tensor] = {}
-        for (device, _), grads in groups.items():
-            if device not in found_per_device:
-                # fp32 whatever the default dtype: manual optimization steps inside a true-precision plugin's forward
-                # context, where new tensors default to bf16/fp16 (torch's kernel takes only fp32 flags and factors).
-                found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
-            non_finite_check_and_unscale_(grads, found_per_device[device], self._one(device))
-        state["found_inf_per_device"] = found_per_device
+        state["found_inf_per_device"] = check_gradients(optimizer, None)
         state["stage"] = OptState.UNSCALED
 
-    def _one(self, device: torch.device) -> torch.Tensor:
-        one = self._ones.get(device)
-        if one is None:
-            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
-        return one
+    def _unscale_grads_(self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """torch's check (and unscale) of ``optimizer``'s gradients, behind its ``unscale_`` and the check before a
+        fused optimizer's step, here through ``check_gradients``: torch's own hands bf16 gradients to a kernel that
+        refuses them on CUDA. Same contract: a new flag per device (torch passes ``found_inf`` as a zero to copy), fp16
+        gradients refused unless ``allow_fp16``."""
+        inv_scales = {inv_scale.device: inv_scale}
+
+        def inv_scale_on(device: torch.device) -> torch.Tensor:
+            if device not in inv_scales:
+                inv_scales[device] = inv_scale.to(device, non_blocking=True)
+            return inv_scales[device]
+
+        return check_gradients(optimizer, inv_scale_on, allow_fp16=allow_fp16)
 
     def step_checked(self, optimizer: Optimizer, step: Callable[[], Any]) -> bool:
         """After ``record_check``: ``step()`` unless the gradients held inf or nan (one read of the device, as torch's
@@ -399,7 +390,6 @@ class TrackingGradScaler(torch.amp.GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_seen"] = None  # weak references do not pickle; the copy steps other optimizers anyway
-        state["_ones"] = {}  # made again where the copy runs
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -639,6 +629,51 @@ class _CheckedState:
             )
             streak = 0
         return skipped, steps, streak
+
+
+def gradient_groups(optimizer: Optimizer, allow_fp16: bool = True) -> dict[tuple[torch.device, torch.dtype],
+                                                                             list[torch.Tensor]]:
+    """``optimizer``'s gradients by (device, dtype), as torch's scaler groups them: sparse ones through their stored
+    values (fp16 ones coalesced first, as torch does: their duplicates may overflow fp16 when summed, scaled), complex
+    ones through their real views. ``allow_fp16`` False refuses fp16 gradients, which unscaling in place would flush."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError(
+                    "Attempting to unscale FP16 gradients: a parameter is fp16 under fp16 mixed precision, and"
+                    " unscaling its gradient in place would flush the small values the loss scale kept (torch's"
+                    " GradScaler refuses it too). Keep the trained parameters in fp32 (fp16 autocast computes in fp16"
+                    " anyway), or train the whole model in 16 bits with FP16TruePrecision, which unscales in fp32."
+                )
+            if grad.is_sparse:
+                if grad.dtype == torch.float16:
+                    grad = param.grad = grad.coalesce()
+                grad = sparse_values(grad)
+            elif grad.is_complex():
+                grad = torch.view_as_real(grad)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups
+
+
+def check_gradients(optimizer: Optimizer, inv_scale_on: Callable[[torch.device], torch.Tensor] | None,
+                    allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+    """Check every gradient of ``optimizer`` for inf and nan, and multiply it by ``inv_scale_on(its device)`` (None:
+    check only): one fp32 flag per device, 1 where a gradient there holds inf or nan. One
+    ``non_finite_check_and_unscale_`` per (device, dtype) group, without a host read, whatever the dtype."""
+    found_per_device: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for (device, _), grads in gradient_groups(optimizer, allow_fp16).items():
+            if device not in found_per_device:
+                # fp32 whatever the default dtype: manual optimization steps inside a true-precision plugin's forward
+                # context, where new tensors default to bf16/fp16 (the fused kernel takes only fp32 flags and factors).
+                found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
+            inv_scale = inv_scale_on(device) if inv_scale_on is not None else None
+            non_finite_check_and_unscale_(grads, found_per_device[device], inv_scale)
+    return found_per_device
 
 
 def scale_of(scaler: torch.amp.GradScaler) -> torch.Tensor:
