@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from tests.cuda_kernels import refusing_what_cuda_refuses
+from tests.runif import NO_CUDA, cuda_tier_device
 
 _LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The cuda tier (marker `cuda`) skips, with its reason, where it has no device to run on (tests/runif.py)."""
+    if cuda_tier_device() is None:
+        skip = pytest.mark.skip(reason=NO_CUDA)
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

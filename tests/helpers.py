@@ -269,18 +269,26 @@ class Classifier(L.LightningModule):
 
 class AtenOps(TorchDispatchMode):
     """The aten ops dispatched while active, by name (``aten.mm.default``, ...): on a GPU each is a kernel launch, and
-    ``aten._local_scalar_dense`` (``item``, ``float``, ``bool`` of a tensor) a host read, a synchronisation."""
+    ``aten._local_scalar_dense`` (``item``, ``float``, ``bool`` of a tensor) a host read, a synchronisation where the
+    tensor is on the GPU (``reads_on``: torch's optimizers read their step counts, which live on the CPU)."""
 
     HOST_READ = "aten._local_scalar_dense.default"
 
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.read_devices: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.names.append(str(func))
+        name = str(func)
+        self.names.append(name)
+        if name == self.HOST_READ:
+            self.read_devices.append(args[0].device.type)
         return func(*args, **(kwargs or {}))
 
     @property
     def host_reads(self) -> int:
-        return self.names.count(self.HOST_READ)
+        return len(self.read_devices)
+
+    def reads_on(self, device_type: str) -> int:
+        return self.read_devices.count(device_type)

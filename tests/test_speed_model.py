@@ -201,6 +201,7 @@ def test_benchmark_saving_needs_cuda():
         benchmark_saving(nn.Linear(64, 64), "tensorwise", 64)
 
 
+@pytest.mark.cuda
 @RunIf(cuda=True, min_sm=(8, 9))
 def test_benchmark_saving_times_the_layers_own_shapes():
     layer = nn.Linear(4096, 4096)
