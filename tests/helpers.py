@@ -10,7 +10,6 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 IN, HIDDEN, OUT = 16, 32, 4
@@ -266,29 +265,3 @@ class Classifier(L.LightningModule):
     def configure_optimizers(self):
         return self._optimizer(self)
 
-
-class AtenOps(TorchDispatchMode):
-    """The aten ops dispatched while active, by name (``aten.mm.default``, ...): on a GPU each is a kernel launch, and
-    ``aten._local_scalar_dense`` (``item``, ``float``, ``bool`` of a tensor) a host read, a synchronisation where the
-    tensor is on the GPU (``reads_on``: torch's optimizers read their step counts, which live on the CPU)."""
-
-    HOST_READ = "aten._local_scalar_dense.default"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-        self.read_devices: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = str(func)
-        self.names.append(name)
-        if name == self.HOST_READ:
-            self.read_devices.append(args[0].device.type)
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def host_reads(self) -> int:
-        return len(self.read_devices)
-
-    def reads_on(self, device_type: str) -> int:
-        return self.read_devices.count(device_type)

@@ -43,6 +43,11 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
         # verdict's "same accuracy" rests on it)
         assert r["val_samples"] == 16
         assert r["speedup"] > 0 and r["peak_memory_mb"] is not None
+        # the aten ops of one untimed step (6 steps: the warm-up's last, step 2), each a launch on a GPU; no launch
+        # cost on a CPU, so no launch-bound verdict either
+        assert isinstance(r["ops_per_step"], int) and r["ops_per_step"] > 100
+        assert "launch_us" not in r and "launch_bound" not in r
+    assert rows[2]["ops_per_step"] > rows[1]["ops_per_step"]  # 16-mixed scales, unscales and checks: more ops
     # same seed, same batches, each in its own process: the first loss is the same model on the same batch
     assert abs(rows[1]["losses"][0] - rows[0]["losses"][0]) < 0.05
     machine = report["meta"]["machine"]
@@ -418,7 +423,7 @@ REPORT_ROWS = [
     {"precision": "16-mixed", "steps_done": 2, "emulated": True, "losses": [2.3, 2.2], "step_ms": [9.0, 8.0],
      "error": "interrupted (SIGTERM) after 2 of 6 steps", "interrupted": "SIGTERM", "peak_memory_mb": None,
      "final_loss": 2.25, "val_acc": None, "grad_underflow_fp16": None, "grad_underflow_fp16_scaled": None,
-     "skipped_steps": None, "bytes_per_param": None},
+     "skipped_steps": None, "bytes_per_param": None, "ops_per_step": None},
     {"precision": "32-true", "steps_done": 6, "emulated": False, "losses": [2.3] * 6, "step_ms": [10.0] * 6,
      "median_step_ms": 10.0, "turn_ms_q1": 10.0, "turn_ms_q3": 10.0, "turns": 3, "step_ms_q1": 10.0,
      "step_ms_q3": 10.0, "samples_per_s": 800.0, "spread": 0.0, "noisy": False, "timed_steps": 3, "untimed_steps": 3,
@@ -426,7 +431,7 @@ REPORT_ROWS = [
      "training_bytes": {"parameters": 10, "weights": 40, "gradients": 40, "optimizer_states": 80}, "final_loss": 2.3, "val_acc": 0.5, "val_samples": 8, "grad_underflow_fp16": 0.0,
      "grad_underflow_fp16_scaled": None, "skipped_steps": 0, "compute_dtype": "torch.float32", "speedup": 1.0,
      "speedup_resolved": None, "units_per_s": 800.0, "compute_kind": "fp32", "peak_tflops": None,
-     "peak_source": "n/a: no peak for cpu", "achieved_tflops": 0.1, "mfu": None},
+     "peak_source": "n/a: no peak for cpu", "achieved_tflops": 0.1, "mfu": None, "ops_per_step": 812},
 ]
 
 
@@ -521,6 +526,52 @@ def test_flags_explain_themselves_under_the_table():
     assert any(n.startswith("busy: ") for n in notes) and any(n.startswith("~: ") for n in notes)
     assert any(n.startswith("emulated: no hardware arithmetic for 16-mixed") for n in notes)
     assert f"fp8 failed: {'x ' * 80}" in notes  # whole
+
+
+def _launch_result(ops: int, launch_us: float) -> dict:
+    return {"val_acc": 0.9, "grad_underflow_fp16": 0.0, "grad_underflow_fp16_scaled": None, "skipped_steps": 0,
+            "ops_per_step": ops, "launch_us": launch_us}
+
+
+@pytest.mark.slow
+def test_a_launch_bound_gpu_run_is_said_so_and_never_called_busy():
+    """The H200's compare: every precision's step a few ms of kernel launches (the figures as a GPU's child reports
+    them: ops counted, a launch timed; given here, no GPU exists), steps varying widely with the host's jitter. The
+    report names launch overhead and what to do, not a busy machine."""
+    rows = _rows_of({"32-true": _run_of("32-true", [5, 5, 20] * 2, _launch_result(700, 5.0)),
+                     "bf16-mixed": _run_of("bf16-mixed", [6, 6, 25] * 2, _launch_result(760, 5.0))})
+    bf16 = rows["bf16-mixed"]
+    assert bf16.launch_bound is True and bf16.noisy is True  # 760 launches of 5 us: 3.8 ms of a 6 ms step
+    assert lp_report.cells(bf16)[2].endswith("% launch-bound")
+    meta = {**META, "device": "NVIDIA H200", "schedule": "interleaved"}
+    notes = lp_report.notes(list(rows.values()), meta)
+    assert not any(n.startswith("busy: ") for n in notes)
+    note = next(n for n in notes if n.startswith("launch-bound: "))
+    assert "bf16-mixed 760 ops, at least 3.8 of 6.0 ms" in note and "torch.compile" in note and "--batch-size" in note
+    verdict = lp_report.verdict(list(rows.values()), meta)
+    assert "launch-bound on this GPU" in verdict and "busy" not in verdict
+
+
+@pytest.mark.slow
+def test_a_gpu_step_that_is_not_launch_bound_keeps_its_busy_flag():
+    """700 launches of 5 us in a 50 ms step: the arithmetic dominates; a wide spread is still a busy machine."""
+    rows = _rows_of({"32-true": _run_of("32-true", [50, 50, 150] * 2, _launch_result(700, 5.0)),
+                     "bf16-mixed": _run_of("bf16-mixed", [40, 40, 120] * 2, _launch_result(700, 5.0))})
+    bf16 = rows["bf16-mixed"]
+    assert bf16.launch_bound is False and lp_report.cells(bf16)[2].endswith("% busy")
+    notes = lp_report.notes(list(rows.values()), {**META, "schedule": "interleaved"})
+    assert any(n.startswith("busy: ") for n in notes) and not any(n.startswith("launch-bound") for n in notes)
+
+
+@pytest.mark.slow
+def test_the_step_counted_is_untimed_and_not_a_measuring_one():
+    for steps, precision, expected in [(100, "bf16-mixed", 2), (30, "bf16-mixed", 1), (6, "fp8-auto", 3),
+                                       (100, "fp8-auto", 10), (3, "bf16-mixed", None), (19, "bf16-mixed", 2)]:
+        every = max(1, steps // 10)
+        step = child._counted_step(precision, steps, every)
+        assert step == expected, (steps, precision, step)
+        if step is not None:
+            assert step < compare_args.untimed_steps(precision, steps) and ((step + 1) % every or every == 1)
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from torch import nn
 
 import lightning_precision
 import lightning_precision.fabric
-from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES
+from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, DispatchCounter
 from lightning_precision.callbacks import (
     AmaxHistoryLogger,
     ChannelsLast,
@@ -41,7 +41,7 @@ from lightning_precision.callbacks import (
     MFUMonitor,
 )
 from lightning_precision.fp8._hardware import FP8_MIN_CAPABILITY
-from tests.helpers import AtenOps, rowwise_emulates_on_cpu
+from tests.helpers import rowwise_emulates_on_cpu
 from tests.runif import RunIf, cuda_tier_device
 
 pytestmark = pytest.mark.cuda
@@ -105,7 +105,7 @@ class StepReads(Callback):
         self.ops: list[int] = []
         self.reads: list[int] = []
         self.syncs: list[int] = []
-        self._mode: AtenOps | None = None
+        self._mode: DispatchCounter | None = None
         self._catcher: Any = None
         self._caught: list[Any] = []
 
@@ -115,7 +115,7 @@ class StepReads(Callback):
             self._caught = self._catcher.__enter__()
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
-        self._mode = AtenOps()
+        self._mode = DispatchCounter()
         self._mode.__enter__()
 
     def end(self) -> None:
@@ -350,6 +350,14 @@ def test_fp16_on_cuda_autocasts_for_cuda_with_a_cuda_scaler():
     model.net[0].register_forward_hook(lambda m, i, o: outputs.append(o.dtype))
     _trainer(plugin, max_steps=2).fit(model, _data(2))
     assert plugin.device_type == "cuda" and plugin.scaler.device_type == "cuda" and set(outputs) == {torch.float16}
+
+
+@RunIf(cuda=True)
+def test_a_kernel_launch_costs_the_host_microseconds():
+    """What compare's launch-bound diagnosis multiplies the counted ops by (lightning_precision._launches)."""
+    from lightning_precision._launches import host_launch_us
+
+    assert 0.5 < host_launch_us("cuda") < 500
 
 
 def _te_importable() -> bool:

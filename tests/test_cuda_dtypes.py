@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from lightning_precision import BF16MixedPrecision, BF16TruePrecision, FP16MixedPrecision, FP16TruePrecision
-from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, non_finite_check_and_unscale_
+from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, DispatchCounter, non_finite_check_and_unscale_
 from lightning_precision.fabric._scaler import check_gradients
 from tests.cuda_kernels import cuda_refusal
-from tests.helpers import IN, OUT, AtenOps, loader, make_data, trainer
+from tests.helpers import IN, OUT, loader, make_data, trainer
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -73,13 +73,13 @@ def test_unscaling_multiplies_every_dtype_exactly_and_keeps_a_found_flag(dtype):
     assert grads[0].tolist() == [0.5, -2.0] and grads[0].dtype == dtype and found.item() == 1
 
 
-def _step_ops(n_params: int, dtype: torch.dtype) -> AtenOps:
+def _step_ops(n_params: int, dtype: torch.dtype) -> DispatchCounter:
     params = [nn.Parameter(torch.ones(4, dtype=dtype)) for _ in range(n_params)]
     for p in params:
         p.grad = torch.ones_like(p)
     optimizer = torch.optim.SGD(params, lr=0.1)
     one = torch.ones(())
-    with AtenOps() as ops:
+    with DispatchCounter() as ops:
         check_gradients(optimizer, lambda device: one)
     return ops
 
@@ -100,7 +100,7 @@ def test_a_mixed_dtype_model_is_checked_once_per_dtype_group():
         p.grad = torch.ones_like(p)
     model["a"].weight.grad[0, 0] = float("nan")
     one = torch.ones(())
-    with AtenOps() as mixed:
+    with DispatchCounter() as mixed:
         found = check_gradients(torch.optim.SGD(model.parameters(), lr=0.1), lambda device: one)
     assert sorted(mixed.names) == sorted(["aten.zeros.default", *ops[0][1:], *ops[1][1:]])
     assert found[torch.device("cpu")].item() == 1

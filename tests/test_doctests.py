@@ -7,11 +7,11 @@ import inspect
 import pytest
 import torch
 
-from lightning_precision import _channels_last, formats, functional
+from lightning_precision import _channels_last, _launches, formats, functional
 from lightning_precision.fp8 import _plan, _selection
 
 # The fewest examples each module must run: the count written, so that losing examples fails here.
-EXAMPLES = {functional: 40, _channels_last: 7, formats: 20, _selection: 7, _plan: 1}
+EXAMPLES = {functional: 40, _channels_last: 7, formats: 20, _selection: 7, _plan: 1, _launches: 1}
 
 
 @pytest.mark.parametrize("module", list(EXAMPLES), ids=lambda m: m.__name__)

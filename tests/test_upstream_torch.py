@@ -199,3 +199,14 @@ def test_the_optimizer_step_hooks_are_where_they_are_read_and_run_in_that_order(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_the_dispatch_counter_sees_each_aten_op_and_each_host_read():
+    """``TorchDispatchMode`` (private module ``torch.utils._python_dispatch``): every aten op of the block, and a read
+    on the host as ``aten._local_scalar_dense`` with the tensor's device."""
+    x = torch.ones(3)
+    with upstream.DispatchCounter() as counter:
+        y = (x * 2).sum()
+        float(y)
+    assert counter.names == ["aten.mul.Tensor", "aten.sum.default", upstream.DispatchCounter.HOST_READ]
+    assert counter.host_reads == counter.reads_on("cpu") == 1 and counter.reads_on("cuda") == 0

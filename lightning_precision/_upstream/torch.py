@@ -19,9 +19,11 @@ from types import FrameType
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "CUDA_KERNEL_DTYPES",
+    "DispatchCounter",
     "byte_all_gather_base",
     "dtensor_local_tensor",
     "fsdp_mp_policy",
@@ -46,6 +48,36 @@ CUDA_KERNEL_DTYPES: dict[str, tuple[tuple[torch.dtype, ...], ...]] = {
         (torch.float16, torch.float32, torch.float64), (torch.float32,), (torch.float32,)),
     "_amp_update_scale_": ((torch.float32,), (torch.int32,), (torch.float32,)),
 }
+
+
+class DispatchCounter(TorchDispatchMode):
+    """The aten ops dispatched while active, by name (``aten.mm.default``, ...), and the devices of the tensors read on
+    the host (``aten._local_scalar_dense``: ``item``, ``float``, ``bool`` of a tensor). torch's ``TorchDispatchMode``
+    is the only way to see every op a step runs, on any device: on a GPU each is at least one kernel launch, and a read
+    of a GPU tensor a synchronisation. Counting costs Python time per op: count an untimed step."""
+
+    HOST_READ = "aten._local_scalar_dense.default"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.read_devices: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        self.names.append(name)
+        if name == self.HOST_READ:
+            self.read_devices.append(args[0].device.type)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def host_reads(self) -> int:
+        return len(self.read_devices)
+
+    def reads_on(self, device_type: str) -> int:
+        """Host reads of tensors on ``device_type`` ("cuda": the synchronising ones; torch's optimizers read their step
+        counts, which live on the CPU)."""
+        return self.read_devices.count(device_type)
 
 
 def fsdp_mp_policy(fsdp_module: Any) -> Any | None:

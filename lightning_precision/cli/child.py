@@ -18,8 +18,10 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_precision._bytes import training_bytes
+from lightning_precision._launches import host_launch_us
 from lightning_precision._mfu import plugin_compute_dtype
-from lightning_precision.cli.compare_args import block_size, make_plugin, one_line
+from lightning_precision._upstream.torch import DispatchCounter
+from lightning_precision.cli.compare_args import block_size, make_plugin, one_line, untimed_steps
 from lightning_precision.cli.console import quiet_lightning
 from lightning_precision.cli.recipes import RECIPES
 from lightning_precision.cli.stop import STOP_SIGNALS, signals_blocked
@@ -67,10 +69,15 @@ def _rss_bytes() -> int:
 
 class RunStats(Callback):
     """Step times and losses of one run; waits for its turn at every block start (``gate``) and hands each
-    finished block to ``on_block``. Times exclude the waits."""
+    finished block to ``on_block``. Times exclude the waits. The aten ops of step ``count_step`` (an untimed one:
+    counting costs Python time per op) are counted, and on a GPU the host's cost of a kernel launch is timed at the
+    start: what tells a launch-bound step (``lightning_precision._launches``)."""
 
-    def __init__(self, block: int, gate: Gate, on_block: OnBlock) -> None:
-        self.block, self.gate, self.on_block = block, gate, on_block
+    def __init__(self, block: int, gate: Gate, on_block: OnBlock, count_step: int | None = None) -> None:
+        self.block, self.gate, self.on_block, self.count_step = block, gate, on_block, count_step
+        self.ops_per_step: int | None = None
+        self.launch_us: float | None = None
+        self._counter: DispatchCounter | None = None
         self.times: list[float] = []
         self._losses: list[torch.Tensor] = []
         self._t0 = 0.0
@@ -81,6 +88,8 @@ class RunStats(Callback):
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if pl_module.device.type == "cuda":
+            self.launch_us = host_launch_us(pl_module.device)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
@@ -97,6 +106,9 @@ class RunStats(Callback):
             self.gate()
         if self.cuda:
             torch.cuda.synchronize()
+        if len(self.times) == self.count_step:
+            self._counter = DispatchCounter()
+            self._counter.__enter__()
         self._t0 = time.perf_counter()
 
     @override
@@ -104,6 +116,9 @@ class RunStats(Callback):
         if self.cuda:
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t0)
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.ops_per_step, self._counter = len(self._counter.names), None
         self._losses.append(outputs["loss"].detach())  # read at the block's end: no device read inside a step
 
     @override
@@ -149,9 +164,11 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
     model, data = RECIPES[recipe].build(data_args=data_args)
-    stats = RunStats(block_size(args.steps), gate, on_block)
+    measure_every = max(1, args.steps // 10)
+    stats = RunStats(block_size(args.steps), gate, on_block, count_step=_counted_step(precision, args.steps,
+                                                                                       measure_every))
     monitor = GradientUnderflowMonitor(formats=("fp16",), top_k=0, warn_threshold=1.0,
-                                       measure_every_n_steps=max(1, args.steps // 10), log_every_n_steps=args.steps)
+                                       measure_every_n_steps=measure_every, log_every_n_steps=args.steps)
     plugin = make_plugin(precision, args.emulate, args.steps)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, plugins=[plugin] if plugin else None,
@@ -174,11 +191,24 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
         "grad_underflow_fp16": float(unscaled) if unscaled is not None else None,
         "grad_underflow_fp16_scaled": float(scaled) if scaled is not None else None,
         "skipped_steps": int(getattr(trainer.precision_plugin, "skipped_steps", 0) or 0),
+        "ops_per_step": stats.ops_per_step,  # each a kernel launch on a GPU
+        **({"launch_us": stats.launch_us} if stats.launch_us is not None else {}),
         **held,
         # what the plugin's matmuls ran in (an fp8 plugin says fp8 only for real fp8 layers): MFU's peak
         "compute_dtype": str(plugin_compute_dtype(trainer.precision_plugin)),
         **_fp8_layers(trainer.precision_plugin),
     }
+
+
+def _counted_step(precision: str, steps: int, measure_every: int) -> int | None:
+    """The step whose aten ops are counted: the last untimed one (after the warm-up's lazy setup and fp8-auto's
+    measured steps) on which the underflow monitor does not measure (it measures step i when (i + 1) % measure_every
+    is 0; every step when measure_every is 1); None when every step is timed (a run too short to leave any out)."""
+    untimed = untimed_steps(precision, steps)
+    if steps <= untimed:
+        return None
+    ordinary = [i for i in range(untimed - 1, 0, -1) if (i + 1) % measure_every]
+    return ordinary[0] if ordinary else untimed - 1
 
 
 def held_bytes(trainer: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_precision._io import json_safe
+from lightning_precision._launches import launch_floor_ms
 from lightning_precision._warnings import warn
 from lightning_precision.cli.compare_args import BASELINES
 from lightning_precision.cli.outdir import replace_folder
@@ -26,7 +27,8 @@ CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "turn_
                "timed_steps", "untimed_steps", "samples_per_s", "units_per_s", "achieved_tflops", "mfu", "peak_tflops",
                "speedup", "speedup_q1", "speedup_q3", "speedup_paired", "speedup_pairs", "speedup_resolved",
                "speedup_drift", "peak_memory_mb", "bytes_per_param", "final_loss", "val_acc", "grad_underflow_fp16",
-               "grad_underflow_fp16_scaled", "skipped_steps", "steps_done", "emulated", "noisy", "interrupted", "error"]
+               "grad_underflow_fp16_scaled", "skipped_steps", "ops_per_step", "launch_us", "launch_bound", "steps_done",
+               "emulated", "noisy", "interrupted", "error"]
 SAME_ACCURACY = 0.01  # the least difference of validation accuracies the verdict calls a difference
 
 
@@ -48,6 +50,11 @@ def _status(row: Row) -> str | None:
     return "interrupted" if row.interrupted else "failed" if row.error is not None else None
 
 
+def _spread_flag(row: Row) -> str:
+    """What the spread says: a launch-bound step varies with the host's jitter, not with another job."""
+    return " launch-bound" if row.launch_bound else " busy" if row.noisy else ""
+
+
 def cells(row: Row) -> list[str]:
     """The table row of one precision, as text (the terminal and report.md show the same)."""
     status = _status(row)
@@ -58,7 +65,7 @@ def cells(row: Row) -> list[str]:
     return [
         row.precision + (f" ({status})" if status else ""),
         _fmt(row.median_step_ms, ".1f"),
-        _fmt(row.spread * 100 if row.spread is not None else None, ".0f", "%") + (" busy" if row.noisy else ""),
+        _fmt(row.spread * 100 if row.spread is not None else None, ".0f", "%") + _spread_flag(row),
         mark + _fmt(speedup, ".2f", "x")
         + (f" [{row.speedup_q1:.2f}-{row.speedup_q3:.2f}]" if row.speedup_q1 is not None else "")
         + (" emulated" if row.emulated and speedup is not None else ""),
@@ -128,9 +135,10 @@ def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
                      " and throughput.png rank the precisions alike; [brackets]: the interquartile range over turns of"
                      " the paired ratio (32-true's turn over this one's in the same round, measured back to back)."
                      " spread: the interquartile range of the timed step times over their median.")
-    if any(r.noisy for r in rows):
+    if any(r.noisy and not r.launch_bound for r in rows):
         lines.append(f"busy: step times varied by more than {NOISY:.0%} of their median; something else was using the"
                      " machine. The paired brackets are the figures to trust; rerun when it is idle.")
+    lines += launch_notes(rows)
     if any(r.speedup_resolved is False for r in rows):
         lines.append("~: speedup not resolved: fewer than 3 turns were paired, or the paired ratios' interquartile"
                      " range includes 1x or lies on the other side of it, so it is not measurably different from"
@@ -176,6 +184,24 @@ def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
         lines.append(f"{', '.join(baselines)}: Lightning's own plugin (precision='bf16-true': bf16 weights, every"
                      " update rounded to nearest), for comparison; the verdict does not recommend it.")
     return lines
+
+
+LAUNCH_ADVICE = ("To measure the arithmetic instead: a larger batch (--batch-size) or model, or torch.compile (fewer,"
+                 " fused kernels).")
+
+
+def launch_notes(rows: list[Row]) -> list[str]:
+    """Where steps are launch-bound: each one's launches against its step time, what that means and what to do."""
+    bound = [r for r in rows if r.launch_bound]
+    if not bound:
+        return []
+    figures = "; ".join(f"{r.precision} {r.ops_per_step} ops, at least"
+                        f" {launch_floor_ms(r.ops_per_step or 0, r.launch_us or 0.0):.1f} of {r.median_step_ms:.1f} ms"
+                        for r in bound)
+    return [f"launch-bound: each step dispatches hundreds of aten ops (counted in one untimed step), each a kernel"
+            f" launch that costs the host about {bound[0].launch_us:.1f} us here ({figures}). The GPU waits for the"
+            " host, so these step times measure kernel launches, not the precisions' arithmetic, and they vary with"
+            " the host's jitter (the spread), not with another job. " + LAUNCH_ADVICE]
 
 
 def accuracy_tolerance(base: Row, meta: dict[str, Any]) -> float:
@@ -233,8 +259,12 @@ def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
                 + "; ".join(f"{r.precision}, Lightning's own, ran at {speed(r, s)}" for r, s in resolved) + ")")
     text += f" ({', '.join(slower)}: measurably slower)" if slower else ""
     text += f"; {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated here" if emulated else ""
-    text += ". Here the lower precisions show their numerics, not their speed."
-    if any(r.noisy for r in rows):
+    if any(r.launch_bound for r in rows):
+        text += (". The steps are launch-bound on this GPU (the host issues kernels more slowly than the GPU runs"
+                 " them), so the lower precisions cannot show their speed here. " + LAUNCH_ADVICE)
+    else:
+        text += ". Here the lower precisions show their numerics, not their speed."
+    if any(r.noisy and not r.launch_bound for r in rows):
         text += " Step times varied widely (a busy machine): rerun when it is idle."
     text += "".join(f" {differs(r)}: check its numerics." for r, _ in others if not same_accuracy(r))
     return prefix + text + tail

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lightning_precision._launches import launch_bound
 from lightning_precision._mfu import choose_peak, compute_kind, mfu
 from lightning_precision.cli.compare_args import (
     WARMUP,
@@ -35,7 +36,7 @@ NOISY = 0.5
 
 # Figures every started run reports, None included (the run did not say): a precision that never started has none.
 _RUN_FIGURES = ("emulated", "step_ms", "peak_memory_mb", "final_loss", "val_acc", "grad_underflow_fp16",
-                "grad_underflow_fp16_scaled", "skipped_steps", "bytes_per_param")
+                "grad_underflow_fp16_scaled", "skipped_steps", "bytes_per_param", "ops_per_step")
 
 
 @dataclass
@@ -80,6 +81,11 @@ class Row:
     linear_layers: int | None = None
     fp8_plan: dict[str, Any] | None = None
     fp8_steps: int | None = None
+    # aten ops of one untimed step (each a kernel launch on a GPU); on a GPU the host's cost of a launch, and whether
+    # the launches alone take LAUNCH_BOUND of the step (``lightning_precision._launches``)
+    ops_per_step: int | None = None
+    launch_us: float | None = None
+    launch_bound: bool | None = None
     # over 32-true (``add_speedups``)
     speedup: float | None = None
     speedup_resolved: bool | None = None
@@ -192,6 +198,8 @@ def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interr
     row.final_loss = statistics.mean(run.losses[-5:]) if run.losses else None
     if run.result:
         row.update(run.result)
+    if row.launch_us is not None and row.ops_per_step and row.median_step_ms is not None:
+        row.launch_bound = launch_bound(row.ops_per_step, row.launch_us, row.median_step_ms)
     if row.fp8_layers is not None:  # the steps that ran fp8 layers: none if it has none, or fp8-auto measured all along
         measured = calibration_steps(args.steps) if run.precision == "fp8-auto" else 0
         row.fp8_steps = max(0, row.steps_done - measured) if row.fp8_layers else 0
