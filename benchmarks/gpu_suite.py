@@ -1,27 +1,32 @@
 """The GPU figures in one command: ResNet50, a DistilBERT-sized encoder and a ViT-L/16-sized block stack in 32-true,
-16-mixed, bf16-mixed and fp8 (torchao tensorwise and rowwise through ``FP8Precision``), eager and compiled, and what
-GradientUnderflowMonitor and AmaxHistoryLogger cost on the GPU.
+16-mixed, bf16-mixed and fp8 (torchao tensorwise and rowwise through ``FP8Precision``), eager and compiled; the true
+16-bit plugins against Lightning's ``bf16-true``; what GradientUnderflowMonitor and AmaxHistoryLogger cost on the GPU;
+and the main job, ``lightning-precision compare --quick``, as a user first meets it there.
 
-    pip install torchao==0.18.0   # the release for torch 2.11 and later; the GPU image has torch 2.11 but no torchao
-    python benchmarks/gpu_suite.py --out benchmarks/results     # with the repo on PYTHONPATH or pip-installed
+    python benchmarks/gpu_suite.py --out benchmarks/results --budget 420   # repo on PYTHONPATH or pip-installed
+    benchmarks/gpu_run.sh                                                  # on a lent GPU: the cuda tier, then this
 
 Each figure is a real ``lightning.Trainer`` fit: fixed shapes, random weights (seed 0), synthetic batches already on
 the device, ``max_steps``, no logger, checkpoints or progress bar. A callback synchronises CUDA and reads the clock at
 the end of every step, so a step is the interval between step ends (forward, backward, optimizer, every hook and the
 loader); the first ``--warmup`` steps of a fit (``--compile-warmup`` when compiled: the first steps compile) are
-dropped. Per run it reports the median ms/step, the speedup over the row's baseline (``vs``), MFU and peak allocated
-memory (``torch.cuda.max_memory_allocated``, reset per fit). MFU divides the FLOPs of one step (forward and backward,
-counted once per model and shape with ``lightning_precision._mfu.model_flops_per_step``) by the dense peak that
-``choose_peak`` gives for the device and the kind the plugin computes in (``peak_flops_dtype``; fp32 without one), or
-by ``--peak-tflops`` (one number, or ``bf16=989,fp8=1979``). 32-true runs with torch's defaults (fp32 matmuls, and
-TF32 cuDNN convolutions), counted against the fp32 peak: the header line records both settings.
+dropped. Per run it reports the median ms/step, the speedup over the row's baseline (``vs``), MFU, peak allocated
+memory (``torch.cuda.max_memory_allocated``, reset per fit), the bytes a trained parameter holds (weights, gradients,
+optimizer states and what a plugin keeps beside them, ``_bytes.training_bytes``), and the aten ops of one warm-up step
+of an eager fit (each at least one kernel launch: what makes a short step launch-bound). MFU divides the FLOPs of one
+step (forward and backward, counted once per model and shape with ``lightning_precision._mfu.model_flops_per_step``)
+by the dense peak that ``choose_peak`` gives for the device and the kind the plugin computes in (``peak_flops_dtype``;
+fp32 without one), or by ``--peak-tflops`` (one number, or ``bf16=989,fp8=1979``). 32-true runs with torch's defaults
+(fp32 matmuls, and TF32 cuDNN convolutions), counted against the fp32 peak: the header line records both settings.
 
-Sections (``--only resnet50,encoder,vit,monitors``; rows ``vs`` their baseline):
+Sections (``--only resnet50,encoder,true,vit,monitors,compare``; rows ``vs`` their baseline):
   resnet50  ResNet50 (torchvision's layout, ``_common.resnet50``), batch 128 of 224x224, SGD: 32-true, bf16-mixed,
             16-mixed, each with ``ChannelsLast()`` off and on; all vs 32-true (contiguous).
   encoder   DistilBERT-sized encoder (6 post-norm layers, d 768, 12 heads, ffn 3072, vocab 30522, ``--seq`` 128 or
             512), batch 64, AdamW: 32-true, 16-mixed, and bf16-mixed, fp8 tensorwise and rowwise each eager and
             compiled; all vs 32-true.
+  true      the encoder with 16-bit weights, gradients and optimizer states: Lightning's ``precision="bf16-true"``,
+            ``BF16TruePrecision()`` and ``FP16TruePrecision()``; ratio (ms over Lightning's) and bytes/param.
   vit       ViT-L/16-sized block stack (24 pre-norm layers, d 1024, 16 heads, mlp 4096, 197 tokens in, class-token
             head), batch 32, AdamW: bf16-mixed, fp8 tensorwise and rowwise, each eager and compiled; fp8 rows vs
             bf16-mixed of the same mode, compiled bf16-mixed vs eager. The batch must be a multiple of 16 for fp8
@@ -29,7 +34,9 @@ Sections (``--only resnet50,encoder,vit,monitors``; rows ``vs`` their baseline):
   monitors  GradientUnderflowMonitor on ResNet50 16-mixed (its costliest case: measuring steps also probe the fp16
             backward), AmaxHistoryLogger on the encoder in bf16-mixed, each fit alternated with the same fit
             without it (``--monitor-rounds``), measuring and logging every ``--monitor-every`` steps; ms/step is the
-            mean over whole periods (the amortised cost), and the ratio is with / without.
+            mean over whole periods (the amortised cost, measuring steps included), and the ratio is with / without.
+  compare   ``lightning-precision compare --quick`` in its own processes (report in ``--out``/compare): per precision
+            its ms/step, speedup, spread, whether its steps were launch-bound, and its verdict.
 
 The transformer layers are built from ``nn.Linear`` and ``scaled_dot_product_attention``: all four linear layers of a
 block run as modules and can run in fp8 (``nn.MultiheadAttention`` calls its output projection functionally). fp8
@@ -39,25 +46,27 @@ JSON records the fp8 layer count of each row.
 
 A fit that fails (out of memory, no fp8 hardware: compute capability < 8.9, torchao missing, a compile error) is a
 failed row with its one-line reason, and the suite goes on; the exit status is 1 only when every row failed, 2 for
-bad arguments. A progress line per fit goes to stderr; the tables go to stdout, and ``gpu_suite.json`` and
+bad arguments. A progress line per fit goes to stderr; the tables go to stdout at the end, and ``gpu_suite.json`` and
 ``gpu_suite.md`` (a header line with the device and the torch/lightning/torchao versions, ready for
-docs/benchmarks.md) into ``--out``.
+docs/benchmarks.md) into ``--out``, rewritten whole (atomically) after every row: a suite stopped mid-way leaves the
+rows it reached.
 
-Time on one H100 with the defaults (estimated, not yet measured): 28 fits, 6 of them compiled. The 22 eager fits
-(the monitors' 8 of 110 steps, the others of 60) spend 1-8 s in steps each (ResNet50 in fp32 ~0.15 s a step at most,
-the ViT-L stack in bf16 ~25 ms) and 5-10 s in setup (building the model on the CPU, moving it): 4-6 min. The compiled
-fits spend most of their time in inductor: 1-2 min each for the encoder, 2-4 min for the 24-layer ViT stack
-(``TORCH_LOGS=graph_breaks`` shows any graph break; fp8 layers make none since the inference-mode hooks stand aside
-under compilation): 9-18 min. Expected total 13-24
-min, under the 30 allowed; each row's wall time is in the JSON (``wall_s``) to check this. ``--only`` and smaller
-``--steps`` shorten it.
+The rows run headline first (``tier``): the encoder's eager 32-true/bf16-mixed/16-mixed, the true-precision rows, one
+round of the monitors, compare, ResNet50's 32-true and channels-last half precisions (estimated 4 minutes on an H200,
+CUDA's start included); then the compiled ViT pair (about 6 minutes more, mostly inductor); then the rest (28 fits and
+compare in all: an estimated 20-30 minutes). ``--budget SECONDS`` ends inside that time: a row starts only if its
+estimate (``estimate_s``, from the H200 run of ../shared/GPU.md, scaled by how the rows so far compared with theirs)
+fits in what is left, and a row left out says so. ``--budget 420`` gives the headline rows on one GPU lent for 15
+minutes (its start takes minutes); ``--only`` and smaller ``--steps`` shorten it too.
 
 Goals, printed beside the figures and not asserted: bf16/16-mixed >= 2.3x over 32-true on ResNet50 and >= 3x on the
-encoder (eager); fp8 >= 1.3x over bf16-mixed on the ViT-L stack, both compiled; each monitor <= 1.03x amortised.
+encoder (eager); fp8 >= 1.3x over bf16-mixed on the ViT-L stack, both compiled; each monitor <= 1.03x amortised;
+BF16TruePrecision's step within 1.10x of Lightning's bf16-true.
 
-``--smoke`` runs everything on the CPU in about a minute on 2 cores, to check the suite itself: tiny shapes of the same
-layouts, 3-4 steps, fp8 emulated (``emulate=True``), ``torch.compile(backend="eager")`` (inductor would take minutes
-here), no MFU (no CPU peaks) and no peak memory. Its figures say nothing about any GPU.
+``--smoke`` runs everything on the CPU in about half a minute on 2 cores, to check the suite itself: tiny shapes of
+the same layouts, 3-4 steps, fp8 emulated (``emulate=True``), ``torch.compile(backend="eager")`` (inductor would take
+minutes here), compare on a tiny ViT for 6 steps, no MFU (no CPU peaks) and no peak memory. Its figures say nothing
+about any GPU.
 """
 
 from __future__ import annotations
@@ -70,7 +79,10 @@ import importlib.util
 import itertools
 import json
 import logging
+import math
+import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -87,18 +99,28 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_precision import BF16MixedPrecision, FP8Precision, FP16MixedPrecision
+from lightning_precision import (
+    BF16MixedPrecision,
+    BF16TruePrecision,
+    FP8Precision,
+    FP16MixedPrecision,
+    FP16TruePrecision,
+)
+from lightning_precision._bytes import training_bytes
 from lightning_precision._mfu import PeakChoice, choose_peak, compute_kind, model_flops_per_step, parse_peak_override
+from lightning_precision._upstream.torch import DispatchCounter
 from lightning_precision.callbacks import AmaxHistoryLogger, ChannelsLast, GradientUnderflowMonitor
 from lightning_precision.fp8._hardware import FP8_MIN_CAPABILITY
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import resnet50  # noqa: E402
 
-SECTIONS = ("resnet50", "encoder", "vit", "monitors")
+SECTIONS = ("resnet50", "encoder", "true", "vit", "monitors", "compare")
 HALF = ("bf16-mixed", "16-mixed")
 FP8 = ("fp8-tensorwise", "fp8-rowwise")
-JSON_NAME, MD_NAME = "gpu_suite.json", "gpu_suite.md"
+TRUE = ("bf16-true", "16-true")  # BF16TruePrecision(), FP16TruePrecision()
+LIGHTNING_TRUE = "lightning-bf16-true"  # Lightning's own precision="bf16-true": the speed floor of a 16-bit step
+JSON_NAME, MD_NAME, COMPARE_DIR = "gpu_suite.json", "gpu_suite.md", "compare"
 
 
 # ---- shapes and settings ---------------------------------------------------------------------------------------------
@@ -307,7 +329,7 @@ class RunSpec:
     section: str
     name: str  # unique within the section
     model: str
-    precision: str  # "32-true", "bf16-mixed", "16-mixed", "fp8-tensorwise", "fp8-rowwise"
+    precision: str  # "32-true", "bf16-mixed", "16-mixed", "fp8-tensorwise", "fp8-rowwise", TRUE, LIGHTNING_TRUE
     baseline: str  # the name of the row (same section) this one's speedup is against
     channels_last: bool = False
     compiled: bool = False
@@ -319,7 +341,9 @@ def _name(precision: str, channels_last: bool = False, compiled: bool = False) -
 
 
 def plan(sections: Sequence[str], rounds: int) -> list[RunSpec]:
-    """The fits, in order; a monitor pair is alternated ``rounds`` times (its fits pool into one row each)."""
+    """The fits, in the order they run (``tier``): the headline rows first, so that a budget that ends early still has
+    them, then the rest, each tier in section order. A monitor pair is alternated ``rounds`` times (its fits pool into
+    one row each)."""
     specs: list[RunSpec] = []
     if "resnet50" in sections:
         specs += [RunSpec("resnet50", _name(p, cl), "resnet50", p, "32-true", channels_last=cl)
@@ -328,6 +352,8 @@ def plan(sections: Sequence[str], rounds: int) -> list[RunSpec]:
         specs += [RunSpec("encoder", _name(p), "encoder", p, "32-true") for p in ("32-true", "16-mixed")]
         specs += [RunSpec("encoder", _name(p, compiled=c), "encoder", p, "32-true", compiled=c)
                   for p in ("bf16-mixed", *FP8) for c in (False, True)]
+    if "true" in sections:  # 16-bit weights, gradients and states: ours against Lightning's bf16-true
+        specs += [RunSpec("true", p, "encoder", p, LIGHTNING_TRUE) for p in (LIGHTNING_TRUE, *TRUE)]
     if "vit" in sections:
         # fp8 against bf16-mixed compiled the same way; compiled bf16-mixed against eager.
         specs += [RunSpec("vit", _name(p, compiled=c), "vit", p, _name("bf16-mixed", compiled=c and p in FP8),
@@ -339,16 +365,47 @@ def plan(sections: Sequence[str], rounds: int) -> list[RunSpec]:
                 base = f"{model} {precision}"
                 specs += [RunSpec("monitors", base, model, precision, base),
                           RunSpec("monitors", f"{base} + {callback}", model, precision, base, callback=callback)]
-    return specs
+    if "compare" in sections:  # the main job on this GPU, in processes of its own
+        specs.append(RunSpec("compare", COMPARE_NAME, "compare", "compare", COMPARE_NAME))
+    first = [i == next(j for j, t in enumerate(specs) if t == spec) for i, spec in enumerate(specs)]
+    return [spec for _, spec in sorted(enumerate(specs), key=lambda ix: (tier(ix[1], first[ix[0]]), ix[0]))]
+
+
+COMPARE_NAME = "compare --quick"
+
+
+def tier(spec: RunSpec, first_round: bool = True) -> int:
+    """When a row runs: the headline rows first (tiers 0-4, about 4 minutes on an H200), in the order a short lease
+    needs them: the encoder's eager 32-true, bf16-mixed and 16-mixed; the true-precision rows; one round of the
+    monitors; compare; ResNet50's 32-true and channels-last half precisions. Then the compiled ViT's bf16 and tensorwise
+    fp8 (the fp8 goal, minutes of compilation), then the rest."""
+    if spec.section == "encoder" and not spec.compiled and spec.precision in ("32-true", *HALF):
+        return 0
+    if spec.section == "true":
+        return 1
+    if spec.section == "monitors":
+        return 2 if first_round else 6
+    if spec.section == "compare":
+        return 3
+    if spec.section == "resnet50" and (spec.precision == "32-true") != spec.channels_last:
+        return 4
+    if spec.section == "vit" and spec.compiled and spec.precision in ("bf16-mixed", "fp8-tensorwise"):
+        return 5
+    return 6
 
 
 class StepClock(Callback):
     """The interval between consecutive step ends, the device synchronised before each reading: every step's whole
-    cost (forward, backward, optimizer, all hooks, the loader), and nothing of the next step's."""
+    cost (forward, backward, optimizer, all hooks, the loader), and nothing of the next step's. The aten ops of step
+    ``count_step`` (a warm-up step; None: none counted, as for compiled fits, whose graphs run their ops inside) are
+    counted (``DispatchCounter``): each is at least one kernel launch."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, count_step: int | None = None) -> None:
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         self.marks: list[float] = []
+        self.count_step = count_step
+        self.ops_per_step: int | None = None
+        self._counter: DispatchCounter | None = None
 
     def _mark(self) -> None:
         self.sync()
@@ -357,7 +414,15 @@ class StepClock(Callback):
     def on_train_start(self, *args: Any) -> None:
         self._mark()
 
+    def on_train_batch_start(self, *args: Any) -> None:
+        if len(self.marks) - 1 == self.count_step:
+            self._counter = DispatchCounter()
+            self._counter.__enter__()
+
     def on_train_batch_end(self, *args: Any) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.ops_per_step, self._counter = len(self._counter.names), None
         self._mark()
 
     @property
@@ -385,12 +450,17 @@ def fp8_unavailable(settings: Settings) -> str | None:
 
 
 def make_plugin(spec: RunSpec, settings: Settings) -> Any | None:
-    if spec.precision == "32-true":
+    """The row's plugin; None for Lightning's own precisions (``lightning_precision_of``)."""
+    if spec.precision in ("32-true", LIGHTNING_TRUE):
         return None
     if spec.precision == "bf16-mixed":
         return BF16MixedPrecision()
     if spec.precision == "16-mixed":
         return FP16MixedPrecision()
+    if spec.precision == "bf16-true":
+        return BF16TruePrecision()
+    if spec.precision == "16-true":
+        return FP16TruePrecision()
     why = fp8_unavailable(settings)
     if why:
         raise Unavailable(why)
@@ -427,6 +497,8 @@ class Fit:
     peak: PeakChoice
     fp8_layers: int | None
     linear_layers: int
+    bytes_per_param: float | None = None  # weights, gradients and optimizer states (what a plugin keeps beside them)
+    ops_per_step: int | None = None  # aten ops of one warm-up step (eager fits)
 
 
 def fit_once(spec: RunSpec, shapes: Shapes, settings: Settings) -> Fit:
@@ -435,9 +507,9 @@ def fit_once(spec: RunSpec, shapes: Shapes, settings: Settings) -> Fit:
     module = build_module(spec.model, shapes)
     linear_layers = sum(isinstance(m, nn.Linear) for m in module.modules())
     warmup, steps = warmup_of(spec, settings), timed_steps(spec, settings)
-    clock = StepClock(settings.device)
+    clock = StepClock(settings.device, count_step=None if spec.compiled else warmup - 1)
     trainer = L.Trainer(
-        accelerator=settings.device, devices=1, precision=None if plugin else "32-true",
+        accelerator=settings.device, devices=1, precision=None if plugin else lightning_precision_of(spec),
         plugins=[plugin] if plugin else None, max_steps=warmup + steps,
         callbacks=[*make_callbacks(spec, settings), clock], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=settings.monitor_every,
@@ -462,7 +534,14 @@ def fit_once(spec: RunSpec, shapes: Shapes, settings: Settings) -> Fit:
         peak=choose_peak(settings.device_name if settings.device == "cuda" else "cpu", kind, settings.peak_overrides),
         fp8_layers=sum(d.fp8 for d in precision.layer_decisions) if isinstance(precision, FP8Precision) else None,
         linear_layers=linear_layers,
+        bytes_per_param=training_bytes(trainer.lightning_module, trainer.optimizers).per_parameter,
+        ops_per_step=clock.ops_per_step,
     )
+
+
+def lightning_precision_of(spec: RunSpec) -> str:
+    """Lightning's own precision string for a row without a plugin."""
+    return "bf16-true" if spec.precision == LIGHTNING_TRUE else "32-true"
 
 
 def one_line(err: BaseException) -> str:
@@ -502,8 +581,8 @@ class Row:
     compiled: bool
     callback: str | None
     baseline: str
-    status: str  # "ok" or "failed"
-    reason: str | None = None  # why it failed
+    status: str  # "ok", "failed", or "skipped" (not run: the budget would have ended during it)
+    reason: str | None = None  # why it failed or was skipped
     ms_per_step: float | None = None  # the median; the mean over whole periods for the monitors
     ms_stat: str = "median"
     ms_median: float | None = None
@@ -523,6 +602,8 @@ class Row:
     fp8_layers: int | None = None
     fp8_emulated: bool | None = None
     linear_layers: int | None = None
+    bytes_per_param: float | None = None
+    ops_per_step: int | None = None
 
 
 def measured_row(spec: RunSpec, fits: list[Fit], flops: dict[str, Any], settings: Settings) -> Row:
@@ -545,7 +626,7 @@ def measured_row(spec: RunSpec, fits: list[Fit], flops: dict[str, Any], settings
         peak_memory_mib=max(memory) / 2**20 if memory else None,
         memory_note="" if memory else f"n/a on {settings.device}",
         fp8_layers=fits[0].fp8_layers, fp8_emulated=settings.emulate_fp8 if fp8 else None,
-        linear_layers=fits[0].linear_layers,
+        linear_layers=fits[0].linear_layers, bytes_per_param=fits[0].bytes_per_param, ops_per_step=fits[0].ops_per_step,
     )
 
 
@@ -559,7 +640,7 @@ def with_baselines(rows: list[Row]) -> list[Row]:
     out = []
     for row in rows:
         base = by_key.get((row.section, row.baseline))
-        if row.status == "ok" and base is not None and base.status == "ok":
+        if row.ms_per_step and base is not None and base.ms_per_step:  # both measured (compare's row has none)
             row = dataclasses.replace(row, speedup=base.ms_per_step / row.ms_per_step,
                                       ratio=row.ms_per_step / base.ms_per_step)
         out.append(row)
@@ -587,6 +668,8 @@ GOALS = (
     Goal("GradientUnderflowMonitor <= 1.03x amortised", "monitors", 1.03, False,
          lambda r: r.callback == "GradientUnderflowMonitor"),
     Goal("AmaxHistoryLogger <= 1.03x amortised", "monitors", 1.03, False, lambda r: r.callback == "AmaxHistoryLogger"),
+    Goal("true: BF16TruePrecision's step <= 1.10x Lightning's bf16-true", "true", 1.10, False,
+         lambda r: r.precision == "bf16-true"),
 )
 
 
@@ -643,6 +726,11 @@ def header(env: dict[str, Any]) -> str:
             f" {env['float32_matmul_precision']}, cuDNN TF32 {'on' if env['cudnn_allow_tf32'] else 'off'};"
             f" fp8 layers: {fp8}"
             f"{' (emulated)' if s['emulate_fp8'] else ''}.")
+    if env.get("rows_done") is not None:
+        done, planned = env["rows_done"], env["rows_planned"]
+        budget = f" within a budget of {env['budget_s']:g} s" if env.get("budget_s") else ""
+        line += (f" {done} of {planned} planned runs reached{budget} in {env['elapsed_s']:.0f} s"
+                 + ("" if done == planned else " (the suite was still running: these are the rows so far)") + ".")
     if env["smoke"]:
         line += " **Smoke run** (CPU, tiny shapes): it checks the suite, its figures say nothing about any GPU."
     return line
@@ -652,19 +740,26 @@ def _fmt(value: float | None, pattern: str, missing: str = "n/a") -> str:
     return pattern.format(value) if value is not None else missing
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
 def section_table(section: str, rows: list[Row]) -> list[str]:
-    monitors = section == "monitors"
-    ms, relative = ("ms/step (mean, amortised)", "with / without") if monitors else ("ms/step", "speedup")
-    lines = [f"| run | {ms} | {relative} | vs | MFU | peak memory | fp8 layers | notes |", "|" + "---|" * 8]
+    ratio = section in ("monitors", "true")  # overheads: this row's time over its baseline's
+    ms = "ms/step (mean, amortised)" if section == "monitors" else "ms/step"
+    relative = "with / without" if section == "monitors" else "ratio" if ratio else "speedup"
+    lines = [f"| run | {ms} | {relative} | vs | MFU | peak memory | bytes/param | ops/step | fp8 layers | notes |",
+             "|" + "---|" * 10]
     for r in rows:
         fp8 = "" if r.fp8_layers is None else f"{r.fp8_layers}/{r.linear_layers}"
         fp8 += " (emulated)" if r.fp8_emulated else ""
-        versus = _fmt(r.ratio, "{:.3f}", "-") if monitors else _fmt(r.speedup, "{:.2f}x", "-")
-        note = f"failed: {r.reason}".replace("|", "\\|") if r.status != "ok" else ""
+        versus = _fmt(r.ratio, "{:.3f}", "-") if ratio else _fmt(r.speedup, "{:.2f}x", "-")
+        note = "" if r.status == "ok" else (f"{r.status}: {r.reason}" if r.status == "failed" else r.reason or "")
         lines.append(
             f"| {r.name} | {_fmt(r.ms_per_step, '{:.2f}', '-')} | {versus}"
             f" | {r.baseline} | {_fmt(r.mfu and r.mfu * 100, '{:.1f}%')} | {_fmt(r.peak_memory_mib, '{:.0f} MiB')}"
-            f" | {fp8} | {note} |")
+            f" | {_fmt(r.bytes_per_param, '{:.1f}', '-')} | {_fmt(r.ops_per_step, '{:d}', '-')} | {fp8}"
+            f" | {_cell(note)} |")
     notes = sorted({f"MFU {r.mfu_note}" if r.mfu is None else f"MFU against {r.peak_tflops:g} TFLOP/s: {r.mfu_note}"
                     for r in rows if r.status == "ok"})
     return lines + ([""] + [f"- {n}" for n in notes] if notes else [])
@@ -678,16 +773,42 @@ def goals_table(goals: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def markdown(env: dict[str, Any], shapes: Shapes, rows: list[Row], goals: list[dict[str, Any]]) -> str:
+def compare_table(result: dict[str, Any] | None, row: Row) -> list[str]:
+    """compare's own figures: per precision its ms/step, speedup over 32-true, spread, whether its steps were
+    launch-bound (and its aten ops a step), MFU; then its verdict."""
+    if result is None:
+        return [f"{row.status}: {row.reason}" if row.reason else "not run"]
+    lines = [f"Exit code {result['exit_code']}, {result['wall_s']:.0f} s, report in `{result['folder']}`.", "",
+             "| precision | ms/step | speedup | spread | launch-bound | ops/step | MFU | notes |", "|" + "---|" * 8]
+    for r in result["rows"]:
+        spread = _fmt(r["spread"] and r["spread"] * 100, "{:.0f}%", "-")
+        lines.append(
+            f"| {r['precision']} | {_fmt(r['median_step_ms'], '{:.2f}', '-')} | {_fmt(r['speedup'], '{:.2f}x', '-')}"
+            f" | {spread} | {'yes' if r['launch_bound'] else 'no' if r['launch_bound'] is False else '-'}"
+            f" | {_fmt(r['ops_per_step'], '{:d}', '-')} | {_fmt(r['mfu'] and r['mfu'] * 100, '{:.2f}%')}"
+            f" | {_cell(r['error'] or '')} |")
+    return lines + ["", f"Verdict: {result['verdict']}"]
+
+
+def markdown(env: dict[str, Any], shapes: Shapes, rows: list[Row], goals: list[dict[str, Any]],
+             compare: dict[str, Any] | None = None) -> str:
     # Headings one level under the "## The GPU suite" section of docs/benchmarks.md, where these tables go.
     lines = [header(env), ""]
     for section in SECTIONS:
         section_rows = [r for r in rows if r.section == section]
         if not section_rows:
             continue
+        if section == "compare":
+            command = compare["command"] if compare else f"lightning-precision {COMPARE_NAME}"
+            lines += [f"### compare: `{command}` on this device", "",
+                      *compare_table(compare, section_rows[0]), ""]
+            continue
         if section == "monitors":
             title = (f"monitors: callbacks' overhead (ResNet50 16-mixed, encoder bf16-mixed; measuring every"
                      f" {env['settings']['monitor_every']} steps)")
+        elif section == "true":
+            title = (f"true: 16-bit weights, gradients and optimizer states on the {MODELS['encoder'].title}"
+                     f" ({MODELS['encoder'].describe(shapes)}): ours against Lightning's bf16-true")
         else:
             title = f"{section}: {MODELS[section].title} ({MODELS[section].describe(shapes)})"
         lines += [f"### {title}", "", *section_table(section, section_rows), ""]
@@ -706,6 +827,16 @@ def _sections(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(unknown) or text!r}: choose from"
                                          f" {', '.join(SECTIONS)}")
     return names
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: a number of seconds") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text}: a positive number of seconds")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -734,6 +865,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--monitor-periods", type=_positive, help="timed periods per monitor fit (default 2; smoke 1)")
     parser.add_argument("--monitor-rounds", type=_positive, help="alternated fits per monitor row (default 2; smoke 1)")
     parser.add_argument("--peak-tflops", type=str, help="peak TFLOP/s for MFU: one number or kind=number pairs")
+    parser.add_argument("--budget", type=_seconds, help="end inside this many seconds: the rows run headline first, and"
+                                                        " a row that would not end in time is left out (default: all)")
     args = parser.parse_args(argv)
     if args.peak_tflops is not None:
         try:
@@ -783,57 +916,208 @@ def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run(specs: list[RunSpec], shapes: Shapes, settings: Settings) -> list[Row]:
-    fits: dict[tuple[str, str], list[Fit]] = {}
-    failures: dict[tuple[str, str], str] = {}
-    flops: dict[str, dict[str, Any]] = {}
+# ---- compare -------------------------------------------------------------------------------------------------------
+
+# The smoke run's compare: the CPU, the tiny ViT recipe, a few steps (its figures, like the smoke's, say nothing).
+SMOKE_COMPARE = ("--accelerator", "cpu", "--recipe", "vit", "--steps", "6", "--batch-size", "8", "--val-batches", "1",
+                 "--precisions", "32-true,bf16-mixed")
+COMPARE_KEYS = ("precision", "median_step_ms", "speedup", "speedup_resolved", "spread", "noisy", "launch_bound",
+                "ops_per_step", "launch_us", "mfu", "emulated", "peak_memory_mb", "error")
+COMPARE_GRACE_S = 30  # after SIGTERM, what compare has to write what its runs reached
+
+
+def run_compare(settings: Settings, out: Path, timeout: float | None) -> dict[str, Any]:
+    """``lightning-precision compare --quick`` on this device, as a user first meets the main job, in processes of its
+    own (its report in ``out/compare``): its rows and verdict. Past ``timeout`` it gets SIGTERM (it then writes what
+    its runs reached) and, after ``COMPARE_GRACE_S``, SIGKILL, with every process it started."""
+    folder = out / COMPARE_DIR
+    argv = [sys.executable, "-m", "lightning_precision.cli", "compare",
+            *(SMOKE_COMPARE if settings.smoke else ("--quick",)), "--out", str(folder)]
+    start = time.perf_counter()
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 15)
+        try:
+            output, _ = process.communicate(timeout=COMPARE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            output, _ = process.communicate()
+    report = folder / "report.json"
+    if process.returncode not in (0, 1, 143) or not report.exists():
+        last = [line for line in (output or "").splitlines() if line.strip()][-1:] or ["no output"]
+        raise RuntimeError(f"compare exited with {process.returncode}: {last[0]}")
+    data = json.loads(report.read_text())
+    return {"exit_code": process.returncode, "wall_s": time.perf_counter() - start, "folder": str(folder),
+            "command": " ".join(["lightning-precision", *argv[3:]]), "verdict": data["meta"]["verdict"],
+            "rows": [{k: r.get(k) for k in COMPARE_KEYS} for r in data["results"]]}
+
+
+# ---- the budget ------------------------------------------------------------------------------------------------------
+
+# What a row takes on one H100/H200-class GPU, in seconds, from the H200 run of ../shared/GPU.md: Trainer setup and the
+# model's move, its steps (the slowest eager precision of each model: 32-true, twice the others; FP16TruePrecision at
+# 133 ms a step), compilation (1-2 min for the encoder, 2-4 for the 24-layer ViT stack), compare --quick (45 s there).
+# Rough on purpose: `Budget` scales them by what the rows so far took. A smoke row takes seconds on 2 CPU cores.
+SETUP_S = 8.0
+STEP_MS = {"resnet50": 35.0, "encoder": 20.0, "vit": 30.0}
+TRUE_STEP_MS = 140.0
+COMPILE_S = {"encoder": 90.0, "vit": 180.0, "resnet50": 120.0}
+COMPARE_S = 75.0
+SMOKE_FIT_S, SMOKE_COMPARE_S = 3.0, 30.0
+
+
+def estimate_s(spec: RunSpec, settings: Settings) -> float:
+    """The seconds ``spec`` is expected to take (see ``SETUP_S``)."""
+    if spec.section == "compare":
+        return SMOKE_COMPARE_S if settings.smoke else COMPARE_S
+    if settings.smoke:
+        return SMOKE_FIT_S
+    ms = TRUE_STEP_MS if spec.precision in TRUE else STEP_MS[spec.model] * (2 if spec.precision == "32-true" else 1)
+    steps = warmup_of(spec, settings) + timed_steps(spec, settings)
+    return SETUP_S + steps * ms / 1e3 + (COMPILE_S[spec.model] if spec.compiled else 0.0)
+
+
+@dataclass
+class Budget:
+    """Plans the rows to end inside ``seconds`` (None: no limit): a row starts only if its estimate, scaled by how the
+    rows so far compared with theirs (never below 1), fits in what is left. Rows run in ``plan``'s order, the headline
+    ones first, so a short budget keeps them."""
+
+    seconds: float | None
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    estimated: float = 0.0
+    taken: float = 0.0
+
+    def left(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - (time.perf_counter() - self.start)
+
+    def scale(self) -> float:
+        return max(1.0, self.taken / self.estimated) if self.estimated else 1.0
+
+    def admits(self, estimate: float) -> bool:
+        return estimate * self.scale() <= self.left()
+
+    def record(self, estimate: float, taken: float) -> None:
+        self.estimated += estimate
+        self.taken += taken
+
+
+# ---- running ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """What the suite has measured so far, as rows at any moment (``rows``): written after every row."""
+
+    specs: list[RunSpec]
+    settings: Settings
+    fits: dict[tuple[str, str], list[Fit]] = dataclasses.field(default_factory=dict)
+    failures: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    skipped: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    flops: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    compare: dict[str, Any] | None = None
+
+    def rows(self, done: int) -> list[Row]:
+        """One row per spec of the first ``done``, in plan order."""
+        rows = []
+        for spec in dict.fromkeys(self.specs[:done]):
+            key = (spec.section, spec.name)
+            if key in self.fits:
+                rows.append(measured_row(spec, self.fits[key], self.flops[spec.model], self.settings))
+            elif key in self.failures:
+                rows.append(Row(**_identity(spec), status="failed", reason=self.failures[key]))
+            elif key in self.skipped:
+                rows.append(Row(**_identity(spec), status="skipped", reason=self.skipped[key]))
+            elif spec.section == "compare" and self.compare is not None:
+                rows.append(Row(**_identity(spec), status="ok", wall_s=self.compare["wall_s"], fits=1))
+        return with_baselines(rows)
+
+
+def run(specs: list[RunSpec], shapes: Shapes, settings: Settings, budget: Budget | None = None,
+        out: Path | None = None, written: Callable[[Progress, int], None] | None = None) -> Progress:
+    """Every spec in order, within ``budget``; ``written(progress, done)`` after each one (the files, as they stand)."""
+    budget = budget or Budget(None)
+    state = Progress(specs, settings)
     for i, spec in enumerate(specs, 1):
         key = (spec.section, spec.name)
         progress(f"[gpu_suite {i}/{len(specs)}] {spec.section}: {spec.name}")
-        if key in failures:  # a later round of a failed row: it would fail again
-            progress("    skipped: an earlier round failed")
+        if key in state.failures or key in state.skipped:  # a later round of a row that failed or was left out
+            progress("    skipped: an earlier round " + ("failed" if key in state.failures else "was left out"))
             continue
-        if spec.model not in flops:
-            flops[spec.model] = count_flops(spec.model, shapes, settings)
+        estimate = estimate_s(spec, settings)
+        if not budget.admits(estimate):
+            why = (f"not run: the budget ({budget.seconds:g} s) would end during it (about"
+                   f" {estimate * budget.scale():.0f} s, {max(0.0, budget.left()):.1f} s left)")
+            if key not in state.fits:  # a later round of a row that ran keeps that row's fits
+                state.skipped[key] = why
+            progress(f"    {why}")
+            if written is not None:
+                written(state, i)
+            continue
+        start = time.perf_counter()
         try:
-            fit = fit_once(spec, shapes, settings)
+            if spec.section == "compare":
+                left = budget.left()
+                state.compare = run_compare(settings, out or Path("."),
+                                            timeout=max(1.0, left) if math.isfinite(left) else None)
+                progress(f"    {state.compare['wall_s']:.0f} s, exit code {state.compare['exit_code']}")
+            else:
+                if spec.model not in state.flops:
+                    state.flops[spec.model] = count_flops(spec.model, shapes, settings)
+                fit = fit_once(spec, shapes, settings)
+                state.fits.setdefault(key, []).append(fit)
+                progress(f"    {statistics.median(fit.times) * 1e3:.2f} ms/step (median), {fit.wall_s:.0f} s")
         except Exception as err:  # OOM, no fp8 hardware, no torchao, compile errors: a failed row, the suite goes on
-            failures[key] = one_line(err)
-            progress(f"    failed: {failures[key]}")
-        else:
-            fits.setdefault(key, []).append(fit)
-            progress(f"    {statistics.median(fit.times) * 1e3:.2f} ms/step (median), {fit.wall_s:.0f} s")
+            state.failures[key] = one_line(err)
+            progress(f"    failed: {state.failures[key]}")
         finally:
+            budget.record(estimate, time.perf_counter() - start)
             if spec.compiled:
                 torch.compiler.reset()
             release_memory(settings)
-    rows = []
-    for spec in dict.fromkeys(specs):  # one row per spec, in plan order
-        key = (spec.section, spec.name)
-        if key in failures:
-            rows.append(Row(**_identity(spec), status="failed", reason=failures[key]))
-        else:
-            rows.append(measured_row(spec, fits[key], flops[spec.model], settings))
-    return with_baselines(rows)
+        if written is not None:
+            written(state, i)
+    return state
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds the old text or the new, whole, whatever stops the suite mid-write."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_of(args)
     shapes = SMOKE_SHAPES if settings.smoke else full_shapes(args)
-    start = time.perf_counter()
-    with quiet():
-        rows = run(plan(args.only, settings.monitor_rounds), shapes, settings)
-    goals = [judge(g, rows) for g in GOALS if g.section in args.only]
-    env = {**environment(settings, shapes), "elapsed_s": time.perf_counter() - start}
-    text = markdown(env, shapes, rows, goals)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / JSON_NAME).write_text(json.dumps(
-        {"environment": env, "rows": [dataclasses.asdict(r) for r in rows], "goals": goals}, indent=2, default=str))
-    (args.out / MD_NAME).write_text(text)
+    budget = Budget(args.budget)
+    specs = plan(args.only, settings.monitor_rounds)
+    base_env = environment(settings, shapes)
+
+    def write(state: Progress, done: int) -> str:
+        rows = state.rows(done)
+        goals = [judge(g, rows) for g in GOALS if g.section in args.only]
+        env = {**base_env, "elapsed_s": time.perf_counter() - budget.start, "budget_s": args.budget,
+               "rows_done": done, "rows_planned": len(specs)}
+        text = markdown(env, shapes, rows, goals, state.compare)
+        write_atomically(args.out / JSON_NAME, json.dumps(
+            {"environment": env, "rows": [dataclasses.asdict(r) for r in rows], "goals": goals,
+             "compare": state.compare}, indent=2, default=str))
+        write_atomically(args.out / MD_NAME, text)
+        return text
+
+    with quiet():
+        state = run(specs, shapes, settings, budget, args.out, write)
+    text = write(state, len(specs))
     print(text)
-    progress(f"[gpu_suite] {sum(r.status == 'ok' for r in rows)}/{len(rows)} rows ran in {env['elapsed_s']:.0f} s;"
-             f" wrote {args.out / JSON_NAME} and {args.out / MD_NAME}")
+    rows = state.rows(len(specs))
+    progress(f"[gpu_suite] {sum(r.status == 'ok' for r in rows)}/{len(rows)} rows ran in"
+             f" {time.perf_counter() - budget.start:.0f} s; wrote {args.out / JSON_NAME} and {args.out / MD_NAME}")
     return 0 if any(r.status == "ok" for r in rows) else 1
 
 

@@ -63,14 +63,17 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         code = suite.main(["--smoke", "--out", str(out)])
     result = json.loads((out / suite.JSON_NAME).read_text())
     return {"code": code, "json": result, "rows": {(r["section"], r["name"]): r for r in result["rows"]},
-            "md": (out / suite.MD_NAME).read_text()}
+            "md": (out / suite.MD_NAME).read_text(), "out": out}
 
 
 def test_every_planned_row_ran_with_a_finite_positive_step_time(smoke):
     planned = {(s.section, s.name) for s in suite.plan(suite.SECTIONS, rounds=1)}
     assert set(smoke["rows"]) == planned
-    assert len(planned) == 6 + 8 + 6 + 4  # resnet50, encoder, vit, monitors
+    assert len(planned) == 6 + 8 + 3 + 6 + 4 + 1  # resnet50, encoder, true, vit, monitors, compare
     for key, row in smoke["rows"].items():
+        if key[0] == "compare":
+            assert row["status"] == "ok" and row["wall_s"] > 0
+            continue
         if not _expected_ok(key):
             assert row["status"] == "failed" and row["reason"]
             continue
@@ -96,7 +99,7 @@ def test_speedups_are_against_each_rows_baseline(smoke):
 
 def test_mfu_is_null_with_a_reason_on_cpu_but_flops_are_counted(smoke):
     for row in smoke["json"]["rows"]:
-        if row["status"] != "ok":
+        if row["status"] != "ok" or row["section"] == "compare":
             continue
         assert row["mfu"] is None and "n/a on a CPU" in row["mfu_note"]
         assert row["flops_per_step"] > 0
@@ -110,6 +113,42 @@ def test_fp8_rows_ran_emulated_with_converted_layers(smoke):
         assert row["fp8_emulated"] is True
         assert 0 < row["fp8_layers"] < row["linear_layers"]  # the heads (dims not divisible by 16) stay high precision
     assert all(r["fp8_layers"] is None for r in smoke["json"]["rows"] if not r["precision"].startswith("fp8"))
+
+
+def test_the_true_rows_hold_half_the_bytes_against_lightnings_bf16_true(smoke):
+    rows = smoke["rows"]
+    lightning = rows["true", suite.LIGHTNING_TRUE]
+    assert lightning["ratio"] == 1.0 and lightning["precision"] == suite.LIGHTNING_TRUE
+    for name in suite.TRUE:
+        row = rows["true", name]
+        assert row["baseline"] == suite.LIGHTNING_TRUE
+        assert row["ratio"] == pytest.approx(row["ms_per_step"] / lightning["ms_per_step"], rel=1e-9)
+        # AdamW: 16-bit weight, gradient and two states, as Lightning's; the fp32 encoder holds twice that
+        assert row["bytes_per_param"] == pytest.approx(lightning["bytes_per_param"], abs=0.01)
+        assert lightning["bytes_per_param"] == pytest.approx(8.0, abs=0.01)  # and AdamW's step counts
+    assert rows["encoder", "32-true"]["bytes_per_param"] == pytest.approx(16.0, abs=0.01)
+    goal = next(g for g in smoke["json"]["goals"] if g["goal"].startswith("true:"))
+    assert goal["row"] == "bf16-true" and goal["value"] == pytest.approx(rows["true", "bf16-true"]["ratio"])
+
+
+def test_eager_rows_count_their_ops_and_compiled_ones_do_not(smoke):
+    for (section, name), row in smoke["rows"].items():
+        if row["status"] != "ok" or section == "compare":
+            continue
+        assert (row["ops_per_step"] is None) == row["compiled"], (section, name)
+    rows = smoke["rows"]
+    # the true step widens, updates and rounds every parameter: more ops than Lightning's bf16-true
+    assert rows["true", "bf16-true"]["ops_per_step"] > rows["true", suite.LIGHTNING_TRUE]["ops_per_step"]
+
+
+def test_compare_ran_in_its_own_processes_and_its_figures_are_in_the_outputs(smoke):
+    compare = smoke["json"]["compare"]
+    assert compare["exit_code"] == 0 and compare["command"].startswith("lightning-precision compare --accelerator cpu")
+    assert [r["precision"] for r in compare["rows"]] == ["32-true", "bf16-mixed"]
+    assert all(r["median_step_ms"] > 0 and r["ops_per_step"] > 0 for r in compare["rows"])
+    assert compare["verdict"] and (smoke["out"] / suite.COMPARE_DIR / "report.json").exists()
+    md = smoke["md"]
+    assert "### compare: `lightning-precision compare --accelerator cpu" in md and f"Verdict: {compare['verdict']}" in md
 
 
 def test_a_failing_row_is_recorded_and_the_suite_goes_on(smoke):
@@ -143,7 +182,68 @@ def test_every_row_failing_exits_non_zero_and_still_writes(tmp_path, monkeypatch
     assert "### vit: " in (tmp_path / suite.MD_NAME).read_text()
 
 
-@pytest.mark.parametrize("argv", [["--only", "nope"], ["--steps", "0"], ["--peak-tflops", "fast"]])
+class RowClock(suite.Budget):
+    """A budget whose clock advances by each row's estimate (a smoke fit is estimated at 3 s and takes well under one
+    here): which rows a budget admits, independent of this machine's speed."""
+
+    def left(self) -> float:
+        return self.seconds - self.estimated
+
+
+def test_a_budget_runs_the_headline_rows_first_and_says_what_it_left_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(suite, "Budget", RowClock)
+    assert suite.main(["--smoke", "--only", "encoder,true,compare", "--budget", "10", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / suite.JSON_NAME).read_text())
+    statuses = [(r["section"], r["name"], r["status"]) for r in result["rows"]]
+    order = [(s.section, s.name) for s in suite.plan(("encoder", "true", "compare"), rounds=1)]
+    assert [(sec, name) for sec, name, _ in statuses] == order  # every planned row, in run order
+    ran = [name for _, name, status in statuses if status == "ok"]
+    assert ran == ["32-true", "16-mixed", "bf16-mixed"]  # 3 x 3 s of 10: tier 0, the encoder's eager headline rows
+    for row in result["rows"][3:]:
+        assert row["status"] == "skipped" and row["reason"].startswith("not run: the budget (10 s) would end during")
+    assert result["environment"]["budget_s"] == 10
+    assert "not run: the budget (10 s)" in (tmp_path / suite.MD_NAME).read_text()
+
+
+def test_a_budget_on_the_real_clock_ends_the_suite_inside_it(tmp_path):
+    assert suite.main(["--smoke", "--only", "encoder,true", "--budget", "5", "--out", str(tmp_path)]) == 0
+    env = json.loads((tmp_path / suite.JSON_NAME).read_text())["environment"]
+    assert env["elapsed_s"] < 5 + 3  # the last row admitted may overrun by what it took beyond its estimate
+
+
+def test_the_budget_scales_its_estimates_by_what_the_rows_took():
+    budget = suite.Budget(10.0, start=suite.time.perf_counter() - 5)  # 5 s left
+    assert budget.admits(4) and not budget.admits(6)
+    budget.record(estimate=2, taken=4)  # the rows so far took twice their estimate
+    assert budget.scale() == 2 and budget.admits(2) and not budget.admits(3)
+    budget.record(estimate=10, taken=1)  # faster than estimated: never trusted below the estimates
+    assert budget.scale() == 1
+    assert suite.Budget(None).admits(10**9)
+
+
+def test_the_files_hold_the_rows_reached_when_the_suite_stops_mid_way(tmp_path, monkeypatch):
+    """Written whole after every row: a suite killed at its third fit leaves the first two, and says they are so far."""
+    fits = []
+    fit_once = suite.fit_once
+
+    def stopping(spec, shapes, settings):
+        if len(fits) == 2:
+            raise KeyboardInterrupt
+        fits.append(spec.name)
+        return fit_once(spec, shapes, settings)
+
+    monkeypatch.setattr(suite, "fit_once", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        suite.main(["--smoke", "--only", "encoder", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / suite.JSON_NAME).read_text())
+    assert [r["name"] for r in result["rows"]] == fits == ["32-true", "16-mixed"]
+    assert all(r["status"] == "ok" for r in result["rows"])
+    assert "2 of 8 planned runs reached" in (tmp_path / suite.MD_NAME).read_text()
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+@pytest.mark.parametrize("argv", [["--only", "nope"], ["--steps", "0"], ["--peak-tflops", "fast"], ["--budget", "0"],
+                                  ["--budget", "soon"], ["--budget", "inf"]])
 def test_bad_arguments_exit_with_status_2(argv, tmp_path):
     with pytest.raises(SystemExit) as exc:
         suite.main(["--smoke", "--out", str(tmp_path), *argv])
