@@ -21,7 +21,7 @@ def cuda_tier_device() -> str | None:
 def RunIf(cuda: bool = False, min_sm: tuple[int, int] = (0, 0)) -> pytest.MarkDecorator:  # noqa: N802 (Lightning's name)
     reasons = []
     if cuda and not torch.cuda.is_available():
-        reasons.append(NO_CUDA)
+        reasons.append("needs a CUDA device (none here)")
     elif cuda and torch.cuda.get_device_capability() < min_sm:
         reasons.append(f"needs CUDA compute capability >= {min_sm}, found {torch.cuda.get_device_capability()}")
     return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "runs")

@@ -6,14 +6,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 import torch
 
 from tests.helpers import rowwise_emulates_on_cpu
+from tests.wheel import build_wheel
 
 pytestmark = pytest.mark.slow  # a benchmark script's smoke run (24 fits), not the library: CI runs it on one torch
 
@@ -275,3 +280,41 @@ def test_resnets_keep_torchvisions_layout():
     tiny = common.resnet50(10, base_width=8)
     assert sum(isinstance(m, common.Bottleneck) for m in tiny.modules()) == 16
     assert tiny(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+# ---- benchmarks/gpu_run.sh -------------------------------------------------------------------------------------------
+
+GPU_RUN = BENCHMARKS / "gpu_run.sh"
+
+
+def _gpu_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(GPU_RUN), *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+def test_gpu_run_runs_the_cuda_tier_then_the_suite_in_its_budget_smoke(tmp_path, tmp_path_factory):
+    """The one GPU command, on this CPU (SMOKE=1): the carried wheels installed apart, the tier run on the CPU, then the
+    suite with the budget left; every step's output in the results folder."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    shutil.copy2(build_wheel(tmp_path_factory), wheels)
+    out = tmp_path / "out"
+    done = _gpu_run({"SMOKE": "1", "GPU_WHEELS": str(wheels), "GPU_SITE": str(tmp_path / "site"), "OUT": str(out),
+                     "SUITE_ARGS": "--only true", "TOTAL_SECONDS": "200"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.name for p in out.iterdir()} >= {"environment.txt", "cuda_tier.txt", "cuda_tier.xml", "gpu_suite.json",
+                                                "gpu_suite.md", "gpu_suite.log"}
+    tier = ElementTree.parse(out / "cuda_tier.xml").getroot().find("testsuite")
+    assert int(tier.get("tests")) > 50 and tier.get("failures") == tier.get("errors") == "0"
+    assert int(tier.get("tests")) - int(tier.get("skipped")) > 50  # the tier ran, on the CPU
+    result = json.loads((out / suite.JSON_NAME).read_text())
+    assert [r["status"] for r in result["rows"]] == ["ok"] * 3 and 60 <= result["environment"]["budget_s"] < 160
+    assert "lightning_precision from" in (out / "environment.txt").read_text()
+    assert "cuda tier exit 0, suite exit 0" in done.stdout
+
+
+def test_gpu_run_without_wheels_or_with_a_bad_argument_says_what_to_do(tmp_path):
+    done = _gpu_run({"GPU_WHEELS": str(tmp_path / "none"), "OUT": str(tmp_path / "out")})
+    assert done.returncode == 1 and "run 'benchmarks/gpu_run.sh prepare'" in done.stderr
+    done = _gpu_run({}, "bogus")
+    assert done.returncode == 2 and "usage: benchmarks/gpu_run.sh [prepare]" in done.stderr
