@@ -1094,7 +1094,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_of(args)
     shapes = SMOKE_SHAPES if settings.smoke else full_shapes(args)
-    args.out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget)
     specs = plan(args.only, settings.monitor_rounds)
     base_env = environment(settings, shapes)
@@ -1111,6 +1110,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_atomically(args.out / MD_NAME, text)
         return text
 
+    try:  # the files exist before any row: a folder that cannot be written fails now, not after the first fit
+        args.out.mkdir(parents=True, exist_ok=True)
+        write(Progress(specs, settings), 0)
+    except OSError as err:
+        print(f"gpu_suite: cannot write the results into {args.out}: {err}", file=sys.stderr)
+        return 2
     with quiet():
         state = run(specs, shapes, settings, budget, args.out, write)
     text = write(state, len(specs))

@@ -216,6 +216,14 @@ def test_a_budget_on_the_real_clock_ends_the_suite_inside_it(tmp_path):
     assert env["elapsed_s"] < 5 + 3  # the last row admitted may overrun by what it took beyond its estimate
 
 
+@pytest.mark.parametrize("make", ["a file", "under a file"])
+def test_an_out_that_cannot_be_written_fails_before_any_fit(make, tmp_path, monkeypatch):
+    (tmp_path / "taken").write_text("not a folder")
+    out = tmp_path / "taken" if make == "a file" else tmp_path / "taken" / "out"
+    monkeypatch.setattr(suite, "fit_once", lambda *a: pytest.fail("a fit ran before the results could be written"))
+    assert suite.main(["--smoke", "--only", "encoder", "--out", str(out)]) == 2
+
+
 def test_the_budget_scales_its_estimates_by_what_the_rows_took():
     budget = suite.Budget(10.0, start=suite.time.perf_counter() - 5)  # 5 s left
     assert budget.admits(4) and not budget.admits(6)
