@@ -199,3 +199,54 @@ def test_fp8_with_fp16_compute_trains_a_model_with_a_bf16_submodule():
     plugin = FP8Precision(compute_dtype=torch.float16, emulate=True, skip_small_layers=False, skip_first_last=False)
     trainer(plugin, max_steps=3).fit(model, loader(make_data(3)))
     assert _all_finite(model) and plugin.skipped_steps >= 1
+
+
+def test_the_check_runs_inside_fp16_autocast():
+    """A step taken inside the forward's autocast region (manual optimization, a Fabric step under
+    `fabric.autocast()`): fp16 autocast's `stack` refuses bf16 tensors, so the check steps out of autocast."""
+    grads = [torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)]
+    found = torch.zeros(())
+    with torch.autocast("cpu", dtype=torch.float16):
+        non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
+    assert found.item() == 1 and grads[0][0].item() == 0.5
+
+
+class ManualMixed(MixedDtypes):
+    """The optimizer stepped inside `training_step`, under the plugin's fp16 autocast."""
+
+    def __init__(self, poison_step: int) -> None:
+        super().__init__(poison_step=poison_step)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.on_after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["16-mixed", "bf16-mixed guarded"])
+def test_manual_optimization_checks_bf16_gradients_inside_the_autocast_region(name):
+    model = ManualMixed(poison_step=1)
+    plugin = PLUGINS[name]()
+    trainer(plugin, max_steps=3).fit(model, loader(make_data(3)))
+    assert _all_finite(model) and plugin.skipped_steps == 1
+
+
+def test_a_fabric_step_under_fabric_autocast_checks_bf16_gradients():
+    from lightning_precision.fabric import FP16MixedPrecision as FabricFP16
+
+    plugin = FabricFP16()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = MixedDtypes()
+    model = fabric.setup(net)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.05))
+    for step, (x, y) in enumerate(loader(make_data(3))):
+        with fabric.autocast():
+            fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
+            if step == 1:
+                net.adapter.weight.grad[0, 0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()
+    assert _all_finite(net) and plugin.skipped_steps == 1

@@ -144,15 +144,18 @@ def non_finite_check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Te
     local = [dtensor_local_tensor(g) for g in grads] if sharded is not None else grads
     nonempty = [g for g in local if g.numel()]  # an empty tensor has no largest value (and nothing to check)
     flag: torch.Tensor | None = None
-    if nonempty:
-        largest = torch.stack(torch._foreach_norm(nonempty, float("inf"))).amax()
-        flag = largest.mul(0).ne(0)  # inf * 0 and nan * 0 are nan, any finite value * 0 is 0
-    if sharded is not None:
-        flag = _on_any_rank(flag if flag is not None else found_inf.new_zeros((), dtype=torch.bool), grads[0])
-    if flag is not None:
-        found_inf.logical_or_(flag)
-    if inv_scale is not None:
-        torch._foreach_mul_(local, inv_scale)
+    # Outside autocast: a step taken inside the forward's region (manual optimization, a Fabric step under
+    # `fabric.autocast()`) would send bf16 norms through fp16 autocast's `stack`, which refuses them.
+    with torch.autocast(found_inf.device.type, enabled=False):
+        if nonempty:
+            largest = torch.stack(torch._foreach_norm(nonempty, float("inf"))).amax()
+            flag = largest.mul(0).ne(0)  # inf * 0 and nan * 0 are nan, any finite value * 0 is 0
+        if sharded is not None:
+            flag = _on_any_rank(flag if flag is not None else found_inf.new_zeros((), dtype=torch.bool), grads[0])
+        if flag is not None:
+            found_inf.logical_or_(flag)
+        if inv_scale is not None:
+            torch._foreach_mul_(local, inv_scale)
 
 
 def _dtensor_class() -> type | None:
