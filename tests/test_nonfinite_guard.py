@@ -8,6 +8,7 @@ through torchao's emulation); DDP and FSDP2 on 2 gloo processes are in test_ddp.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning as L
 import pytest
@@ -351,3 +352,46 @@ def test_complex_parameters_are_checked_through_their_real_views():
     trainer(plugin, max_steps=4).fit(model, loader(nan_data(4, (1,))))
     assert all_finite(model) and plugin.skipped_steps == 1
     assert not torch.equal(model.filter.detach(), torch.ones(4, dtype=torch.complex64))  # it trained
+
+
+class _ClipFused(LitNet):
+    """AdamW(fused=True), whose step checks for inf/nan itself; an inf written into one gradient at step 1."""
+
+    def on_after_backward(self) -> None:
+        if self.global_step == 1:
+            self.net[0].weight.grad[0, 0] = float("inf")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.weights.append(self.net[0].weight.detach().clone())
+
+    def configure_optimizers(self) -> Any:
+        self.weights: list[torch.Tensor] = []
+        return torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_clipping_cannot_hide_an_inf_from_the_guard_with_a_fused_optimizer(algorithm):
+    """Clipping by value clamped the inf into a finite gradient before the fused step's own check: the step ran. The
+    guard now checks before clipping, fused optimizers included."""
+    model, plugin = _ClipFused(), BF16MixedPrecision(skip_nonfinite=True)
+    trainer(plugin, max_steps=3, gradient_clip_val=0.5, gradient_clip_algorithm=algorithm).fit(model,
+                                                                                               loader(make_data(3)))
+    assert plugin.skipped_steps == 1 and torch.equal(model.weights[0], model.weights[1])
+    assert not torch.equal(model.weights[1], model.weights[2])  # the next step trains
+
+
+def test_fabric_clipping_by_value_cannot_hide_an_inf_from_the_guard_with_a_fused_optimizer():
+    plugin = lp_fabric.BF16MixedPrecision(skip_nonfinite=True)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1, fused=True))
+    weights = []
+    for step, (x, y) in enumerate(loader(make_data(3))):
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        if step == 1:
+            net[0].weight.grad[0, 0] = float("inf")
+        fabric.clip_gradients(model, optimizer, clip_val=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.append(net[0].weight.detach().clone())
+    assert plugin.skipped_steps == 1 and torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])

@@ -8,7 +8,8 @@ Which hooks see scaled values:
 - ``on_before_backward``: the unscaled loss (Lightning's ``MixedPrecision`` passes the scaled one);
 - ``on_after_backward``: scaled gradients (unscaling waits until every accumulated backward pass is done);
 - ``on_before_optimizer_step`` and ``configure_gradient_clipping``: unscaled gradients, except with fused optimizers,
-  which unscale inside ``step`` (clipping then raises, as in Lightning).
+  which unscale inside ``step`` (clipping then raises, as in Lightning). The guard checks for inf/nan before them,
+  fused optimizers included: clipping cannot turn a non-finite gradient into a finite one before it is seen.
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
             output = closure()
             # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
             skipped_backward = output is None and model.automatic_optimization
-            if not skipped_backward and not optimizer_handles_unscaling(optimizer):
+            # Before the hooks and clipping see the gradients: a loss scaler unscales (a fused optimizer unscales inside
+            # its step); the guard checks, fused optimizers included, before clipping by value can clamp an inf into
+            # a finite gradient that the fused step's own check would let through.
+            if not skipped_backward and (self.scaler_config is None or not optimizer_handles_unscaling(optimizer)):
                 self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the guard: the inf/nan check, times 1
             self._after_closure(model, optimizer)
             if not skipped_backward:
