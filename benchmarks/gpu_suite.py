@@ -81,6 +81,7 @@ import json
 import logging
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -926,29 +927,48 @@ COMPARE_KEYS = ("precision", "median_step_ms", "speedup", "speedup_resolved", "s
 COMPARE_GRACE_S = 30  # after SIGTERM, what compare has to write what its runs reached
 
 
+def compare_argv(settings: Settings, folder: Path) -> list[str]:
+    return [sys.executable, "-m", "lightning_precision.cli", "compare",
+            *(SMOKE_COMPARE if settings.smoke else ("--quick",)), "--out", str(folder)]
+
+
+def stop_group(process: subprocess.Popen) -> str:
+    """SIGTERM to the process and everything it started (its own session), SIGKILL after ``COMPARE_GRACE_S``: what it
+    printed."""
+    for signum, grace in ((signal.SIGTERM, COMPARE_GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+        try:
+            return process.communicate(timeout=grace)[0] or ""
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
+
+
 def run_compare(settings: Settings, out: Path, timeout: float | None) -> dict[str, Any]:
     """``lightning-precision compare --quick`` on this device, as a user first meets the main job, in processes of its
-    own (its report in ``out/compare``): its rows and verdict. Past ``timeout`` it gets SIGTERM (it then writes what
-    its runs reached) and, after ``COMPARE_GRACE_S``, SIGKILL, with every process it started."""
+    own (its report in ``out/compare``): its rows and verdict. Past ``timeout``, or when the suite itself is stopped, it
+    gets SIGTERM (it then writes what its runs reached) and, after ``COMPARE_GRACE_S``, SIGKILL, with every process it
+    started. A report is taken only if this run wrote it: one left by an earlier suite in the same ``--out`` is not."""
     folder = out / COMPARE_DIR
-    argv = [sys.executable, "-m", "lightning_precision.cli", "compare",
-            *(SMOKE_COMPARE if settings.smoke else ("--quick",)), "--out", str(folder)]
+    report = folder / "report.json"
+    before = report.stat().st_mtime_ns if report.exists() else None
+    argv = compare_argv(settings, folder)
     start = time.perf_counter()
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     try:
-        output, _ = process.communicate(timeout=timeout)
+        output = process.communicate(timeout=timeout)[0] or ""
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 15)
-        try:
-            output, _ = process.communicate(timeout=COMPARE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            output, _ = process.communicate()
-    report = folder / "report.json"
-    if process.returncode not in (0, 1, 143) or not report.exists():
-        last = [line for line in (output or "").splitlines() if line.strip()][-1:] or ["no output"]
-        raise RuntimeError(f"compare exited with {process.returncode}: {last[0]}")
+        output = stop_group(process)
+    except BaseException:  # Ctrl-C, or SIGTERM (``main`` raises Stopped for it): compare goes with the suite
+        stop_group(process)
+        raise
+    fresh = report.exists() and report.stat().st_mtime_ns != before
+    if process.returncode not in (0, 1, 143) or not fresh:
+        last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
+        wrote = "" if fresh else " and wrote no report"
+        raise RuntimeError(f"compare exited with {process.returncode}{wrote}: {last[0]}")
     data = json.loads(report.read_text())
     return {"exit_code": process.returncode, "wall_s": time.perf_counter() - start, "folder": str(folder),
             "command": " ".join(["lightning-precision", *argv[3:]]), "verdict": data["meta"]["verdict"],
@@ -1083,6 +1103,18 @@ def run(specs: list[RunSpec], shapes: Shapes, settings: Settings, budget: Budget
     return state
 
 
+class Stopped(BaseException):
+    """SIGTERM: raised where the suite is, so that it unwinds (compare stopped, nothing half written)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise Stopped(128 + signum)
+
+
 def write_atomically(path: Path, text: str) -> None:
     """``path`` holds the old text or the new, whole, whatever stops the suite mid-write."""
     partial = path.with_name(f".{path.name}.partial")
@@ -1116,8 +1148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         print(f"gpu_suite: cannot write the results into {args.out}: {err}", file=sys.stderr)
         return 2
-    with quiet():
-        state = run(specs, shapes, settings, budget, args.out, write)
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # unwinds: compare is stopped, the files stay whole
+    try:
+        with quiet():
+            state = run(specs, shapes, settings, budget, args.out, write)
+    except (KeyboardInterrupt, Stopped) as stop:
+        code = stop.code if isinstance(stop, Stopped) else 130
+        progress(f"[gpu_suite] stopped ({'SIGTERM' if code == 143 else 'Ctrl-C'}): {args.out / JSON_NAME} and"
+                 f" {args.out / MD_NAME} hold the rows reached")
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     text = write(state, len(specs))
     print(text)
     rows = state.rows(len(specs))

@@ -8,8 +8,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -326,3 +328,56 @@ def test_gpu_run_without_wheels_or_with_a_bad_argument_says_what_to_do(tmp_path)
     assert done.returncode == 1 and "run 'benchmarks/gpu_run.sh prepare'" in done.stderr
     done = _gpu_run({}, "bogus")
     assert done.returncode == 2 and "usage: benchmarks/gpu_run.sh [prepare]" in done.stderr
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:  # gone meanwhile
+                pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc (Linux)")
+def test_sigterm_stops_the_suite_and_the_compare_it_started(tmp_path):
+    """The suite under `timeout` gets SIGTERM: it stops compare and every process compare started, and its files hold
+    the rows reached, whole."""
+    out = tmp_path / "out"
+    suite_process = subprocess.Popen([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--smoke", "--only",
+                                      "compare", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    compare_out = str(out / suite.COMPARE_DIR)
+    try:
+        deadline = time.monotonic() + 120
+        while not _processes_naming(compare_out) and time.monotonic() < deadline:
+            assert suite_process.poll() is None, suite_process.communicate()
+            time.sleep(0.2)
+        assert _processes_naming(compare_out), "compare never started"
+        time.sleep(2)  # compare's own runs under way
+        suite_process.send_signal(signal.SIGTERM)
+        _, stderr = suite_process.communicate(timeout=suite.COMPARE_GRACE_S + 30)
+    finally:
+        if suite_process.poll() is None:
+            suite_process.kill()
+    assert suite_process.returncode == 143 and "stopped (SIGTERM)" in stderr, stderr
+    deadline = time.monotonic() + 10
+    while _processes_naming(compare_out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_naming(compare_out)
+    result = json.loads((out / suite.JSON_NAME).read_text())
+    assert result["rows"] == [] and result["environment"]["rows_done"] == 0
+
+
+def test_a_compare_that_wrote_no_report_is_a_failed_row_not_the_last_runs(smoke, monkeypatch):
+    """An earlier suite's compare report in the same folder is not this run's: a compare that exits 1 before writing
+    (here a stand-in process that does only that: such a failure cannot be made on demand) fails its row."""
+    assert (smoke["out"] / suite.COMPARE_DIR / "report.json").exists()
+    monkeypatch.setattr(suite, "compare_argv", lambda settings, folder: [sys.executable, "-c", "import sys; sys.exit(1)"])
+    settings = suite.settings_of(suite.parse_args(["--smoke"]))
+    with pytest.raises(RuntimeError, match="compare exited with 1 and wrote no report"):
+        suite.run_compare(settings, smoke["out"], timeout=60)
