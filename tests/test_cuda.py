@@ -322,7 +322,7 @@ def test_fabric_loop_trains_finite_and_its_checkpoint_round_trips(name, tmp_path
 
 def test_the_amp_kernels_take_exactly_the_dtypes_of_the_table():
     """On CUDA the real kernels (unwrapped): ``CUDA_KERNEL_DTYPES`` is what they take, no more (the CPU suite refuses
-    the rest on its strength) and no less."""
+    the rest on its strength) and no less; the foreach norm of order inf propagates nan there too."""
     op = torch._amp_foreach_non_finite_check_and_unscale_
     kernel = getattr(op, "__wrapped__", op) if ON_CUDA else op
     taken = set()
@@ -334,6 +334,12 @@ def test_the_amp_kernels_take_exactly_the_dtypes_of_the_table():
             continue
         taken.add(dtype)
     assert taken == set(CUDA_KERNEL_DTYPES["_amp_foreach_non_finite_check_and_unscale_"][0])
+    norm = torch._foreach_norm
+    norm = getattr(norm, "__wrapped__", norm) if ON_CUDA else norm
+    for dtype in CUDA_KERNEL_DTYPES["_foreach_norm"][0]:  # what the bf16 check runs: its largest magnitude, inf and nan
+        values = torch.tensor([1.0, -3.0, float("nan")], dtype=dtype, device=DEVICE)
+        assert [n.isnan().item() for n in norm([values[:2], values], float("inf"))] == [False, True]
+        assert norm([values[:2]], float("inf"))[0].item() == 3.0
     update = torch._amp_update_scale_
     update = getattr(update, "__wrapped__", update) if ON_CUDA else update
     scale, tracker, found = (torch.ones((), device=DEVICE), torch.zeros((), dtype=torch.int32, device=DEVICE),

@@ -38,15 +38,18 @@ __all__ = [
 ]
 
 
-# The dtypes each private AMP op's CUDA kernel takes, per positional argument (each tensor of a list argument), from
-# aten/src/ATen/native/cuda/AmpKernels.cu: gradients in fp16, fp32 or fp64 (AT_DISPATCH_FLOATING_TYPES_AND_HALF), scale
-# and flags in fp32, the growth tracker in int32. Their CPU kernels take more (bf16 gradients), so a CPU run cannot
-# show a call that every CUDA run refuses (pytorch#127176): the package calls them with these dtypes only, the CPU
-# suite makes them refuse the rest (tests/cuda_kernels.py), and the cuda tier checks this table on a GPU.
+# The dtypes the CUDA kernels of the private ops on the gradients' path take, per positional tensor argument (each
+# tensor of a list argument; other arguments unchecked). aten/src/ATen/native/cuda/AmpKernels.cu: gradients in fp16,
+# fp32 or fp64 (AT_DISPATCH_FLOATING_TYPES_AND_HALF), scale and flags in fp32, the growth tracker in int32;
+# ForeachReduceOp.cu: the norm of fp16, bf16, fp32 or fp64 tensors. Their CPU kernels can take more (bf16 gradients in
+# the check), so a CPU run cannot show a call that every CUDA run refuses (pytorch#127176): the package calls them with
+# these dtypes only, the CPU suite makes them refuse the rest (tests/cuda_kernels.py), and the cuda tier checks this
+# table against the real kernels on a GPU.
 CUDA_KERNEL_DTYPES: dict[str, tuple[tuple[torch.dtype, ...], ...]] = {
     "_amp_foreach_non_finite_check_and_unscale_": (
         (torch.float16, torch.float32, torch.float64), (torch.float32,), (torch.float32,)),
     "_amp_update_scale_": ((torch.float32,), (torch.int32,), (torch.float32,)),
+    "_foreach_norm": ((torch.float16, torch.bfloat16, torch.float32, torch.float64),),
 }
 
 

@@ -232,8 +232,8 @@ class ScaledPrecision(AutocastPrecision):
                 f"`{type(optimizer).__name__}` unscales inside `step()` (a fused optimizer), so its gradients cannot"
                 " be unscaled for clipping. Use the non-fused optimizer to clip."
             )
-        # The guard (scale 1) checks now, fused optimizers included: clipping by value after this could clamp an inf into
-        # a finite gradient that the fused step's own check would let through.
+        # The guard (scale 1) checks now, fused optimizers included: clipping by value after this could clamp an inf
+        # into a finite gradient that the fused step's own check would let through.
         self._scaler.unscale_(optimizer)
 
     # Keys of the state that a subclass keeps beside the scaler's (FP8Precision's plan): never given to the scaler.
