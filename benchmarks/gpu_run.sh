@@ -18,20 +18,21 @@
 #
 # SMOKE=1 runs the same steps on a CPU (the tier with LIGHTNING_PRECISION_CUDA_TIER=cpu, the suite with --smoke): a
 # check of this script, not of any GPU. GPU_WHEELS and GPU_SITE move the two folders; SUITE_ARGS adds arguments to the
-# suite's (e.g. "--only encoder,true").
+# suite's (e.g. "--only encoder,true"); PYTHON names the interpreter (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS=${GPU_WHEELS:-.gpu-wheels}
 SITE=${GPU_SITE:-.gpu-site}
+python=${PYTHON:-python3}  # the image's Python (with torch and Lightning)
 
 if [ "${1:-}" = "prepare" ]; then
     set -e
     python_version=${GPU_PYTHON:-3.12}
     rm -rf "$WHEELS"
     mkdir -p "$WHEELS"
-    python3 -m pip wheel -q --no-deps . -w "$WHEELS"
-    python3 -m pip download -q --only-binary=:all: --no-deps --implementation cp --python-version "$python_version" \
+    "$python" -m pip wheel -q --no-deps . -w "$WHEELS"
+    "$python" -m pip download -q --only-binary=:all: --no-deps --implementation cp --python-version "$python_version" \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform any -d "$WHEELS" \
         torchao==0.18.0 jsonargparse docstring-parser typeshed-client pytest pluggy iniconfig pygments packaging
     du -sh "$WHEELS"
@@ -55,13 +56,13 @@ if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     exit 1
 fi
 rm -rf "$SITE"
-python3 -m pip install -q --no-deps --no-index --target "$SITE" "$WHEELS"/*.whl || exit 1
+"$python" -m pip install -q --no-deps --no-index --target "$SITE" "$WHEELS"/*.whl || exit 1
 export PYTHONPATH="$(cd "$SITE" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
 {
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv 2>&1
-    python3 -c "import sys, torch, lightning, torchao, lightning_precision; print('python', sys.version.split()[0],
+    "$python" -c "import sys, torch, lightning, torchao, lightning_precision; print('python', sys.version.split()[0],
 'torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__, 'torchao',
 torchao.__version__, 'from', torchao.__file__, 'lightning_precision from', lightning_precision.__file__, 'device',
 torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1
@@ -75,7 +76,7 @@ fi
 read -r -a suite_args <<<"${SUITE_ARGS:-}"
 
 echo "=== the cuda tier ($(elapsed) s)"
-timeout --signal=TERM --kill-after=10 "$tier_seconds" python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
+timeout --signal=TERM --kill-after=10 "$tier_seconds" "$python" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
     --junitxml="$out/cuda_tier.xml" 2>&1 | tee "$out/cuda_tier.txt"
 tier_status=${PIPESTATUS[0]}
 echo "cuda tier: exit $tier_status after $(elapsed) s"
@@ -84,7 +85,7 @@ budget=$(( total - $(elapsed) - 40 ))  # 40 s: the last row's overrun, and writi
 suite_status=1
 if [ "$budget" -ge 60 ]; then
     echo "=== gpu_suite.py --budget $budget ($(elapsed) s)"
-    timeout --signal=TERM --kill-after=10 $(( budget + 30 )) python3 benchmarks/gpu_suite.py --budget "$budget" \
+    timeout --signal=TERM --kill-after=10 $(( budget + 30 )) "$python" benchmarks/gpu_suite.py --budget "$budget" \
         --out "$out" "${smoke[@]}" "${suite_args[@]}" 2>"$out/gpu_suite.log" | tail -n 200
     suite_status=${PIPESTATUS[0]}
     tail -n 40 "$out/gpu_suite.log"
