@@ -9,6 +9,7 @@ import torch
 
 from tests.cuda_kernels import refusing_what_cuda_refuses
 from tests.runif import NO_CUDA, cuda_tier_device
+from tests.wheel import build_wheel
 
 _LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning")
 
@@ -52,3 +53,9 @@ def _amp_ops_refuse_what_cuda_refuses():
     """A private AMP op called with a dtype its CUDA kernel refuses fails here as on a GPU (``tests/cuda_kernels.py``)."""
     with refusing_what_cuda_refuses():
         yield
+
+
+@pytest.fixture(scope="session")
+def package_wheel(tmp_path_factory):
+    """The package's wheel, built once per session (``tests/wheel.py``) for every test that installs it."""
+    return build_wheel(tmp_path_factory)

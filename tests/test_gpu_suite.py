@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from tests.helpers import rowwise_emulates_on_cpu
-from tests.wheel import build_wheel
 
 pytestmark = pytest.mark.slow  # a benchmark script's smoke run (24 fits), not the library: CI runs it on one torch
 
@@ -302,12 +301,12 @@ def _gpu_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
 
-def test_gpu_run_runs_the_cuda_tier_then_the_suite_in_its_budget_smoke(tmp_path, tmp_path_factory):
+def test_gpu_run_runs_the_cuda_tier_then_the_suite_in_its_budget_smoke(tmp_path, package_wheel):
     """The one GPU command, on this CPU (SMOKE=1): the carried wheels installed apart, the tier run on the CPU, then the
     suite with the budget left; every step's output in the results folder."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    shutil.copy2(build_wheel(tmp_path_factory), wheels)
+    shutil.copy2(package_wheel, wheels)
     out = tmp_path / "out"
     done = _gpu_run({"SMOKE": "1", "PYTHON": sys.executable, "GPU_WHEELS": str(wheels), "GPU_SITE": str(tmp_path / "site"), "OUT": str(out),
                      "SUITE_ARGS": "--only true", "TOTAL_SECONDS": "200"})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.wheel import ROOT, build_wheel, tomllib
+from tests.wheel import ROOT, tomllib
 
 pytestmark = pytest.mark.slow  # the command line's own machinery: CI runs it on one torch (pyproject.toml)
 
@@ -28,8 +28,8 @@ def test_pyproject_lists_every_package():
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    return build_wheel(tmp_path_factory)
+def wheel(package_wheel) -> Path:
+    return package_wheel
 
 
 def test_the_wheel_ships_the_recipe_configs(wheel):
