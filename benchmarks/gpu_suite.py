@@ -933,16 +933,21 @@ def compare_argv(settings: Settings, folder: Path) -> list[str]:
 
 
 def stop_group(process: subprocess.Popen) -> str:
-    """SIGTERM to the process and everything it started (its own session), SIGKILL after ``COMPARE_GRACE_S``: what it
-    printed."""
-    for signum, grace in ((signal.SIGTERM, COMPARE_GRACE_S), (signal.SIGKILL, None)):
+    """SIGTERM to the process and everything it started (its own session), SIGKILL after ``COMPARE_GRACE_S`` or at
+    once on a second Ctrl-C or SIGTERM during the wait: what it printed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        return process.communicate(timeout=COMPARE_GRACE_S)[0] or ""
+    except subprocess.TimeoutExpired:
+        pass
+    except BaseException:  # impatient: kill it all now, then go on stopping
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signum)
-        try:
-            return process.communicate(timeout=grace)[0] or ""
-        except subprocess.TimeoutExpired:
-            continue
-    return ""
+            os.killpg(process.pid, signal.SIGKILL)
+        raise
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    return process.communicate()[0] or ""
 
 
 def run_compare(settings: Settings, out: Path, timeout: float | None) -> dict[str, Any]:
@@ -1116,10 +1121,14 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """``path`` holds the old text or the new, whole, whatever stops the suite mid-write."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    """``path`` holds the old text or the new, whole, whatever stops the suite mid-write (a full disk included); two
+    suites writing one folder each write a partial file of their own."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1130,17 +1139,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = plan(args.only, settings.monitor_rounds)
     base_env = environment(settings, shapes)
 
-    def write(state: Progress, done: int) -> str:
+    def render(state: Progress, done: int) -> tuple[str, str]:
+        """The markdown and the JSON of the first ``done`` runs."""
         rows = state.rows(done)
         goals = [judge(g, rows) for g in GOALS if g.section in args.only]
         env = {**base_env, "elapsed_s": time.perf_counter() - budget.start, "budget_s": args.budget,
                "rows_done": done, "rows_planned": len(specs)}
-        text = markdown(env, shapes, rows, goals, state.compare)
-        write_atomically(args.out / JSON_NAME, json.dumps(
+        return markdown(env, shapes, rows, goals, state.compare), json.dumps(
             {"environment": env, "rows": [dataclasses.asdict(r) for r in rows], "goals": goals,
-             "compare": state.compare}, indent=2, default=str))
+             "compare": state.compare}, indent=2, default=str)
+
+    def write(state: Progress, done: int) -> None:
+        text, data = render(state, done)
+        write_atomically(args.out / JSON_NAME, data)
         write_atomically(args.out / MD_NAME, text)
-        return text
 
     try:  # the files exist before any row: a folder that cannot be written fails now, not after the first fit
         args.out.mkdir(parents=True, exist_ok=True)
@@ -1148,10 +1160,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:
         print(f"gpu_suite: cannot write the results into {args.out}: {err}", file=sys.stderr)
         return 2
+    unwritten: list[str] = []
+
+    def write_as_it_goes(state: Progress, done: int) -> None:
+        """A write that fails mid-run (a full disk) is said once and the suite goes on: the table still reaches
+        stdout at the end, and the next row's write may succeed."""
+        try:
+            write(state, done)
+        except OSError as err:
+            if not unwritten:
+                progress(f"[gpu_suite] cannot write the results into {args.out} ({err}): going on; the tables go to"
+                         " stdout at the end")
+            unwritten.append(str(err))
+
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)  # unwinds: compare is stopped, the files stay whole
     try:
         with quiet():
-            state = run(specs, shapes, settings, budget, args.out, write)
+            state = run(specs, shapes, settings, budget, args.out, write_as_it_goes)
     except (KeyboardInterrupt, Stopped) as stop:
         code = stop.code if isinstance(stop, Stopped) else 130
         progress(f"[gpu_suite] stopped ({'SIGTERM' if code == 143 else 'Ctrl-C'}): {args.out / JSON_NAME} and"
@@ -1159,12 +1184,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     finally:
         signal.signal(signal.SIGTERM, previous)
-    text = write(state, len(specs))
+    text, _ = render(state, len(specs))
+    try:
+        write(state, len(specs))
+        where = f"wrote {args.out / JSON_NAME} and {args.out / MD_NAME}"
+    except OSError as err:
+        where = f"could not write the results into {args.out} ({err}): the tables above are all there is"
     print(text)
     rows = state.rows(len(specs))
     progress(f"[gpu_suite] {sum(r.status == 'ok' for r in rows)}/{len(rows)} rows ran in"
-             f" {time.perf_counter() - budget.start:.0f} s; wrote {args.out / JSON_NAME} and {args.out / MD_NAME}")
-    return 0 if any(r.status == "ok" for r in rows) else 1
+             f" {time.perf_counter() - budget.start:.0f} s; {where}")
+    ok = any(r.status == "ok" for r in rows)
+    return 0 if ok and where.startswith("wrote") else 1
 
 
 if __name__ == "__main__":

@@ -264,4 +264,3 @@ class Classifier(L.LightningModule):
 
     def configure_optimizers(self):
         return self._optimizer(self)
-

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -380,3 +381,70 @@ def test_a_compare_that_wrote_no_report_is_a_failed_row_not_the_last_runs(smoke,
     settings = suite.settings_of(suite.parse_args(["--smoke"]))
     with pytest.raises(RuntimeError, match="compare exited with 1 and wrote no report"):
         suite.run_compare(settings, smoke["out"], timeout=60)
+
+
+_STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
+
+
+def _stubborn_group() -> subprocess.Popen:
+    """A process that ignores SIGTERM (as a compare stuck in a kernel would answer too late), in a session of its own."""
+    process = subprocess.Popen([sys.executable, "-c", _STUBBORN], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    assert process.stdout.readline().strip() == "ready"
+    return process
+
+
+def test_stopping_compare_kills_what_ignores_sigterm_after_the_grace(monkeypatch):
+    monkeypatch.setattr(suite, "COMPARE_GRACE_S", 1)
+    process = _stubborn_group()
+    suite.stop_group(process)
+    assert process.returncode == -signal.SIGKILL
+
+
+def test_a_second_ctrl_c_while_compare_stops_kills_it_at_once():
+    """The grace is 30 s; a second Ctrl-C during it kills compare's group now, and the Ctrl-C goes on up."""
+    process = _stubborn_group()
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            suite.stop_group(process)
+    finally:
+        timer.cancel()
+    assert process.wait(timeout=10) == -signal.SIGKILL and time.monotonic() - start < 20
+
+
+def test_a_full_disk_mid_run_loses_no_row_the_tables_reach_stdout(tmp_path, monkeypatch, capsys):
+    """The results folder is writable at the start, then every write fails as on a full disk (a stand-in for
+    write_atomically: a disk cannot be filled on demand here). The suite measures on, says so once, prints the tables,
+    exits 1, and leaves no partial file."""
+    writes, real = [], suite.write_atomically
+
+    def full_disk(path, text):
+        writes.append(path.name)
+        if len(writes) > 2:  # the two files written before any fit went through
+            raise OSError(28, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(suite, "write_atomically", full_disk)
+    assert suite.main(["--smoke", "--only", "true", "--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("cannot write the results into") == 1 and "No space left on device" in captured.err
+    assert "| bf16-true |" in captured.out and "| 16-true |" in captured.out  # every row, on stdout
+    assert "could not write the results" in captured.err
+    assert json.loads((tmp_path / suite.JSON_NAME).read_text())["rows"] == []  # the last whole write: before any fit
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_partial(tmp_path, monkeypatch):
+    target = tmp_path / "gpu_suite.json"
+    target.write_text("old")
+
+    def no_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(suite.os, "replace", no_replace)
+    with pytest.raises(OSError):
+        suite.write_atomically(target, "new")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["gpu_suite.json"]

@@ -23,13 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "CUDA_KERNEL_DTYPES",
+    "FUSED_CHECK_DTYPES",
     "DispatchCounter",
     "byte_all_gather_base",
     "dtensor_local_tensor",
     "fsdp_mp_policy",
     "grad_scaler_scale",
     "inside_compiled_call",
-    "FUSED_CHECK_DTYPES",
     "non_finite_check_and_unscale_",
     "optimizer_step_hooks",
     "sparse_values",

@@ -198,8 +198,8 @@ def launch_notes(rows: list[Row]) -> list[str]:
     figures = "; ".join(f"{r.precision} {r.ops_per_step} ops, at least"
                         f" {launch_floor_ms(r.ops_per_step or 0, r.launch_us or 0.0):.1f} of {r.median_step_ms:.1f} ms"
                         for r in bound)
-    return [f"launch-bound: each step dispatches hundreds of aten ops (counted in one untimed step), each a kernel"
-            f" launch that costs the host about {bound[0].launch_us:.1f} us here ({figures}). The GPU waits for the"
+    return [f"launch-bound: each step's aten ops (counted in one untimed step) are each a kernel launch that costs the"
+            f" host about {bound[0].launch_us:.1f} us here ({figures}). The GPU waits for the"
             " host, so these step times measure kernel launches, not the precisions' arithmetic, and they vary with"
             " the host's jitter (the spread), not with another job. " + LAUNCH_ADVICE]
 
