@@ -1,45 +1,54 @@
 """The optimizer step of the true-precision plugins: the user's own optimizer, stepped in fp32 on 16-bit weights.
 
-Weights and gradients live in bf16/fp16, optimizer states in the dtype asked for. At each step, a chunk of parameters
-at a time (``step_chunk`` elements: the transient memory is bounded by it, not by the model):
+Weights and gradients live in bf16/fp16, optimizer states in the dtype asked for. Each step:
 
-1. each weight is widened to fp32 (its remainder added back under ``update="compensated"``), its gradient too (unscaled
-   and clipped in fp32), its states decoded to fp32;
+1. the weights are widened to fp32 (their remainders added back under ``update="compensated"``), the gradients too
+   (unscaled and clipped in fp32), the states decoded to fp32;
 2. those fp32 stand-ins replace the parameters in the optimizer's groups, and its own ``step()`` runs on them: any
-   ``torch.optim`` optimizer, with its hyperparameters, foreach/fused kernels and schedulers as configured;
+   optimizer, with its hyperparameters, foreach/fused kernels and schedulers as configured;
 3. the new fp32 weights land in the 16-bit weights by the chosen rounding, an element whose new value is not finite
    keeping its old one (nothing non-finite is ever written), and the states are encoded again.
+
+**A constant number of ops.** Parameters of one weight dtype, device and shard go together (a *chunk*): they are
+widened into flat fp32 buffers whose views (made once, ``_workspace``) are the stand-ins, and every conversion runs on
+the whole buffer (``_true_flat``). What the step adds to the optimizer's own ops is then a fixed number per chunk, not
+per parameter (on a GPU each op is a kernel launch), and it reads nothing from the device. Parameters it cannot take so
+(a sparse gradient, an empty tensor) and states in another form (8-bit ones, torchao's low-bit ones, those of a new
+parameter's first step) take the per-parameter path, the same values.
+
+**Memory.** The fp32 copies exist during the step only, ``step_chunk`` elements at a time for optimizers that update
+each parameter apart from the others (torch's and torchao's own: their step is called once per chunk); any other
+optimizer (timm's Lamb keeps a group-level step count, others a global norm) is stepped once, on the whole model.
 
 A step whose gradients hold inf/nan never gets here: the plugin skips it (and an fp16 plugin backs its scale off).
 
 The optimizer's step hooks (``register_step_pre_hook``/``register_step_post_hook``, torch's global ones) run once a
-step, around all the chunks, and see the real parameters. A Ctrl-C during the step is raised when it has landed (a
-second one at once). An error the optimizer raises leaves the chunk it was stepping as it was; chunks landed before it
-stay stepped (undoing them would take a copy of the weights and states, the memory the chunks exist to bound).
+step, around the whole step, and see the real parameters. A Ctrl-C during the step is raised when it has landed: a
+second one raises at once while the optimizer steps, and is held too while the new values are written (a handful of
+copies, so that no weight is written without its state). An error the optimizer raises leaves the chunk it was stepping
+as it was; chunks landed before it stay stepped.
 
-What the step keeps beside the user's states lives in the optimizer's own state, so that every checkpoint (the
-Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation), ``lp.rounds`` (how many
-times this parameter was rounded: with the plugin's seed, the parameter's index and, for a sharded weight, the shard, it
-seeds the stochastic rounding, so that a resumed run draws the same numbers as one never stopped), ``lp.f16.<state>``
-and ``lp.exp.<state>`` (an fp16 state and the power of two it is stored at, so that Adam's second moment does not
-flush to zero; a sum of squares is stored as its square root, whose range is the gradients'), and
-``lp.hi.<state>``/``lp.lo.<state>`` (an fp32 state's two 16-bit halves), ``lp.q8.<state>``/``lp.q8scale.<state>``
-(an 8-bit state's codes, two to an element, and its fp32 block scales: torchao's ``OptimState8bit`` quantizes and
-dequantizes, but is not what is stored, because ``torch.load`` cannot rebuild a tensor subclass under the callable
-``map_location`` that Lightning's Trainer and ``fabric.load`` pass). Every tensor among them is kept in the weight's
-dtype (integers as bit patterns, exponents as small integers that dtype holds exactly): ``Optimizer.load_state_dict``
-casts every state tensor to its parameter's dtype, and a cast to the same dtype changes no bit. A state stored in any
-form but its own value is stored under a key of ours only, never under the optimizer's name: a checkpoint resumed by
-another precision then fails to find the state (a ``KeyError``) instead of training on encoded values.
+Stochastic rounding draws, per chunk, from a generator seeded with the plugin's seed, the chunk's first parameter's
+index and how many times it was rounded (``lp.rounds``), and its shard: the weights first, then the states by name. A
+resumed run draws what the uninterrupted one draws (with the same ``step_chunk``).
+
+What the step keeps beside the user's states lives in the optimizer's own state (keys in ``_true_keys``), so that every
+checkpoint (the Trainer's, ``fabric.save``, a sharded one) carries it: ``lp.remainder`` (the compensation),
+``lp.rounds``, ``lp.f16.<state>`` and ``lp.exp.<state>`` (an fp16 state and the power of two it is stored at, so that
+Adam's second moment does not flush to zero; a sum of squares is stored as its square root, whose range is the
+gradients'), ``lp.hi.<state>``/``lp.lo.<state>`` (an fp32 value's two 16-bit halves), ``lp.q8.<state>``/
+``lp.q8scale.<state>`` (an 8-bit state's codes, two to an element, and its fp32 block scales: torchao's
+``OptimState8bit`` quantizes and dequantizes, but is not what is stored, because ``torch.load`` cannot rebuild a
+tensor subclass under the callable ``map_location`` that Lightning's Trainer and ``fabric.load`` pass).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,76 +58,47 @@ from torch.optim import Optimizer
 from lightning_precision import _imports
 from lightning_precision._fsdp import local_shard
 from lightning_precision._rounding import join_remainder, split_remainder, stochastic_round
+from lightning_precision._rounding_meter import ROUNDING_COUNTS, RoundingMeter
+from lightning_precision._true_flat import decode_state, encode_state, land_weights, widen_grads, widen_weights
+from lightning_precision._true_keys import (
+    BLOCK,
+    CODES,
+    EXP,
+    FP16_TOP,
+    HIGH,
+    LOW,
+    MIN_8BIT,
+    NON_NEGATIVE,
+    PLUGIN_OF,
+    REMAINDER,
+    ROUNDS,
+    SCALED,
+    SCALES,
+    SQUARED,
+    STATE_PREFIX,
+    WRITTEN_BY,
+    is_low_bit,
+    is_moment,
+    is_own_key,
+    is_scalar_fp32,
+)
 from lightning_precision._upstream.torch import optimizer_step_hooks
+from lightning_precision._workspace import Workspace
 
 __all__ = ["OPTIMIZER_STATES", "ROUNDING_COUNTS", "STATE_PREFIX", "ClipRequest", "RoundingMeter", "TrueStep",
-           "is_own_key", "is_stepping", "own_state_bytes"]
+           "is_own_key", "is_stepping", "own_state_bytes", "steps_each_parameter_apart"]
 
 OPTIMIZER_STATES = ("weight", "float32", "8bit")
-STATE_PREFIX = "lp."
-_REMAINDER = STATE_PREFIX + "remainder"
-_ROUNDS = STATE_PREFIX + "rounds"
-_EXP = STATE_PREFIX + "exp."
-# An fp16 state at its power of two, under a key of ours: under torch's own name, a checkpoint resumed by another
-# precision (Lightning's, plain torch) would read the scaled values as the state, silently; so it fails to find it.
-_SCALED = STATE_PREFIX + "f16."
-_HIGH = STATE_PREFIX + "hi."
-_LOW = STATE_PREFIX + "lo."
-_CODES = STATE_PREFIX + "q8."
-_SCALES = STATE_PREFIX + "q8scale."
-# A param-group key: the weight dtype whose step wrote the group's states. Their 16-bit encodings (remainders, fp32
-# states' halves, 8-bit codes, fp16 states at a power of two) mean nothing in the other 16-bit dtype, and torch casts
-# them to it on load: a checkpoint of one plugin resumed by the other would step on garbage states.
-_WRITTEN_BY = STATE_PREFIX + "dtype"
-_PLUGIN_OF = {"bfloat16": "BF16TruePrecision", "float16": "FP16TruePrecision"}
-# States that are never negative: torchao's unsigned 8-bit map gives them its 256 codes.
-_NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
-# States that are sums of squares (Adam's second moment, Adagrad's sum, RMSprop's average, Adadelta's deltas): their
-# range is the square of the gradients', wider than fp16 holds at one power of two when the gradients of one tensor span
-# more than about 6 decades. Stored in fp16 as their square roots (the gradients' own range), squared when read.
-_SQUARED = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta"})
-_BLOCK = 256  # torchao's 8-bit block; smaller tensors (and those not a whole number of blocks) stay 16-bit
-_MIN_8BIT = 4096  # torchao's own low-bit optimizers keep tensors under 4096 elements in full precision
-# An fp16 state is stored times 2**e, with e chosen so that its largest element lands in [2**13, 2**14): headroom below
-# 65504, and 2**-24 * 2**-13 of the largest element still representable.
-_FP16_TOP = 14
+# Optimizers whose step updates each parameter from its own gradient and state alone: stepped a chunk at a time.
+_SEPARABLE_MODULES = ("torch.optim.", "torchao.optim.")
+_MAX_WORKSPACES = 4096  # chunk layouts kept (views only: their memory is freed between steps)
 
 
-# What a `RoundingMeter` counts per weight dtype, in this order (one int64 row).
-ROUNDING_COUNTS = ("stepped", "updated", "lost_to_nearest", "moved")
-
-
-class RoundingMeter:
-    """What rounding does to the 16-bit weights, counted on the device (no host read) while a ``TrueStep`` holds it as
-    its ``meter``: per weight dtype, one int64 row of ``ROUNDING_COUNTS``: the elements stepped, those whose fp32
-    update was nonzero, those of them that rounding to nearest leaves at their old 16-bit value (what a plain 16-bit
-    step, Lightning's ``bf16-true``, loses), and those whose stored 16-bit value changed under the step's own rounding
-    (a compensated weight keeps the rest of its update in its remainder)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[torch.dtype, Tensor] = {}
-
-    def add(self, old: Tensor, before: Tensor, new: Tensor, landed: Tensor | None) -> None:
-        """``old``: the 16-bit weight before the step; ``before``: the fp32 value it stood for (with its remainder);
-        ``new``: the fp32 value after the step; ``landed``: what the step writes (``None``: ``new`` rounded to
-        nearest)."""
-        nearest = new.to(old.dtype)
-        updated = new != before
-        written = nearest if landed is None else landed
-        row = torch.stack([torch.zeros((), dtype=torch.int64, device=old.device) + old.numel(),
-                           torch.count_nonzero(updated), torch.count_nonzero(updated & (nearest == old)),
-                           torch.count_nonzero(updated & (written != old))])
-        total = self.counts.get(old.dtype)
-        self.counts[old.dtype] = row if total is None else total + row.to(total.device)
-
-    def take(self) -> dict[torch.dtype, Tensor]:
-        """The counts so far, forgotten here."""
-        counts, self.counts = self.counts, {}
-        return counts
-
-
-def is_own_key(key: Any) -> bool:
-    return isinstance(key, str) and key.startswith(STATE_PREFIX)
+def steps_each_parameter_apart(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer``'s step updates each parameter apart from the others (torch's and torchao's optimizers, not
+    a subclass that overrides ``step``), so that stepping it a chunk at a time is stepping it once."""
+    module = getattr(type(optimizer).step, "__module__", None) or ""
+    return module.startswith(_SEPARABLE_MODULES)
 
 
 _STEPPING: set[int] = set()  # ids of the optimizers a TrueStep is stepping now
@@ -132,9 +112,9 @@ def is_stepping(optimizer: Optimizer) -> bool:
 @contextmanager
 def _step_hooks_once(optimizer: Optimizer) -> Generator[None, None, None]:
     """The optimizer's step hooks (its own and torch's global ones) run once around the whole step, on the real
-    parameters, and are held while the optimizer steps chunk by chunk on stand-ins: run per chunk, a hook that counts
-    steps, or averages the model's weights (an EMA), would run several times a step and see it half taken. The
-    post-hooks run only when the step completes. What a pre-hook returns is ignored (the step takes no arguments)."""
+    parameters, and are held while the optimizer steps on stand-ins: run per chunk, a hook that counts steps, or
+    averages the model's weights (an EMA), would run several times a step and see it half taken. The post-hooks run
+    only when the step completes. What a pre-hook returns is ignored (the step takes no arguments)."""
     pre, post = optimizer_step_hooks(optimizer)
     args: tuple[Any, ...] = (optimizer,)  # what torch's step wrapper passes its hooks
     for hook in [hook for hooks in pre for hook in hooks.values()]:
@@ -154,28 +134,45 @@ def _step_hooks_once(optimizer: Optimizer) -> Generator[None, None, None]:
         hook(optimizer, args, {})
 
 
+class _Interrupts:
+    """What ``_interrupts_held`` received, and whether a second Ctrl-C is held too (while the step writes)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.writing = False
+
+    @contextmanager
+    def held_entirely(self) -> Generator[None, None, None]:
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+
+
 @contextmanager
-def _interrupts_held() -> Generator[None, None, None]:
-    """A Ctrl-C during the step is held until the step ends and raised then: raised between two chunks (or two
-    parameters landing), it would leave some parameters stepped and others not. A second Ctrl-C raises at once (a step
-    that hangs can still be stopped). Only in the main thread and where SIGINT has Python's default handler."""
+def _interrupts_held() -> Generator[_Interrupts, None, None]:
+    """A Ctrl-C during the step is held until the step ends and raised then: raised between two chunks, it would leave
+    some parameters stepped and others not. A second Ctrl-C raises at once while the optimizer steps (a step that hangs
+    can still be stopped), and is held while the new values are written. Only in the main thread and where SIGINT has
+    Python's default handler."""
+    interrupts = _Interrupts()
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
+        yield interrupts
         return
-    received: list[int] = []
 
     def hold(signum: int, _: Any) -> None:
-        if received:
+        if interrupts.received and not interrupts.writing:
             raise KeyboardInterrupt
-        received.append(signum)
+        interrupts.received.append(signum)
 
     previous = signal.signal(signal.SIGINT, hold)
     try:
-        yield
+        yield interrupts
     finally:
         signal.signal(signal.SIGINT, previous)
-    if received:
+    if interrupts.received:
         raise KeyboardInterrupt
 
 
@@ -187,6 +184,17 @@ class ClipRequest:
     max_norm: float | None = None
     norm_type: float = 2.0
     max_value: float | None = None
+
+
+@dataclass
+class _Chunk:
+    """Parameters stepped together: on flat buffers (``work``), or one by one (``flat=False``)."""
+
+    params: list[Tensor]
+    flat: bool
+    work: Workspace | None = None
+    # name -> (form, fp32 buffer) of the states decoded on the flat buffers
+    states: dict[str, tuple[str, Any]] = field(default_factory=dict)
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -250,39 +258,11 @@ def _seed(seed: int, index: int, rounds: int, rank: int) -> int:
     return (z ^ (z >> 31)) & (2**63 - 1)
 
 
-def _fits_everywhere(params: list[Tensor], news: list[Tensor]) -> list[bool]:
-    """Per parameter, whether every new fp32 value is finite and within its weight's format (so that no rounding can
-    make it inf): one reduction each and one host read for the chunk, instead of a per-element check and select each
-    (a seventh of the step's time on a CPU). On an accelerator that read would wait for the device at every chunk of
-    every step, where the per-element check is a cheap memory-bound pass: there every parameter takes that path (the
-    same values: it keeps what is out of range, and nothing else), and nothing is read."""
-    if not params:
-        return []
-    if news[0].device.type != "cpu":
-        return [False] * len(params)
-    flags = []
-    for p, new in zip(params, news, strict=True):
-        if not new.numel():
-            flags.append(torch.ones((), dtype=torch.bool, device=new.device))
-            continue
-        limit = torch.finfo(_local(p).dtype).max
-        low, high = torch.aminmax(new)  # one pass; nan in either (and so False below)
-        flags.append((high <= limit) & (low >= -limit))
-    device = flags[0].device
-    return [bool(f) for f in torch.stack([f.to(device) for f in flags]).tolist()]
-
-
-def _is_moment(key: Any, value: Any, param: Tensor) -> bool:
-    """A state the step converts: a floating tensor of the parameter's shape (not a step counter, not ours)."""
-    return (isinstance(value, Tensor) and not is_own_key(key) and key != "step" and param.dim() > 0
-            and value.shape == param.shape and (value.is_floating_point() or _is_low_bit(value)))
-
-
 def _fits_8bit(p: Tensor, local: Tensor) -> bool:
     """Whether a state is stored in 8 bits: a whole number of torchao's blocks, not a small tensor; and, sharded, only
     when every rank's shard is of this one's size, so that one DTensor is 8-bit on every rank or on none (mixed, a
     full checkpoint or a load into another number of ranks would gather 8-bit codes with 16-bit values)."""
-    if local.numel() < _MIN_8BIT or local.numel() % _BLOCK:
+    if local.numel() < MIN_8BIT or local.numel() % BLOCK:
         return False
     if not _is_sharded(p):
         return True
@@ -293,25 +273,55 @@ def _fits_8bit(p: Tensor, local: Tensor) -> bool:
     return local.numel() * shards == p.numel()
 
 
-def _is_8bit(value: Any) -> bool:
-    return type(value).__name__ == "OptimState8bit"
-
-
-def _is_low_bit(value: Any) -> bool:
-    """A state of one of torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``) the user chose."""
-    return type(value).__name__.startswith("OptimState")
-
-
 def own_state_bytes(value: Any) -> int:
     """Bytes a state tensor holds on this rank (an 8-bit state's codes, block scales and map)."""
     if not isinstance(value, Tensor):
         return 0
     local = _local(value)
-    if _is_low_bit(local):  # the tensors it is made of (an 8-bit state's codes, block scales and map)
+    if is_low_bit(local):  # the tensors it is made of (an 8-bit state's codes, block scales and map)
         names, _ = local.__tensor_flatten__()  # type: ignore[attr-defined]
         parts = [getattr(local, name) for name in names]
         return sum(t.numel() * t.element_size() for t in parts)
     return local.numel() * local.element_size()
+
+
+def _stored_form(key: Any, value: Any, p: Tensor) -> tuple[str, str] | None:
+    """(state name, form) of a stored entry the flat path can read: a moment under its own name ("plain"), at a power
+    of two ("f16"), or as its two halves ("float32"); ``None`` for any other entry."""
+    if not isinstance(key, str):
+        return None
+    if key.startswith(SCALED):
+        return key[len(SCALED):], "f16"
+    if key.startswith(HIGH):
+        return (key[len(HIGH):], "float32") if value.shape == p.shape and p.dim() > 0 else None
+    if is_moment(key, value, p) and not is_low_bit(_local(value)):
+        return key, "plain"
+    return None
+
+
+def _stored_keys(name: str, form: str) -> tuple[str, str | None]:
+    """The state keys a state of ``form`` is stored under: its values, and its parts (powers of two, low halves)."""
+    if form == "f16":
+        return SCALED + name, EXP + name
+    if form == "float32":
+        return HIGH + name, LOW + name
+    return name, None
+
+
+def _clone_all(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of ``tensors`` (the optimizer's step counters), one op per device and dtype (``x * 1`` keeps every bit,
+    -0.0 and NaN included); a bool tensor by itself."""
+    copies: list[Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if type(t) is not Tensor or t.dtype == torch.bool or t.is_complex():
+            copies[i] = t.clone()
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for members in groups.values():
+        for i, copy in zip(members, torch._foreach_mul([tensors[i] for i in members], 1), strict=True):
+            copies[i] = copy
+    return copies  # type: ignore[return-value]
 
 
 class TrueStep:
@@ -324,28 +334,45 @@ class TrueStep:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._8bit: Any = None
         self._qmaps: dict[tuple[bool, torch.device], Tensor] = {}
+        self._works: dict[tuple[int, ...], Workspace] = {}
         # Set by a monitor on the steps it measures (GradientUnderflowMonitor); None: nothing counted, nothing spent.
         self.meter: RoundingMeter | None = None
+        # Off in tests only: every parameter on the per-parameter path (the reference the flat path must equal).
+        self.flat = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_works"] = {}  # views of buffers: made again where the copy steps
+        state["_generators"] = {}
+        return state
 
     # --- the step -------------------------------------------------------------------------------------------------
 
-    def step(self, optimizer: Optimizer, grad_factor: Tensor | None, clip: ClipRequest | None) -> None:
+    def step(self, optimizer: Optimizer, grad_factor: Tensor | None, clip: ClipRequest | None,
+             grads: dict[Tensor, Tensor] | None = None) -> None:
         """One step of ``optimizer`` (its gradients checked finite by the caller). ``grad_factor``: multiplies each
-        gradient in fp32 (the inverse loss scale), before clipping."""
+        gradient in fp32 (the inverse loss scale), before clipping. ``grads``: the gradients to step with in place of
+        the parameters' own (``.grad``), where given."""
         self.check_written_by(optimizer)
         index = {p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+        replaced = grads or {}
+
+        def grad_of(p: Tensor) -> Tensor:
+            grad = replaced.get(p)
+            return grad if grad is not None else p.grad  # type: ignore[return-value]
+
         params = [p for p in index if p.grad is not None]
         factor = grad_factor
         if clip is not None and clip.max_norm is not None:
-            factor = self._norm_factor(params, factor, clip)
+            factor = self._norm_factor(params, grad_of, factor, clip)
         max_value = clip.max_value if clip is not None else None
         landed = 0
         _STEPPING.add(id(optimizer))
         try:
-            with _interrupts_held(), _step_hooks_once(optimizer):
-                for chunk in self._chunks(params):
-                    self._step_chunk(optimizer, chunk, index, factor, max_value)
-                    landed += len(chunk)
+            with _interrupts_held() as interrupts, _step_hooks_once(optimizer):
+                for chunks in self._rounds(optimizer, params, index, grad_of):
+                    self._step_round(optimizer, chunks, index, grad_of, factor, max_value, interrupts)
+                    landed += sum(len(chunk.params) for chunk in chunks)
         except BaseException as error:
             if landed and hasattr(error, "add_note"):  # (Python 3.11+) say what the step left behind
                 error.add_note(f"The true-precision step of `{type(optimizer).__name__}` had stepped {landed} of its"
@@ -360,20 +387,35 @@ class TrueStep:
         plugin); mark them as this dtype's."""
         name = str(self.dtype).removeprefix("torch.")
         for group in optimizer.param_groups:
-            written = group.get(_WRITTEN_BY, name)
+            written = group.get(WRITTEN_BY, name)
             if written != name:
                 raise ValueError(
-                    f"The states of `{type(optimizer).__name__}` were written by `{_PLUGIN_OF.get(written, written)}`"
+                    f"The states of `{type(optimizer).__name__}` were written by `{PLUGIN_OF.get(written, written)}`"
                     f" ({written} weights: a checkpoint of it was loaded) and are stepped by"
-                    f" `{_PLUGIN_OF.get(name, name)}` ({name} weights). Their 16-bit encodings (remainders, fp32"
+                    f" `{PLUGIN_OF.get(name, name)}` ({name} weights). Their 16-bit encodings (remainders, fp32"
                     f" states' halves, 8-bit codes, fp16 states stored at a power of two) cannot be read in {name}:"
                     " torch cast them on load. Resume with the plugin that wrote the checkpoint, or load the model's"
                     " weights alone (e.g. `LightningModule.load_from_checkpoint`) and start the optimizer afresh."
                 )
         for group in optimizer.param_groups:
-            group[_WRITTEN_BY] = name
+            group[WRITTEN_BY] = name
 
-    def _chunks(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
+    def _rounds(self, optimizer: Optimizer, params: list[Tensor], index: dict[Tensor, int],
+                grad_of: Callable[[Tensor], Tensor]) -> list[list[_Chunk]]:
+        """The chunks, and which of them each call of the optimizer's step takes: one chunk a call for an optimizer
+        that steps each parameter apart, all of them in one call for any other."""
+        kinds: dict[tuple[Any, ...], list[Tensor]] = {}
+        for p in params:
+            local, grad = _local(p), grad_of(p)
+            flat = self.flat and local.numel() > 0 and grad.layout == torch.strided
+            kinds.setdefault((flat, local.dtype, local.device, _shard_index(p)), []).append(p)
+        chunks = [_Chunk(part, kind[0]) for kind, members in kinds.items() for part in self._split(members)]
+        chunks.sort(key=lambda chunk: index[chunk.params[0]])
+        if steps_each_parameter_apart(optimizer):
+            return [[chunk] for chunk in chunks]
+        return [chunks] if chunks else []
+
+    def _split(self, params: list[Tensor]) -> Iterator[list[Tensor]]:
         chunk: list[Tensor] = []
         size = 0
         for p in params:
@@ -387,18 +429,27 @@ class TrueStep:
             yield chunk
 
     @staticmethod
-    def _norm_factor(params: list[Tensor], factor: Tensor | None, clip: ClipRequest) -> Tensor | None:
+    def _norm_factor(params: list[Tensor], grad_of: Callable[[Tensor], Tensor], factor: Tensor | None,
+                     clip: ClipRequest) -> Tensor | None:
         """``factor`` times the clipping coefficient of the total gradient norm, computed in fp32 (a 16-bit norm of
-        fp16 gradients at a loss scale overflows). A DTensor's norm is reduced across its mesh."""
+        fp16 gradients at a loss scale overflows): one ``torch._foreach_norm`` per device and dtype. A DTensor's norm
+        is reduced across its mesh."""
         if not params:
             return factor
         from torch.distributed.tensor import DTensor
 
-        norms = []
+        norms: list[Tensor] = []
+        plain: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for p in params:
-            grad = p.grad.coalesce().values() if p.grad.is_sparse else p.grad  # type: ignore[union-attr]
-            norm = torch.linalg.vector_norm(grad, clip.norm_type, dtype=torch.float32)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            grad = grad_of(p)
+            if isinstance(grad, DTensor) or grad.is_sparse:
+                values = grad.coalesce().values() if grad.is_sparse else grad
+                norm = torch.linalg.vector_norm(values, clip.norm_type, dtype=torch.float32)
+                norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            else:
+                plain.setdefault((grad.device, grad.dtype), []).append(grad)
+        for grads in plain.values():
+            norms.extend(torch._foreach_norm(grads, clip.norm_type, dtype=torch.float32))
         device = _local(params[0]).device
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), clip.norm_type)
         if factor is not None:
@@ -406,59 +457,205 @@ class TrueStep:
         coefficient = (clip.max_norm / (total + 1e-6)).clamp(max=1.0)
         return coefficient if factor is None else factor * coefficient
 
-    def _step_chunk(self, optimizer: Optimizer, chunk: list[Tensor], index: dict[Tensor, int],
-                    factor: Tensor | None, max_value: float | None) -> None:
-        members = set(chunk)
+    def _step_round(self, optimizer: Optimizer, chunks: list[_Chunk], index: dict[Tensor, int],
+                    grad_of: Callable[[Tensor], Tensor], factor: Tensor | None, max_value: float | None,
+                    interrupts: _Interrupts) -> None:
         stand_ins: dict[Tensor, Tensor] = {}
         stored: dict[Tensor, dict[str, Any]] = {}
         groups = [group["params"] for group in optimizer.param_groups]
         state = optimizer.state
         try:
-            with torch.no_grad():
-                for p in chunk:
-                    stored[p] = state.pop(p) if p in state else {}
-                    stand_in = _like(p, self._widen(p, stored[p]))
-                    stand_in.grad = _like(p, self._grad(p, factor, max_value))
-                    stand_ins[p] = stand_in
-                    state[stand_in] = self._decode(p, stored[p])
-            for group, params in zip(optimizer.param_groups, groups, strict=True):
-                group["params"] = [stand_ins[p] for p in params if p in members]
-            optimizer.step()
-        except BaseException:
-            for p in chunk:  # nothing written: the parameters and their states as they were
-                if p in stand_ins:
-                    state.pop(stand_ins[p], None)
-                if p in stored:
+            try:
+                with torch.no_grad():
+                    for chunk in chunks:
+                        for p in chunk.params:
+                            stored[p] = state.pop(p) if p in state else {}
+                        if chunk.flat:
+                            self._prepare_flat(chunk, stored, grad_of, factor, max_value, stand_ins, state)
+                        else:
+                            sparse = isinstance(optimizer, torch.optim.SparseAdam)
+                            for p in chunk.params:
+                                stand_in = _like(p, self._widen(p, stored[p]))
+                                stand_in.grad = _like(p, self._grad(grad_of(p), factor, max_value, sparse))
+                                stand_ins[p] = stand_in
+                                state[stand_in] = self._decode(p, stored[p])
+                members = set(stand_ins)
+                for group, params in zip(optimizer.param_groups, groups, strict=True):
+                    group["params"] = [stand_ins[p] for p in params if p in members]
+                optimizer.step()
+            except BaseException:
+                for p in stored:  # nothing written: the parameters and their states as they were
+                    if p in stand_ins:
+                        state.pop(stand_ins[p], None)
                     state[p] = stored[p]
-            raise
+                raise
+            finally:
+                for group, params in zip(optimizer.param_groups, groups, strict=True):
+                    group["params"] = params
+            try:
+                with interrupts.held_entirely(), torch.no_grad():
+                    for chunk in chunks:
+                        if chunk.flat:
+                            self._land_flat(chunk, stored, stand_ins, state, index)
+                        else:
+                            sparse = isinstance(optimizer, torch.optim.SparseAdam)
+                            for p in chunk.params:
+                                new_state = state.pop(stand_ins[p])
+                                state[p] = self._commit(p, stand_ins[p], new_state, stored[p], index[p])
+            except BaseException:  # what has not landed keeps its state, no stand-in stays
+                for p in stored:
+                    if p in stand_ins:
+                        state.pop(stand_ins[p], None)
+                    state.setdefault(p, stored[p])
+                raise
         finally:
-            for group, params in zip(optimizer.param_groups, groups, strict=True):
-                group["params"] = params
-        try:
-            with torch.no_grad():
-                fits = _fits_everywhere(chunk, [_local(stand_ins[p]) for p in chunk])
-                for p, safe in zip(chunk, fits, strict=True):
-                    new_state = state.pop(stand_ins[p])
-                    state[p] = self._commit(p, stand_ins[p], new_state, stored[p], index[p], safe)
-        except BaseException:  # (a second Ctrl-C): what has not landed keeps its state, no stand-in stays
-            for p in chunk:
-                state.pop(stand_ins[p], None)
-                state.setdefault(p, stored[p])
-            raise
+            for chunk in chunks:
+                if chunk.work is not None:
+                    chunk.work.free()
+
+    # --- the flat path --------------------------------------------------------------------------------------------
+
+    def _workspace(self, params: list[Tensor], locals_: list[Tensor]) -> Workspace:
+        """The chunk's buffers and stand-ins, made at its first step and kept (their memory freed between steps)."""
+        key = tuple(id(p) for p in params)
+        shapes = [local.shape for local in locals_]
+        work = self._works.get(key)
+        if (work is not None and work.shapes == shapes and work.device == locals_[0].device
+                and work.weight_dtype == locals_[0].dtype):
+            return work
+        if len(self._works) >= _MAX_WORKSPACES:
+            self._works.clear()
+        work = self._works[key] = Workspace(shapes, locals_[0].device, locals_[0].dtype)
+        weights, grads = work.buffer("weight", torch.float32), work.buffer("grad", torch.float32)
+        for p, weight, grad in zip(params, weights.views, grads.views, strict=True):
+            stand_in = _like(p, weight)
+            stand_in.grad = _like(p, grad)
+            work.stand_ins.append(stand_in)
+        return work
+
+    def _target_form(self, p: Tensor, local: Tensor) -> str:
+        """How the step stores a moment of ``p`` now: a form of ``_true_flat.FLAT_FORMS``, or ``"other"`` (8-bit)."""
+        if local.dtype == torch.float32:
+            return "plain"
+        if self.states == "float32":
+            return "float32"
+        if self.states == "8bit" and _fits_8bit(p, local):
+            return "other"
+        if local.dtype == torch.float16:  # at a power of two, one for the whole tensor: sharded, its largest is global
+            return "other" if _is_sharded(p) else "f16"
+        return "plain"
+
+    def _prepare_flat(self, chunk: _Chunk, stored: dict[Tensor, dict[str, Any]],
+                      grad_of: Callable[[Tensor], Tensor], factor: Tensor | None, max_value: float | None,
+                      stand_ins: dict[Tensor, Tensor], state: Any) -> None:
+        params = chunk.params
+        locals_ = [_local(p) for p in params]
+        work = chunk.work = self._workspace(params, locals_)
+        remainders = None
+        if self.update == "compensated" and work.weight_dtype != torch.float32:
+            remainders = [_local(stored[p][REMAINDER]) if REMAINDER in stored[p] else None for p in params]
+        widen_weights(work, locals_, remainders)
+        widen_grads(work, [_local(grad_of(p)) for p in params], factor, max_value)
+        # The states every parameter of the chunk stores in the form the step writes now: decoded on flat buffers.
+        forms = [{found[0]: found[1] for key, value in stored[p].items() if (found := _stored_form(key, value, p))}
+                 for p in params]
+        targets = [self._target_form(p, local) for p, local in zip(params, locals_, strict=True)]
+        for name, form in forms[0].items():
+            if all(f.get(name) == form == target for f, target in zip(forms, targets, strict=True)):
+                values_key, parts_key = _stored_keys(name, form)
+                values = [_local(stored[p][values_key]) for p in params]
+                parts = None if parts_key is None else [_local(stored[p][parts_key]) for p in params]
+                chunk.states[name] = (form, decode_state(work, name, form, values, parts))
+        clones: dict[tuple[int, Any], Tensor] = {}
+        decoded = []
+        flat_keys = {key for name, (form, _) in chunk.states.items() for key in _stored_keys(name, form)}
+        for i, p in enumerate(params):
+            rest = {key: value for key, value in stored[p].items() if key not in flat_keys}
+            states = self._decode(p, rest, clones, i)
+            for name, (_, buffer) in chunk.states.items():
+                states[name] = _like(p, buffer.views[i])
+            decoded.append(states)
+        if clones:
+            for (i, key), copy in zip(clones, _clone_all(list(clones.values())), strict=True):
+                decoded[i][key] = copy
+        for p, stand_in, states in zip(params, work.stand_ins, decoded, strict=True):
+            stand_ins[p] = stand_in
+            state[stand_in] = states
+
+    def _land_flat(self, chunk: _Chunk, stored: dict[Tensor, dict[str, Any]], stand_ins: dict[Tensor, Tensor],
+                   state: Any, index: dict[Tensor, int]) -> None:
+        params, work = chunk.params, chunk.work
+        assert work is not None
+        dtype = work.weight_dtype
+        new_states = [state.pop(stand_ins[p]) for p in params]
+        generator = None
+        kept = (ROUNDS, REMAINDER) if self.update == "compensated" else (ROUNDS,)
+        fresh = [{key: stored[p][key] for key in kept if key in stored[p]} for p in params]
+        if dtype != torch.float32 and self.update != "nearest":
+            first = params[0]
+            generator = self._generator(work.device)
+            generator.manual_seed(_seed(self.seed, index[first], int(stored[first].get(ROUNDS, 0)), _shard_index(first)))
+            for p, own in zip(params, fresh, strict=True):
+                own[ROUNDS] = int(stored[p].get(ROUNDS, 0)) + 1
+        weights = land_weights(work, self.update, generator, self.meter if dtype != torch.float32 else None)
+        copies: list[tuple[list[Tensor], list[Tensor]]] = [([_local(p) for p in params], weights.views)]
+        if self.update == "compensated" and dtype != torch.float32:
+            targets = []
+            for p, own in zip(params, fresh, strict=True):
+                if REMAINDER not in own:  # a parameter's first step
+                    own[REMAINDER] = _like(p, torch.empty_like(_local(p)))
+                targets.append(_local(own[REMAINDER]))
+            copies.append((targets, work.buffer("remainder", dtype).views))
+        for name, (form, buffer) in sorted(chunk.states.items()):
+            if not all(new.get(name) is not None and _local(new[name]) is view
+                       for new, view in zip(new_states, buffer.views, strict=True)):
+                continue  # the optimizer put another tensor there: encoded on the per-parameter path below
+            values, parts = encode_state(work, name, form, dtype, generator)
+            values_key, parts_key = _stored_keys(name, form)
+            copies.append(([_local(stored[p][values_key]) for p in params], values))
+            if parts_key is not None and parts is not None:
+                copies.append(([_local(stored[p][parts_key]) for p in params], parts))
+            for p, own, new in zip(params, fresh, new_states, strict=True):
+                own[values_key] = stored[p][values_key]
+                if parts_key is not None:
+                    own[parts_key] = stored[p][parts_key]
+                del new[name]
+        for p, own, new in zip(params, fresh, new_states, strict=True):
+            for key, value in new.items():
+                encoded = self._encode(key, value, p, own, generator)
+                if encoded is not None:
+                    own[key] = encoded
+        for targets, sources in copies:
+            torch._foreach_copy_(targets, sources)
+        for p, own in zip(params, fresh, strict=True):
+            state[p] = own
+
+    # --- the per-parameter path -----------------------------------------------------------------------------------
 
     def _widen(self, p: Tensor, own: dict[str, Any]) -> Tensor:
         local = _local(p)
         if local.dtype == torch.float32:  # a layer kept in fp32 (the layer policy): stepped as it is
             return local.detach().clone()
-        remainder = own.get(_REMAINDER)
+        remainder = own.get(REMAINDER)
         if self.update == "compensated" and remainder is not None:
             return join_remainder(local, _local(remainder).view(torch.int16))
         return local.float()
 
     @staticmethod
-    def _grad(p: Tensor, factor: Tensor | None, max_value: float | None) -> Tensor:
-        grad = _local(p.grad)  # type: ignore[arg-type]
-        if grad.is_sparse:  # an embedding with sparse=True: its momentum would be sparse, not storable in 16 bits
+    def _grad(grad: Tensor, factor: Tensor | None, max_value: float | None, sparse: bool) -> Tensor:
+        """The gradient in fp32, unscaled and clipped. A sparse one (an embedding with ``sparse=True``) is made dense
+        (its optimizer's momentum would be sparse, not storable in 16 bits), except for an optimizer that takes sparse
+        gradients only (``sparse``: SparseAdam, whose states are dense): its values widened."""
+        grad = _local(grad)
+        if grad.is_sparse and sparse:
+            grad = grad.coalesce()
+            values = grad.values().float()
+            if factor is not None:
+                values.mul_(factor.to(values.device))
+            if max_value is not None:
+                values.clamp_(-max_value, max_value)
+            return torch.sparse_coo_tensor(grad.indices(), values, grad.shape, is_coalesced=True)
+        if grad.is_sparse:
             grad = grad.to_dense()
         grad = grad.float()
         if factor is not None:
@@ -467,27 +664,34 @@ class TrueStep:
             grad.clamp_(-max_value, max_value)
         return grad
 
-    def _decode(self, p: Tensor, stored: dict[str, Any]) -> dict[str, Any]:
-        """The parameter's states as its optimizer keeps them, in fp32 where they are stored otherwise."""
+    def _decode(self, p: Tensor, stored: dict[str, Any], clones: dict[tuple[int, Any], Tensor] | None = None,
+                position: int = 0) -> dict[str, Any]:
+        """The parameter's states as its optimizer keeps them, in fp32 where they are stored otherwise. A plain tensor
+        that is not a moment (a step counter) is copied: the optimizer updates it in place, and a step that fails or is
+        interrupted gives the parameter back its state as it was (copied here, or by the caller, together, when
+        ``clones`` collects them)."""
         states: dict[str, Any] = {}
         for key, value in stored.items():
-            if isinstance(key, str) and key.startswith(_HIGH):
-                name = key[len(_HIGH):]
+            if isinstance(key, str) and key.startswith(HIGH):
+                name = key[len(HIGH):]
                 high = _local(value).view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
-                low = _local(stored[_LOW + name]).view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
-                states[name] = _like(p, high.bitwise_or_(low).view(torch.float32))
-            elif isinstance(key, str) and key.startswith(_SCALED):
-                name = key[len(_SCALED):]
-                widened = torch.ldexp(_local(value).float(), -_local(stored[_EXP + name]).to(value.device, torch.int32))
-                states[name] = _like(p, widened.square() if name in _SQUARED else widened)
-            elif isinstance(key, str) and key.startswith(_CODES):
-                states[key[len(_CODES):]] = _like(p, self._dequantize(p, key[len(_CODES):], _local(value), stored))
-            elif is_own_key(key) or not _is_moment(key, value, p):
-                if not is_own_key(key):
-                    # A copy (a step counter is one): the optimizer updates it in place, and a step that fails or is
-                    # interrupted gives the parameter back its state as it was.
-                    states[key] = value.clone() if type(value) is Tensor else value
-            elif _is_low_bit(_local(value)):
+                low = _local(stored[LOW + name]).view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+                states[name] = _like_value(value, high.bitwise_or_(low).view(torch.float32))
+            elif isinstance(key, str) and key.startswith(SCALED):
+                name = key[len(SCALED):]
+                widened = torch.ldexp(_local(value).float(), -_local(stored[EXP + name]).to(value.device, torch.int32))
+                states[name] = _like(p, widened.square() if name in SQUARED else widened)
+            elif isinstance(key, str) and key.startswith(CODES):
+                states[key[len(CODES):]] = _like(p, self._dequantize(p, key[len(CODES):], _local(value), stored))
+            elif is_own_key(key):
+                continue
+            elif not is_moment(key, value, p):
+                if type(value) is Tensor and clones is not None:
+                    clones[(position, key)] = value
+                    states[key] = value
+                else:
+                    states[key] = value.clone() if isinstance(value, Tensor) else value
+            elif is_low_bit(_local(value)):
                 # A torchao low-bit optimizer's state: already compact, and read and written by that optimizer itself
                 # (in place: a step that fails inside it may leave it updated).
                 states[key] = value
@@ -497,29 +701,25 @@ class TrueStep:
         return states
 
     def _commit(self, p: Tensor, stand_in: Tensor, new_state: dict[str, Any], own: dict[str, Any],
-                index: int, safe: bool) -> dict[str, Any]:
+                index: int) -> dict[str, Any]:
         """Land the stepped fp32 weight and states in their storage, and return the parameter's new state. ``own``, its
         state from before the step (holding our keys), is left as it was, and the weight is written last: an error
-        on the way leaves the parameter and its state as they were. ``safe``: every new value is finite and within
-        the 16-bit format's range (``_fits_everywhere``), so that no element needs keeping its old value."""
+        on the way leaves the parameter and its state as they were."""
         old = _local(p)
         new = _local(stand_in)
         # Every state is encoded anew: an encoding of another setting (a resume that changed `optimizer_states`, or
         # `update` away from "compensated") would stay in the state, and in every checkpoint, for good, and be read
         # again in place of the state.
-        kept = (_ROUNDS, _REMAINDER) if self.update == "compensated" else (_ROUNDS,)
+        kept = (ROUNDS, REMAINDER) if self.update == "compensated" else (ROUNDS,)
         fresh = {key: own[key] for key in kept if key in own}
         generator = None
         if old.dtype != torch.float32 and self.update != "nearest":
-            rounds = int(own.get(_ROUNDS, 0))
+            rounds = int(own.get(ROUNDS, 0))
             generator = self._generator(new.device)
             generator.manual_seed(_seed(self.seed, index, rounds, _shard_index(p)))
-            fresh[_ROUNDS] = rounds + 1
+            fresh[ROUNDS] = rounds + 1
         meter = self.meter if old.dtype != torch.float32 else None
-        if safe and meter is None:  # the common case: no element to keep, nothing to count
-            landed = self._land(p, old, new, fresh, generator)
-        else:
-            landed = self._land_checked(p, old, new, own, fresh, generator, meter)
+        landed = self._land_checked(p, old, new, own, fresh, generator, meter)
         for key, value in new_state.items():
             encoded = self._encode(key, value, p, fresh, generator)
             if encoded is not None:
@@ -527,21 +727,11 @@ class TrueStep:
         old.copy_(landed)
         return fresh
 
-    def _land(self, p: Tensor, old: Tensor, new: Tensor, fresh: dict[str, Any],
-              generator: torch.Generator | None) -> Tensor:
-        """The 16-bit weight ``new`` lands as (its remainder into ``fresh``), every value known to fit."""
-        if old.dtype == torch.float32:
-            return new
-        if self.update == "compensated":
-            weight, remainder = split_remainder(new, old.dtype)
-            fresh[_REMAINDER] = _like(p, remainder.view(old.dtype))
-            return weight
-        return stochastic_round(new, old.dtype, generator) if generator is not None else new.to(old.dtype)
-
     def _land_checked(self, p: Tensor, old: Tensor, new: Tensor, own: dict[str, Any], fresh: dict[str, Any],
                       generator: torch.Generator | None, meter: RoundingMeter | None) -> Tensor:
-        """``_land`` element by element: a value the optimizer left non-finite, or one the 16-bit format cannot hold,
-        keeps the old one (nothing non-finite is written); and the meter, when a monitor measures, counts."""
+        """The 16-bit weight ``new`` lands as (its remainder into ``fresh``): a value the optimizer left non-finite, or
+        one the 16-bit format cannot hold, keeps the old one (nothing non-finite is written); and the meter, when a
+        monitor measures, counts."""
         before = self._widen(p, own)
         new = torch.where(torch.isfinite(new), new, before)
         if old.dtype == torch.float32:
@@ -549,12 +739,12 @@ class TrueStep:
         if self.update == "compensated":
             weight, remainder = split_remainder(new, old.dtype)
             fits = torch.isfinite(weight)
-            if _REMAINDER in own:
-                remainder = torch.where(fits, remainder, _local(own[_REMAINDER]).view(torch.int16))
+            if REMAINDER in own:
+                remainder = torch.where(fits, remainder, _local(own[REMAINDER]).view(torch.int16))
             else:
                 remainder = torch.where(fits, remainder, 0)
             landed = torch.where(fits, weight, old)
-            fresh[_REMAINDER] = _like(p, remainder.view(old.dtype))
+            fresh[REMAINDER] = _like(p, remainder.view(old.dtype))
         else:
             landed = stochastic_round(new, old.dtype, generator) if generator is not None else new.to(old.dtype)
             # A finite fp32 value beyond the 16-bit format's largest (fp16: 65504) rounds to inf: it keeps its value.
@@ -565,36 +755,42 @@ class TrueStep:
 
     def _encode(self, key: Any, value: Any, p: Tensor, own: dict[str, Any], generator: torch.Generator | None) -> Any:
         weight_dtype = _local(p).dtype
-        if not _is_moment(key, value, p) or weight_dtype == torch.float32 or _is_low_bit(_local(value)):
+        if weight_dtype != torch.float32 and is_scalar_fp32(key, value, p):
+            # Stored as its two halves: torch's load would cast it to the weight dtype (a resumed run would differ).
+            bits = _local(value).contiguous().view(torch.int32)
+            own[HIGH + str(key)] = _like_value(value, bits.bitwise_right_shift(16).to(torch.int16).view(weight_dtype))
+            own[LOW + str(key)] = _like_value(value, bits.to(torch.int16).view(weight_dtype))
+            return None
+        if not is_moment(key, value, p) or weight_dtype == torch.float32 or is_low_bit(_local(value)):
             return value
         local = _local(value).float()
         if self.states == "float32":
             bits = local.contiguous().view(torch.int32)
-            own[_HIGH + str(key)] = _like(p, bits.bitwise_right_shift(16).to(torch.int16).view(weight_dtype))
-            own[_LOW + str(key)] = _like(p, bits.to(torch.int16).view(weight_dtype))
+            own[HIGH + str(key)] = _like(p, bits.bitwise_right_shift(16).to(torch.int16).view(weight_dtype))
+            own[LOW + str(key)] = _like(p, bits.to(torch.int16).view(weight_dtype))
             return None
         if self.states == "8bit" and _fits_8bit(p, local):
-            quantized = self._optim_state_8bit().zeros(local.shape, signed=key not in _NON_NEGATIVE,
-                                                       block_size=_BLOCK, device=local.device)
+            quantized = self._optim_state_8bit().zeros(local.shape, signed=key not in NON_NEGATIVE,
+                                                       block_size=BLOCK, device=local.device)
             quantized.copy_(local)
-            own[_CODES + str(key)] = _like_flat(p, quantized.codes.reshape(-1).view(torch.int16).view(weight_dtype))
-            own[_SCALES + str(key)] = _like_flat(p, quantized.scale.view(torch.int16).view(weight_dtype))
+            own[CODES + str(key)] = _like_flat(p, quantized.codes.reshape(-1).view(torch.int16).view(weight_dtype))
+            own[SCALES + str(key)] = _like_flat(p, quantized.scale.view(torch.int16).view(weight_dtype))
             return None
         if weight_dtype == torch.float16 and value.numel() > 0:  # (an empty state has no largest element)
             # fp16 would flush a second moment of small gradients to zero (and the next update would divide by ~0):
             # stored at a power of two that puts its largest element near 2**14, one for the whole (sharded) tensor so
-            # that a checkpoint holds one value for every rank; a sum of squares as its square root (_SQUARED).
+            # that a checkpoint holds one value for every rank; a sum of squares as its square root (SQUARED).
             largest = value.abs().amax()
             largest = _local(largest.full_tensor() if _is_sharded(largest) else largest)
-            if key in _SQUARED:
+            if key in SQUARED:
                 local, largest = local.sqrt(), largest.sqrt()
-            exponent = torch.where(largest > 0, _FP16_TOP - torch.frexp(largest).exponent, 0).to(torch.int32)
+            exponent = torch.where(largest > 0, FP16_TOP - torch.frexp(largest).exponent, 0).to(torch.int32)
             local = torch.ldexp(local, exponent.to(local.device))
-            own[_EXP + str(key)] = exponent.to(weight_dtype)  # a small integer: exact in fp16
+            own[EXP + str(key)] = exponent.to(weight_dtype)  # a small integer: exact in fp16
         rounded = stochastic_round(local.contiguous(), weight_dtype, generator) if generator is not None \
             else local.to(weight_dtype)
-        if _EXP + str(key) in own:
-            own[_SCALED + str(key)] = _like(p, rounded)
+        if EXP + str(key) in own:
+            own[SCALED + str(key)] = _like(p, rounded)
             return None
         return _like(p, rounded)
 
@@ -607,12 +803,12 @@ class TrueStep:
     def _dequantize(self, p: Tensor, key: str, codes: Tensor, stored: dict[str, Any]) -> Tensor:
         """An 8-bit state (``lp.q8.<key>`` and ``lp.q8scale.<key>``) in fp32, through torchao's own dequantization."""
         local = _local(p)
-        signed = key not in _NON_NEGATIVE
+        signed = key not in NON_NEGATIVE
         qmap = self._qmaps.get((signed, local.device))
         if qmap is None:  # torchao's map of 256 values, the same for every state of a sign
-            qmap = self._optim_state_8bit().zeros((_BLOCK,), signed=signed, block_size=_BLOCK, device=local.device).qmap
+            qmap = self._optim_state_8bit().zeros((BLOCK,), signed=signed, block_size=BLOCK, device=local.device).qmap
             self._qmaps[(signed, local.device)] = qmap
-        scale = _local(stored[_SCALES + key]).view(torch.int16).view(torch.float32)
+        scale = _local(stored[SCALES + key]).view(torch.int16).view(torch.float32)
         quantized = self._optim_state_8bit()(codes.view(torch.int16).view(torch.uint8).reshape(local.shape), scale,
                                               qmap, signed)
         return quantized.dequantize()
@@ -621,3 +817,14 @@ class TrueStep:
         if self._8bit is None:
             self._8bit = _imports.import_quietly("torchao.optim.subclass_8bit").OptimState8bit
         return self._8bit
+
+
+def _like_value(value: Tensor, local: Tensor) -> Tensor:
+    """``local`` as ``value`` is (a state of its own shape, not the parameter's): a DTensor with its mesh and
+    placements when it is one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return local
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride())

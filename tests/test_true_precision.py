@@ -388,11 +388,13 @@ def test_fabric_save_and_load_resume_exactly(name, tmp_path):
 # ---- the step's pieces -------------------------------------------------------------------------------------------
 
 
-def test_step_chunks_change_no_bit():
-    """``step_chunk`` bounds the transient memory of the step; how the parameters are grouped changes nothing."""
+@pytest.mark.parametrize(("update", "states"), [("compensated", "float32"), ("nearest", "weight")])
+def test_step_chunks_change_no_bit(update, states):
+    """``step_chunk`` bounds the transient memory of the step; how the parameters are grouped changes nothing where
+    the rounding draws nothing (stochastic rounding draws once per chunk: see ``test_stochastic_draws_repeat``)."""
     runs = []
     for chunk in (1, 100, 2**24):
-        plugin = lpf.BF16TruePrecision(step_chunk=chunk)
+        plugin = lpf.BF16TruePrecision(step_chunk=chunk, update=update, optimizer_states=states)
         fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         net = make_net(0)
         model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
