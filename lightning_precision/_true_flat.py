@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from lightning_precision._rounding import join_remainder, split_remainder, stochastic_round
-from lightning_precision._true_keys import FP16_TOP, SQUARED
 from lightning_precision._rounding_meter import RoundingMeter
+from lightning_precision._true_keys import FP16_TOP, SQUARED
 from lightning_precision._workspace import Buffer, Workspace
 
 __all__ = ["FLAT_FORMS", "decode_state", "encode_state", "land_weights", "widen_grads", "widen_weights"]

@@ -594,7 +594,8 @@ class TrueStep:
         if dtype != torch.float32 and self.update != "nearest":
             first = params[0]
             generator = self._generator(work.device)
-            generator.manual_seed(_seed(self.seed, index[first], int(stored[first].get(ROUNDS, 0)), _shard_index(first)))
+            rounds = int(stored[first].get(ROUNDS, 0))
+            generator.manual_seed(_seed(self.seed, index[first], rounds, _shard_index(first)))
             for p, own in zip(params, fresh, strict=True):
                 own[ROUNDS] = int(stored[p].get(ROUNDS, 0)) + 1
         weights = land_weights(work, self.update, generator, self.meter if dtype != torch.float32 else None)
