@@ -35,16 +35,19 @@ def random_halves(count: int, device: torch.device, generator: torch.Generator) 
     return words.view(torch.int16)[:count]
 
 
-def stochastic_round(value: Tensor, dtype: torch.dtype, generator: torch.Generator) -> Tensor:
+def stochastic_round(value: Tensor, dtype: torch.dtype, generator: torch.Generator,
+                     out: Tensor | None = None) -> Tensor:
     """``value`` (fp32) rounded to ``dtype`` (bf16 or fp16) stochastically: unbiased, with random bits from
-    ``generator``. Non-finite values stay non-finite."""
+    ``generator`` (into ``out`` when given: one copy fewer). Non-finite values stay non-finite, except a NaN whose
+    payload is all ones (CUDA's), which the added bits can carry into the sign: callers keep non-finite values out."""
     if dtype == torch.bfloat16:
         # 16 random bits added below the bf16 part, then cut off: a signed draw s in [-2**15, 2**15), plus 2**15,
         # is uniform in [0, 2**16).
         # (widened first: an int32 + int16 add is not vectorised, and took a fifth of the step)
         bits = random_halves(value.numel(), value.device, generator).view(value.shape).to(torch.int32)
         bits.add_(value.view(torch.int32)).add_(_LOW_HALF >> 1)
-        return bits.bitwise_and_(-_LOW_HALF).view(torch.float32).to(torch.bfloat16)
+        truncated = bits.bitwise_and_(-_LOW_HALF).view(torch.float32)
+        return truncated.to(torch.bfloat16) if out is None else out.copy_(truncated)
     near = value.to(dtype)
     error = value - near.float()
     toward = torch.where(error > 0, torch.inf, -torch.inf).to(dtype)
@@ -52,7 +55,9 @@ def stochastic_round(value: Tensor, dtype: torch.dtype, generator: torch.Generat
     gap = other.float() - near.float()  # never 0 where error is not 0; inf beyond the format's largest value
     chance = torch.where(error != 0, error / gap, 0.0)
     draw = torch.rand(value.shape, dtype=torch.float32, device=value.device, generator=generator)
-    return torch.where(draw < chance, other, near)
+    if out is None:
+        return torch.where(draw < chance, other, near)
+    return torch.where(draw < chance, other, near, out=out)
 
 
 def split_remainder(value: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

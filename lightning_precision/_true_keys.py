@@ -9,15 +9,15 @@ encoded values.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = ["BLOCK", "CODES", "EXP", "FP16_TOP", "HIGH", "LOW", "MIN_8BIT", "NON_NEGATIVE", "PLUGIN_OF", "REMAINDER",
-           "ROUNDS", "SCALED", "SCALES", "SQUARED", "STATE_PREFIX", "WRITTEN_BY", "is_low_bit", "is_moment",
-           "is_scalar_fp32",
-           "is_own_key"]
+           "ROUNDS", "SCALED", "SCALES", "SQUARED", "STATE_PREFIX", "WRITTEN_BY", "check_readable_states",
+           "is_low_bit", "is_moment", "is_own_key", "is_scalar_fp32"]
 
 STATE_PREFIX = "lp."
 REMAINDER = STATE_PREFIX + "remainder"
@@ -71,3 +71,30 @@ def is_scalar_fp32(key: Any, value: Any, param: Tensor) -> bool:
     column moments): kept as its two halves (``HIGH``/``LOW``), which torch's load leaves as they are."""
     return (isinstance(value, Tensor) and not is_low_bit(value) and not is_own_key(key) and key != "step"
             and value.dtype == torch.float32 and not is_moment(key, value, param))
+
+
+def check_readable_states(owner: str, optimizer: Any) -> None:
+    """Raise where ``optimizer``'s states are stored in a true-precision plugin's encoding (a checkpoint of
+    ``BF16TruePrecision``/``FP16TruePrecision`` loaded into another precision): the optimizer would not find them
+    (a bare ``KeyError``). One state is looked at: a step encodes every state alike."""
+    states = getattr(optimizer, "state", None)  # (an optimizer-like object may keep none)
+    if not isinstance(states, Mapping):
+        return
+    state = next(iter(states.values()), None)
+    if not isinstance(state, dict):
+        return
+    for key in state:
+        if not isinstance(key, str) or not key.startswith((SCALED, HIGH, CODES)):
+            continue
+        name = key.split(".", 2)[2]
+        if name in state:
+            continue
+        groups = getattr(optimizer, "param_groups", [])
+        written = next((group[WRITTEN_BY] for group in groups if WRITTEN_BY in group), None)
+        writer = PLUGIN_OF.get(written, "a true-precision plugin") if written else "a true-precision plugin"
+        raise ValueError(
+            f"`{owner}` cannot step `{type(optimizer).__name__}`: its states were written by `{writer}` (a checkpoint"
+            f" of it was loaded), which stores {name!r} encoded, under {key!r}; the optimizer would not find it. Resume"
+            f" with `{writer}`, or load the model's weights alone (e.g. `LightningModule.load_from_checkpoint`) and"
+            " start the optimizer afresh."
+        )

@@ -598,7 +598,8 @@ class TrueStep:
             generator.manual_seed(_seed(self.seed, index[first], rounds, _shard_index(first)))
             for p, own in zip(params, fresh, strict=True):
                 own[ROUNDS] = int(stored[p].get(ROUNDS, 0)) + 1
-        weights = land_weights(work, self.update, generator, self.meter if dtype != torch.float32 else None)
+        weights = land_weights(work, [_local(p) for p in params], self.update, generator,
+                               self.meter if dtype != torch.float32 else None)
         copies: list[tuple[list[Tensor], list[Tensor]]] = [([_local(p) for p in params], weights.views)]
         if self.update == "compensated" and dtype != torch.float32:
             targets = []
@@ -684,8 +685,8 @@ class TrueStep:
                 states[name] = _like(p, widened.square() if name in SQUARED else widened)
             elif isinstance(key, str) and key.startswith(CODES):
                 states[key[len(CODES):]] = _like(p, self._dequantize(p, key[len(CODES):], _local(value), stored))
-            elif is_own_key(key):
-                continue
+            elif is_own_key(key) or (isinstance(key, str) and HIGH + key in stored):
+                continue  # (a value also kept as its halves: read from them, exact)
             elif not is_moment(key, value, p):
                 if type(value) is Tensor and clones is not None:
                     clones[(position, key)] = value
@@ -757,11 +758,12 @@ class TrueStep:
     def _encode(self, key: Any, value: Any, p: Tensor, own: dict[str, Any], generator: torch.Generator | None) -> Any:
         weight_dtype = _local(p).dtype
         if weight_dtype != torch.float32 and is_scalar_fp32(key, value, p):
-            # Stored as its two halves: torch's load would cast it to the weight dtype (a resumed run would differ).
+            # Also as its two halves, which the step reads: torch's load casts it to the weight dtype (a resumed run
+            # would differ). Kept under its name too: the optimizer's own load requires it there (ASGD's `eta`).
             bits = _local(value).contiguous().view(torch.int32)
             own[HIGH + str(key)] = _like_value(value, bits.bitwise_right_shift(16).to(torch.int16).view(weight_dtype))
             own[LOW + str(key)] = _like_value(value, bits.to(torch.int16).view(weight_dtype))
-            return None
+            return value
         if not is_moment(key, value, p) or weight_dtype == torch.float32 or is_low_bit(_local(value)):
             return value
         local = _local(value).float()

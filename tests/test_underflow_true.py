@@ -215,7 +215,8 @@ class ReadsPerStep(Callback):
 
 def test_measuring_steps_that_log_nothing_read_nothing(monkeypatch):
     """Measuring every step (the meter in the optimizer step each time), logging every 3rd: the steps that log nothing
-    read the device exactly as often as a fit without the monitor does (the plugin's own inf/nan check)."""
+    read the device no more often than a fit without the monitor does (the plugin's own inf/nan check; on a CPU the
+    unmeasured step also reads whether its new weights all fit, which a measured step checks element-wise)."""
     reads = count_host_reads(monkeypatch)
     runs = []
     for monitor in ([], [GradientUnderflowMonitor(top_k=0, warn_threshold=1.0, measure_every_n_steps=1,
@@ -227,7 +228,7 @@ def test_measuring_steps_that_log_nothing_read_nothing(monkeypatch):
     plain, measured = runs
     # Step 0 is left out: the first measurement builds the formats' constant tables from Python numbers, once (CPU
     # tensors read on the host; nothing of the model's).
-    assert [measured[i] for i in (1, 3, 4)] == [plain[i] for i in (1, 3, 4)]
+    assert all(measured[i] <= plain[i] for i in (1, 3, 4)), (measured, plain)
     assert measured[2] > plain[2] and measured[5] > plain[5]  # the logging steps do read: the test is not vacuous
 
 

@@ -84,6 +84,7 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
+        self.check_readable_states(optimizer)
         if self._scaler is None:  # plain autocast: Lightning's step, closure-driven optimizers included
             output = super().optimizer_step(optimizer, model, closure, **kwargs)
         elif self.scaler_config is None and closure_driven(optimizer):
@@ -98,8 +99,8 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
             # Before the hooks and clipping see the gradients: a loss scaler unscales (a fused optimizer unscales inside
             # its step); the guard checks, fused optimizers included, before clipping by value can clamp an inf into
             # a finite gradient that the fused step's own check would let through.
-            if not skipped_backward and (self.scaler_config is None or not optimizer_handles_unscaling(optimizer)):
-                self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the guard: the inf/nan check, times 1
+            if not skipped_backward:
+                self._unscale_before_hooks(optimizer)
             self._after_closure(model, optimizer)
             if not skipped_backward:
                 output = self._scaler_step(optimizer, **kwargs)
@@ -110,6 +111,13 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
         else:
             self._manual_model = model
         return output
+
+    def _unscale_before_hooks(self, optimizer: Optimizable) -> None:
+        """What the hooks and clipping see: gradients unscaled (a fused optimizer unscales inside its step, and its
+        gradients stay scaled), checked by the guard."""
+        assert self._scaler is not None
+        if self.scaler_config is None or not optimizer_handles_unscaling(optimizer):
+            self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the guard: the inf/nan check, times 1
 
     def _hold_if_skipped(self, optimizer: Optimizable) -> None:
         if self.step_was_skipped:

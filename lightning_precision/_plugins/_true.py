@@ -2,15 +2,21 @@
 fp32 inside the step. The rest (the closure, the inf/nan check after it, held schedulers, logging, checkpoints) is the
 Trainer's part of every plugin that trains (``TrainerScaledPrecision``).
 
-Which hooks see what: ``on_after_backward`` and ``on_before_optimizer_step`` see the 16-bit gradients, at the loss
-scale under ``FP16TruePrecision`` (``plugin.loss_scale``; unscaled in fp16 the small ones would flush): they are
-unscaled, and clipped, in fp32 inside the step.
+Which hooks see what, as under Lightning's plugins: ``on_after_backward`` sees the 16-bit gradients as backward left
+them (at the loss scale under ``FP16TruePrecision``), ``on_before_optimizer_step`` and ``configure_gradient_clipping``
+see them unscaled. Under ``FP16TruePrecision`` the unscaled fp16 gradients are a copy for the hooks (unscaled in fp16
+the smallest flush): the step unscales the scaled ones in fp32, unless a hook changed the gradients (a clip by hand),
+whose values it then takes. ``gradient_clip_val`` clips in fp32 inside the step, fused optimizers included (they never
+see the 16-bit gradients).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -35,6 +41,22 @@ class TrainerTruePrecision(TrainerScaledPrecision, FabricCore):  # type: ignore[
         for optimizer in optimizers:  # at setup, not at the first step
             self._check_steppable(optimizer, {})
         return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    def _unscale_before_hooks(self, optimizer: Optimizable) -> None:
+        assert self._scaler is not None
+        self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the check alone: the gradients stay scaled
+        self.unscale_for_hooks(optimizer)
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        # In fp32 inside the step, whatever the optimizer: a fused one never sees the 16-bit gradients here.
+        TrainerPrecision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

@@ -80,6 +80,10 @@ class AutocastPrecision(FabricPrecision):
     and, for a sharded model, FSDP2's checks (one collective); no property read runs either.
     """
 
+    # Whether the forward pass runs under autocast (the true-precision plugins cast the model instead): what an error
+    # about the device says.
+    autocasts = True
+
     def __init__(
         self,
         compute_dtype: torch.dtype,
@@ -172,9 +176,16 @@ class AutocastPrecision(FabricPrecision):
                 self._checked_device = self.device
             return self.device_type
         if self.device is not None and self.device not in found:
+            lives = " and ".join(map(repr, found))
+            if not self.autocasts:
+                raise ValueError(
+                    f"`{type(self).__name__}(device={self.device!r})` names the device the model trains on, but the"
+                    f" model lives on {lives}. Move the model to {self.device!r} (the Trainer's or Fabric's"
+                    " `accelerator`), or pass the device it lives on (or `device=None`: where it is)."
+                )
             raise ValueError(
                 f"`{type(self).__name__}(device={self.device!r})` autocasts for {self.device!r}, but the model lives"
-                f" on {' and '.join(map(repr, found))}: autocast would not touch its operations, and it would train"
+                f" on {lives}: autocast would not touch its operations, and it would train"
                 f" in fp32 while reporting precision={self.precision!r}. Move the model to {self.device!r} (the"
                 f" Trainer's or Fabric's `accelerator`), or pass the device it lives on."
             )

@@ -21,6 +21,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_precision._true_keys import check_readable_states
 from lightning_precision._upstream.lightning import optimizer_handles_unscaling
 from lightning_precision.fabric._autocast import AutocastPrecision, MatmulPrecision
 from lightning_precision.fabric._scaler import NonFiniteGuard, ScalerConfig, TrackingGradScaler
@@ -67,6 +68,8 @@ class ScaledPrecision(AutocastPrecision):
     pattern for several optimizers; updating after each optimizer would unscale the second with the new scale).
     """
 
+    # Whether the plugin reads the states a true-precision plugin encodes (those plugins themselves).
+    reads_encoded_states = False
     # The loss scaler's class (the true-precision plugins check in `unscale_` and unscale inside their step).
     scaler_class: type[TrackingGradScaler] = TrackingGradScaler
 
@@ -188,10 +191,17 @@ class ScaledPrecision(AutocastPrecision):
         self.update_after_every_step()  # at a backward, every optimizer of the last one has stepped
         super().backward(self._scale_loss(tensor), model, *args, **kwargs)
 
+    def check_readable_states(self, optimizer: Any) -> None:
+        """Refuse, naming the cause and the fix, an optimizer whose states a true-precision plugin encoded (its
+        checkpoint resumed by this plugin): the optimizer would fail on a bare ``KeyError``."""
+        if not self.reads_encoded_states:
+            check_readable_states(type(self).__name__, getattr(optimizer, "optimizer", optimizer))
+
     def _scaler_step(self, optimizer: Optimizable, closure_step: Callable[[], Any] | None = None,
                      **kwargs: Any) -> Any:
         """Step ``optimizer`` through the scaler or the guard. ``closure_step``: how a closure-driven optimizer steps
         (evaluating the closure itself), for the guard to undo if it leaves non-finite weights."""
+        self.check_readable_states(optimizer)
         if self._scaler is None:
             self.step_was_skipped = False
             return optimizer.step(**kwargs) if closure_step is None else closure_step()

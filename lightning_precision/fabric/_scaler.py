@@ -86,14 +86,19 @@ class ScalerConfig:
     # a diverged model, activations beyond fp16's range), and training on would change nothing.
     max_consecutive_skips: int | None = 50
 
-    def validate(self, owner: str) -> None:
+    def validate(self, owner: str, defaults: dict[str, float] | None = None) -> None:
+        """Raise a ``ValueError`` naming the first invalid field; ``defaults``: the owner's own defaults where they are
+        not the config's (``FP16TruePrecision``'s ``init_scale``), cited in the message."""
+        def default(name: str) -> Any:
+            return (defaults or {}).get(name, getattr(ScalerConfig, name))
+
         def fail(name: str, fix: str) -> None:
             raise ValueError(f"`{owner}({name}={getattr(self, name)!r})` is invalid: {fix}")
 
         def real(name: str) -> float:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                fail(name, f"pass a finite number, e.g. {getattr(ScalerConfig, name)!r} (the default).")
+                fail(name, f"pass a finite number, e.g. {default(name)!r} (the default).")
             return float(value)
 
         def steps(name: str, allow_none: bool = False) -> None:
@@ -111,7 +116,7 @@ class ScalerConfig:
                  " 1/scale stays a normal fp32 number; the defaults are 2**-24 and 2**24.")
         if not low <= real("init_scale") <= high:
             fail("init_scale", f"the initial loss scale must lie in [min_scale, max_scale] = [{low:g}, {high:g}],"
-                               " e.g. 2.0**16 (the default).")
+                               f" e.g. {default('init_scale')!r} (the default).")
         growth = real("growth_factor")
         if not growth > 1:
             fail("growth_factor", "the scale must grow, so use a factor > 1, e.g. 2.0.")
@@ -131,10 +136,12 @@ class ScalerConfig:
         steps("max_consecutive_skips", allow_none=True)
 
 
-def resolve_scaler_config(owner: str, scaler: ScalerConfig | None, **flat: Any) -> ScalerConfig:
-    """One validated config from a plugin's ``scaler=`` and its flat scaler arguments (either, not both)."""
+def resolve_scaler_config(owner: str, scaler: ScalerConfig | None, defaults: dict[str, float] | None = None,
+                          **flat: Any) -> ScalerConfig:
+    """One validated config from a plugin's ``scaler=`` and its flat scaler arguments (either, not both);
+    ``defaults``: the plugin's own defaults of those arguments, where they are not the config's."""
     config: ScalerConfig = one_config(owner, "scaler", ScalerConfig, scaler, flat)
-    config.validate(owner)
+    config.validate(owner, None if scaler is not None else defaults)
     return config
 
 

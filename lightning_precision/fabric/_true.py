@@ -29,6 +29,7 @@ from lightning_precision._checks import is_positive_int
 from lightning_precision._rounding import UPDATES
 from lightning_precision._true_step import OPTIMIZER_STATES, ClipRequest, TrueStep, is_stepping
 from lightning_precision._upstream.lightning import convert_fp_tensor
+from lightning_precision._upstream.torch import version_counter
 from lightning_precision.fabric._scaled import ScaledPrecision, closure_driven
 from lightning_precision.fabric._scaler import InStepScaler, NonFiniteGuard, ScalerConfig
 
@@ -73,6 +74,8 @@ class TruePrecision(ScaledPrecision):
     """Fabric base of ``BF16TruePrecision`` and ``FP16TruePrecision``; see those for the arguments."""
 
     scaler_class = InStepScaler
+    autocasts = False
+    reads_encoded_states = True
 
     def __init__(
         self,
@@ -117,6 +120,9 @@ class TruePrecision(ScaledPrecision):
         # The fp32 step, where the weights are rounded: GradientUnderflowMonitor hangs its meter on it.
         self.true_step: TrueStep = TrueStep(compute_dtype, update, optimizer_states, self.seed, step_chunk)
         self._clips: dict[int, ClipRequest] = {}
+        # Per optimizer, the scaled gradients kept while the hooks see them unscaled, and what they were shown
+        # (``unscale_for_hooks``).
+        self._shown: dict[int, tuple[dict[Tensor, Tensor], dict[Tensor, tuple[Tensor, int]]]] = {}
         self._kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # --- the model ------------------------------------------------------------------------------------------------
@@ -261,6 +267,25 @@ class TruePrecision(ScaledPrecision):
         for p in params:
             p.grad = None
 
+    def unscale_for_hooks(self, optimizer: Optimizable) -> None:
+        """Under a loss scale: unscale ``optimizer``'s 16-bit gradients in place for the hooks that read them (the
+        Trainer's ``on_before_optimizer_step``, as Lightning's contract has it), keeping a copy of the scaled ones
+        (unscaled in fp16 the smallest flush) that the step unscales in fp32, unless a hook changes the gradients.
+        Three ops, and two bytes a parameter until the step."""
+        torch_optimizer = _unwrap(optimizer)
+        inverse = self._inverse_scale()
+        if inverse is None:
+            return
+        params = [p for group in torch_optimizer.param_groups for p in group["params"]
+                  if p.grad is not None and p.grad.layout == torch.strided]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        kept = torch._foreach_mul(grads, 1)  # (x * 1 keeps every bit)
+        torch._foreach_mul_(grads, inverse.to(grads[0].device))
+        self._shown[id(torch_optimizer)] = (dict(zip(params, kept, strict=True)),
+                                            {p: (p.grad, version_counter(p.grad)) for p in params})
+
     def _inverse_scale(self) -> Tensor | None:
         if self.scaler_config is None or self._scaler is None:
             return None
@@ -280,7 +305,15 @@ class TruePrecision(ScaledPrecision):
             self.true_step.check_written_by(torch_optimizer)  # (the other plugin's states, read plainly, are garbage)
             step = functools.partial(_plain_step, torch_optimizer, clip)
         else:
-            step = functools.partial(self.true_step.step, torch_optimizer, self._inverse_scale(), clip)
+            factor, grads = self._inverse_scale(), None
+            shown = self._shown.pop(id(torch_optimizer), None)
+            if shown is not None:
+                kept, versions = shown
+                if all(p.grad is grad and version_counter(grad) == version for p, (grad, version) in versions.items()):
+                    grads = kept  # the hooks left the gradients as shown: the scaled ones, unscaled in fp32
+                else:
+                    factor = None  # a hook changed them (a clip by hand): its unscaled gradients, as they are
+            step = functools.partial(self.true_step.step, torch_optimizer, factor, clip, grads)
         stepped = self._scaler.step_checked(torch_optimizer, step)
         self.step_was_skipped = not stepped
         self._update_pending = True
@@ -291,6 +324,7 @@ class TruePrecision(ScaledPrecision):
         # the model it converts (hooks registered twice on one layer cast what is already cast: a no-op).
         state = super().__getstate__()
         state["_kept"] = None
+        state["_shown"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -62,7 +62,7 @@ class FP16TruePrecision(TruePrecision):
         if scaler is not None and init_scale == INIT_SCALE:
             init_scale = ScalerConfig.init_scale  # left at this plugin's default: the config's own is in force
         config = resolve_scaler_config(
-            type(self).__name__, scaler, init_scale=init_scale, growth_factor=growth_factor,
+            type(self).__name__, scaler, {"init_scale": INIT_SCALE}, init_scale=init_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval, min_scale=min_scale, max_scale=max_scale,
             max_consecutive_skips=max_consecutive_skips,
         )
