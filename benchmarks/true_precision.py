@@ -1,11 +1,11 @@
 """True precision (``BF16TruePrecision``, ``FP16TruePrecision``): memory, step time and training quality against
 Lightning's ``bf16-mixed`` and ``bf16-true``.
 
-    python benchmarks/true_precision.py --threads 1 [--part bytes|time|pieces|quality|regression] [--device cpu]
+    python benchmarks/true_precision.py --threads 1 [--part bytes|time|ops|pieces|quality|regression] [--device cpu]
         [--model distilbert|vit|mlp] [--rounds 8] [--steps 30] [--quality-steps 200] [--seeds 3] [--profile]
-        [--fused]
+        [--fused] [--ops-layers 4,16,64]
 
-Five parts (all by default):
+Six parts (all by default):
 
 ``bytes``: on the DistilBERT recipe's model (its embedded tiny default: 2.07M parameters, 94% of them the 30522x64 word
 embedding; batches of 32 x 48 tokens), for each plugin and its ``update``/``optimizer_states``, the bytes a parameter
@@ -25,6 +25,14 @@ model and batches: fits alternated in one process (the order rotated each round)
 (``time.process_time``; the wall clock on a GPU), the first steps of each fit dropped, one median per fit; each round's
 ratio (ours / Lightning) is one paired sample, printed as median [IQR]. ``--profile`` adds a ``torch.profiler`` table
 of our step (the ops that take its time).
+
+``ops``: what one training step (forward, backward, optimizer step; the fourth, once the states exist) dispatches,
+counted with a ``TorchDispatchMode`` (``DispatchCounter``): aten ops (on a GPU each is at least one kernel launch) and
+host reads (``.item()``, ``bool(tensor)``: on a GPU each waits for the device), for ours against Lightning's
+``bf16-true`` and ``bf16-mixed`` and torchao's ``_AdamW(bf16_stochastic_round=True)`` under ``bf16-true`` (where it
+runs: it compiles a step per parameter shape), with the bytes a parameter holds. On MLPs of ``--ops-layers`` layers of
+64x64 (the number of parameters grows, what the step adds must not) and the ``--model``, with AdamW as torch runs it on
+the device (a loop over the parameters on a CPU, ``foreach`` on a GPU) and with ``AdamW(foreach=True)``.
 
 ``pieces``: candidates for the step's costliest pieces, timed beside what it does (random bits, the finite check).
 
@@ -65,6 +73,7 @@ from torch.utils.data import DataLoader
 
 from lightning_precision import BF16TruePrecision, FP16TruePrecision
 from lightning_precision._bytes import training_bytes
+from lightning_precision._upstream.torch import DispatchCounter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, WARMUP, StepTimer, process_bytes  # noqa: E402
@@ -225,9 +234,15 @@ def run_bytes(args: argparse.Namespace) -> None:
 
 TIME_VARIANTS: dict[str, Callable[[], Any]] = {
     "Lightning bf16-true": lambda: "bf16-true",
+    "Lightning bf16-mixed": lambda: "bf16-mixed",
     "BF16TruePrecision()": lambda: BF16TruePrecision(),
     "BF16TruePrecision(update='compensated')": lambda: BF16TruePrecision(update="compensated"),
+    "Lightning 16-true (fp16 compute: slow on a CPU)": lambda: "16-true",
+    "FP16TruePrecision()": lambda: FP16TruePrecision(),
 }
+# torchao's stochastically rounding AdamW (bf16 weights and states, its step compiled per parameter) under Lightning's
+# bf16-true: the peer row, where torchao and a compiler are present.
+TORCHAO_PEER = "torchao _AdamW(bf16_stochastic_round=True) under bf16-true"
 
 
 def _clock(device: str) -> Callable[[], float]:
@@ -241,12 +256,41 @@ def _clock(device: str) -> Callable[[], float]:
     return synchronized
 
 
+def _with_optimizer(model: L.LightningModule, kind: str | None) -> L.LightningModule:
+    """``model`` stepping its own AdamW (``None``), or the same hyperparameters as ``"fused"``/``"foreach"`` AdamW or
+    torchao's ``_AdamW(bf16_stochastic_round=True)`` (``"torchao"``)."""
+    if kind is None:
+        return model
+    optimizer = _optimizer(model)
+    if kind == "torchao":
+        from torchao.optim import _AdamW
+
+        keys = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+        replaced = _AdamW(model.parameters(), **{k: optimizer.defaults[k] for k in keys if k in optimizer.defaults},
+                          bf16_stochastic_round=True)
+    else:
+        replaced = _fused(optimizer) if kind == "fused" else _foreach(optimizer)
+    model.configure_optimizers = lambda: replaced  # type: ignore[method-assign]
+    return model
+
+
+def torchao_peer_reason(device: str) -> str | None:
+    """Why the torchao peer cannot run here (``None``: it runs): torchao missing, or its compiled step failing (on a
+    CPU it needs a C++ compiler)."""
+    try:
+        from torchao.optim import _AdamW
+
+        weight = nn.Parameter(torch.ones(8, dtype=torch.bfloat16, device=device))
+        weight.grad = torch.ones_like(weight)
+        _AdamW([weight], bf16_stochastic_round=True).step()
+    except Exception as error:  # noqa: BLE001  # any failure: the row says why instead of the run stopping
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+    return None
+
+
 def _fit_times(make: Callable[[], Any], batches: list[Any], args: argparse.Namespace,
-               pristine: L.LightningModule) -> list[float]:
-    model = copy.deepcopy(pristine)  # the same initial weights for every fit
-    if args.fused:
-        optimizer = _fused(_optimizer(model))
-        model.configure_optimizers = lambda: optimizer  # type: ignore[method-assign]
+               pristine: L.LightningModule, optimizer: str | None = None) -> list[float]:
+    model = _with_optimizer(copy.deepcopy(pristine), optimizer or ("fused" if args.fused else None))
     timer = StepTimer(_clock(args.device))
     trainer = _trainer(make(), len(batches), args.device, [timer], limit_val_batches=0)
     trainer.fit(model, _loader(batches))
@@ -255,24 +299,125 @@ def _fit_times(make: Callable[[], Any], batches: list[Any], args: argparse.Names
 
 def run_time(args: argparse.Namespace) -> None:
     model, batches = _batches(args.steps, args.model)
-    variants = list(TIME_VARIANTS.items())
-    medians: dict[str, list[float]] = {label: [] for label, _ in variants}
+    variants: list[tuple[str, Callable[[], Any], str | None]] = [(label, make, None)
+                                                                  for label, make in TIME_VARIANTS.items()]
+    peer = torchao_peer_reason(args.device)
+    if peer is None:
+        variants.append((TORCHAO_PEER, lambda: "bf16-true", "torchao"))
+    medians: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     for r in range(args.rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
-        for label, make in order:
-            medians[label].append(statistics.median(_fit_times(make, batches, args, model)))
+        for label, make, optimizer in order:
+            medians[label].append(statistics.median(_fit_times(make, batches, args, model, optimizer)))
     reference = variants[0][0]
     print(f"\n{_name(args.model)}, AdamW{' (fused=True)' if args.fused else ''}: {args.rounds} rounds x"
           f" {args.steps} steps"
           f" (first {WARMUP} dropped), {'CPU time of the process' if args.device == 'cpu' else 'wall clock'}")
-    print("| variant | ms/step (median of fits) | ours / Lightning, paired median [IQR] |")
+    print("| variant | ms/step (median of fits) | / Lightning bf16-true, paired median [IQR] |")
     print("|---|---|---|")
-    for label, _ in variants:
+    for label, _, _ in variants:
         ratios = [a / b for a, b in zip(medians[label], medians[reference], strict=True)]
         lo, mid, hi = _quartiles(ratios)
         print(f"| {label} | {statistics.median(medians[label]) * 1e3:.2f} | {mid:.3f} [{lo:.3f}, {hi:.3f}] |")
+    if peer is not None:
+        print(f"| {TORCHAO_PEER} | not run: {peer} | |")
     if args.profile:
         profile_step(model, batches, args)
+
+
+# --- ops ----------------------------------------------------------------------------------------------------------
+
+
+class StepDispatches(Callback):
+    """The aten ops and host reads of training step ``at`` (from batch start to batch end), counted."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.counter: DispatchCounter | None = None
+        self.ops = self.reads = self.device_reads = -1
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            self.counter = DispatchCounter()
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.ops, self.reads = len(self.counter.names), self.counter.host_reads
+            self.device_reads = self.reads - self.counter.reads_on("cpu")
+            self.counter = None
+
+
+class DeepMLP(L.LightningModule):
+    """``layers`` linear layers of 64x64 with ReLU between them (2 parameters a layer), AdamW."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(64, 64), nn.ReLU())])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+OPS_VARIANTS: dict[str, Callable[[], Any]] = {
+    "Lightning bf16-true": lambda: "bf16-true",
+    "Lightning bf16-mixed": lambda: "bf16-mixed",
+    "BF16TruePrecision()": lambda: BF16TruePrecision(),
+    "BF16TruePrecision(update='compensated')": lambda: BF16TruePrecision(update="compensated"),
+    "BF16TruePrecision(update='nearest', optimizer_states='float32')": lambda: BF16TruePrecision(
+        update="nearest", optimizer_states="float32"),
+    "FP16TruePrecision()": lambda: FP16TruePrecision(),
+    "FP16TruePrecision(update='compensated')": lambda: FP16TruePrecision(update="compensated"),
+}
+
+
+def _count_fit(make: Callable[[], Any], model: L.LightningModule, batches: list[Any], device: str,
+               optimizer: str | None, count: bool = True) -> tuple[StepDispatches, float]:
+    model = _with_optimizer(model, optimizer)
+    counted = StepDispatches(at=3 if count else -1)
+    run = _trainer(make(), 4, device, [counted], limit_val_batches=0)
+    run.fit(model, _loader(batches[:4]))
+    return counted, training_bytes(model, run.optimizers).per_parameter
+
+
+def run_ops(args: argparse.Namespace) -> None:
+    g = torch.Generator().manual_seed(0)
+    models: list[tuple[str, Callable[[], tuple[L.LightningModule, list[Any]]]]] = [
+        (f"MLP {n} x 64x64 ({2 * n} parameters)", functools.partial(
+            lambda n: (DeepMLP(n), [(torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g))
+                                    for _ in range(4)]), n))
+        for n in (int(x) for x in args.ops_layers.split(","))
+    ]
+    models.append((_name(args.model), functools.partial(_batches, 4, args.model)))
+    peer = torchao_peer_reason(args.device)
+    for implementation in (None, "foreach"):
+        how = ("AdamW as torch runs it here (" + ("foreach" if args.device != "cpu" else "a loop over the parameters")
+               + ")") if implementation is None else "AdamW(foreach=True)"
+        print(f"\nOne training step (the 4th), {how}: aten ops and host reads (all / of device tensors), and bytes a"
+              " parameter")
+        print("| model | variant | aten ops | / Lightning bf16-true | host reads (all / device) | B/param |")
+        print("|---|---|---|---|---|---|")
+        for name, build in models:
+            rows = [(label, make, implementation) for label, make in OPS_VARIANTS.items()]
+            reference = None
+            for label, make, optimizer in rows:
+                model, batches = build()
+                counted, per_parameter = _count_fit(make, model, batches, args.device, optimizer)
+                reference = reference or counted.ops
+                print(f"| {name} | {label} | {counted.ops} | {counted.ops / reference:.2f} |"
+                      f" {counted.reads} / {counted.device_reads} | {per_parameter:.2f} |")
+            if implementation is None:
+                model, batches = build()
+                bytes_ = f"not run: {peer}" if peer is not None else \
+                    f"{_count_fit(lambda: 'bf16-true', model, batches, args.device, 'torchao', count=False)[1]:.2f}"
+                print(f"| {name} | {TORCHAO_PEER} | not counted: torch.compile refuses a TorchDispatchMode (a"
+                      f" compiled step a parameter) | | | {bytes_} |")
 
 
 def profile_step(pristine: L.LightningModule, batches: list[Any], args: argparse.Namespace) -> None:
@@ -330,11 +475,16 @@ def profile_step(pristine: L.LightningModule, batches: list[Any], args: argparse
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=40))
 
 
-def _fused(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The same optimizer class and hyperparameters, with its fused kernel (AdamW's ``fused=True``)."""
+def _fused(optimizer: torch.optim.Optimizer, flag: str = "fused") -> torch.optim.Optimizer:
+    """The same optimizer class and hyperparameters, with its fused kernel (AdamW's ``fused=True``), or its foreach
+    one (``flag="foreach"``)."""
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in ("foreach", "fused")}
-    return type(optimizer)(optimizer.param_groups[0]["params"], **defaults, fused=True)  # type: ignore[call-arg]
+    return type(optimizer)(optimizer.param_groups[0]["params"], **defaults, **{flag: True})  # type: ignore[arg-type]
+
+
+def _foreach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return _fused(optimizer, "foreach")
 
 
 def run_pieces(args: argparse.Namespace) -> None:
@@ -480,7 +630,7 @@ def run_regression(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("bytes", "time", "pieces", "quality", "regression"), action="append")
+    parser.add_argument("--part", choices=("bytes", "time", "ops", "pieces", "quality", "regression"), action="append")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--rounds", type=int, default=8, help="time: alternated rounds")
@@ -491,6 +641,7 @@ def main() -> None:
                         help="time and bytes: the recipe's model, or an MLP of 4.2M parameters")
     parser.add_argument("--fused", action="store_true", help="time: AdamW(fused=True) in every variant")
     parser.add_argument("--profile", action="store_true", help="time: the optimizer step alone, and where it goes")
+    parser.add_argument("--ops-layers", default="4,16,64", help="ops: layers of the MLPs counted, comma-separated")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_label", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -504,9 +655,9 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, lightning {L.__version__}, {args.device}, {torch.get_num_threads()} thread(s),"
           f" load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    parts = args.part or ["bytes", "regression", "time", "pieces", "quality"]
+    parts = args.part or ["bytes", "regression", "time", "ops", "pieces", "quality"]
     for part in parts:
-        run = {"bytes": run_bytes, "time": run_time, "pieces": run_pieces, "quality": run_quality,
+        run = {"bytes": run_bytes, "time": run_time, "ops": run_ops, "pieces": run_pieces, "quality": run_quality,
                "regression": run_regression}
         run[part](args)
     print(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -29,9 +29,29 @@ def _run(*args: str, env: dict[str, str] | None = None) -> str:
 def test_step_time_with_the_step_alone_and_the_pieces():
     out = _run("--part", "time", "--part", "pieces", "--model", "vit", "--rounds", "1", "--steps", "7", "--profile")
     for row in ("| Lightning bf16-true |", "| BF16TruePrecision() |", "| BF16TruePrecision(update='compensated') |",
+                "| Lightning bf16-mixed |", "| FP16TruePrecision() |", "| torchao _AdamW(bf16_stochastic_round=True)",
                 "AdamW on the bf16 weights (Lightning bf16-true)", "ours, update='stochastic', step_chunk=2**20",
                 "aten::random_", "finite check: new.sum().isfinite()"):
         assert row in out, out
+
+
+def _ops(out: str, model: str, variant: str, table: int) -> int:
+    rows = out.split("\nOne training step")[table + 1].splitlines()
+    cells = next(r.split(" | ") for r in rows if r.startswith(f"| {model} | {variant} |"))
+    return int(cells[2])
+
+
+def test_the_ops_part_counts_what_the_step_adds_as_a_constant():
+    """The op-count part, on MLPs of 2 and 8 layers: what each true plugin adds to Lightning's bf16-true is the same
+    number of aten ops for both (constant per chunk, not per parameter), with AdamW's loop and with its foreach."""
+    out = _run("--part", "ops", "--model", "vit", "--ops-layers", "2,8")
+    for table in (0, 1):
+        for variant in ("BF16TruePrecision()", "FP16TruePrecision()", "BF16TruePrecision(update='compensated')"):
+            added = [_ops(out, f"MLP {n} x 64x64 ({2 * n} parameters)", variant, table)
+                     - _ops(out, f"MLP {n} x 64x64 ({2 * n} parameters)", "Lightning bf16-true", table)
+                     for n in (2, 8)]
+            assert added[0] == added[1] > 0, (variant, table, added)
+    assert "| vit recipe (tiny) | Lightning bf16-mixed |" in out
 
 
 def test_bytes_of_the_default_are_half_of_bf16_mixed():
