@@ -130,9 +130,9 @@ def land_weights(work: Workspace, weights: list[Tensor], update: str, generator:
             return wide
         out = work.buffer("new", dtype)
         if update == "compensated":
-            landed, remainder = split_remainder(new, dtype)
+            landed, fresh = split_remainder(new, dtype)
             out.flat.copy_(landed)
-            work.buffer("remainder", dtype).flat.view(torch.int16).copy_(remainder)
+            work.buffer("remainder", dtype).flat.view(torch.int16).copy_(fresh)
         elif generator is not None:
             stochastic_round(new, dtype, generator, out=out.flat)
         else:
