@@ -8,8 +8,8 @@ and for 16-bit optimizer states.
   ulp is 2**-7, so an AdamW step of 1e-4 never lands (Lightning's ``bf16-true`` stalls).
 - **stochastic**: rounds up with probability equal to the distance from the lower neighbour over the gap, so the
   rounded value equals the fp32 value on average and small updates land in proportion. bf16 is the upper half of fp32:
-  16 random bits added to the fp32 bit pattern, then truncated (one integer add). fp16 is not: the neighbour on the
-  value's side is taken with ``nextafter``, with probability ``error / gap``.
+  16 random bits added to the fp32 bit pattern, then truncated (one integer add). fp16 likewise with 13 bits, its
+  subnormal range shifted into the binade above it, where fp16's spacing is the same.
 - **compensated**: the 16-bit weight plus a 16-bit remainder. bf16: the remainder is the low half of the fp32 bit
   pattern, signed, so weight and remainder give back the fp32 value exactly (the weight is its nearest bf16). fp16: the
   remainder ``x - fp16(x)`` kept in bf16 (fp32's range: fp16 would flush the remainder of a weight under 2**-3 or so),
@@ -25,6 +25,8 @@ __all__ = ["UPDATES", "join_remainder", "random_halves", "split_remainder", "sto
 
 UPDATES = ("stochastic", "compensated", "nearest")
 _LOW_HALF = 1 << 16
+_FP16_DROPPED = 1 << 13  # fp32's mantissa bits below fp16's
+_FP16_NORMAL = 2.0**-14  # fp16's smallest normal value
 
 
 def random_halves(count: int, device: torch.device, generator: torch.Generator) -> Tensor:
@@ -48,16 +50,15 @@ def stochastic_round(value: Tensor, dtype: torch.dtype, generator: torch.Generat
         bits.add_(value.view(torch.int32)).add_(_LOW_HALF >> 1)
         truncated = bits.bitwise_and_(-_LOW_HALF).view(torch.float32)
         return truncated.to(torch.bfloat16) if out is None else out.copy_(truncated)
-    near = value.to(dtype)
-    error = value - near.float()
-    toward = torch.where(error > 0, torch.inf, -torch.inf).to(dtype)
-    other = torch.nextafter(near, toward)
-    gap = other.float() - near.float()  # never 0 where error is not 0; inf beyond the format's largest value
-    chance = torch.where(error != 0, error / gap, 0.0)
-    draw = torch.rand(value.shape, dtype=torch.float32, device=value.device, generator=generator)
-    if out is None:
-        return torch.where(draw < chance, other, near)
-    return torch.where(draw < chance, other, near, out=out)
+    # fp16 keeps 10 of fp32's 23 mantissa bits: 13 random bits added, then cut off, as for bf16. Below fp16's smallest
+    # normal (2**-14) its spacing is fixed (2**-24): such a value is shifted by 2**-14 (its sign), into [2**-14,
+    # 2**-13), whose fp16 spacing is that 2**-24, rounded there and shifted back (both exact). The shift rounds a value
+    # under 2**-37 to 2**-14 itself, and so the value to 0: a bias under 2**-37, against fp16's 2**-24.
+    shift = value.sign().mul_(value.abs() < _FP16_NORMAL).mul_(_FP16_NORMAL)
+    bits = random_halves(value.numel(), value.device, generator).view(value.shape).to(torch.int32)
+    bits.bitwise_and_(_FP16_DROPPED - 1).add_((value + shift).view(torch.int32))
+    truncated = bits.bitwise_and_(-_FP16_DROPPED).view(torch.float32).sub_(shift)
+    return truncated.to(dtype) if out is None else out.copy_(truncated)
 
 
 def split_remainder(value: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

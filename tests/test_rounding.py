@@ -14,7 +14,8 @@ def _gen(seed: int = 0) -> torch.Generator:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("value", [1 + 1e-4, -(1 + 1e-4), 3.3e-3, -777.7], ids=lambda v: f"{v:g}")
+@pytest.mark.parametrize("value", [1 + 1e-4, -(1 + 1e-4), 3.3e-3, -777.7, 3.13e-6, -7.7e-8, 7e-5],
+                         ids=lambda v: f"{v:g}")
 def test_stochastic_round_is_unbiased(dtype, value):
     # 1 + 1e-4 is far under half an ulp of 1.0 in both formats (bf16: 2**-8, fp16: 2**-11): rounded to nearest it is
     # 1.0, stochastically it lands above 1.0 in proportion, so the mean of many draws is the value.
@@ -36,7 +37,7 @@ def test_stochastic_round_is_unbiased(dtype, value):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_stochastic_round_keeps_exact_values_and_non_finite_ones(dtype):
-    exact = torch.tensor([0.0, -0.0, 1.0, -2.5, 0.125, 1024.0, 2.0**-14]).to(dtype)
+    exact = torch.tensor([0.0, -0.0, 1.0, -2.5, 0.125, 1024.0, 2.0**-14, 2.0**-24, -3 * 2.0**-24, 65504.0]).to(dtype)
     many = exact.float().repeat(1000)
     assert torch.equal(stochastic_round(many, dtype, _gen()), exact.repeat(1000))
     special = torch.tensor([float("inf"), -float("inf"), float("nan")]).repeat(100)
