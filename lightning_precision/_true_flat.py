@@ -152,15 +152,15 @@ def land_weights(work: Workspace, weights: list[Tensor], update: str, generator:
         landed = stochastic_round(clean, dtype, generator)
     else:
         landed = clean.to(dtype)
-    keep = bad.logical_or_(torch.isfinite(landed).logical_not_())
+    keep = torch.isfinite(landed).logical_not_().logical_or_(bad)
     landed = torch.where(keep, old.flat, landed)
     kept = work.buffer("remainder", dtype).flat.view(torch.int16) if update == "compensated" else None
-    if meter is not None:
+    if meter is not None:  # what the per-parameter path counts: a value out of range is an update that did not land
         before = old.flat.float()
         if kept is not None:
             before = before.view(torch.int32).add_(kept).view(torch.float32) if dtype == torch.bfloat16 \
                 else before.add_(kept.view(torch.bfloat16))
-        meter.add(old.flat, before, torch.where(keep, before, new), landed)
+        meter.add(old.flat, before, torch.where(bad, before, new), landed)
     if kept is not None and remainder is not None:
         kept.copy_(torch.where(keep, kept, remainder))
     old.flat.copy_(landed)

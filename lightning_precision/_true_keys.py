@@ -9,6 +9,7 @@ encoded values.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,25 +77,33 @@ def is_scalar_fp32(key: Any, value: Any, param: Tensor) -> bool:
 def check_readable_states(owner: str, optimizer: Any) -> None:
     """Raise where ``optimizer``'s states are stored in a true-precision plugin's encoding (a checkpoint of
     ``BF16TruePrecision``/``FP16TruePrecision`` loaded into another precision): the optimizer would not find them
-    (a bare ``KeyError``). One state is looked at: a step encodes every state alike."""
+    (a bare ``KeyError``). Each state dict is looked at once (a load replaces it): a host walk over the keys, no op."""
     states = getattr(optimizer, "state", None)  # (an optimizer-like object may keep none)
-    if not isinstance(states, Mapping):
+    if not isinstance(states, Mapping) or _CHECKED.get(optimizer) is states:
         return
-    state = next(iter(states.values()), None)
-    if not isinstance(state, dict):
-        return
-    for key in state:
-        if not isinstance(key, str) or not key.startswith((SCALED, HIGH, CODES)):
+    for state in states.values():
+        if not isinstance(state, dict):
             continue
-        name = key.split(".", 2)[2]
-        if name in state:
-            continue
-        groups = getattr(optimizer, "param_groups", [])
-        written = next((group[WRITTEN_BY] for group in groups if WRITTEN_BY in group), None)
-        writer = PLUGIN_OF.get(written, "a true-precision plugin") if written else "a true-precision plugin"
-        raise ValueError(
-            f"`{owner}` cannot step `{type(optimizer).__name__}`: its states were written by `{writer}` (a checkpoint"
-            f" of it was loaded), which stores {name!r} encoded, under {key!r}; the optimizer would not find it. Resume"
-            f" with `{writer}`, or load the model's weights alone (e.g. `LightningModule.load_from_checkpoint`) and"
-            " start the optimizer afresh."
-        )
+        for key in state:
+            if not isinstance(key, str) or not key.startswith((SCALED, HIGH, CODES)):
+                continue
+            name = key.split(".", 2)[2]
+            if name in state:
+                continue
+            groups = getattr(optimizer, "param_groups", [])
+            written = next((group[WRITTEN_BY] for group in groups if WRITTEN_BY in group), None)
+            writer = PLUGIN_OF.get(written, "a true-precision plugin") if written else "a true-precision plugin"
+            raise ValueError(
+                f"`{owner}` cannot step `{type(optimizer).__name__}`: its states were written by `{writer}` (a"
+                f" checkpoint of it was loaded), which stores {name!r} encoded, under {key!r}; the optimizer would not"
+                f" find it. Resume with `{writer}`, or load the model's weights alone (e.g."
+                " `LightningModule.load_from_checkpoint`) and start the optimizer afresh."
+            )
+    try:
+        _CHECKED[optimizer] = states
+    except TypeError:  # (an optimizer-like object without weak references: checked every step)
+        pass
+
+
+# The state dict each optimizer's was checked as (the optimizer's own, until a load replaces it).
+_CHECKED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

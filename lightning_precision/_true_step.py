@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -91,7 +92,7 @@ __all__ = ["OPTIMIZER_STATES", "ROUNDING_COUNTS", "STATE_PREFIX", "ClipRequest",
 OPTIMIZER_STATES = ("weight", "float32", "8bit")
 # Optimizers whose step updates each parameter from its own gradient and state alone: stepped a chunk at a time.
 _SEPARABLE_MODULES = ("torch.optim.", "torchao.optim.")
-_MAX_WORKSPACES = 4096  # chunk layouts kept (views only: their memory is freed between steps)
+_MAX_WORKSPACES = 64  # chunk layouts kept (views only: their memory is freed between steps), the least recent dropped
 
 
 def steps_each_parameter_apart(optimizer: Optimizer) -> bool:
@@ -294,9 +295,9 @@ def _stored_form(key: Any, value: Any, p: Tensor) -> tuple[str, str] | None:
         return key[len(SCALED):], "f16"
     if key.startswith(HIGH):
         return (key[len(HIGH):], "float32") if value.shape == p.shape and p.dim() > 0 else None
-    if is_moment(key, value, p) and not is_low_bit(_local(value)):
-        return key, "plain"
-    return None
+    if is_moment(key, value, p) and not is_low_bit(_local(value)) and _local(value).dtype == _local(p).dtype:
+        return key, "plain"  # (a state of another dtype, such as Adagrad's fp32 sum made before the model was cast,
+    return None  # goes the per-parameter way, which stores it in the weight's dtype)
 
 
 def _stored_keys(name: str, form: str) -> tuple[str, str | None]:
@@ -334,7 +335,7 @@ class TrueStep:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._8bit: Any = None
         self._qmaps: dict[tuple[bool, torch.device], Tensor] = {}
-        self._works: dict[tuple[int, ...], Workspace] = {}
+        self._works: OrderedDict[tuple[Any, ...], Workspace] = OrderedDict()
         # Set by a monitor on the steps it measures (GradientUnderflowMonitor); None: nothing counted, nothing spent.
         self.meter: RoundingMeter | None = None
         # Off in tests only: every parameter on the per-parameter path (the reference the flat path must equal).
@@ -342,7 +343,7 @@ class TrueStep:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_works"] = {}  # views of buffers: made again where the copy steps
+        state["_works"] = OrderedDict()  # views of buffers: made again where the copy steps
         state["_generators"] = {}
         return state
 
@@ -462,16 +463,20 @@ class TrueStep:
                     interrupts: _Interrupts) -> None:
         stand_ins: dict[Tensor, Tensor] = {}
         stored: dict[Tensor, dict[str, Any]] = {}
+        had = set()  # the parameters that had a state (a first step that fails leaves none, not an empty one)
         groups = [group["params"] for group in optimizer.param_groups]
         state = optimizer.state
         try:
             try:
+                taken: set[int] = set()  # the workspaces this round's chunks use
                 with torch.no_grad():
                     for chunk in chunks:
                         for p in chunk.params:
+                            if p in state:
+                                had.add(p)
                             stored[p] = state.pop(p) if p in state else {}
                         if chunk.flat:
-                            self._prepare_flat(chunk, stored, grad_of, factor, max_value, stand_ins, state)
+                            self._prepare_flat(chunk, stored, grad_of, factor, max_value, stand_ins, state, taken)
                         else:
                             sparse = isinstance(optimizer, torch.optim.SparseAdam)
                             for p in chunk.params:
@@ -487,7 +492,8 @@ class TrueStep:
                 for p in stored:  # nothing written: the parameters and their states as they were
                     if p in stand_ins:
                         state.pop(stand_ins[p], None)
-                    state[p] = stored[p]
+                    if p in had:
+                        state[p] = stored[p]
                 raise
             finally:
                 for group, params in zip(optimizer.param_groups, groups, strict=True):
@@ -506,7 +512,8 @@ class TrueStep:
                 for p in stored:
                     if p in stand_ins:
                         state.pop(stand_ins[p], None)
-                    state.setdefault(p, stored[p])
+                    if p in had:
+                        state.setdefault(p, stored[p])
                 raise
         finally:
             for chunk in chunks:
@@ -515,22 +522,35 @@ class TrueStep:
 
     # --- the flat path --------------------------------------------------------------------------------------------
 
-    def _workspace(self, params: list[Tensor], locals_: list[Tensor]) -> Workspace:
-        """The chunk's buffers and stand-ins, made at its first step and kept (their memory freed between steps)."""
-        key = tuple(id(p) for p in params)
-        shapes = [local.shape for local in locals_]
-        work = self._works.get(key)
-        if (work is not None and work.shapes == shapes and work.device == locals_[0].device
-                and work.weight_dtype == locals_[0].dtype):
-            return work
-        if len(self._works) >= _MAX_WORKSPACES:
-            self._works.clear()
-        work = self._works[key] = Workspace(shapes, locals_[0].device, locals_[0].dtype)
-        weights, grads = work.buffer("weight", torch.float32), work.buffer("grad", torch.float32)
-        for p, weight, grad in zip(params, weights.views, grads.views, strict=True):
-            stand_in = _like(p, weight)
-            stand_in.grad = _like(p, grad)
-            work.stand_ins.append(stand_in)
+    def _workspace(self, params: list[Tensor], locals_: list[Tensor], taken: set[int]) -> Workspace:
+        """Buffers and stand-ins for the chunk's layout (local shapes, dtype, device; a DTensor's mesh and placements),
+        made at the first step that meets it and kept (their memory freed between steps): chunks of one layout share
+        them, a round's chunks apart (``taken``: the workspaces already in use in this round)."""
+        layout: tuple[Any, ...] = (locals_[0].device, locals_[0].dtype, *(
+            (local.shape, id(p.device_mesh), tuple(p.placements), p.shape, p.stride()) if _is_sharded(p)  # type: ignore[attr-defined]
+            else local.shape for p, local in zip(params, locals_, strict=True)))
+        occurrence = 0
+        while (work := self._works.get((layout, occurrence))) is not None and id(work) in taken:
+            occurrence += 1
+        if work is not None:
+            self._works.move_to_end((layout, occurrence))
+        else:
+            work = self._works[(layout, occurrence)] = Workspace([local.shape for local in locals_],
+                                                                 locals_[0].device, locals_[0].dtype)
+            while len(self._works) > _MAX_WORKSPACES:  # the least recently used
+                self._works.popitem(last=False)
+            weights, grads = work.buffer("weight", torch.float32), work.buffer("grad", torch.float32)
+            for p, weight, grad in zip(params, weights.views, grads.views, strict=True):
+                # Aliases of the views, not the views: an optimizer that rebinds `p.data` rebinds its stand-in only.
+                work.stand_ins.append(_like(p, weight.detach()))
+                work.stand_in_grads.append(_like(p, grad.detach()))
+        taken.add(id(work))
+        weights = work.buffer("weight", torch.float32)
+        for i, (p, stand_in) in enumerate(zip(params, work.stand_ins, strict=True)):
+            if _local(stand_in).data_ptr() != weights.views[i].data_ptr():  # rebound by the optimizer: made again
+                stand_in = work.stand_ins[i] = _like(p, weights.views[i].detach())
+            if stand_in.grad is not work.stand_in_grads[i]:  # (an optimizer that drops its gradients)
+                stand_in.grad = work.stand_in_grads[i]
         return work
 
     def _target_form(self, p: Tensor, local: Tensor) -> str:
@@ -547,10 +567,10 @@ class TrueStep:
 
     def _prepare_flat(self, chunk: _Chunk, stored: dict[Tensor, dict[str, Any]],
                       grad_of: Callable[[Tensor], Tensor], factor: Tensor | None, max_value: float | None,
-                      stand_ins: dict[Tensor, Tensor], state: Any) -> None:
+                      stand_ins: dict[Tensor, Tensor], state: Any, taken: set[int]) -> None:
         params = chunk.params
         locals_ = [_local(p) for p in params]
-        work = chunk.work = self._workspace(params, locals_)
+        work = chunk.work = self._workspace(params, locals_, taken)
         remainders = None
         if self.update == "compensated" and work.weight_dtype != torch.float32:
             remainders = [_local(stored[p][REMAINDER]) if REMAINDER in stored[p] else None for p in params]
@@ -573,7 +593,7 @@ class TrueStep:
             rest = {key: value for key, value in stored[p].items() if key not in flat_keys}
             states = self._decode(p, rest, clones, i)
             for name, (_, buffer) in chunk.states.items():
-                states[name] = _like(p, buffer.views[i])
+                states[name] = self._alias(work, name, buffer, p, i)
             decoded.append(states)
         if clones:
             for (i, key), copy in zip(clones, _clone_all(list(clones.values())), strict=True):
@@ -581,6 +601,16 @@ class TrueStep:
         for p, stand_in, states in zip(params, work.stand_ins, decoded, strict=True):
             stand_ins[p] = stand_in
             state[stand_in] = states
+
+    @staticmethod
+    def _alias(work: Workspace, name: str, buffer: Any, p: Tensor, i: int) -> Tensor:
+        """What the optimizer updates as state ``name`` of the chunk's ``i``-th parameter: an alias of the buffer's
+        view, made once (again where the optimizer rebound it)."""
+        aliases = work.aliases.setdefault(name, [None] * len(work.shapes))  # type: ignore[list-item]
+        alias = aliases[i]
+        if alias is None or _local(alias).data_ptr() != buffer.views[i].data_ptr():
+            alias = aliases[i] = _like(p, buffer.views[i].detach())
+        return alias
 
     def _land_flat(self, chunk: _Chunk, stored: dict[Tensor, dict[str, Any]], stand_ins: dict[Tensor, Tensor],
                    state: Any, index: dict[Tensor, int]) -> None:
@@ -598,6 +628,11 @@ class TrueStep:
             generator.manual_seed(_seed(self.seed, index[first], rounds, _shard_index(first)))
             for p, own in zip(params, fresh, strict=True):
                 own[ROUNDS] = int(stored[p].get(ROUNDS, 0)) + 1
+        wide = work.buffer("weight", torch.float32)
+        for i, stand_in in enumerate(work.stand_ins):
+            local = _local(stand_in)
+            if local.data_ptr() != wide.views[i].data_ptr():  # the optimizer rebound it (`p.data = ...`): its values
+                wide.views[i].copy_(local)
         weights = land_weights(work, [_local(p) for p in params], self.update, generator,
                                self.meter if dtype != torch.float32 else None)
         copies: list[tuple[list[Tensor], list[Tensor]]] = [([_local(p) for p in params], weights.views)]
@@ -609,8 +644,9 @@ class TrueStep:
                 targets.append(_local(own[REMAINDER]))
             copies.append((targets, work.buffer("remainder", dtype).views))
         for name, (form, buffer) in sorted(chunk.states.items()):
-            if not all(new.get(name) is not None and _local(new[name]) is view
-                       for new, view in zip(new_states, buffer.views, strict=True)):
+            aliases = work.aliases[name]
+            if not all(new.get(name) is alias and _local(alias).data_ptr() == view.data_ptr()
+                       for new, alias, view in zip(new_states, aliases, buffer.views, strict=True)):
                 continue  # the optimizer put another tensor there: encoded on the per-parameter path below
             values, parts = encode_state(work, name, form, dtype, generator)
             values_key, parts_key = _stored_keys(name, form)

@@ -50,8 +50,11 @@ class Workspace:
         self._buffers: dict[tuple[str, torch.dtype], Buffer] = {}
         self._taken: list[Buffer] = []
         self._numels: Tensor | None = None
-        # Per parameter, what the optimizer steps in its place (kept: the same objects every step); set by the step.
+        # Per parameter, what the optimizer steps in its place and their gradients, and per state name what it updates
+        # (aliases of the views, kept: the same objects every step); set by the step.
         self.stand_ins: list[Tensor] = []
+        self.stand_in_grads: list[Tensor] = []
+        self.aliases: dict[str, list[Tensor]] = {}
 
     def buffer(self, role: str, dtype: torch.dtype) -> Buffer:
         buffer = self._buffers.get((role, dtype))

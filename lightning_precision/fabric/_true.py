@@ -276,15 +276,19 @@ class TruePrecision(ScaledPrecision):
         inverse = self._inverse_scale()
         if inverse is None:
             return
-        params = [p for group in torch_optimizer.param_groups for p in group["params"]
-                  if p.grad is not None and p.grad.layout == torch.strided]
-        if not params:
-            return
-        grads = [p.grad for p in params]
-        kept = torch._foreach_mul(grads, 1)  # (x * 1 keeps every bit)
-        torch._foreach_mul_(grads, inverse.to(grads[0].device))
-        self._shown[id(torch_optimizer)] = (dict(zip(params, kept, strict=True)),
-                                            {p: (p.grad, version_counter(p.grad)) for p in params})
+        params = [p for group in torch_optimizer.param_groups for p in group["params"] if p.grad is not None]
+        dense = [p for p in params if p.grad.layout == torch.strided]
+        kept: dict[Tensor, Tensor] = {}
+        if dense:
+            grads = [p.grad for p in dense]
+            kept.update(zip(dense, torch._foreach_mul(grads, 1), strict=True))  # (x * 1 keeps every bit)
+            torch._foreach_mul_(grads, inverse.to(grads[0].device))
+        for p in params:
+            if p.grad.layout != torch.strided:  # a sparse one: shown as a new tensor
+                kept[p] = p.grad
+                p.grad = p.grad * inverse.to(p.grad.device)
+        if kept:
+            self._shown[id(torch_optimizer)] = (kept, {p: (p.grad, version_counter(p.grad)) for p in params})
 
     def _inverse_scale(self) -> Tensor | None:
         if self.scaler_config is None or self._scaler is None:

@@ -39,7 +39,8 @@ class BF16TruePrecision(TruePrecision):
             (their updates land like any weight's, and torch computes their statistics in fp32 internally); keep them
             in fp32 if a model's norms need more than bf16's 8 bits.
         seed: seeds the stochastic rounding (with each parameter's index and step), the same on every rank.
-        step_chunk: elements widened to fp32 at once in the optimizer step; bounds its transient memory.
+        step_chunk: elements widened to fp32 at once in the optimizer step; bounds its transient memory (torch's and
+            torchao's optimizers, which update each parameter apart; any other is stepped once, on the whole model).
         skip_schedulers_on_overflow: hold step-interval LR schedulers on a skipped step (Trainer).
         max_consecutive_skips: skipped steps (inf/nan gradients) in a row before ``SkippedStepsError`` (None: never).
         device: the device the model lives on; ``None``: where it is.
