@@ -264,3 +264,30 @@ class Classifier(L.LightningModule):
 
     def configure_optimizers(self):
         return self._optimizer(self)
+
+
+def _tensor_parts(value: torch.Tensor) -> list[torch.Tensor]:
+    """What a tensor's bits are: an 8-bit optimizer state (torchao's ``OptimState8bit``) by its codes, scales and map."""
+    if type(value).__name__ == "OptimState8bit":
+        return [value.codes, value.scale, value.qmap]  # type: ignore[attr-defined]
+    return [value]
+
+
+def assert_same_bits(a: Any, b: Any, where: str = "") -> None:
+    """Equal bit for bit, through dicts, lists and tuples: tensors by type, dtype, shape and bytes (8-bit states by
+    codes, scales and map), the rest by ``==``."""
+    if isinstance(a, torch.Tensor):
+        assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+        for x, y in zip(_tensor_parts(a), _tensor_parts(b), strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape, f"{where}: {x.dtype}{tuple(x.shape)} != {y.dtype}{tuple(y.shape)}"
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: {set(a) ^ set(b)}"
+        for key in a:
+            assert_same_bits(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_bits(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

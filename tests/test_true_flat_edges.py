@@ -17,25 +17,7 @@ import lightning_precision as lp
 import lightning_precision.fabric as lpf
 from lightning_precision._rounding_meter import RoundingMeter
 from lightning_precision._true_step import TrueStep
-from tests.helpers import trainer
-
-
-def _same(a: Any, b: Any, where: str = "") -> None:
-    """Bit for bit, dtypes and key sets included."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: {set(a) ^ set(b)}"
-        for key in a:
-            _same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+from tests.helpers import assert_same_bits, trainer
 
 
 def _held_bytes(step: TrueStep) -> int:
@@ -116,7 +98,7 @@ def test_odd_parameters_land_the_per_parameter_bits(dtype, update, states, optim
     groups, several chunks: the flat path lands the reference's bits, weights and states, and frees its buffers."""
     for step_chunk in (2**24, 100):
         flat = _direct(dtype, update, states, optimizer, True, step_chunk)
-        _same(flat, _direct(dtype, update, states, optimizer, False, step_chunk))
+        assert_same_bits(flat, _direct(dtype, update, states, optimizer, False, step_chunk))
         assert all(torch.isfinite(p).all() for p in flat[0])
 
 
@@ -149,7 +131,7 @@ def test_an_error_inside_the_step_leaves_weights_states_and_memory_as_they_were(
     optimizer.optimizer.boom = True
     with pytest.raises(RuntimeError, match="boom"):
         optimizer.step()
-    _same(([p.detach().clone() for p in net.parameters()], optimizer.optimizer.state_dict()), (weights, state))
+    assert_same_bits(([p.detach().clone() for p in net.parameters()], optimizer.optimizer.state_dict()), (weights, state))
     assert all(any(k is p for p in net.parameters()) for k in optimizer.optimizer.state)
     assert _held_bytes(plugin.true_step) == 0
 
@@ -166,7 +148,7 @@ def test_a_non_finite_gradient_or_an_overflowing_update_writes_nothing_non_finit
     optimizer.step()
     optimizer.zero_grad()
     assert plugin.step_was_skipped
-    _same([p.detach() for p in net.parameters()], before)
+    assert_same_bits([p.detach() for p in net.parameters()], before)
     for group in optimizer.param_groups:
         group["lr"] = 1e36  # fp32 values far beyond fp16's (and, times the weights, bf16's) range
     fabric.backward(model(torch.randn(2, 8)).float().sum() * 1e-3)
@@ -202,7 +184,7 @@ def test_a_resumed_run_with_groups_a_scheduler_and_accumulation_is_the_whole_run
     resumed = _Lit()
     trainer(cls(**kwargs), max_steps=4, accumulate_grad_batches=2).fit(resumed, batches(),
                                                                        ckpt_path=tmp_path / "half.ckpt")
-    _same([p.detach() for p in resumed.parameters()], [p.detach() for p in whole.parameters()])
+    assert_same_bits([p.detach() for p in resumed.parameters()], [p.detach() for p in whole.parameters()])
     assert all(torch.isfinite(p).all() for p in whole.parameters())
 
 
@@ -312,8 +294,11 @@ def test_fp16_true_a_hook_that_replaces_the_gradients_steps_them_unscaled():
 # ---- cached stand-ins and workspaces -------------------------------------------------------------------------------
 
 
-class _DropsGradients(torch.optim.Optimizer):
-    """SGD that frees each gradient once used (``p.grad = None``), as memory-saving optimizers do."""
+class _PlainSGD(torch.optim.Optimizer):
+    """SGD that frees each gradient once used (``p.grad = None``, as memory-saving optimizers do), or that writes
+    ``p.data = p.data - lr * p.grad`` (a new tensor, not in place)."""
+
+    rebinds = False
 
     def __init__(self, params: Any, lr: float) -> None:
         super().__init__(params, {"lr": lr})
@@ -322,23 +307,21 @@ class _DropsGradients(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is None:
+                    continue
+                if self.rebinds:
+                    p.data = p.data - group["lr"] * p.grad
+                else:
                     p.add_(p.grad, alpha=-group["lr"])
                     p.grad = None
 
 
-class _RebindsData(torch.optim.Optimizer):
-    """SGD written ``p.data = p.data - lr * p.grad`` (a new tensor, not in place)."""
+class _DropsGradients(_PlainSGD):
+    pass
 
-    def __init__(self, params: Any, lr: float) -> None:
-        super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.data = p.data - group["lr"] * p.grad
+class _RebindsData(_PlainSGD):
+    rebinds = True
 
 
 def _custom_run(make: Any, flat: bool) -> list[torch.Tensor]:
@@ -358,13 +341,13 @@ def _custom_run(make: Any, flat: bool) -> list[torch.Tensor]:
 def test_an_optimizer_that_drops_its_gradients_keeps_stepping_on_the_flat_path():
     """An optimizer that sets ``p.grad = None`` after its step (the stand-ins are kept across steps): the next step
     gives each stand-in its gradient again, and the weights keep moving, as on the per-parameter path."""
-    _same(_custom_run(_DropsGradients, True), _custom_run(_DropsGradients, False))
+    assert_same_bits(_custom_run(_DropsGradients, True), _custom_run(_DropsGradients, False))
 
 
 def test_an_optimizer_that_rebinds_param_data_lands_its_update_on_the_flat_path():
     """An optimizer that rebinds ``p.data`` (a new tensor, not an in-place update): its update lands, on the flat path
     as on the per-parameter one (the buffer's views are not the stand-ins, and a rebound stand-in is read)."""
-    _same(_custom_run(_RebindsData, True), _custom_run(_RebindsData, False))
+    assert_same_bits(_custom_run(_RebindsData, True), _custom_run(_RebindsData, False))
 
 
 def test_a_state_of_another_dtype_is_stored_in_the_weight_dtype_on_the_flat_path():
@@ -387,7 +370,7 @@ def test_a_state_of_another_dtype_is_stored_in_the_weight_dtype_on_the_flat_path
 
     flat = run(True)
     assert all(state["sum"].dtype == torch.bfloat16 for state in flat["state"].values())
-    _same(flat, run(False))
+    assert_same_bits(flat, run(False))
 
 
 def test_chunks_of_changing_membership_do_not_pile_up_cached_views():

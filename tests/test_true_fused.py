@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_precision._true_step import TrueStep
 from lightning_precision._upstream.torch import DispatchCounter
+from tests.helpers import assert_same_bits
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
@@ -54,22 +55,6 @@ def _train(dtype: torch.dtype, update: str, states: str, optimizer: str, flat: b
     return [p.detach().clone() for p in net.parameters()], copy.deepcopy(opt.state_dict())
 
 
-def _same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for key in a:
-            _same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 # Settings whose rounding draws nothing (stochastic rounding draws once per chunk on the flat path, once per parameter
 # on the other: the same distribution, other numbers; see test_stochastic_rounding_repeats).
 DRAWLESS = [("nearest", "weight"), ("nearest", "float32"), ("compensated", "float32")]
@@ -84,7 +69,7 @@ def test_the_flat_path_lands_the_per_parameter_paths_bits(dtype, update, states,
     factor = torch.tensor(0.5)
     flat = _train(dtype, update, states, optimizer, flat=True, factor=factor)
     loose = _train(dtype, update, states, optimizer, flat=False, factor=factor)
-    _same(flat, loose)
+    assert_same_bits(flat, loose)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -104,7 +89,7 @@ def test_a_value_the_format_cannot_hold_keeps_the_old_weight_on_both_paths(dtype
         return [p.detach().clone() for p in net.parameters()]
 
     flat, loose = run(True), run(False)
-    _same(flat, loose)
+    assert_same_bits(flat, loose)
     assert all(torch.isfinite(p).all() for p in flat)
 
 
@@ -133,7 +118,7 @@ def test_the_landing_an_accelerator_takes_equals_the_cpus(monkeypatch, update, d
     cpu = run()
     monkeypatch.setattr(_true_flat, "reads_are_free", lambda device: False)
     accelerator = run()
-    _same(cpu, accelerator)
+    assert_same_bits(cpu, accelerator)
     assert all(torch.isfinite(p).all() for p in cpu)
 
 
@@ -141,7 +126,7 @@ def test_stochastic_rounding_repeats():
     """Stochastic rounding on the flat path: the same run twice lands the same bits; other seeds, other bits."""
     a = _train(torch.bfloat16, "stochastic", "weight", "adamw", flat=True)
     b = _train(torch.bfloat16, "stochastic", "weight", "adamw", flat=True)
-    _same(a, b)
+    assert_same_bits(a, b)
     net = _net(torch.bfloat16)
     opt = OPTIMIZERS["adamw"](net.parameters())
     other = TrueStep(torch.bfloat16, "stochastic", "weight", seed=1, step_chunk=2**24)
@@ -223,7 +208,7 @@ def _fit_and_resume(plugin: Any, make: Any, tmp_path: Any) -> Any:
     resumed = _WithOptimizer(make)
     again = trainer(plugin(), max_steps=4)
     again.fit(resumed, _one_batch(4), ckpt_path=tmp_path / "half.ckpt")
-    _same([p.detach() for p in resumed.parameters()], [p.detach() for p in whole.parameters()])
+    assert_same_bits([p.detach() for p in resumed.parameters()], [p.detach() for p in whole.parameters()])
     return again.optimizers[0]
 
 
@@ -289,7 +274,7 @@ def test_sparse_adam_trains_over_a_sparse_embedding(plugin, tmp_path):
     fit(8, first).save_checkpoint(tmp_path / "half.ckpt")
     resumed = Embedded()
     fit(16, resumed, ckpt_path=tmp_path / "half.ckpt")
-    _same(resumed.embedding.weight.detach(), whole.embedding.weight.detach())
+    assert_same_bits(resumed.embedding.weight.detach(), whole.embedding.weight.detach())
 
 
 class _Counting(torch.optim.Optimizer):

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 import lightning_precision
 import lightning_precision.fabric as lpf
-from tests.helpers import LitNet, TwoOptimizers, loader, make_data, make_net, trainer
+from tests.helpers import LitNet, TwoOptimizers, assert_same_bits, loader, make_data, make_net, trainer
 
 N = 64
 STEPS = 300
@@ -288,31 +288,6 @@ RESUME = [pytest.param(name, marks=[pytest.mark.skipif(not TORCHAO, reason="need
           for name in OWN_KEYS]
 
 
-def _tensor_bits(value: torch.Tensor) -> list[torch.Tensor]:
-    if type(value).__name__ == "OptimState8bit":
-        return [value.codes, value.scale, value.qmap]  # type: ignore[attr-defined]
-    return [value]
-
-
-def assert_same_state(a: Any, b: Any, where: str = "state") -> None:
-    """Equal bit for bit: tensors by dtype and bits (8-bit states by codes, scales and map), the rest by ==."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
-        for key in a:
-            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same_state(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
-        for x, y in zip(_tensor_bits(a), _tensor_bits(b), strict=True):
-            assert x.dtype == y.dtype and x.shape == y.shape, f"{where}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
-            assert torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8) if y.dim() else y), where
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
-
-
 def _own_keys(optimizer_state: dict[str, Any]) -> set[str]:
     return {k for per_param in optimizer_state["state"].values() for k in per_param if str(k).startswith("lp.")}
 
@@ -341,11 +316,11 @@ def test_trainer_resume_is_exact(name, tmp_path):
     first.save_checkpoint(tmp_path / "half.ckpt")
     resumed, resumed_trainer = run(2 * RESUME_STEPS, ckpt_path=tmp_path / "half.ckpt")
     assert resumed_trainer.global_step == whole_trainer.global_step == 2 * RESUME_STEPS
-    assert_same_state(resumed.state_dict(), whole.state_dict(), "weights")
+    assert_same_bits(resumed.state_dict(), whole.state_dict(), "weights")
     expected = whole_trainer.optimizers[0].state_dict()
     assert OWN_KEYS[name] <= _own_keys(expected)
-    assert_same_state(resumed_trainer.optimizers[0].state_dict(), expected, "optimizer")
-    assert_same_state(resumed_trainer.precision_plugin.state_dict(), whole_trainer.precision_plugin.state_dict(),
+    assert_same_bits(resumed_trainer.optimizers[0].state_dict(), expected, "optimizer")
+    assert_same_bits(resumed_trainer.precision_plugin.state_dict(), whole_trainer.precision_plugin.state_dict(),
                       "plugin")
     assert not torch.equal(whole.layer.weight.float(), problem()[0])
 
@@ -378,11 +353,11 @@ def test_fabric_save_and_load_resume_exactly(name, tmp_path):
     whole, whole_opt, whole_plugin = run(2 * RESUME_STEPS)
     run(RESUME_STEPS, save=True)
     resumed, resumed_opt, resumed_plugin = run(2 * RESUME_STEPS, load=True)
-    assert_same_state(resumed.state_dict(), whole.state_dict(), "weights")
+    assert_same_bits(resumed.state_dict(), whole.state_dict(), "weights")
     expected = whole_opt.state_dict()
     assert OWN_KEYS[name] <= _own_keys(expected)
-    assert_same_state(resumed_opt.state_dict(), expected, "optimizer")
-    assert_same_state(resumed_plugin.state_dict(), whole_plugin.state_dict(), "plugin")
+    assert_same_bits(resumed_opt.state_dict(), expected, "optimizer")
+    assert_same_bits(resumed_plugin.state_dict(), whole_plugin.state_dict(), "plugin")
 
 
 # ---- the step's pieces -------------------------------------------------------------------------------------------
@@ -564,7 +539,7 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing(cls, update):
         if step in bad:
             assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), f"step {step} wrote weights"
             for p, old in zip(net.parameters(), state_before, strict=True):
-                assert_same_state(dict(opt.state[p]), old, f"state after step {step}")
+                assert_same_bits(dict(opt.state[p]), old, f"state after step {step}")
             if scale_before is not None:
                 assert plugin.loss_scale == scale_before / 2  # backed off
         else:

@@ -150,7 +150,8 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val > 0 and self.scaler_config is not None and optimizer_handles_unscaling(optimizer):
+        if (clip_val > 0 and self.scaler_config is not None and not self.clips_in_step
+                and optimizer_handles_unscaling(optimizer)):
             raise RuntimeError(
                 f"`{type(optimizer).__qualname__}` unscales gradients inside `step()` (a fused optimizer), so they"
                 " cannot be clipped. Use the non-fused optimizer, or drop `gradient_clip_val`."

@@ -15,8 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.types import Optimizable
-from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -47,16 +45,6 @@ class TrainerTruePrecision(TrainerScaledPrecision, FabricCore):  # type: ignore[
         assert self._scaler is not None
         self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the check alone: the gradients stay scaled
         self.unscale_for_hooks(optimizer)
-
-    @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        # In fp32 inside the step, whatever the optimizer: a fused one never sees the 16-bit gradients here.
-        TrainerPrecision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

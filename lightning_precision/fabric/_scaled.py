@@ -68,8 +68,10 @@ class ScaledPrecision(AutocastPrecision):
     pattern for several optimizers; updating after each optimizer would unscale the second with the new scale).
     """
 
-    # Whether the plugin reads the states a true-precision plugin encodes (those plugins themselves).
+    # Whether the plugin reads the states a true-precision plugin encodes, and clips inside its own step whatever the
+    # optimizer (a fused one never sees the gradients): the true-precision plugins.
     reads_encoded_states = False
+    clips_in_step = False
     # The loss scaler's class (the true-precision plugins check in `unscale_` and unscale inside their step).
     scaler_class: type[TrackingGradScaler] = TrackingGradScaler
 

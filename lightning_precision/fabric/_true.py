@@ -76,6 +76,7 @@ class TruePrecision(ScaledPrecision):
     scaler_class = InStepScaler
     autocasts = False
     reads_encoded_states = True
+    clips_in_step = True
 
     def __init__(
         self,
