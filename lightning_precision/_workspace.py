@@ -67,9 +67,12 @@ class Workspace:
         return buffer
 
     def numels(self) -> Tensor:
-        """The parameters' element counts on the device (made once: a host-to-device copy would wait for the device)."""
+        """The parameters' element counts on the device, made once by a fill each: ``torch.tensor(counts, device=...)``
+        would copy from pageable host memory, which waits for the device on CUDA."""
         if self._numels is None:
-            self._numels = torch.tensor([math.prod(shape) for shape in self.shapes], device=self.device)
+            self._numels = torch.empty(len(self.shapes), dtype=torch.int64, device=self.device)
+            for i, shape in enumerate(self.shapes):
+                self._numels[i] = math.prod(shape)
         return self._numels
 
     def per_element(self, values: Tensor) -> Tensor:

@@ -72,6 +72,34 @@ def test_the_flat_path_lands_the_per_parameter_paths_bits(dtype, update, states,
     assert_same_bits(flat, loose)
 
 
+@pytest.mark.parametrize(("update", "states"), DRAWLESS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_checkpoint_of_the_per_parameter_step_resumes_on_the_flat_one(dtype, update, states):
+    """The per-parameter path is the step before issue 35: its optimizer state (2 steps), loaded into a fresh
+    optimizer stepped on the flat path, trains on (2 more steps) to the bits the per-parameter path reaches."""
+    def run(flat_after: bool) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        net = _net(dtype)
+        opt = OPTIMIZERS["adamw"](net.parameters())
+        before = TrueStep(dtype, update, states, seed=0, step_chunk=2**24)
+        before.flat = False
+        for i in range(2):
+            _loss(net, i).backward()
+            before.step(opt, None, None)
+            opt.zero_grad()
+        saved = copy.deepcopy(opt.state_dict())
+        resumed = OPTIMIZERS["adamw"](net.parameters())
+        resumed.load_state_dict(saved)
+        after = TrueStep(dtype, update, states, seed=0, step_chunk=2**24)
+        after.flat = flat_after
+        for i in range(2, 4):
+            _loss(net, i).backward()
+            after.step(resumed, None, None)
+            resumed.zero_grad()
+        return [p.detach().clone() for p in net.parameters()], resumed.state_dict()
+
+    assert_same_bits(run(True), run(False))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_value_the_format_cannot_hold_keeps_the_old_weight_on_both_paths(dtype):
     """SGD at lr 1e4: new values beyond fp16's largest (and, under bf16, none): the flat path keeps the old weight
