@@ -274,9 +274,11 @@ def _with_optimizer(model: L.LightningModule, kind: str | None) -> L.LightningMo
     return model
 
 
-def torchao_peer_reason(device: str) -> str | None:
-    """Why the torchao peer cannot run here (``None``: it runs): torchao missing, or its compiled step failing (on a
-    CPU it needs a C++ compiler)."""
+def torchao_peer_reason(device: str, wanted: bool = True) -> str | None:
+    """Why the torchao peer cannot run here (``None``: it runs): left out (``--no-peer``), torchao missing, or its
+    compiled step failing (on a CPU it needs a C++ compiler)."""
+    if not wanted:
+        return "left out (--no-peer)"
     try:
         from torchao.optim import _AdamW
 
@@ -301,7 +303,7 @@ def run_time(args: argparse.Namespace) -> None:
     model, batches = _batches(args.steps, args.model)
     variants: list[tuple[str, Callable[[], Any], str | None]] = [(label, make, None)
                                                                   for label, make in TIME_VARIANTS.items()]
-    peer = torchao_peer_reason(args.device)
+    peer = torchao_peer_reason(args.device, not args.no_peer)
     if peer is None:
         variants.append((TORCHAO_PEER, lambda: "bf16-true", "torchao"))
     medians: dict[str, list[float]] = {label: [] for label, _, _ in variants}
@@ -395,7 +397,7 @@ def run_ops(args: argparse.Namespace) -> None:
         for n in (int(x) for x in args.ops_layers.split(","))
     ]
     models.append((_name(args.model), functools.partial(_batches, 4, args.model)))
-    peer = torchao_peer_reason(args.device)
+    peer = torchao_peer_reason(args.device, not args.no_peer)
     for implementation in (None, "foreach"):
         how = ("AdamW as torch runs it here (" + ("foreach" if args.device != "cpu" else "a loop over the parameters")
                + ")") if implementation is None else "AdamW(foreach=True)"
@@ -642,6 +644,7 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true", help="time: AdamW(fused=True) in every variant")
     parser.add_argument("--profile", action="store_true", help="time: the optimizer step alone, and where it goes")
     parser.add_argument("--ops-layers", default="4,16,64", help="ops: layers of the MLPs counted, comma-separated")
+    parser.add_argument("--no-peer", action="store_true", help="time and ops: leave torchao's _AdamW row out")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_label", help=argparse.SUPPRESS)
     args = parser.parse_args()

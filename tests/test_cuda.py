@@ -52,6 +52,17 @@ STEPS, BATCH, DIMS = 4, 32, (64, 128, 128, 16)  # every dim divisible by 16: eve
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
+@pytest.fixture(autouse=True)
+def _lands_as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU (``LIGHTNING_PRECISION_CUDA_TIER=cpu``) the true-precision step lands as it does on CUDA, without the
+    read a chunk a CPU takes because it waits for nothing (``_true_flat.reads_are_free``): the reads counted are
+    CUDA's."""
+    if not ON_CUDA:
+        from lightning_precision import _true_flat
+
+        monkeypatch.setattr(_true_flat, "reads_are_free", lambda device: False)
+
+
 def _data(batches: int, seed: int = 1) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batches * BATCH, DIMS[0], generator=g)
