@@ -104,8 +104,11 @@ class PeakChoice:
     overrides: Mapping[str, float] = field(default_factory=dict)
 
 
-def parse_peak_override(text: str) -> dict[str, float]:
-    """``--peak-tflops``: one number for every kind (``"989"``) or ``kind=number`` pairs (``"bf16=989,fp8=1979"``)."""
+def parse_peak_override(text: str, option: str | None = "--peak-tflops") -> dict[str, float]:
+    """``--peak-tflops``: one number for every kind (``"989"``) or ``kind=number`` pairs (``"bf16=989,fp8=1979"``).
+    ``option``: what the errors start with (the command line's flag); ``None`` for a caller that names the argument
+    its user passed itself (``MFUMonitor(peak_tflops=...)``)."""
+    prefix = f"{option} {text.strip()!r}: " if option else ""
     text = text.strip()
     try:
         if "=" not in text:
@@ -120,11 +123,13 @@ def parse_peak_override(text: str) -> dict[str, float]:
                     raise ValueError(f"unknown kind {kind!r}: choose from {', '.join(KINDS)}")
                 pairs[kind] = float(number)
     except ValueError as err:
-        raise ValueError(f"--peak-tflops {text!r}: {err}; give one number or kind=number pairs, e.g."
-                         " bf16=989,fp8=1979") from None
+        device = device_peak(text) is not None  # a GPU's name ("H100"): the table is looked up by the device itself
+        hint = " (a device's name is not a peak: leave it out, and the device's own is looked up in the table)" \
+            if device else ""
+        raise ValueError(f"{prefix}{err}; give one number or kind=number pairs, e.g. bf16=989,fp8=1979{hint}") from None
     bad = [k for k, v in pairs.items() if not v > 0 or v == float("inf")]
     if bad:
-        raise ValueError(f"--peak-tflops {text!r}: peaks must be positive and finite")
+        raise ValueError(f"{prefix}peaks must be positive and finite")
     return pairs
 
 

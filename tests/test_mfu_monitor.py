@@ -254,7 +254,10 @@ def test_the_pure_function():
     ({"flops_per_batch": 1, "peak_tflops": {"fp4": 1.0}}, "name kinds from fp32, tf32, bf16, fp16, fp8"),
     ({"flops_per_batch": 1, "peak_tflops": {"bf16": -1.0}}, "positive, finite TFLOP/s"),
     ({"flops_per_batch": 1, "peak_tflops": {}}, "name kinds"),
-    ({"flops_per_batch": 1, "peak_tflops": "bf16=fast"}, r"peak_tflops='bf16=fast'\)`: .*could not convert"),
+    ({"flops_per_batch": 1, "peak_tflops": "bf16=fast"}, r"peak_tflops='bf16=fast'\)`: could not convert"),
+    # Issue 36: a device's name is not a peak, and the error speaks of the argument, not of a command-line flag.
+    ({"flops_per_batch": 1, "peak_tflops": "H100"},
+     r"^`MFUMonitor\(peak_tflops='H100'\)`: could not convert[^-]*a device's name is not a peak"),
     ({"flops_per_batch": 1, "log_every_n_steps": 0}, "log_every_n_steps=0"),
     ({"flops_per_batch": 1, "keep_windows": 0}, "keep_windows=0"),
 ])

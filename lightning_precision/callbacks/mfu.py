@@ -88,7 +88,7 @@ def _peak_overrides(peak_tflops: Any) -> dict[str, float] | None:
     bad = f"`{_OWNER}(peak_tflops={peak_tflops!r})`"
     if isinstance(peak_tflops, str):
         try:
-            return parse_peak_override(peak_tflops)
+            return parse_peak_override(peak_tflops, option=None)  # (the error names the argument, not a flag)
         except ValueError as err:
             raise ValueError(f"{bad}: {err}") from None
     if isinstance(peak_tflops, Mapping):
