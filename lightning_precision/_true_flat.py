@@ -26,6 +26,7 @@ from torch import Tensor
 from lightning_precision._rounding import split_remainder, stochastic_round
 from lightning_precision._rounding_meter import RoundingMeter
 from lightning_precision._true_keys import FP16_TOP, SQUARED
+from lightning_precision._upstream.torch import foreach_copy_, foreach_norm
 from lightning_precision._workspace import Buffer, Workspace
 
 __all__ = ["FLAT_FORMS", "decode_state", "encode_state", "land_weights", "reads_are_free", "widen_grads",
@@ -53,7 +54,7 @@ def widen_weights(work: Workspace, weights: list[Tensor], remainders: list[Tenso
     """The weights (one dtype) in fp32, with their remainders (``update="compensated"``; ``None`` where a parameter has
     none yet) added back; the remainders as they were stay in ``work``'s ``"remainder"`` buffer."""
     wide = work.buffer("weight", torch.float32)
-    torch._foreach_copy_(wide.views, weights)
+    foreach_copy_(wide.views, weights)
     if remainders is None:
         return wide
     dtype = weights[0].dtype
@@ -62,7 +63,7 @@ def widen_weights(work: Workspace, weights: list[Tensor], remainders: list[Tenso
     if len(present) < len(remainders):
         remainder.flat.zero_()
     if present:
-        torch._foreach_copy_([view for view, _ in present], [r for _, r in present])
+        foreach_copy_([view for view, _ in present], [r for _, r in present])
     if dtype == torch.bfloat16:  # the fp32 bit pattern is the bf16 one shifted up: the remainder is its low half
         wide.flat.view(torch.int32).add_(remainder.flat.view(torch.int16))
     else:
@@ -74,7 +75,7 @@ def widen_grads(work: Workspace, grads: list[Tensor], factor: Tensor | None, max
     """The gradients in fp32, times ``factor`` (the inverse loss scale, the clipping coefficient), clamped to
     ``max_value``: the per-parameter path's ``grad.float().mul_(factor).clamp_(...)``."""
     wide = work.buffer("grad", torch.float32)
-    torch._foreach_copy_(wide.views, grads)
+    foreach_copy_(wide.views, grads)
     if factor is not None:
         wide.flat.mul_(factor.to(wide.flat.device))
     if max_value is not None:
@@ -87,15 +88,15 @@ def decode_state(work: Workspace, name: str, form: str, stored: list[Tensor], pa
     power of two, or the high halves) and ``parts`` (the powers of two, or the low halves)."""
     wide = work.buffer("state." + name, torch.float32)
     if form == "plain":
-        torch._foreach_copy_(wide.views, stored)
+        foreach_copy_(wide.views, stored)
         return wide
     dtype = stored[0].dtype
     raw = work.buffer("raw." + name, dtype)
-    torch._foreach_copy_(raw.views, stored)
+    foreach_copy_(raw.views, stored)
     assert parts is not None
     if form == "float32":
         low = work.buffer("raw-low." + name, dtype)
-        torch._foreach_copy_(low.views, parts)
+        foreach_copy_(low.views, parts)
         high_half, low_half = _halves(wide.flat)
         high_half.copy_(raw.flat.view(torch.int16))
         low_half.copy_(low.flat.view(torch.int16))
@@ -139,7 +140,7 @@ def land_weights(work: Workspace, weights: list[Tensor], update: str, generator:
             out.flat.copy_(new)
         return out
     old = work.buffer("new", dtype)
-    torch._foreach_copy_(old.views, weights)
+    foreach_copy_(old.views, weights)
     bad = torch.isfinite(new).logical_not_()
     if dtype == torch.float32:
         old.flat.copy_(torch.where(bad, old.flat, new))
@@ -184,7 +185,7 @@ def encode_state(work: Workspace, name: str, form: str, dtype: torch.dtype,
     values = wide.flat
     exponents = None
     if form == "f16":
-        largest = torch.stack(torch._foreach_norm(wide.views, float("inf")))
+        largest = torch.stack(foreach_norm(wide.views, float("inf")))
         if name in SQUARED:
             values, largest = values.sqrt(), largest.sqrt()
         exponents = torch.where(largest > 0, FP16_TOP - torch.frexp(largest).exponent, 0).to(torch.int32)

@@ -83,7 +83,7 @@ from lightning_precision._true_keys import (
     is_own_key,
     is_scalar_fp32,
 )
-from lightning_precision._upstream.torch import optimizer_step_hooks
+from lightning_precision._upstream.torch import foreach_copy_, foreach_mul, foreach_norm, optimizer_step_hooks
 from lightning_precision._workspace import Workspace
 
 __all__ = ["OPTIMIZER_STATES", "ROUNDING_COUNTS", "STATE_PREFIX", "ClipRequest", "RoundingMeter", "TrueStep",
@@ -320,7 +320,7 @@ def _clone_all(tensors: list[Tensor]) -> list[Tensor]:
         else:
             groups.setdefault((t.device, t.dtype), []).append(i)
     for members in groups.values():
-        for i, copy in zip(members, torch._foreach_mul([tensors[i] for i in members], 1), strict=True):
+        for i, copy in zip(members, foreach_mul([tensors[i] for i in members], 1), strict=True):
             copies[i] = copy
     return copies  # type: ignore[return-value]
 
@@ -450,7 +450,7 @@ class TrueStep:
             else:
                 plain.setdefault((grad.device, grad.dtype), []).append(grad)
         for grads in plain.values():
-            norms.extend(torch._foreach_norm(grads, clip.norm_type, dtype=torch.float32))
+            norms.extend(foreach_norm(grads, clip.norm_type, dtype=torch.float32))
         device = _local(params[0]).device
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), clip.norm_type)
         if factor is not None:
@@ -664,7 +664,7 @@ class TrueStep:
                 if encoded is not None:
                     own[key] = encoded
         for targets, sources in copies:
-            torch._foreach_copy_(targets, sources)
+            foreach_copy_(targets, sources)
         for p, own in zip(params, fresh, strict=True):
             state[p] = own
 

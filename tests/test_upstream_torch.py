@@ -210,3 +210,34 @@ def test_the_dispatch_counter_sees_each_aten_op_and_each_host_read():
         float(y)
     assert counter.names == ["aten.mul.Tensor", "aten.sum.default", upstream.DispatchCounter.HOST_READ]
     assert counter.host_reads == counter.reads_on("cpu") == 1 and counter.reads_on("cuda") == 0
+
+
+def test_the_foreach_list_ops_the_true_step_relies_on():
+    """``torch._foreach_copy_`` converts dtypes into existing tensors, ``_foreach_mul`` copies every bit (-0.0, NaN),
+    ``_foreach_mul_`` takes a 0-dim tensor, ``_foreach_norm`` takes ``dtype=`` (an fp16 norm at a loss scale would
+    overflow) and ``inf``: each a single op, as the true-precision step counts them."""
+    from lightning_precision._upstream.torch import (
+        DispatchCounter,
+        foreach_copy_,
+        foreach_mul,
+        foreach_mul_,
+        foreach_norm,
+    )
+
+    sources = [torch.tensor([1.5, -2.0], dtype=torch.bfloat16), torch.tensor([[3.0]], dtype=torch.bfloat16)]
+    targets = [torch.zeros(2), torch.zeros(1, 1)]
+    with DispatchCounter() as counter:
+        foreach_copy_(targets, sources)
+    assert counter.names == ["aten._foreach_copy_.default"]
+    assert targets[0].tolist() == [1.5, -2.0] and targets[1].dtype == torch.float32 and targets[1].item() == 3.0
+    special = [torch.tensor([-0.0, float("nan"), 7.0])]
+    copied = foreach_mul(special, 1)
+    assert copied[0] is not special[0]
+    assert torch.equal(copied[0].view(torch.int32), special[0].view(torch.int32))
+    scaled = [torch.tensor([2.0, 4.0], dtype=torch.float16)]
+    foreach_mul_(scaled, torch.tensor(0.5))
+    assert scaled[0].tolist() == [1.0, 2.0] and scaled[0].dtype == torch.float16
+    big = [torch.full((4,), 60000.0, dtype=torch.float16)]
+    norm = foreach_norm(big, 2.0, dtype=torch.float32)[0]
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(120000.0)
+    assert foreach_norm([torch.tensor([-3.0, 2.0])], float("inf"))[0].item() == 3.0

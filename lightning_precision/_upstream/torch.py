@@ -27,6 +27,10 @@ __all__ = [
     "DispatchCounter",
     "byte_all_gather_base",
     "dtensor_local_tensor",
+    "foreach_copy_",
+    "foreach_mul",
+    "foreach_mul_",
+    "foreach_norm",
     "fsdp_mp_policy",
     "grad_scaler_scale",
     "inside_compiled_call",
@@ -227,3 +231,32 @@ def inside_compiled_call() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# torch's list ops (`torch._foreach_*`): the true-precision step's one op per list of tensors (on a GPU one launch, or a
+# few, for any number of parameters), which torch's own optimizers are built on; torch has no public name for them.
+# Looked up on `torch` at each call (the CPU suite wraps `_foreach_norm` to refuse what its CUDA kernel refuses).
+
+
+def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every i, converting the dtype (CUDA's kernel does it in one launch when
+    every source shares a dtype, every target another, and sizes and strides match)."""
+    torch._foreach_copy_(targets, sources)
+
+
+def foreach_mul(tensors: list[torch.Tensor], factor: float) -> list[torch.Tensor]:
+    """New tensors ``t * factor`` (``factor=1``: copies that keep every bit, -0.0 and NaN included)."""
+    return list(torch._foreach_mul(tensors, factor))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """``t.mul_(factor)`` for every tensor, ``factor`` a 0-dim tensor on their device."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Each tensor's ``ord``-norm (``inf``: its largest magnitude), accumulated and returned in ``dtype`` when given (an
+    fp16 gradient's norm at a loss scale overflows fp16)."""
+    if dtype is None:
+        return list(torch._foreach_norm(tensors, ord))
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))

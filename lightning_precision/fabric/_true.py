@@ -29,7 +29,7 @@ from lightning_precision._checks import is_positive_int
 from lightning_precision._rounding import UPDATES
 from lightning_precision._true_step import OPTIMIZER_STATES, ClipRequest, TrueStep, is_stepping
 from lightning_precision._upstream.lightning import convert_fp_tensor
-from lightning_precision._upstream.torch import version_counter
+from lightning_precision._upstream.torch import foreach_mul, foreach_mul_, version_counter
 from lightning_precision.fabric._scaled import ScaledPrecision, closure_driven
 from lightning_precision.fabric._scaler import InStepScaler, NonFiniteGuard, ScalerConfig
 
@@ -282,8 +282,8 @@ class TruePrecision(ScaledPrecision):
         kept: dict[Tensor, Tensor] = {}
         if dense:
             grads = [p.grad for p in dense]
-            kept.update(zip(dense, torch._foreach_mul(grads, 1), strict=True))  # (x * 1 keeps every bit)
-            torch._foreach_mul_(grads, inverse.to(grads[0].device))
+            kept.update(zip(dense, foreach_mul(grads, 1), strict=True))  # (x * 1 keeps every bit)
+            foreach_mul_(grads, inverse.to(grads[0].device))
         for p in params:
             if p.grad.layout != torch.strided:  # a sparse one: shown as a new tensor
                 kept[p] = p.grad
