@@ -183,7 +183,9 @@ def test_memory_does_not_follow_run_order(tmp_path):
             memory.setdefault(r["precision"], []).append(r["peak_memory_mb"])
     for precision, (first, second) in memory.items():
         assert first > 0 and second > 0
-        assert 0.5 < first / second < 2, (precision, first, second)  # once 20x (20 MB first, 1 MB last)
+        # The regression was 20x (20 MB first, 1 MB last). A CPU's resident peak of a ~10 MB run moves 2.5x with the
+        # allocator's timing on a loaded machine (once 29.9 MB first, 11.7 MB last, each in its own process), so 4x.
+        assert 0.25 < first / second < 4, (precision, first, second)
 
 
 @pytest.mark.slow
