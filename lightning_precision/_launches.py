@@ -12,7 +12,7 @@ import time
 
 import torch
 
-__all__ = ["LAUNCH_BOUND", "host_launch_us", "launch_bound", "launch_floor_ms"]
+__all__ = ["LAUNCH_BOUND", "host_launch_us", "launch_bound", "launch_floor_ms", "ops_are_cheap"]
 
 # A step whose launches alone take at least this share of it is launch-bound. The floor counts the cheapest launch
 # only (a matmul's costs the host more, and Python around each op more still), so at half the step the host is the
@@ -47,3 +47,10 @@ def launch_bound(ops: int, launch_us: float, step_ms: float) -> bool:
     (True, False)
     """
     return launch_floor_ms(ops, launch_us) >= LAUNCH_BOUND * step_ms
+
+
+def ops_are_cheap(device: torch.device) -> bool:
+    """Whether an aten op on ``device`` costs only its arithmetic (on a CPU an op is a function call), not a kernel
+    launch (an accelerator). Where ops are cheap, a loop of single-pass reductions beats a fused list op that writes a
+    temporary: on a CPU ``torch._foreach_norm(inf)`` writes |x| first, 20x the time of ``torch.aminmax`` per tensor."""
+    return device.type == "cpu"

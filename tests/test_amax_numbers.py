@@ -156,8 +156,12 @@ def same(a, b):
     (2, "max", 0, 256, ("mxfp8", "nvfp4"), None),  # sampled: 256 elements of each kind shared by the layers
     (5, "max", 2, 2**16, (), 96),
 ])
+# The weights' amaxes: one `aminmax` each where ops are cheap (a CPU), one `_foreach_norm(inf)` for all on an
+# accelerator: the same numbers (nan and inf weights included).
+@pytest.mark.parametrize("ops_cheap", [True, False], ids=["cpu-policy", "accelerator-policy"])
 def test_history_scales_and_every_metric_equal_the_reference(history_len, algo, margin, sample, block_formats, chunk,
-                                                             monkeypatch):
+                                                             ops_cheap, monkeypatch):
+    monkeypatch.setattr("lightning_precision.callbacks.amax.ops_are_cheap", lambda device: ops_cheap)
     if chunk is not None:
         monkeypatch.setattr("lightning_precision._amax_stats.CHUNK", chunk)
     model = Parallel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from lightning_precision._amax_stats import block_sample, pooled_stats, shared_s
 from lightning_precision._checks import is_positive_int
 from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
+from lightning_precision._launches import ops_are_cheap
+from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, foreach_copy_, foreach_norm
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
 from lightning_precision.fp8._selection import HYBRID_FORMAT, TENSORS, functional_linears
@@ -31,6 +34,8 @@ from lightning_precision.functional import (
 
 __all__ = ["AmaxHistoryLogger", "block_sample"]
 
+# The weight dtypes whose amax the flush takes in one `_foreach_norm` (those its CUDA kernel takes).
+_NORM_DTYPES = CUDA_KERNEL_DTYPES["_foreach_norm"][0]
 _FP8_MAX = torch.tensor([FORMATS[HYBRID_FORMAT[t]].max for t in TENSORS])
 
 
@@ -202,6 +207,8 @@ class AmaxHistoryLogger(Callback):
         self._fp8_max = _FP8_MAX
         self.last_metrics: dict[str, float] = {}
         self._weights_seen: set[int] = set()
+        # Layers whose plain weight ran this step: their amaxes are taken together at the flush (`_record_weights`).
+        self._weights_ran: dict[int, None] = {}
         self._ran: list[bool] = []
 
     @property
@@ -265,6 +272,7 @@ class AmaxHistoryLogger(Callback):
         self._extremes = torch.zeros(len(names) * 3, 2, device=device)
         self._extreme_rows = [(row[0], row[1]) for row in self._extremes]
         self._written.clear()
+        self._weights_ran.clear()
         # Copied once: a per-step host-to-device copy would sync the stream.
         self._fp8_max = _FP8_MAX.to(device)
         for i, (_, module) in enumerate(found):
@@ -370,20 +378,40 @@ class AmaxHistoryLogger(Callback):
         # One reduction per tensor, one pass with no |t| temporary (abs().amax() writes |t| first; vector_norm(inf) is
         # 10x slower on CPU), combined into the history once per step (see _flush). An fp32 tensor's first call in the
         # step writes its extremes into this step's preallocated row: no allocation, nothing to gather at the flush.
+        # Under no_grad rather than on `t.detach()`: a detach is an aten op (a launch on a GPU) per tensor.
         j = i * 3 + k
-        t = t.detach()
-        if t.dtype == torch.float32 and type(t) is Tensor and j not in self._written \
-                and t.device == self._extremes.device:
-            self._written.add(j)
-            torch.aminmax(t, out=self._extreme_rows[j])
-        else:  # another dtype (bf16 activations), a tensor subclass, or a repeated call (accumulation, re-used layer)
-            self._records.append((j, torch.aminmax(t)))
+        with torch.no_grad():
+            if t.dtype == torch.float32 and type(t) in (Tensor, nn.Parameter) and j not in self._written \
+                    and t.device == self._extremes.device:
+                self._written.add(j)
+                torch.aminmax(t, out=self._extreme_rows[j])
+            else:  # another dtype (bf16 activations), a subclass, or a repeated call (accumulation, re-used layer)
+                self._records.append((j, torch.aminmax(t)))
+
+    def _record_weights(self) -> None:
+        """The amax of every plain weight that ran this step, taken at the flush (weights change only at the
+        optimizer step, after it): on an accelerator one ``_foreach_norm(inf)`` for all layers written into their
+        rows by one copy, not a reduction per layer; where ops are cheap (a CPU) one ``aminmax`` each (no |w|)."""
+        if not self._weights_ran:
+            return
+        layers = list(self._weights_ran)
+        self._weights_ran.clear()
+        weights = [self._modules[i].weight for i in layers]
+        if ops_are_cheap(self._extremes.device):
+            for i, w in zip(layers, weights, strict=True):
+                self._record(i, 1, w)
+            return
+        with torch.no_grad():
+            amaxes = foreach_norm(weights, math.inf)
+        foreach_copy_([self._extreme_rows[i * 3 + 1][1] for i in layers], amaxes)
+        self._written.update(i * 3 + 1 for i in layers)
 
     def _flush(self) -> None:
         """Write this step's recorded amaxes into its ring slot (max over repeated calls: accumulation, re-used
         layers), in place, and remember each entry's last non-zero amax. Ordinary fp32 steps: five small ops, whatever
         the number of layers (each distinct op costs tens of microseconds on a CPU right after a backward, whose
         matrix products have evicted the caches)."""
+        self._record_weights()
         slot = self.state["ring"][self._pos].view(-1)
         # every entry: the preallocated rows (zero where nothing was written) replace the slot's stale values
         torch.amax(self._extremes.abs(), dim=1, out=slot)
@@ -417,9 +445,13 @@ class AmaxHistoryLogger(Callback):
                 x = None  # no tokens reached it this call (an idle expert): its weight is still recorded
             if x is not None:
                 self._record(i, 0, x)
-            if i not in self._weights_seen:  # the weight changes only at the optimizer step
+            weight = module.weight
+            if not self._copy_weights and type(weight) in (Tensor, nn.Parameter) and \
+                    weight.dtype in _NORM_DTYPES and weight.device == self._extremes.device:
+                self._weights_ran[i] = None  # measured with the others at the flush
+            elif i not in self._weights_seen:  # the weight changes only at the optimizer step
                 self._weights_seen.add(i)
-                self._record(i, 1, _values(module.weight))
+                self._record(i, 1, _values(weight))
             if self._capture is not None:
                 if x is not None:
                     self._capture[i]["input"] = (x.detach(), x.numel())
