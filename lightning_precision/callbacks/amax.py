@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -396,7 +396,7 @@ class AmaxHistoryLogger(Callback):
             return
         layers = list(self._weights_ran)
         self._weights_ran.clear()
-        weights = [self._modules[i].weight for i in layers]
+        weights: list[Tensor] = [cast(Tensor, self._modules[i].weight) for i in layers]  # plain: `_input_hook`
         if ops_are_cheap(self._extremes.device):
             for i, w in zip(layers, weights, strict=True):
                 self._record(i, 1, w)
