@@ -1,18 +1,16 @@
 """Every plugin answers the same questions (``metrics()``, ``loss_scale``, ``skipped_steps``), so the README's logging
 code keeps working when another plugin is swapped in: real Fabric loops and Trainer fits on CPU."""
 
-from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.loggers import Logger
 from torch import nn
 
 import lightning_precision
 from lightning_precision import _imports
 from lightning_precision import fabric as lp_fabric
-from tests.helpers import LitNet, loader, make_data, make_net, trainer
+from tests.helpers import LitNet, RecordingLogger, loader, make_data, make_net, trainer
 
 STEPS = 4
 _FP8 = pytest.mark.skipif(not _imports.TORCHAO_AVAILABLE, reason="FP8Precision needs torchao (the [fp8] extra)")
@@ -34,28 +32,6 @@ def expected_metrics(name: str, kwargs: dict) -> set[str]:
         "FP16MixedPrecision": {"precision/loss_scale", "precision/skipped_steps"},
         "FP8Precision": {"precision/fp8_layers"},
     }[name] | ({"precision/skipped_steps"} if kwargs.get("skip_nonfinite") else set())
-
-
-class RecordingLogger(Logger):
-    """A real Fabric logger that keeps what it is given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: Any = None) -> None:
-        self.logged.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 @pytest.mark.parametrize(("name", "kwargs"), PLUGINS)

@@ -21,6 +21,7 @@ from lightning_precision._checks import is_positive_int
 from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision._launches import ops_are_cheap
+from lightning_precision._probe_pass import in_probe_pass
 from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, foreach_copy_, foreach_norm
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
@@ -437,7 +438,7 @@ class AmaxHistoryLogger(Callback):
 
     def _input_hook(self, i: int) -> Any:
         def hook(module: nn.Module, args: tuple) -> None:
-            if not torch.is_grad_enabled() or not module.training:  # training steps only
+            if not torch.is_grad_enabled() or not module.training or in_probe_pass():  # training steps only
                 return
             self._ran[i] = True
             x = args[0] if args and isinstance(args[0], Tensor) else None
@@ -463,13 +464,13 @@ class AmaxHistoryLogger(Callback):
 
     def _output_hook(self, i: int) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if isinstance(output, Tensor) and output.requires_grad:
+            if isinstance(output, Tensor) and output.requires_grad and not in_probe_pass():
                 output.register_hook(lambda g: self._grad(i, g))
 
         return hook
 
     def _grad(self, i: int, g: Tensor) -> None:
-        if g.numel() == 0:  # the gradient of an output with no tokens: nothing to record
+        if g.numel() == 0 or in_probe_pass():  # no tokens; or another's pass through this step's graph
             return
         self._record(i, 2, g)
         if self._capture is not None:

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_precision._accumulator import Accumulator, ReduceOp, all_reduce
 from lightning_precision._checks import is_positive_int
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
+from lightning_precision._probe_pass import in_probe_pass
 from lightning_precision._upstream.lightning import batches_that_stepped, should_update_logs
 from lightning_precision._warnings import NoEffectWarning, process_rank, warn
 from lightning_precision.callbacks._cadence import on_cadence
@@ -118,7 +119,7 @@ class InputSignals:
     def _hook(self, fqn: str) -> Callable[[nn.Module, tuple], None]:
         def hook(module: nn.Module, args: tuple) -> None:
             x = args[0] if args else None
-            if not torch.is_grad_enabled() or not isinstance(x, Tensor) or x.numel() == 0:
+            if not torch.is_grad_enabled() or not isinstance(x, Tensor) or x.numel() == 0 or in_probe_pass():
                 return
             d = x.detach().reshape(-1).double()
             amax = d.abs().amax()  # not finite if any value is not

@@ -28,6 +28,7 @@ from lightning_precision._mfu import (
     peak_device_name,
     plugin_compute_dtype,
 )
+from lightning_precision._probe_pass import probe_pass
 from lightning_precision._upstream.lightning import batches_that_stepped
 from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
@@ -240,7 +241,7 @@ class MFUMonitor(Callback):
     def _measure(self, pl_module: pl.LightningModule, batch: Any) -> None:
         assert self.loss_fn is not None
         try:
-            with _untouched(pl_module, self._device):
+            with _untouched(pl_module, self._device), probe_pass(self):  # no other callback measures it
                 self.measured_flops = model_flops_per_step(pl_module, batch, self.loss_fn)
         except Exception as err:  # a model the flop counter cannot trace must not stop the fit
             self._failed = True

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
 from lightning_precision._fsdp import is_sharded, local_shard
 from lightning_precision._plots import check_plot_path
+from lightning_precision._probe_pass import in_probe_pass, probe_pass
 from lightning_precision._true_step import ROUNDING_COUNTS, RoundingMeter, TrueStep
 from lightning_precision._upstream.lightning import unwrapped_name
 from lightning_precision._warnings import warn
@@ -374,7 +375,8 @@ class GradientUnderflowMonitor(Callback):
         # is the probe's (kept apart), not a second count of the step.
         self._probe_scale, self._probe_activations = effective, None
         try:
-            grads = probe() if backward is None else _run_in_backward(probe, loss.device, backward)
+            with probe_pass(self):  # not a step of anyone else's measurements (`_probe_pass`)
+                grads = probe() if backward is None else _run_in_backward(probe, loss.device, backward)
         finally:
             probe_activations, self._probe_scale, self._probe_activations = self._probe_activations, None, None
         present = {n: g for n, g in zip(params, grads, strict=True) if g is not None}
@@ -613,12 +615,15 @@ class GradientUnderflowMonitor(Callback):
         return plot_exponent_histogram(hists, path, formats=self.formats)
 
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._capturing and isinstance(output, Tensor) and output.requires_grad and output.is_floating_point():
+        if self._capturing and isinstance(output, Tensor) and output.requires_grad and output.is_floating_point() \
+                and not in_probe_pass(self):
             # A hook on the output tensor, not a full backward hook: those fail when the next op is in-place
             # (ReLU(inplace=True) in torchvision's ResNets); the gradient seen is the same.
             output.register_hook(self._activation_grad)
 
     def _activation_grad(self, grad: Tensor) -> None:
+        if in_probe_pass(self):  # another's pass through this step's graph
+            return
         if self._probe_scale is not None:  # inside the probe's backward: its histogram only, at its own scale
             try:
                 hist = exponent_histogram(grad, 1.0 / self._probe_scale)

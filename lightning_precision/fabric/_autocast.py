@@ -21,6 +21,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision import _fsdp
+from lightning_precision._probe_pass import in_probe_pass
 from lightning_precision._upstream.lightning import (
     FABRIC_THROUGHPUT_MODULE,
     convert_fp_tensor,
@@ -231,7 +232,8 @@ class AutocastPrecision(FabricPrecision):
         """Around every backward pass, Trainer and Fabric alike."""
         with self._matmul_precision_scope():
             yield
-        self._after_backward()
+        if not in_probe_pass():  # a callback's probe backward is no backward of the step
+            self._after_backward()
 
     def _after_backward(self) -> None:
         """Hook for subclasses: runs after each successful backward pass."""
@@ -259,7 +261,8 @@ class AutocastPrecision(FabricPrecision):
     def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         if self.matmul_precision is None:
             super().backward(tensor, model, *args, **kwargs)
-            self._after_backward()
+            if not in_probe_pass():
+                self._after_backward()
             return
         with self._backward_scope():
             super().backward(tensor, model, *args, **kwargs)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_precision._accumulator import Accumulator, Reduce, as_reduce_op
+from lightning_precision._probe_pass import in_probe_pass
 from lightning_precision._upstream.torch import inside_compiled_call
 from lightning_precision._warnings import warn
 from lightning_precision.fp8._emulate import (
@@ -274,7 +275,8 @@ class _Probe:
 
         def hook(module: nn.Linear, args: tuple, output: Any) -> None:
             x = args[0] if args else None
-            if not torch.is_grad_enabled() or not isinstance(x, Tensor) or not isinstance(output, Tensor):
+            if not torch.is_grad_enabled() or not isinstance(x, Tensor) or not isinstance(output, Tensor) \
+                    or in_probe_pass():
                 return
             self.ran = True
             _say_eager()
@@ -308,6 +310,8 @@ class _Probe:
 
     def _backward(self, fqn: str, states: list[tuple[int, Any]], w: Tensor) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
+            if in_probe_pass():  # another's pass through this step's graph (GradientUnderflowMonitor's probe)
+                return
             n = _NUMERIC_FIELDS
             with torch.autocast(grad.device.type, enabled=False):
                 ref = grad.detach().float() @ w
