@@ -95,3 +95,32 @@ def test_the_amax_logger_adds_at_most_three_ops_a_linear_layer_and_no_read(ops_c
     per_layer = (ops16 - ops4) / 12
     assert per_layer == (3 if ops_cheap else 2), (ops4, ops16)
     assert ops4 - 4 * per_layer <= 20, (ops4, ops16)  # the constant part: the flush and the ring write
+
+
+def _fp8(**kw: Any) -> Any:
+    return lp.FP8Precision(emulate=True, skip_small_layers=False, skip_first_last=False, **kw)
+
+
+def test_fp8_guard_adds_no_op_and_no_read_on_a_step_it_does_not_measure():
+    pytest.importorskip("torchao")
+    from lightning_precision.callbacks import FP8Guard
+
+    alone = _counts(_fp8(), [])
+    beside = _counts(_fp8(), [FP8Guard(every_n_steps=MEASURE_EVERY)])
+    measured = {i for i in range(STEPS) if (i + 1) % MEASURE_EVERY == 0}
+    idle = [i for i in range(STEPS) if i not in measured]
+    assert [beside[i] for i in idle] == [alone[i] for i in idle], (beside, alone)
+    assert all(beside[i][0] > alone[i][0] for i in measured), (beside, alone)  # not vacuous
+
+
+def test_layers_auto_costs_nothing_once_it_has_decided():
+    """After its calibration batches, ``layers="auto"`` runs as the plan it chose given outright: the same ops and
+    reads every step (the measuring batches cost what measuring costs)."""
+    pytest.importorskip("torchao")
+    auto = _fp8(layers="auto", calibration_batches=2)
+    chosen = _counts(auto, [])
+    plan = auto.plan_in_force()
+    assert plan is not None and any(entry.low for entry in plan.layers)  # it chose fp8 for some
+    given = _counts(_fp8(layers=plan), [])
+    assert chosen[2:] == given[2:], (chosen, given)
+    assert chosen[0][0] > given[0][0]  # the count sees the measuring: the test is not vacuous
