@@ -10,6 +10,7 @@ what it flushes or saturates depends on the block's largest value, not on one sc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +53,12 @@ class NumberFormat(_Format):
     @property
     def min_exponent(self) -> int:
         """log2 of the smallest subnormal: below about this, values flush to zero."""
-        return round(torch.log2(torch.tensor(self.smallest_subnormal, dtype=torch.float64)).item())
+        return math.frexp(self.smallest_subnormal)[1] - 1  # a power of two: exact, and no tensor made and read
 
     @property
     def max_exponent(self) -> int:
         """floor(log2(max)): values at 2**(max_exponent + 1) and above overflow."""
-        return int(torch.floor(torch.log2(torch.tensor(self.max, dtype=torch.float64))).item())
+        return math.frexp(self.max)[1] - 1  # max = m * 2**e with m in [0.5, 1): floor(log2(max)) = e - 1, exactly
 
     @property
     def flush_bound(self) -> float:

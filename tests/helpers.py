@@ -123,10 +123,10 @@ def fabric_loop(plugin: Any, ds: TensorDataset, steps: int, lr: float = 0.1) -> 
 
 
 def count_host_reads(monkeypatch: Any) -> list[int]:
-    """From now until ``monkeypatch.undo()``, count host reads of tensors (``item``, ``float``, ``int``, ``bool``) in
-    ``reads[0]`` of the returned list, which the caller may reset."""
+    """From now until ``monkeypatch.undo()``, count host reads of tensors (``item``, ``float``, ``int``, ``bool``,
+    ``tolist``: many values in one read) in ``reads[0]`` of the returned list, which the caller may reset."""
     reads = [0]
-    for name in ("item", "__float__", "__int__", "__bool__"):
+    for name in ("item", "__float__", "__int__", "__bool__", "tolist"):
         original = getattr(torch.Tensor, name)
 
         def counted(self: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:

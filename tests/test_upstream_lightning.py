@@ -73,3 +73,26 @@ def test_fabric_wrapper_prefix_is_what_named_parameters_gives():
     names = [n for n, _ in model.named_parameters()]
     assert names == [f"{upstream.FABRIC_MODULE_PREFIX}0.weight", f"{upstream.FABRIC_MODULE_PREFIX}0.bias"]
     assert [upstream.unwrapped_name(n) for n in names] == ["0.weight", "0.bias"]
+
+
+def test_published_metrics_reach_the_loggers_and_callback_metrics_and_stay():
+    """`publish_metrics` writes into the dict `trainer.callback_metrics` returns, the logger connector's own: values
+    put there during a fit are still there at its end, beside what `self.log` put."""
+    from tests.helpers import RecordingLogger
+
+    class Publishing(LitNet):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("loss", loss)
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                upstream.publish_metrics(self.trainer, {"published": 2.5}, upstream.batches_that_stepped(self.trainer))
+
+    logger = RecordingLogger()
+    run = trainer(None, max_steps=4, log_every_n_steps=2, logger=logger)
+    run.fit(Publishing(), loader(make_data(4)))
+    assert float(run.callback_metrics["published"]) == 2.5 and "loss" in run.callback_metrics
+    steps = {key: step for step, metrics in logger.logged for key in metrics}
+    assert steps["published"] == 1 and [s for s, m in logger.logged if "loss" in m][0] == 1  # the same step

@@ -69,6 +69,28 @@ class DispatchCounter(TorchDispatchMode):
         super().__init__()
         self.names: list[str] = []
         self.read_devices: list[str] = []
+        self._tolist: Any = None
+
+    # ``Tensor.tolist()`` reads every value on the host in one go (the package's one read of a logging step's metrics)
+    # but dispatches no aten op on a CPU tensor: while counting it is wrapped, and each call is one read of its device.
+    def __enter__(self) -> DispatchCounter:
+        tolist = self._tolist = torch.Tensor.tolist
+        counter = self
+
+        def counted(tensor: torch.Tensor) -> Any:
+            counter.names.append(self.HOST_READ)
+            counter.read_devices.append(tensor.device.type)
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counted  # type: ignore[method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self._tolist is not None:
+            torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+            self._tolist = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)

@@ -22,6 +22,7 @@ from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision._launches import ops_are_cheap
 from lightning_precision._probe_pass import in_probe_pass
+from lightning_precision._upstream.lightning import publish_metrics
 from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, foreach_copy_, foreach_norm
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
@@ -37,6 +38,8 @@ __all__ = ["AmaxHistoryLogger", "block_sample"]
 
 # The weight dtypes whose amax the flush takes in one `_foreach_norm` (those its CUDA kernel takes).
 _NORM_DTYPES = CUDA_KERNEL_DTYPES["_foreach_norm"][0]
+# The dtypes whose first call of a step writes its extremes into a preallocated table (`_record`).
+_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_MAX = torch.tensor([FORMATS[HYBRID_FORMAT[t]].max for t in TENSORS])
 
 
@@ -198,14 +201,16 @@ class AmaxHistoryLogger(Callback):
         self._capture: list[dict[str, tuple[Tensor, int]]] | None = None
         self._last_whatif: dict[str, Tensor] = {}
         self._copy_weights = False
-        # This step's extremes: fp32 tensors write (min, max) straight into a preallocated row per entry (first call of
-        # the step); other dtypes and repeated calls go to `_records`. See `_record`.
+        # This step's extremes: a tensor's first call of the step writes (min, max) straight into a preallocated row per
+        # entry of its dtype's table (fp32, bf16, fp16); repeated calls, float64 and subclasses go to `_records`. See
+        # `_record`. `_extremes` is the fp32 table, which the flush reduces into the ring.
         self._extremes = torch.zeros(0, 2)
-        self._extreme_rows: list[tuple[Tensor, Tensor]] = []
-        self._written: set[int] = set()
+        self._tables: dict[torch.dtype, tuple[Tensor, list[tuple[Tensor, Tensor]]]] = {}
+        self._written: dict[torch.dtype, set[int]] = {}
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
         self._index_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         self._fp8_max = _FP8_MAX
+        self._device = torch.device("cpu")
         self.last_metrics: dict[str, float] = {}
         self._weights_seen: set[int] = set()
         # Layers whose plain weight ran this step: their amaxes are taken together at the flush (`_record_weights`).
@@ -270,15 +275,24 @@ class AmaxHistoryLogger(Callback):
         self._te_layers = [i for i, m in enumerate(self._modules) if hasattr(m, "fp8_meta")]
         self._ran = [False] * len(found)
         self._index_cache.clear()
-        self._extremes = torch.zeros(len(names) * 3, 2, device=device)
-        self._extreme_rows = [(row[0], row[1]) for row in self._extremes]
-        self._written.clear()
+        self._device = device
+        self._tables = {dtype: self._table(len(names) * 3, dtype, device) for dtype in _TABLE_DTYPES}
+        self._extremes = self._tables[torch.float32][0]
+        self._written = {dtype: set() for dtype in _TABLE_DTYPES}
         self._weights_ran.clear()
         # Copied once: a per-step host-to-device copy would sync the stream.
         self._fp8_max = _FP8_MAX.to(device)
         for i, (_, module) in enumerate(found):
-            self._handles.append(module.register_forward_pre_hook(self._input_hook(i)))
-            self._handles.append(module.register_forward_hook(self._output_hook(i)))
+            # One forward hook a layer (its input, and a hook on its output's gradient); under FSDP2 a pre-hook too,
+            # for the weight while it is gathered.
+            if self._copy_weights:
+                self._handles.append(module.register_forward_pre_hook(self._weight_hook(i)))
+            self._handles.append(module.register_forward_hook(self._layer_hook(i)))
+
+    @staticmethod
+    def _table(entries: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        table = torch.zeros(entries, 2, dtype=dtype, device=device)
+        return table, [(row[0], row[1]) for row in table]
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -381,12 +395,13 @@ class AmaxHistoryLogger(Callback):
         # step writes its extremes into this step's preallocated row: no allocation, nothing to gather at the flush.
         # Under no_grad rather than on `t.detach()`: a detach is an aten op (a launch on a GPU) per tensor.
         j = i * 3 + k
+        written = self._written.get(t.dtype)
         with torch.no_grad():
-            if t.dtype == torch.float32 and type(t) in (Tensor, nn.Parameter) and j not in self._written \
-                    and t.device == self._extremes.device:
-                self._written.add(j)
-                torch.aminmax(t, out=self._extreme_rows[j])
-            else:  # another dtype (bf16 activations), a subclass, or a repeated call (accumulation, re-used layer)
+            if written is not None and j not in written and type(t) in (Tensor, nn.Parameter) \
+                    and t.device == self._device:
+                written.add(j)
+                torch.aminmax(t, out=self._tables[t.dtype][1][j])
+            else:  # float64, a subclass, or a repeated call (accumulation, a re-used layer)
                 self._records.append((j, torch.aminmax(t)))
 
     def _record_weights(self) -> None:
@@ -398,14 +413,15 @@ class AmaxHistoryLogger(Callback):
         layers = list(self._weights_ran)
         self._weights_ran.clear()
         weights: list[Tensor] = [cast(Tensor, self._modules[i].weight) for i in layers]  # plain: `_input_hook`
-        if ops_are_cheap(self._extremes.device):
+        if ops_are_cheap(self._device):
             for i, w in zip(layers, weights, strict=True):
                 self._record(i, 1, w)
             return
         with torch.no_grad():
             amaxes = foreach_norm(weights, math.inf)
-        foreach_copy_([self._extreme_rows[i * 3 + 1][1] for i in layers], amaxes)
-        self._written.update(i * 3 + 1 for i in layers)
+        rows = self._tables[torch.float32][1]
+        foreach_copy_([rows[i * 3 + 1][1] for i in layers], amaxes)
+        self._written[torch.float32].update(i * 3 + 1 for i in layers)
 
     def _flush(self) -> None:
         """Write this step's recorded amaxes into its ring slot (max over repeated calls: accumulation, re-used
@@ -414,12 +430,18 @@ class AmaxHistoryLogger(Callback):
         matrix products have evicted the caches)."""
         self._record_weights()
         slot = self.state["ring"][self._pos].view(-1)
-        # every entry: the preallocated rows (zero where nothing was written) replace the slot's stale values
-        torch.amax(self._extremes.abs(), dim=1, out=slot)
+        # Every entry: the tables' rows (zero where nothing was written) replace the slot's stale values; the other
+        # dtypes' tables join the fp32 one where they were written (widening to fp32 is exact; nan propagates).
+        extremes = self._extremes.abs_()
+        for dtype, (table, _) in self._tables.items():
+            if dtype != torch.float32 and self._written[dtype]:
+                torch.maximum(extremes, table.abs(), out=extremes)
+                table.zero_()
+                self._written[dtype].clear()
+        torch.amax(extremes, dim=1, out=slot)
         self._stale_slot = False
-        if self._written:
-            self._extremes.zero_()
-            self._written.clear()
+        extremes.zero_()
+        self._written[torch.float32].clear()
         if self._records:
             key = tuple(j for j, _ in self._records)
             plan = self._index_cache.get(key)
@@ -436,8 +458,8 @@ class AmaxHistoryLogger(Callback):
         torch.where(slot > 0, slot, last, out=last)
         self._weights_seen.clear()
 
-    def _input_hook(self, i: int) -> Any:
-        def hook(module: nn.Module, args: tuple) -> None:
+    def _layer_hook(self, i: int) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not torch.is_grad_enabled() or not module.training or in_probe_pass():  # training steps only
                 return
             self._ran[i] = True
@@ -446,28 +468,36 @@ class AmaxHistoryLogger(Callback):
                 x = None  # no tokens reached it this call (an idle expert): its weight is still recorded
             if x is not None:
                 self._record(i, 0, x)
-            weight = module.weight
-            if not self._copy_weights and type(weight) in (Tensor, nn.Parameter) and \
-                    weight.dtype in _NORM_DTYPES and weight.device == self._extremes.device:
-                self._weights_ran[i] = None  # measured with the others at the flush
-            elif i not in self._weights_seen:  # the weight changes only at the optimizer step
-                self._weights_seen.add(i)
-                self._record(i, 1, _values(weight))
-            if self._capture is not None:
-                if x is not None:
-                    self._capture[i]["input"] = (x.detach(), x.numel())
-                weight = _values(module.weight).detach()
-                self._capture[i]["weight"] = (block_sample(weight, self.what_if_sample).clone() if self._copy_weights
-                                              else weight, weight.numel())
+            if not self._copy_weights:
+                self._weight(i, module)
+            if self._capture is not None and x is not None:
+                self._capture[i]["input"] = (x.detach(), x.numel())
+            if isinstance(output, Tensor) and output.requires_grad:
+                output.register_hook(functools.partial(self._grad, i))
 
         return hook
 
-    def _output_hook(self, i: int) -> Any:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if isinstance(output, Tensor) and output.requires_grad and not in_probe_pass():
-                output.register_hook(lambda g: self._grad(i, g))
+    def _weight_hook(self, i: int) -> Any:
+        """Under FSDP2: the weight before the forward, while it is gathered (FSDP2's post-forward hook, registered
+        before ours, frees it before a forward hook of ours runs)."""
+        def hook(module: nn.Module, args: tuple) -> None:
+            if torch.is_grad_enabled() and module.training and not in_probe_pass():
+                self._weight(i, module)
 
         return hook
+
+    def _weight(self, i: int, module: nn.Module) -> None:
+        weight = module.weight
+        if not self._copy_weights and type(weight) in (Tensor, nn.Parameter) and \
+                weight.dtype in _NORM_DTYPES and weight.device == self._device:
+            self._weights_ran[i] = None  # measured with the others at the flush
+        elif i not in self._weights_seen:  # the weight changes only at the optimizer step
+            self._weights_seen.add(i)
+            self._record(i, 1, _values(weight))
+        if self._capture is not None:
+            values = _values(weight).detach()
+            self._capture[i]["weight"] = (block_sample(values, self.what_if_sample).clone() if self._copy_weights
+                                          else values, values.numel())
 
     def _grad(self, i: int, g: Tensor) -> None:
         if g.numel() == 0 or in_probe_pass():  # no tokens; or another's pass through this step's graph
@@ -530,8 +560,7 @@ class AmaxHistoryLogger(Callback):
             # millisecond per key on CPU (more than the statistics themselves).
             values = torch.stack([v.float() for v in metrics.values()]).tolist()
             self.last_metrics = dict(zip(metrics, values, strict=True))
-            for logger in trainer.loggers:
-                logger.log_metrics(self.last_metrics, step=trainer.global_step)
+            publish_metrics(trainer, self.last_metrics, trainer.global_step)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

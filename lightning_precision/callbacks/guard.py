@@ -29,7 +29,7 @@ from lightning_precision._accumulator import Accumulator, ReduceOp, all_reduce
 from lightning_precision._checks import is_positive_int
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
 from lightning_precision._probe_pass import in_probe_pass
-from lightning_precision._upstream.lightning import batches_that_stepped, should_update_logs
+from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics, should_update_logs
 from lightning_precision._warnings import NoEffectWarning, process_rank, warn
 from lightning_precision.callbacks._cadence import on_cadence
 from lightning_precision.fp8._plan import HIGH, PlanRule, demotions, high_label, measured_numbers, plan_suffix
@@ -441,8 +441,7 @@ class FP8Guard(Callback):
         if metrics:
             # The step Lightning logs this batch's metrics at (the plugin's `precision/fp8_layers` included), not
             # `global_step`, which counts every optimizer's steps: a logger seeing steps go back drops them (wandb).
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=batches_that_stepped(trainer))
+            publish_metrics(trainer, metrics, batches_that_stepped(trainer))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

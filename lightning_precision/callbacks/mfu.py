@@ -29,7 +29,7 @@ from lightning_precision._mfu import (
     plugin_compute_dtype,
 )
 from lightning_precision._probe_pass import probe_pass
-from lightning_precision._upstream.lightning import batches_that_stepped
+from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics
 from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 
@@ -313,8 +313,7 @@ class MFUMonitor(Callback):
         self.last_metrics = metrics
         # Straight to the loggers, which write on rank zero only: this cadence may not be the Trainer's, and each
         # rank's value is its own device's (no reduction, no `sync_dist`).
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+        publish_metrics(trainer, metrics, step)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
