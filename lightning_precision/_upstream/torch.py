@@ -82,7 +82,7 @@ class DispatchCounter(TorchDispatchMode):
             counter.read_devices.append(tensor.device.type)
             return tolist(tensor)
 
-        torch.Tensor.tolist = counted  # type: ignore[method-assign]
+        torch.Tensor.tolist = counted  # type: ignore[method-assign,assignment]
         super().__enter__()
         return self
 
