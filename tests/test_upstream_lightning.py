@@ -88,7 +88,8 @@ def test_published_metrics_reach_the_loggers_and_callback_metrics_and_stay():
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             if batch_idx == 1:
-                upstream.publish_metrics(self.trainer, {"published": 2.5}, upstream.batches_that_stepped(self.trainer))
+                upstream.publish_metrics(self.trainer, {"published": 2.5}, upstream.batches_that_stepped(self.trainer),
+                                         callback_metrics=True)
 
     logger = RecordingLogger()
     run = trainer(None, max_steps=4, log_every_n_steps=2, logger=logger)

@@ -729,7 +729,7 @@ class GradientUnderflowMonitor(Callback):
         # to `trainer.callback_metrics`: `self.log` cost about 0.6 ms a key, most of a logging step's cost.
         values = torch.stack([v.float() for v in metrics.values()]).tolist()
         self.last_metrics = dict(zip(metrics, values, strict=True))
-        publish_metrics(trainer, self.last_metrics, batches_that_stepped(trainer))
+        publish_metrics(trainer, self.last_metrics, batches_that_stepped(trainer), callback_metrics=True)
         self._maybe_warn(trainer, self.last_metrics)
 
     def _maybe_warn(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
