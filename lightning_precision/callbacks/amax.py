@@ -211,6 +211,7 @@ class AmaxHistoryLogger(Callback):
         self._index_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         self._fp8_max = _FP8_MAX
         self._device = torch.device("cpu")
+        self._fused_weights = False
         self.last_metrics: dict[str, float] = {}
         self._weights_seen: set[int] = set()
         # Layers whose plain weight ran this step: their amaxes are taken together at the flush (`_record_weights`).
@@ -276,18 +277,24 @@ class AmaxHistoryLogger(Callback):
         self._ran = [False] * len(found)
         self._index_cache.clear()
         self._device = device
+        # On an accelerator the weights' amaxes are one `_foreach_norm` at the flush (a launch, not one a layer); where
+        # ops are cheap (a CPU) one `aminmax` each before the layer's forward (see the hooks below).
+        self._fused_weights = not ops_are_cheap(device)
         self._tables = {dtype: self._table(len(names) * 3, dtype, device) for dtype in _TABLE_DTYPES}
         self._extremes = self._tables[torch.float32][0]
         self._written = {dtype: set() for dtype in _TABLE_DTYPES}
         self._weights_ran.clear()
         # Copied once: a per-step host-to-device copy would sync the stream.
         self._fp8_max = _FP8_MAX.to(device)
+        # Input and weight before the forward where ops are cheap (a CPU: the forward then finds them in cache; after
+        # it, a 16 x 512 x 512 MLP's reads cost 1 ms a step more) or the weight is gathered only then (FSDP2, whose
+        # post-forward hook frees it before a forward hook of ours runs); elsewhere (a GPU) in the one forward hook a
+        # layer, which also hooks the output's gradient.
+        early = not self._fused_weights or self._copy_weights
         for i, (_, module) in enumerate(found):
-            # One forward hook a layer (its input, and a hook on its output's gradient); under FSDP2 a pre-hook too,
-            # for the weight while it is gathered.
-            if self._copy_weights:
-                self._handles.append(module.register_forward_pre_hook(self._weight_hook(i)))
-            self._handles.append(module.register_forward_hook(self._layer_hook(i)))
+            if early:
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(i)))
+            self._handles.append(module.register_forward_hook(self._layer_hook(i, inputs=not early)))
 
     @staticmethod
     def _table(entries: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
@@ -393,30 +400,25 @@ class AmaxHistoryLogger(Callback):
         # One reduction per tensor, one pass with no |t| temporary (abs().amax() writes |t| first; vector_norm(inf) is
         # 10x slower on CPU), combined into the history once per step (see _flush). An fp32 tensor's first call in the
         # step writes its extremes into this step's preallocated row: no allocation, nothing to gather at the flush.
-        # Under no_grad rather than on `t.detach()`: a detach is an aten op (a launch on a GPU) per tensor.
+        # The caller turns gradients off (once a hook, not once a tensor: the context costs microseconds on a CPU),
+        # rather than `t.detach()`: a detach is an aten op per tensor.
         j = i * 3 + k
         written = self._written.get(t.dtype)
-        with torch.no_grad():
-            if written is not None and j not in written and type(t) in (Tensor, nn.Parameter) \
-                    and t.device == self._device:
-                written.add(j)
-                torch.aminmax(t, out=self._tables[t.dtype][1][j])
-            else:  # float64, a subclass, or a repeated call (accumulation, a re-used layer)
-                self._records.append((j, torch.aminmax(t)))
+        if written is not None and j not in written and type(t) in (Tensor, nn.Parameter) and t.device == self._device:
+            written.add(j)
+            torch.aminmax(t, out=self._tables[t.dtype][1][j])
+        else:  # float64, a subclass, or a repeated call (accumulation, a re-used layer)
+            self._records.append((j, torch.aminmax(t)))
 
     def _record_weights(self) -> None:
-        """The amax of every plain weight that ran this step, taken at the flush (weights change only at the
-        optimizer step, after it): on an accelerator one ``_foreach_norm(inf)`` for all layers written into their
-        rows by one copy, not a reduction per layer; where ops are cheap (a CPU) one ``aminmax`` each (no |w|)."""
+        """On an accelerator, the amax of every plain weight that ran this step, taken at the flush (weights change
+        only at the optimizer step, after it): one ``_foreach_norm(inf)`` for all layers written into their rows by
+        one copy, not a reduction per layer."""
         if not self._weights_ran:
             return
         layers = list(self._weights_ran)
         self._weights_ran.clear()
-        weights: list[Tensor] = [cast(Tensor, self._modules[i].weight) for i in layers]  # plain: `_input_hook`
-        if ops_are_cheap(self._device):
-            for i, w in zip(layers, weights, strict=True):
-                self._record(i, 1, w)
-            return
+        weights: list[Tensor] = [cast(Tensor, self._modules[i].weight) for i in layers]  # plain: `_weight`
         with torch.no_grad():
             amaxes = foreach_norm(weights, math.inf)
         rows = self._tables[torch.float32][1]
@@ -458,37 +460,45 @@ class AmaxHistoryLogger(Callback):
         torch.where(slot > 0, slot, last, out=last)
         self._weights_seen.clear()
 
-    def _layer_hook(self, i: int) -> Any:
+    @staticmethod
+    def _training_call(module: nn.Module) -> bool:
+        """A training forward of the step: not evaluation, not another part's pass beside the step (`_probe_pass`)."""
+        return torch.is_grad_enabled() and module.training and not in_probe_pass()
+
+    def _pre_hook(self, i: int) -> Any:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._training_call(module):
+                self._inputs(i, module, args)
+
+        return hook
+
+    def _layer_hook(self, i: int, inputs: bool) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not torch.is_grad_enabled() or not module.training or in_probe_pass():  # training steps only
+            if not self._training_call(module):
                 return
-            self._ran[i] = True
-            x = args[0] if args and isinstance(args[0], Tensor) else None
-            if x is not None and x.numel() == 0:
-                x = None  # no tokens reached it this call (an idle expert): its weight is still recorded
-            if x is not None:
-                self._record(i, 0, x)
-            if not self._copy_weights:
-                self._weight(i, module)
-            if self._capture is not None and x is not None:
-                self._capture[i]["input"] = (x.detach(), x.numel())
+            if inputs:
+                self._inputs(i, module, args)
             if isinstance(output, Tensor) and output.requires_grad:
                 output.register_hook(functools.partial(self._grad, i))
 
         return hook
 
-    def _weight_hook(self, i: int) -> Any:
-        """Under FSDP2: the weight before the forward, while it is gathered (FSDP2's post-forward hook, registered
-        before ours, frees it before a forward hook of ours runs)."""
-        def hook(module: nn.Module, args: tuple) -> None:
-            if torch.is_grad_enabled() and module.training and not in_probe_pass():
-                self._weight(i, module)
-
-        return hook
+    def _inputs(self, i: int, module: nn.Module, args: tuple) -> None:
+        """A training call's input and weight."""
+        self._ran[i] = True
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if x is not None and x.numel() == 0:
+            x = None  # no tokens reached it this call (an idle expert): its weight is still recorded
+        with torch.no_grad():
+            if x is not None:
+                self._record(i, 0, x)
+            self._weight(i, module)
+        if self._capture is not None and x is not None:
+            self._capture[i]["input"] = (x.detach(), x.numel())
 
     def _weight(self, i: int, module: nn.Module) -> None:
         weight = module.weight
-        if not self._copy_weights and type(weight) in (Tensor, nn.Parameter) and \
+        if self._fused_weights and not self._copy_weights and type(weight) in (Tensor, nn.Parameter) and \
                 weight.dtype in _NORM_DTYPES and weight.device == self._device:
             self._weights_ran[i] = None  # measured with the others at the flush
         elif i not in self._weights_seen:  # the weight changes only at the optimizer step
@@ -502,7 +512,11 @@ class AmaxHistoryLogger(Callback):
     def _grad(self, i: int, g: Tensor) -> None:
         if g.numel() == 0 or in_probe_pass():  # no tokens; or another's pass through this step's graph
             return
-        self._record(i, 2, g)
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            with torch.no_grad():
+                self._record(i, 2, g)
+        else:
+            self._record(i, 2, g)
         if self._capture is not None:
             self._capture[i]["grad_output"] = (g.detach(), g.numel())
 
