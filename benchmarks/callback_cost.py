@@ -39,30 +39,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, StepTimer  # noqa: E402
 
 import lightning_precision as lp  # noqa: E402
-from lightning_precision._upstream.torch import DispatchCounter  # noqa: E402
+from lightning_precision._step_ops import StepOps  # noqa: E402
 from lightning_precision.callbacks import (  # noqa: E402
     AmaxHistoryLogger,
     FP8Guard,
     GradientUnderflowMonitor,
     MFUMonitor,
 )
-
-
-class PerStep(L.Callback):
-    """(aten ops, host reads) of each training step, batch start to batch end; listed last among the callbacks."""
-
-    def __init__(self) -> None:
-        self.counts: list[tuple[int, int]] = []
-        self._counter: DispatchCounter | None = None
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._counter = DispatchCounter()
-        self._counter.__enter__()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        assert self._counter is not None
-        self._counter.__exit__(None, None, None)
-        self.counts.append((len(self._counter.names), self._counter.host_reads))
 
 
 def _fp8(**kw: Any) -> Any:
@@ -107,7 +90,7 @@ def fit(plugin: Any, callbacks: list, layers: int, width: int, batch: int, steps
 
 
 def _counts(plugin: Any, callbacks: list, layers: int, args: argparse.Namespace, steps: int) -> list[tuple[int, int]]:
-    per_step = PerStep()
+    per_step = StepOps()
     fit(plugin, [*callbacks, per_step], layers, args.width, args.batch, steps, 4, args.root)
     return per_step.counts
 

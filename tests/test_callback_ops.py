@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lightning_precision as lp
-from lightning_precision._upstream.torch import DispatchCounter
+from lightning_precision._step_ops import StepOps
 from lightning_precision.callbacks import AmaxHistoryLogger, GradientUnderflowMonitor, MFUMonitor
 from tests.helpers import trainer
 
@@ -32,26 +32,8 @@ class _Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-class _PerStep(L.Callback):
-    """(aten ops, host reads) of each training step, from batch start to batch end. Listed last: it counts every other
-    callback's hooks of the step but the batch-end ones of those listed after it (none)."""
-
-    def __init__(self) -> None:
-        self.counts: list[tuple[int, int]] = []
-        self._counter: DispatchCounter | None = None
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._counter = DispatchCounter()
-        self._counter.__enter__()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        assert self._counter is not None
-        self._counter.__exit__(None, None, None)
-        self.counts.append((len(self._counter.names), self._counter.host_reads))
-
-
 def _counts(plugin: Any, callbacks: list[L.Callback], layers: int = 4, steps: int = STEPS) -> list[tuple[int, int]]:
-    per_step = _PerStep()
+    per_step = StepOps()
     run = trainer(plugin, max_steps=steps, callbacks=[*callbacks, per_step], log_every_n_steps=100)
     run.fit(_Net(layers), torch.utils.data.DataLoader([torch.randn(8, 32)] * steps, batch_size=None))
     return per_step.counts
