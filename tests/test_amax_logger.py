@@ -295,3 +295,119 @@ def test_layers_that_never_run_are_left_out_of_the_logs_and_the_plot(tmp_path):
     assert all(logger.last_metrics[f"precision/amax/weight/{layer}"] > 0 for layer in logged_layers)
     saved = torch.load(tmp_path / "amax_history.pt", weights_only=False)
     assert saved["ran"] == [layer in logged_layers for layer in saved["layers"]]
+
+
+def _plain_loop(logger, end_after_step: bool, steps: int = 3, model=None):
+    """A Fabric-style loop of a small MLP: forward, backward, then `end_step` before or after `optimizer.step()`."""
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if logger is not None:
+        logger.attach(model)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        if logger is not None and not end_after_step:
+            logger.end_step(False)
+        opt.step()
+        opt.zero_grad()
+        if logger is not None and end_after_step:
+            logger.end_step(False)
+    return model
+
+
+@pytest.mark.parametrize("ops_cheap", [True, False], ids=["cpu-policy", "accelerator-policy"])
+def test_the_weights_recorded_are_the_ones_the_step_used_whenever_end_step_comes(ops_cheap, monkeypatch):
+    """On an accelerator the weights' amaxes are taken together, inside the backward (at the first output gradient):
+    a loop that ends the step after `optimizer.step()` still records the weights its forward used."""
+    monkeypatch.setattr("lightning_precision.callbacks.amax.ops_are_cheap", lambda device: ops_cheap)
+    before, after = AmaxHistoryLogger(history_len=8), AmaxHistoryLogger(history_len=8)
+    _plain_loop(before, end_after_step=False)
+    _plain_loop(after, end_after_step=True)
+    assert torch.equal(before.chronological_history(), after.chronological_history())
+    assert bool((before.chronological_history()[:, :, 1] > 0).all())  # weights recorded every step
+
+
+@pytest.mark.parametrize("ops_cheap", [True, False], ids=["cpu-policy", "accelerator-policy"])
+def test_a_step_that_never_ended_leaves_nothing_behind_a_new_attach(ops_cheap, monkeypatch):
+    """A forward whose step was abandoned (an exception before the backward), then `attach` again: the next step's
+    record is a fresh logger's (it once recorded the weight as 0: the abandoned forward had marked it seen)."""
+    monkeypatch.setattr("lightning_precision.callbacks.amax.ops_are_cheap", lambda device: ops_cheap)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    reused = AmaxHistoryLogger(history_len=8)
+    reused.attach(model)
+    model(torch.randn(8, 16))  # no backward, no end_step
+    _plain_loop(reused, end_after_step=False, steps=2, model=model)
+    torch.manual_seed(0)
+    fresh = AmaxHistoryLogger(history_len=8)
+    _plain_loop(fresh, end_after_step=False, steps=2, model=nn.Sequential(nn.Linear(16, 32), nn.ReLU(),
+                                                                        nn.Linear(32, 4)))
+    assert torch.equal(reused.chronological_history(), fresh.chronological_history())
+
+
+def test_a_fit_that_raises_leaves_no_hook_on_the_model():
+    class Failing(LitNet):
+        def training_step(self, batch, batch_idx):
+            self(batch[0])
+            raise RuntimeError("boom")
+
+    model = Failing()
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(None, max_steps=2, callbacks=[AmaxHistoryLogger()]).fit(model, loader(make_data(2)))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_manual_optimization_with_two_optimizers_is_one_step_a_batch():
+    """Two optimizers stepped per batch: one step of the history per batch (not an empty one per extra optimizer),
+    logged at the step the module's own `self.log` values are."""
+    from tests.helpers import RecordingLogger
+
+    class Manual(LitNet):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            first, second = self.optimizers()
+            loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+            self.log("my_loss", loss)
+            self.manual_backward(loss)
+            first.step()
+            second.step()
+            first.zero_grad()
+            second.zero_grad()
+
+        def configure_optimizers(self):
+            return (torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                    torch.optim.SGD(list(self.net[2].parameters()) + list(self.net[4].parameters()), lr=0.1))
+
+    logger, recorder = AmaxHistoryLogger(history_len=8, log_every_n_steps=1, block_formats=()), RecordingLogger()
+    trainer(None, max_steps=6, callbacks=[logger], logger=recorder, log_every_n_steps=1).fit(Manual(),
+                                                                                           loader(make_data(3)))
+    assert logger.steps == 3 and bool((logger.chronological_history().sum(dim=(1, 2)) > 0).all())
+    amax_steps = [s for s, m in recorder.logged if "precision/amax/input/net.0" in m]
+    assert amax_steps == [s for s, m in recorder.logged if "my_loss" in m] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("ops_cheap", [True, False], ids=["cpu-policy", "accelerator-policy"])
+def test_a_parametrized_weight_is_not_read_and_the_training_is_unchanged(ops_cheap, monkeypatch):
+    """spectral_norm computes its weight at each read, with a power iteration in training mode: reading it would change
+    the run. Its weight amax is left out, with a warning; the training equals the one without the logger."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    monkeypatch.setattr("lightning_precision.callbacks.amax.ops_are_cheap", lambda device: ops_cheap)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(spectral_norm(nn.Linear(16, 32)), nn.ReLU(), nn.Linear(32, 4))
+
+    plain = _plain_loop(None, end_after_step=False, model=model())
+    logger = AmaxHistoryLogger(history_len=8, block_formats=())
+    with pytest.warns(UserWarning, match="parametrized"):
+        watched = _plain_loop(logger, end_after_step=False, model=model())
+    for a, b in zip([*plain.parameters(), *plain.buffers()], [*watched.parameters(), *watched.buffers()], strict=True):
+        assert torch.equal(a, b)
+    history = logger.chronological_history()
+    assert bool((history[:, 0, 1] == 0).all()) and bool((history[:, 1, 1] > 0).all())  # its weight only
+    assert bool((history[:, 0, 0] > 0).all())  # its input still recorded

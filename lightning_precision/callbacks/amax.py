@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import is_parametrized
 from typing_extensions import override
 
 from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
@@ -22,8 +23,9 @@ from lightning_precision._fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision._launches import ops_are_cheap
 from lightning_precision._probe_pass import in_probe_pass
-from lightning_precision._upstream.lightning import publish_metrics
+from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics
 from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, foreach_copy_, foreach_norm
+from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.formats import BLOCK_FORMATS, FORMATS, BlockFormat, get_format
 from lightning_precision.fp8._selection import HYBRID_FORMAT, TENSORS, functional_linears
@@ -210,6 +212,8 @@ class AmaxHistoryLogger(Callback):
         self._records: list[tuple[int, tuple[Tensor, Tensor]]] = []
         self._index_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         self._fp8_max = _FP8_MAX
+        self._parametrized: set[int] = set()
+        self._step_open = False  # Trainer: a batch began and its step has not ended (several optimizers end it once)
         self._device = torch.device("cpu")
         self._fused_weights = False
         self.last_metrics: dict[str, float] = {}
@@ -262,7 +266,8 @@ class AmaxHistoryLogger(Callback):
         functional = functional_linears(model)
         found = [(name, m) for name, m in model.named_modules() if _is_linear_like(m) and id(m) not in functional]
         names = [name for name, _ in found]
-        device = next((m.weight.device for _, m in found), torch.device("cpu"))
+        # from the parameters, not `.weight`: a parametrized weight is computed at each read (see `_parametrized`)
+        device = next((p.device for _, m in found for p in m.parameters()), torch.device("cpu"))
         if names != self.layers or self._ring is None or self._last_nonzero is None:
             self.layers = names
             self._declare(torch.zeros(self.history_len, len(names), 3, device=device),
@@ -274,7 +279,20 @@ class AmaxHistoryLogger(Callback):
         # FSDP2 frees a gathered weight's storage after the forward: the what-if keeps a copy of its sample instead.
         self._copy_weights = is_sharded(model)
         self._te_layers = [i for i, m in enumerate(self._modules) if hasattr(m, "fp8_meta")]
+        # A parametrized weight (spectral_norm, weight_norm, orthogonal) is computed anew at each read, and
+        # spectral_norm's read runs a power iteration in training mode: reading it would change the training.
+        self._parametrized = {i for i, m in enumerate(self._modules) if is_parametrized(m, "weight")}
+        if self._parametrized:
+            warn("AmaxHistoryLogger: the weights of " + ", ".join(names[i] for i in sorted(self._parametrized))
+                 + " are parametrized (`torch.nn.utils.parametrize`: spectral_norm, weight_norm, ...); reading one"
+                 " computes it again (spectral_norm's power iteration would change your training), so their weight"
+                 " amax is not recorded (0 in the history, no `fp8_scale` for it); inputs and gradients are.",
+                 NoEffectWarning)
         self._ran = [False] * len(found)
+        # Nothing of a step that did not end (an exception, a fit stopped between forward and step) carries over.
+        self._weights_seen.clear()
+        self._records.clear()
+        self._capture = None
         self._index_cache.clear()
         self._device = device
         # On an accelerator the weights' amaxes are one `_foreach_norm` at the flush (a launch, not one a layer); where
@@ -311,8 +329,9 @@ class AmaxHistoryLogger(Callback):
         self._capture = [{} for _ in self.layers] if on and self.what_if else None
 
     def end_step(self, log: bool = True, reduce_max: Reduce | None = None) -> dict[str, Tensor]:
-        """End a step: with ``log``, the metrics (amax, delayed scale, what-if if capturing) as device tensors; then
-        the history moves on. ``reduce_max`` takes the max across processes for the logged values, which the window
+        """End a step, after its backward and before its optimizer step (the what-if reads the weights the step used):
+        with ``log``, the metrics (amax, delayed scale, what-if if capturing) as device tensors; then the history moves
+        on. ``reduce_max`` takes the max across processes for the logged values, which the window
         then keeps in place of this process's own (as TE's ``reduce_amax``). On other steps: three small device ops,
         no host read."""
         if self._ring is None or self._last_nonzero is None:
@@ -497,6 +516,8 @@ class AmaxHistoryLogger(Callback):
             self._capture[i]["input"] = (x.detach(), x.numel())
 
     def _weight(self, i: int, module: nn.Module) -> None:
+        if i in self._parametrized:
+            return  # not read: see `attach`
         weight = module.weight
         if self._fused_weights and not self._copy_weights and type(weight) in (Tensor, nn.Parameter) and \
                 weight.dtype in _NORM_DTYPES and weight.device == self._device:
@@ -512,6 +533,8 @@ class AmaxHistoryLogger(Callback):
     def _grad(self, i: int, g: Tensor) -> None:
         if g.numel() == 0 or in_probe_pass():  # no tokens; or another's pass through this step's graph
             return
+        if self._weights_ran:  # inside the backward, before any optimizer step: the weights the forward used
+            self._record_weights()
         if torch.is_grad_enabled():  # a backward with create_graph=True
             with torch.no_grad():
                 self._record(i, 2, g)
@@ -563,9 +586,13 @@ class AmaxHistoryLogger(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self.capturing(on_cadence(trainer, self.log_every_n_steps))
+        self._step_open = True
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if not self._step_open:  # the batch's second optimizer (manual optimization): its step is already ended
+            return
+        self._step_open = False
         log = on_cadence(trainer, self.log_every_n_steps)
         reduce_max = functools.partial(all_reduce, op="max") if log and trainer.world_size > 1 else None
         metrics = self.end_step(log, reduce_max)
@@ -574,7 +601,16 @@ class AmaxHistoryLogger(Callback):
             # millisecond per key on CPU (more than the statistics themselves).
             values = torch.stack([v.float() for v in metrics.values()]).tolist()
             self.last_metrics = dict(zip(metrics, values, strict=True))
-            publish_metrics(trainer, self.last_metrics, trainer.global_step)
+            # at the step Lightning logs this batch's metrics (`global_step` counts every optimizer's steps)
+            publish_metrics(trainer, self.last_metrics, batches_that_stepped(trainer))
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.detach()  # no hook of a failed fit stays on the model
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.detach()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
