@@ -53,7 +53,7 @@ class NumberFormat(_Format):
     @property
     def min_exponent(self) -> int:
         """log2 of the smallest subnormal: below about this, values flush to zero."""
-        return math.frexp(self.smallest_subnormal)[1] - 1  # a power of two: exact, and no tensor made and read
+        return round(math.log2(self.smallest_subnormal))  # a power of two (rounded for a format of the user's own)
 
     @property
     def max_exponent(self) -> int:

@@ -95,5 +95,6 @@ def test_published_metrics_reach_the_loggers_and_callback_metrics_and_stay():
     run = trainer(None, max_steps=4, log_every_n_steps=2, logger=logger)
     run.fit(Publishing(), loader(make_data(4)))
     assert float(run.callback_metrics["published"]) == 2.5 and "loss" in run.callback_metrics
+    assert float(run.logged_metrics["published"]) == 2.5 and "loss" in run.logged_metrics
     steps = {key: step for step, metrics in logger.logged for key in metrics}
     assert steps["published"] == 1 and [s for s, m in logger.logged if "loss" in m][0] == 1  # the same step

@@ -212,6 +212,26 @@ def test_the_dispatch_counter_sees_each_aten_op_and_each_host_read():
     assert counter.host_reads == counter.reads_on("cpu") == 1 and counter.reads_on("cuda") == 0
 
 
+def test_the_dispatch_counter_counts_tolist_as_one_read_and_puts_it_back():
+    """``tolist()`` reads every value in one go and dispatches no aten op on a CPU tensor: the counter wraps it while
+    active (one read a call, a subclass's included; nested counters each count it) and puts torch's own back, after
+    an exception too."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    before = torch.Tensor.tolist
+    x, sub = torch.arange(3.0), torch.arange(3.0).as_subclass(Sub)
+    with upstream.DispatchCounter() as outer:
+        x.tolist()
+        with upstream.DispatchCounter() as inner:
+            assert sub.tolist() == [0.0, 1.0, 2.0]
+    assert (outer.host_reads, inner.host_reads) == (2, 1)
+    with pytest.raises(KeyError), upstream.DispatchCounter():
+        raise KeyError("inside")
+    assert torch.Tensor.tolist is before and "tolist" not in torch.Tensor.__dict__
+
+
 def test_the_foreach_list_ops_the_true_step_relies_on():
     """``torch._foreach_copy_`` converts dtypes into existing tensors, ``_foreach_mul`` copies every bit (-0.0, NaN),
     ``_foreach_mul_`` takes a 0-dim tensor, ``_foreach_norm`` takes ``dtype=`` (an fp16 norm at a loss scale would

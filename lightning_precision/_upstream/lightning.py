@@ -65,15 +65,18 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
 
 def publish_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int, callback_metrics: bool = False) -> None:
     """``metrics`` to every logger of the Trainer at ``step`` (loggers write on rank zero), and with
-    ``callback_metrics`` into ``trainer.callback_metrics`` too (where ``ModelCheckpoint``, ``EarlyStopping`` and the
-    user look), without ``LightningModule.log``: each of its calls moves the whole result collection (about 0.6 ms a
-    key on a CPU), which made a logging step of many keys cost several training steps. ``trainer.callback_metrics`` is
-    the logger connector's own dict (``_callback_metrics``), which it updates in place and never clears during a fit:
-    values put there stay, as a logged value does."""
+    ``callback_metrics`` into ``trainer.callback_metrics`` and ``trainer.logged_metrics`` too (where
+    ``ModelCheckpoint``, ``EarlyStopping`` and the user look), without ``LightningModule.log``: each of its calls
+    moves the whole result collection (about 0.6 ms a key on a CPU), which made a logging step of many keys cost
+    several training steps. Both properties return the
+    logger connector's own dicts (``_callback_metrics``, ``_logged_metrics``), which it updates in place and never
+    clears during a fit: values put there stay, as a logged value does."""
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
-    if callback_metrics:
-        trainer._logger_connector._callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+    if callback_metrics:  # and `trainer.logged_metrics`, as `self.log` did
+        values = {k: torch.tensor(v) for k, v in metrics.items()}
+        trainer._logger_connector._callback_metrics.update(values)
+        trainer._logger_connector._logged_metrics.update(values)
 
 
 # ---- ThroughputMonitor (see the module docstring) --------------------------------------------------------------------

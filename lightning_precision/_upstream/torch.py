@@ -70,17 +70,26 @@ class DispatchCounter(TorchDispatchMode):
         self.names: list[str] = []
         self.read_devices: list[str] = []
         self._tolist: Any = None
+        self._own_attribute = False
 
     # ``Tensor.tolist()`` reads every value on the host in one go (the package's one read of a logging step's metrics)
-    # but dispatches no aten op on a CPU tensor: while counting it is wrapped, and each call is one read of its device.
+    # but dispatches no aten op on a CPU tensor: while counting it is wrapped, and each call is one read of its device
+    # (once, though a subclass's ``__torch_function__`` calls it again inside).
     def __enter__(self) -> DispatchCounter:
         tolist = self._tolist = torch.Tensor.tolist
-        counter = self
+        self._own_attribute = "tolist" not in torch.Tensor.__dict__  # inherited from TensorBase: deleted on exit
+        counter, inside = self, [False]
 
         def counted(tensor: torch.Tensor) -> Any:
+            if inside[0]:
+                return tolist(tensor)
             counter.names.append(self.HOST_READ)
             counter.read_devices.append(tensor.device.type)
-            return tolist(tensor)
+            inside[0] = True
+            try:
+                return tolist(tensor)
+            finally:
+                inside[0] = False
 
         torch.Tensor.tolist = counted  # type: ignore[method-assign,assignment]
         super().__enter__()
@@ -88,9 +97,13 @@ class DispatchCounter(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        if self._tolist is not None:
+        if self._tolist is None:
+            return
+        if self._own_attribute:
+            del torch.Tensor.tolist  # back to TensorBase's, as before
+        else:
             torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
-            self._tolist = None
+        self._tolist = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)
