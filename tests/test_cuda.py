@@ -186,6 +186,8 @@ class Case:
     def make(self, trainer: bool = True) -> Any:
         module = lightning_precision if trainer else lightning_precision.fabric
         kwargs = dict(self.kwargs)
+        if kwargs.get("optimizer_states") == "8bit":
+            _warm_torchao_8bit()
         if self.fp8:
             kwargs.update(emulate=not ON_CUDA, skip_small_layers=False, skip_first_last=False)
         return getattr(module, self.cls)(**kwargs)
@@ -196,6 +198,18 @@ class Case:
         if self.needs_torchao and importlib.util.find_spec("torchao") is None:
             return "needs torchao (`pip install 'lightning-precision[fp8]'`)"
         return None
+
+
+@functools.cache
+def _warm_torchao_8bit() -> None:
+    """torchao builds its 8-bit quantisation maps once per process, on the host (CPU tensors read with ``tolist``):
+    built here, before any count, so that the first counted step of the first 8-bit run holds only what the step
+    reads, as every later run's does."""
+    from torchao.optim import AdamW8bit
+
+    param = nn.Parameter(torch.zeros(4096))  # torchao keeps smaller tensors' states in fp32
+    param.grad = torch.zeros(4096)
+    AdamW8bit([param]).step()
 
 
 def _true_cases(cls: str, short: str, twin: str | None) -> list[Case]:
