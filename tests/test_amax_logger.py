@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_precision.callbacks import AmaxHistoryLogger
 from lightning_precision.functional import roll_amax_history, underflow_stats
-from tests.helpers import LitNet, loader, make_data, trainer
+from tests.helpers import HIDDEN, IN, OUT, LitNet, RecordingLogger, TwoOptimizers, loader, make_data, trainer
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -361,32 +361,21 @@ def test_a_fit_that_raises_leaves_no_hook_on_the_model():
 def test_manual_optimization_with_two_optimizers_is_one_step_a_batch():
     """Two optimizers stepped per batch: one step of the history per batch (not an empty one per extra optimizer),
     logged at the step the module's own `self.log` values are."""
-    from tests.helpers import RecordingLogger
-
-    class Manual(LitNet):
+    class Manual(TwoOptimizers):
         def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
+            torch.manual_seed(0)
+            super().__init__(nn.Linear(IN, HIDDEN), nn.Sequential(nn.ReLU(), nn.Linear(HIDDEN, OUT)))
 
-        def training_step(self, batch, batch_idx):
-            first, second = self.optimizers()
-            loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+        def loss(self, x, batch_idx):
+            loss = self.b(self.a(x)).square().mean()
             self.log("my_loss", loss)
-            self.manual_backward(loss)
-            first.step()
-            second.step()
-            first.zero_grad()
-            second.zero_grad()
-
-        def configure_optimizers(self):
-            return (torch.optim.SGD(self.net[0].parameters(), lr=0.1),
-                    torch.optim.SGD(list(self.net[2].parameters()) + list(self.net[4].parameters()), lr=0.1))
+            return loss
 
     logger, recorder = AmaxHistoryLogger(history_len=8, log_every_n_steps=1, block_formats=()), RecordingLogger()
     trainer(None, max_steps=6, callbacks=[logger], logger=recorder, log_every_n_steps=1).fit(Manual(),
                                                                                            loader(make_data(3)))
     assert logger.steps == 3 and bool((logger.chronological_history().sum(dim=(1, 2)) > 0).all())
-    amax_steps = [s for s, m in recorder.logged if "precision/amax/input/net.0" in m]
+    amax_steps = [s for s, m in recorder.logged if "precision/amax/input/a" in m]
     assert amax_steps == [s for s, m in recorder.logged if "my_loss" in m] == [0, 1, 2]
 
 
