@@ -40,3 +40,15 @@ def test_the_library_imports_none_of_the_tools_dependencies():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             found |= {(name, n.split(".")[0]) for n in names if n.split(".")[0] in tool_only}
     assert found == {("lightning_precision._plots", "matplotlib")}
+
+
+def test_the_pure_parts_import_no_lightning():
+    """`functional` (the pure functions), `formats` and `fp8` (plans, choice, sensitivity) work on tensors and modules
+    alone: importing them loads no Lightning module (it once took 3.2 s and 44 modules, for one constant)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import lightning_precision.functional, lightning_precision.formats, lightning_precision.fp8;"
+            " print(sorted(m for m in sys.modules if m == 'lightning' or m.startswith('lightning.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

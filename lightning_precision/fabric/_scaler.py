@@ -40,11 +40,12 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
+from lightning_precision._loss_scale import SCALE_RANGE
 from lightning_precision._upstream.lightning import optimizer_handles_unscaling
 from lightning_precision._upstream.torch import grad_scaler_scale, non_finite_check_and_unscale_, sparse_values
 from lightning_precision._warnings import warn
 
-__all__ = ["MAX_LOG2_SCALE", "InStepScaler", "NonFiniteGuard", "ScalerConfig", "SkippedStepsError",
+__all__ = ["InStepScaler", "NonFiniteGuard", "ScalerConfig", "SkippedStepsError",
            "TrackingGradScaler", "check_gradients", "gradient_groups", "resolve_scaler_config", "scale_of"]
 
 
@@ -52,9 +53,6 @@ class SkippedStepsError(RuntimeError):
     """Raised when the loss scaler skipped ``max_consecutive_skips`` optimizer steps in a row."""
 
 
-# 1/scale must be a normal fp32 number in both directions, or unscaling is no longer exact (and at 2**-128, inf).
-MAX_LOG2_SCALE = 126
-_SCALE_RANGE = (2.0**-MAX_LOG2_SCALE, 2.0**MAX_LOG2_SCALE)
 _FP32_MAX = torch.finfo(torch.float32).max
 # The counters every scaler saves beside torch's state; all the non-finite guard saves.
 _COUNTER_KEYS = ("skipped_steps", "optimizer_steps", "consecutive_skips")
@@ -110,8 +108,8 @@ class ScalerConfig:
                            + (", or None" if allow_none else "") + ".")
 
         low, high = real("min_scale"), real("max_scale")
-        if not _SCALE_RANGE[0] <= low < high <= _SCALE_RANGE[1]:
-            fail("min_scale" if not _SCALE_RANGE[0] <= low < high else "max_scale",
+        if not SCALE_RANGE[0] <= low < high <= SCALE_RANGE[1]:
+            fail("min_scale" if not SCALE_RANGE[0] <= low < high else "max_scale",
                  f"the scale bounds need 2**-126 <= min_scale < max_scale <= 2**126 (got [{low:g}, {high:g}]), so that"
                  " 1/scale stays a normal fp32 number; the defaults are 2**-24 and 2**24.")
         if not low <= real("init_scale") <= high:
