@@ -444,6 +444,7 @@ def test_a_plot_path_that_cannot_be_written_fails_at_setup_before_any_step(tmp_p
         assert module.steps == 0
 
 
+@pytest.mark.slow  # a child process (torch, matplotlib): file safety, the same on every torch version
 def test_the_plot_replaces_the_previous_one_whole(tmp_path):
     """Written to a temporary file beside it and renamed: a link to the plot stays a link, and no temporary is left.
     A write that fails midway (here the file-size limit, as a full disk would, in a child process) leaves the previous
