@@ -332,8 +332,8 @@ class AmaxHistoryLogger(Callback):
         """End a step, after its backward and before its optimizer step (the what-if reads the weights the step used):
         with ``log``, the metrics (amax, delayed scale, what-if if capturing) as device tensors; then the history moves
         on. ``reduce_max`` takes the max across processes for the logged values, which the window
-        then keeps in place of this process's own (as TE's ``reduce_amax``). On other steps: three small device ops,
-        no host read."""
+        then keeps in place of this process's own (as TE's ``reduce_amax``). On other steps: about ten small device
+        ops whatever the number of layers (the ring write; on a GPU the weights' fused amax too), no host read."""
         if self._ring is None or self._last_nonzero is None:
             raise RuntimeError("AmaxHistoryLogger.end_step() before attach(model): attach the model first.")
         scale = self.scale if log else None  # in effect for this step: from the window before its amax is written
@@ -446,9 +446,9 @@ class AmaxHistoryLogger(Callback):
 
     def _flush(self) -> None:
         """Write this step's recorded amaxes into its ring slot (max over repeated calls: accumulation, re-used
-        layers), in place, and remember each entry's last non-zero amax. Ordinary fp32 steps: five small ops, whatever
-        the number of layers (each distinct op costs tens of microseconds on a CPU right after a backward, whose
-        matrix products have evicted the caches)."""
+        layers), in place, and remember each entry's last non-zero amax. An ordinary step: about ten small ops, two
+        more for each other dtype whose table was written, whatever the number of layers (each distinct op costs tens
+        of microseconds on a CPU right after a backward, whose matrix products have evicted the caches)."""
         self._record_weights()
         slot = self.state["ring"][self._pos].view(-1)
         # Every entry: the tables' rows (zero where nothing was written) replace the slot's stale values; the other
