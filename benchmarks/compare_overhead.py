@@ -44,7 +44,7 @@ def _timed_child(conn, recipe, precision, args, *rest) -> None:
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_precision.cli import child
+    from lightning_precision.cli.compare import child
     from lightning_precision.cli.recipes import Recipe
 
     _mark(precision, "imported")
@@ -94,7 +94,8 @@ def _driver(argv: list[str]) -> int:
     """The command, marked: run in a fresh interpreter by ``_run``."""
     _mark("parent", "interpreter")
     import lightning_precision.cli as cli
-    from lightning_precision.cli import compare, runner
+    from lightning_precision.cli.compare import main as compare
+    from lightning_precision.cli.compare import runner
 
     _mark("parent", "imported")
     runner.run_child = _timed_child  # type: ignore[assignment]

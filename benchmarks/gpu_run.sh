@@ -76,7 +76,7 @@ fi
 read -r -a suite_args <<<"${SUITE_ARGS:-}"
 
 echo "=== the cuda tier ($(elapsed) s)"
-timeout --signal=TERM --kill-after=10 "$tier_seconds" "$python" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
+timeout --signal=TERM --kill-after=10 "$tier_seconds" "$python" -m pytest -q -p no:cacheprovider -m cuda tests/gpu/test_cuda.py \
     --junitxml="$out/cuda_tier.xml" 2>&1 | tee "$out/cuda_tier.txt"
 tier_status=${PIPESTATUS[0]}
 echo "cuda tier: exit $tier_status after $(elapsed) s"

@@ -18,21 +18,21 @@ __version__ = "0.1.0"
 
 # Each public name and the module that defines it.
 _SOURCE = {
-    "BF16MixedPrecision": "lightning_precision._plugins",
-    "BF16TruePrecision": "lightning_precision._plugins",
-    "FP16MixedPrecision": "lightning_precision._plugins",
-    "FP16TruePrecision": "lightning_precision._plugins",
+    "BF16MixedPrecision": "lightning_precision._trainer",
+    "BF16TruePrecision": "lightning_precision._trainer",
+    "FP16MixedPrecision": "lightning_precision._trainer",
+    "FP16TruePrecision": "lightning_precision._trainer",
     "FP8LayerPolicy": "lightning_precision.fp8",
-    "FP8Precision": "lightning_precision._plugins",
-    "NVFP4Precision": "lightning_precision._plugins",
+    "FP8Precision": "lightning_precision._trainer",
+    "NVFP4Precision": "lightning_precision._trainer",
     "NoEffectWarning": "lightning_precision._warnings",
     "PlanRule": "lightning_precision.fp8",
     "PrecisionPlan": "lightning_precision.fp8",
-    "ScalerConfig": "lightning_precision.fabric._scaler",
-    "SkippedStepsError": "lightning_precision.fabric._scaler",
+    "ScalerConfig": "lightning_precision._core.scaler",
+    "SkippedStepsError": "lightning_precision._core.scaler",
     "TrainerXPUAccelerator": "lightning_precision._accelerators",
     "XPUAccelerator": "lightning_precision._accelerators",
-    "XPUPrecision": "lightning_precision._plugins",
+    "XPUPrecision": "lightning_precision._trainer",
 }
 
 __all__ = [
@@ -52,11 +52,12 @@ __all__ = [
     "XPUAccelerator",
     "XPUPrecision",
     "__version__",
-]  # written out (not `[*_SOURCE, ...]`) so that linters and editors read it; tests/test_public_api.py checks both agree
+]  # written out (not `[*_SOURCE, ...]`) for linters and editors; tests/package/test_public_api.py checks both agree
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
-    from lightning_precision._plugins import (
+    from lightning_precision._core.scaler import ScalerConfig, SkippedStepsError
+    from lightning_precision._trainer import (
         BF16MixedPrecision,
         BF16TruePrecision,
         FP8Precision,
@@ -66,13 +67,12 @@ if TYPE_CHECKING:  # what type checkers and editors see
         XPUPrecision,
     )
     from lightning_precision._warnings import NoEffectWarning
-    from lightning_precision.fabric._scaler import ScalerConfig, SkippedStepsError
     from lightning_precision.fp8 import FP8LayerPolicy, PlanRule, PrecisionPlan
 
 
 def __getattr__(name: str) -> Any:
     if name in _SOURCE:
-        import lightning_precision._accelerators.trainer  # noqa: F401  (registers accelerator="xpu" where the name is free)
+        import lightning_precision._trainer.accelerator  # noqa: F401  (registers accelerator="xpu" where the name is free)
 
         value = getattr(importlib.import_module(_SOURCE[name]), name)
         globals()[name] = value  # loaded once

@@ -9,7 +9,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_precision._fsdp import is_sharded
+from lightning_precision._core.fsdp import is_sharded
 from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["apply_channels_last", "convert_convolutions", "convolutions", "is_channels_last", "to_channels_last"]

@@ -38,7 +38,7 @@ __all__ = [
     "version_of",
 ]
 
-# The minimums repeat pyproject.toml's extras (tests/test_one_table.py checks that they agree).
+# The minimums repeat pyproject.toml's extras (tests/package/test_one_table.py checks that they agree).
 TORCHAO_AVAILABLE = RequirementCache("torchao>=0.11")
 TRANSFORMER_ENGINE_AVAILABLE = RequirementCache("transformer-engine>=2.9")
 DATASETS_AVAILABLE = RequirementCache("datasets>=2.14")

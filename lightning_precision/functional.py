@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_precision._blocks import block_scaled
 from lightning_precision._channels_last import apply_channels_last, to_channels_last
-from lightning_precision._loss_scale import MAX_LOG2_SCALE
+from lightning_precision._core.loss_scale import MAX_LOG2_SCALE
 from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
 from lightning_precision._single_pass import HIST_MAX, HIST_MIN, in_one_pass, single_pass
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format

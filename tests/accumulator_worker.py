@@ -33,7 +33,7 @@ def counting_all_reduce(calls: list[Any], where: Any) -> None:
 
 
 def run_sync(rank: int) -> dict:
-    from lightning_precision._accumulator import Accumulator, all_reduce
+    from lightning_precision._core.accumulator import Accumulator, all_reduce
 
     dist.init_process_group("gloo")
     calls: list[Any] = []

@@ -12,7 +12,7 @@ defining module lies in (``fp8.select_fp8_layers``, ``fabric.ScalerConfig``), el
 it; the others point there.
 
 ``python -m tests.api_index`` rewrites the section of docs/index.md between the api markers;
-``tests/test_public_api.py`` fails when that section differs from what ``render()`` gives.
+``tests/package/test_public_api.py`` fails when that section differs from what ``render()`` gives.
 
 The rendering depends on the package's own source only, never on the installed torch or Lightning: annotations are
 written as the source spells them (every module uses ``from __future__ import annotations``), a default that would

@@ -4,7 +4,7 @@ Their CPU kernels take more than their CUDA kernels (``torch._amp_foreach_non_fi
 gradients on the CPU, and raises ``NotImplementedError`` for them on CUDA): a CPU run alone would never show a call
 that crashes every CUDA run. ``conftest.py`` wraps the ops for every test, and the multi-process workers wrap them
 for their ranks; what CUDA takes is the package's own table (``_upstream.torch.CUDA_KERNEL_DTYPES``), which the
-``cuda`` tier checks against the real kernels on a GPU (``tests/test_cuda.py``).
+``cuda`` tier checks against the real kernels on a GPU (``tests/gpu/test_cuda.py``).
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def run_torchao(cfg: dict, rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-    from lightning_precision import _fsdp
+    from lightning_precision._core import fsdp
 
     if not dist.is_initialized():  # an earlier scenario of the launch set it up
         dist.init_process_group("gloo")
@@ -156,7 +156,7 @@ def run_torchao(cfg: dict, rank: int, world: int) -> dict:
                                                          cast_forward_inputs=False) if cfg.get("policy") else None
     shard(model, mesh, policy)
     if config.enable_fsdp_float8_all_gather:
-        _fsdp.install_byte_all_gather(model)  # gloo has no float8 dtype
+        fsdp.install_byte_all_gather(model)  # gloo has no float8 dtype
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = make_data(cfg["steps"])
     losses = []

@@ -2,9 +2,9 @@
 ``MetricTester`` style): parity with a hand-written PyTorch loop, ``state_dict`` round-trip, pickling, a ``no_grad``
 forward before the training forward, and the optimizer holding the model's own Parameters after setup.
 
-Plugins are discovered from ``lightning_precision.fabric`` and ``lightning_precision._plugins``; each class name needs a
+Plugins are discovered from ``lightning_precision.fabric`` and ``lightning_precision._trainer``; each class name needs a
 spec in ``SPECS`` below (how to build it runnably on a CPU, and its reference loop). A new plugin without one fails
-``tests/test_plugin_tester.py`` with a message saying to add it: that is how new plugins get these checks.
+``tests/plugins/test_plugin_tester.py`` with a message saying to add it: that is how new plugins get these checks.
 
 Why parity is exact (``rtol=0, atol=0``): the plugin and the reference run the same torch ops in the same order on a
 CPU, whose kernels are deterministic. What differs cannot change a bit: the plugins autocast with
@@ -19,7 +19,7 @@ steps by one of three hand-written recipes (``PluginSpec.true_step``), each what
 fp32 master weights of which the model holds the nearest bf16 (``update="compensated"`` with fp32 states: weight and
 remainder are the fp32 weight); ``"widened"``, each step on the 16-bit weights widened to fp32, gradients unscaled by
 torch's ``GradScaler`` in fp32, the result rounded to nearest (``update="nearest"`` with fp32 states, fp16). Their
-stochastic rounding (the default) has no hand-written twin here; tests/test_true_precision.py checks it against fp32.
+stochastic rounding (the default) has no hand-written twin here; tests/core/test_true_precision.py checks it against fp32.
 
 Each check was seen to fail on a copy of the package broken on purpose: autocast disabled (parity, every plugin); the
 scaler growing one step late (fp16 parity); ``load_state_dict`` ignoring the scaler state (round-trip); ``__getstate__``
@@ -48,7 +48,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
 
-import lightning_precision._plugins
+import lightning_precision._trainer
 import lightning_precision.fabric
 from lightning_precision import ScalerConfig
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
@@ -62,7 +62,7 @@ def discover(module: Any, base: type) -> list[type]:
 
 
 FABRIC_PLUGINS = discover(lightning_precision.fabric, FabricPrecision)
-TRAINER_PLUGINS = discover(lightning_precision._plugins, TrainerPrecision)
+TRAINER_PLUGINS = discover(lightning_precision._trainer, TrainerPrecision)
 
 
 def is_trainer_plugin(cls: type) -> bool:
@@ -172,9 +172,9 @@ SPECS: dict[str, dict[str, PluginSpec]] = {
                                                  guard=True, nan_batches=_NAN_BATCHES),
     },
     # FP8Precision with Transformer Engine's NVFP4 recipe: TE needs CUDA, NVFP4 a Blackwell GPU, and nothing emulates
-    # it. Its own logic runs against the TE stand-in (tests/test_fp8_transformer_engine.py).
+    # it. Its own logic runs against the TE stand-in (tests/fp8/test_fp8_transformer_engine.py).
     # Always guarded (no `skip_nonfinite` argument): each variant is fed a batch to skip. The plugins' default,
-    # stochastic rounding, runs every check but parity (it has no hand-written twin) in tests/test_true_precision.py.
+    # stochastic rounding, runs every check but parity (it has no hand-written twin) in tests/core/test_true_precision.py.
     "BF16TruePrecision": {
         "nearest": PluginSpec(kwargs={"update": "nearest"}, true_step="lightning", guard=True, nan_batches=_NAN_BATCHES),
         "compensated-float32": PluginSpec(kwargs={"update": "compensated", "optimizer_states": "float32"},

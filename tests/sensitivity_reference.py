@@ -1,5 +1,5 @@
 """The sensitivity probe's measurement as it was written before it was made cheaper, kept as the reference that
-tests/test_sensitivity_equal.py holds the probe to: every figure it measures must stay the same float.
+tests/fp8/test_sensitivity_equal.py holds the probe to: every figure it measures must stay the same float.
 
 Its bookkeeping (staging, commit, the sums' layout, ``result``) is the probe's own; what is kept here is what computes
 the numbers: the cast's numerics (float64 sums over float64 copies), a new torchao ``Float8Linear`` per layer per step

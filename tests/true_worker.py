@@ -1,5 +1,5 @@
 """One rank of the true-precision scenarios under DDP and FSDP2 (``tests/distributed.py`` starts the ranks, gloo, CPU;
-``tests/test_true_distributed.py`` reads what they write). Two kinds join ``tests.fsdp_worker``'s scenarios and run by
+``tests/sharded/test_true_distributed.py`` reads what they write). Two kinds join ``tests.fsdp_worker``'s scenarios and run by
 its ``main`` (one launch runs them all, one after the other, in the same two processes): ``true``, a Trainer under
 DDP or ``ModelParallelStrategy`` (FSDP2, HSDP), and ``fabric_true``, Fabric under ``ModelParallelStrategy``.
 

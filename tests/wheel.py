@@ -1,5 +1,5 @@
 """The package's wheel, built from a copy of the checkout, offline, with the installed setuptools (what
-``tests/test_packaging.py`` unpacks and ``tests/test_gpu_suite.py`` carries as ``benchmarks/gpu_run.sh`` does)."""
+``tests/package/test_packaging.py`` unpacks and ``tests/gpu/test_gpu_suite.py`` carries as ``benchmarks/gpu_run.sh`` does)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ __all__ = ["TrainerXPUAccelerator", "XPUAccelerator"]
 
 def __getattr__(name: str) -> Any:
     if name == "TrainerXPUAccelerator":  # the Trainer's side, loaded (and registered) on first use
-        from lightning_precision._accelerators.trainer import TrainerXPUAccelerator
+        from lightning_precision._trainer.accelerator import TrainerXPUAccelerator
 
         return TrainerXPUAccelerator
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

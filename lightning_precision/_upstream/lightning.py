@@ -1,7 +1,7 @@
 """Every private Lightning name the package uses, each with the reason no public route serves.
 
-``tests/test_upstream_lightning.py`` exercises what we rely on against the installed Lightning, so that an upstream
-change fails loudly there instead of misbehaving in a run.
+``tests/upstream/test_upstream_lightning.py`` exercises what we rely on against the installed Lightning, so that an
+upstream change fails loudly there instead of misbehaving in a run.
 
 Nothing here imports ``lightning.pytorch`` at import time: the Fabric plugins use this module too. The Trainer's
 names are imported inside the functions only the Trainer side calls.

@@ -1,9 +1,9 @@
 """Every private torch name the package uses, each with the reason no public route serves.
 
-``tests/test_upstream_torch.py`` exercises what we rely on against the installed torch, so that an upstream change
-fails loudly there, not deep inside a sharded run or as a wrong loss scale.
+``tests/upstream/test_upstream_torch.py`` exercises what we rely on against the installed torch, so that an upstream
+change fails loudly there, not deep inside a sharded run or as a wrong loss scale.
 
-Besides the functions below, ``fabric/_scaler.py``'s ``TrackingGradScaler`` subclasses ``torch.amp.GradScaler`` and
+Besides the functions below, ``_core/scaler.py``'s ``TrackingGradScaler`` subclasses ``torch.amp.GradScaler`` and
 reads and writes its base's own state: ``_per_optimizer_states`` (each optimizer's stage and ``found_inf_per_device``),
 ``_scale``, ``_growth_tracker``, ``_init_scale``, ``_init_growth_tracker`` and ``_enabled`` (stable since torch 1.6),
 and overrides one private method, ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``: the one place

@@ -2,7 +2,7 @@
 
 Each has no public route in torchao 0.18: MXFP8 training lives under ``torchao.prototype``, its kernel choice in the
 private ``torchao.quantization.quantize_`` package, and ``MXFP8Linear.forward`` passes ``self.weight`` as it is, so an
-autocast-aware forward calls its matmul function directly. ``tests/test_upstream_torchao.py`` exercises each.
+autocast-aware forward calls its matmul function directly. ``tests/upstream/test_upstream_torchao.py`` exercises each.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The modules beneath (``amax``, ``channels_last``, ``guard``, ``mfu``, ``underflow``) are the implementation: import
 from here."""
 
-import lightning_precision._accelerators.trainer  # noqa: F401  (registers accelerator="xpu" where the name is free)
+import lightning_precision._trainer.accelerator  # noqa: F401  (registers accelerator="xpu" where the name is free)
 from lightning_precision.callbacks.amax import AmaxHistoryLogger
 from lightning_precision.callbacks.channels_last import ChannelsLast
 from lightning_precision.callbacks.guard import FP8Guard

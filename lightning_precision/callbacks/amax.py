@@ -16,13 +16,13 @@ from torch import Tensor, nn
 from torch.nn.utils.parametrize import is_parametrized
 from typing_extensions import override
 
-from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
 from lightning_precision._amax_stats import block_sample, pooled_stats, shared_sample
 from lightning_precision._checks import is_positive_int
-from lightning_precision._fsdp import is_sharded
+from lightning_precision._core.accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
+from lightning_precision._core.fsdp import is_sharded
+from lightning_precision._core.probe_pass import in_probe_pass
 from lightning_precision._io import check_writable_dir
 from lightning_precision._launches import ops_are_cheap
-from lightning_precision._probe_pass import in_probe_pass
 from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics
 from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, foreach_copy_, foreach_norm
 from lightning_precision._warnings import NoEffectWarning, warn

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_precision._channels_last import convert_convolutions, convolutions, is_channels_last, to_channels_last
-from lightning_precision._fsdp import is_sharded
+from lightning_precision._core.fsdp import is_sharded
 from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["ChannelsLast"]

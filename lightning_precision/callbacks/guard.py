@@ -25,10 +25,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_precision._accumulator import Accumulator, ReduceOp, all_reduce
 from lightning_precision._checks import is_positive_int
+from lightning_precision._core.accumulator import Accumulator, ReduceOp, all_reduce
+from lightning_precision._core.probe_pass import in_probe_pass
 from lightning_precision._io import check_writable_dir, check_writable_file, create_new_file
-from lightning_precision._probe_pass import in_probe_pass
 from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics, should_update_logs
 from lightning_precision._warnings import NoEffectWarning, process_rank, warn
 from lightning_precision.callbacks._cadence import on_cadence

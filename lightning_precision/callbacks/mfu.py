@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_precision._core.probe_pass import probe_pass
 from lightning_precision._mfu import (
     KINDS,
     PeakChoice,
@@ -28,7 +29,6 @@ from lightning_precision._mfu import (
     peak_device_name,
     plugin_compute_dtype,
 )
-from lightning_precision._probe_pass import probe_pass
 from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics
 from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence

@@ -16,15 +16,15 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_precision._accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
-from lightning_precision._fsdp import is_sharded, local_shard
+from lightning_precision._core.accumulator import Accumulator, Reduce, all_reduce, as_reduce_op
+from lightning_precision._core.fsdp import is_sharded, local_shard
+from lightning_precision._core.probe_pass import in_probe_pass, probe_pass
+from lightning_precision._core.scaler import InStepScaler, ScalerConfig, scale_of
+from lightning_precision._core.true_step import ROUNDING_COUNTS, RoundingMeter, TrueStep
 from lightning_precision._plots import check_plot_path
-from lightning_precision._probe_pass import in_probe_pass, probe_pass
-from lightning_precision._true_step import ROUNDING_COUNTS, RoundingMeter, TrueStep
 from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics, unwrapped_name
 from lightning_precision._warnings import warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
-from lightning_precision.fabric._scaler import InStepScaler, ScalerConfig, scale_of
 from lightning_precision.formats import NumberFormat, get_format
 from lightning_precision.functional import (
     HIST_MAX,

@@ -24,7 +24,7 @@ Each command has --help.
 
 
 def _version_line() -> str:
-    """From package metadata: importing torch and Lightning would take seconds (tests/test_cli.py checks neither is)."""
+    """From package metadata: importing torch and Lightning takes seconds (tests/cli/test_cli.py checks neither is)."""
     from lightning_precision import __version__
     from lightning_precision._imports import installed_version
 
@@ -257,8 +257,8 @@ def _compare(argv: list[str]) -> int:
     with Stop() as stop:
         try:
             with stop.raising():
-                from lightning_precision.cli.compare import UsageError
-                from lightning_precision.cli.compare import main as compare
+                from lightning_precision.cli.compare.main import UsageError
+                from lightning_precision.cli.compare.main import main as compare
         except Interrupted:
             say(stop.nothing_written())
             return stop.exit_code(1)

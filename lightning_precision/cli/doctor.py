@@ -11,9 +11,9 @@ from lightning_utilities.core.imports import RequirementCache
 from rich.text import Text
 
 from lightning_precision import _imports
+from lightning_precision._core.devices import bf16_capable
 from lightning_precision._imports import installed_version as _version
 from lightning_precision.cli.machine import cpu_info, describe_cpu, machine_info
-from lightning_precision.fabric._devices import bf16_capable
 from lightning_precision.fp8._hardware import FP8_MIN_CAPABILITY, MXFP8_MIN_CAPABILITY, fp8_capable
 
 __all__ = ["main"]

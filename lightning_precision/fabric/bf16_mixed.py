@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._devices import check_bf16_supported
-from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
-from lightning_precision.fabric._scaler import ScalerConfig
+from lightning_precision._core.autocast import MatmulPrecision
+from lightning_precision._core.devices import check_bf16_supported
+from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
+from lightning_precision._core.scaler import ScalerConfig
 
 __all__ = ["BF16MixedPrecision"]
 

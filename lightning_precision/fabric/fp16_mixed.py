@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import ScaledPrecision
-from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision._core.autocast import MatmulPrecision
+from lightning_precision._core.scaled import ScaledPrecision
+from lightning_precision._core.scaler import ScalerConfig, resolve_scaler_config
 
 __all__ = ["FP16MixedPrecision"]
 

@@ -15,12 +15,13 @@ from torch import Tensor
 from torch.nn import Linear, Module
 from typing_extensions import override
 
-from lightning_precision import _fsdp, _imports
-from lightning_precision._accumulator import all_reduce
+from lightning_precision import _imports
+from lightning_precision._core import fsdp
+from lightning_precision._core.accumulator import all_reduce
+from lightning_precision._core.autocast import MatmulPrecision
+from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
+from lightning_precision._core.scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision._warnings import NoEffectWarning, warn
-from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
-from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision.fp8._edges import EdgeRecorder
 from lightning_precision.fp8._hardware import check_fp8_hardware
 from lightning_precision.fp8._plan import (
@@ -317,7 +318,7 @@ class FP8Precision(ScaledPrecision):
         self._check_fp16_mxfp8(owner, recipe, candidates is None)
         self._calibration: _Calibration | None = None
         self._float8_all_gather = False  # whether the converted layers all-gather in fp8
-        self._scales: _fsdp.Float8ScalePrecompute | None = None
+        self._scales: fsdp.Float8ScalePrecompute | None = None
         self.layer_decisions: list[LayerDecision] = []
         self._forward_watch: ForwardWatch | None = None
         self._idle_decisions: dict[str, LayerDecision] = {}  # the decisions of chosen layers not run yet
@@ -536,7 +537,7 @@ class FP8Precision(ScaledPrecision):
         return len(self.candidates) > 1 or math.isfinite((self.plan_rule or PlanRule()).error_budget)
 
     def _start_calibration(self, module: Module) -> Module:
-        if self._to_be_sharded(module) or _fsdp.is_sharded(module):
+        if self._to_be_sharded(module) or fsdp.is_sharded(module):
             raise RuntimeError(
                 f"{type(self).__name__}(layers='auto') cannot choose layers under FSDP2: they must be converted before"
                 " `fully_shard`. Measure on one process first (`lightning-precision plan`, or"
@@ -668,9 +669,9 @@ class FP8Precision(ScaledPrecision):
         super()._on_sharded(module)
         if not self._float8_all_gather:
             return
-        self._scales = _fsdp.Float8ScalePrecompute(module)
-        if _fsdp.process_group_backend() == "gloo":
-            _fsdp.install_byte_all_gather(module)
+        self._scales = fsdp.Float8ScalePrecompute(module)
+        if fsdp.process_group_backend() == "gloo":
+            fsdp.install_byte_all_gather(module)
 
     @override
     @contextmanager

@@ -11,11 +11,11 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision import _imports
+from lightning_precision._core.autocast import MatmulPrecision
+from lightning_precision._core.devices import check_fp64
+from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
+from lightning_precision._core.scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision._warnings import NoEffectWarning, warn
-from lightning_precision.fabric._autocast import MatmulPrecision
-from lightning_precision.fabric._devices import check_fp64
-from lightning_precision.fabric._scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
-from lightning_precision.fabric._scaler import ScalerConfig, resolve_scaler_config
 
 __all__ = ["XPUPrecision"]
 

@@ -8,7 +8,7 @@ The knapsack is NP-hard: inputs exist (values proportional to errors) whose fron
 plan never stalls a run, a frontier past ``MAX_STATES`` keeps one state per ``budget / MAX_STATES`` of error (the one
 of most value: true errors are kept, so the budget still holds); ``choose_within`` says how much budget that may have
 cost (``slack``: the result is at least the optimum for ``budget - slack``). Real models' measured numbers stay far
-below it (tests/test_choice.py); the plan warns when it happens.
+below it (tests/fp8/test_choice.py); the plan warns when it happens.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ __all__ = [
     "torchao_scale",
 ]
 
-TORCHAO_EPS = FLOAT8_EPS  # torchao's floor under amax (tests/test_upstream_torchao.py checks it against torchao's)
+TORCHAO_EPS = FLOAT8_EPS  # torchao's floor under amax (tests/upstream/test_upstream_torchao.py checks it)
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,8 @@ def cast_numerics(t: Tensor, spec: CastSpec) -> Tensor:
     in fp64 on ``t``'s device. Non-finite values are left out of the powers.
 
     Each figure is the one the straightforward expression gives (tests/sensitivity_reference.py keeps it, and
-    tests/test_sensitivity_equal.py holds this to it), computed with fewer passes and temporaries: in-place steps, one
-    fp64 buffer for both powers, ``|x| < inf`` for ``isfinite``."""
+    tests/fp8/test_sensitivity_equal.py holds this to it), computed with fewer passes and temporaries: in-place steps,
+    one fp64 buffer for both powers, ``|x| < inf`` for ``isfinite``."""
     # Each temporary goes as soon as it is read: the peak is what a layer's measurement adds to the step's.
     x, not_finite = _finite_rows(t)
     magnitude = x.abs()
@@ -155,7 +155,8 @@ def fp8_grad_input(fp8: Any, grad_output: Tensor) -> Tensor:
     output gradient (``cast_config_grad_output``) and of the weight (``cast_config_weight_for_grad_input``), and their
     matmul, as ``matmul_with_hp_or_float8_args.backward`` does them, without the weight gradient that backward also
     computes (the probe reads only the input gradient: a third of the work, and an fp32 input beside a bf16 output
-    gradient made that hp weight gradient fail). tests/test_sensitivity_equal.py holds it to torchao's own backward."""
+    gradient made that hp weight gradient fail). tests/fp8/test_sensitivity_equal.py holds it to torchao's own
+    backward."""
     to_float8, axiswise_dim, roles = upstream.float8_dynamic_cast()
     disabled = _imports.import_quietly("torchao.float8.config").ScalingType.DISABLED
     config, mm_config = fp8.config, fp8.linear_mm_config

@@ -25,8 +25,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_precision._accumulator import Accumulator, Reduce, as_reduce_op
-from lightning_precision._probe_pass import in_probe_pass
+from lightning_precision._core.accumulator import Accumulator, Reduce, as_reduce_op
+from lightning_precision._core.probe_pass import in_probe_pass
 from lightning_precision._upstream.torch import inside_compiled_call
 from lightning_precision._warnings import warn
 from lightning_precision.fp8._emulate import (

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_precision import _fsdp, _imports
+from lightning_precision import _imports
+from lightning_precision._core import fsdp
 from lightning_precision._upstream import torchao as upstream
 from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fp8._selection import (
@@ -430,7 +431,7 @@ def float8_all_gather_possible(scaling_family: str) -> str | None:
     """None if torchao's float8 all-gather can run here, else why not."""
     if scaling_family != "tensorwise":
         return f"torchao all-gathers in fp8 with tensorwise scaling only (these layers are {scaling_family})"
-    if _fsdp.process_group_backend() == "gloo" and not _fsdp.custom_all_gather_supported():
+    if fsdp.process_group_backend() == "gloo" and not fsdp.custom_all_gather_supported():
         return (f"gloo has no float8 dtype, and torch {torch.__version__} cannot give FSDP2 the uint8 all-gather that"
                 " carries it (torch >= 2.8 can)")
     return None

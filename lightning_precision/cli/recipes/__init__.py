@@ -12,7 +12,7 @@ from typing import Any
 
 import lightning as L
 
-import lightning_precision._accelerators.trainer  # noqa: F401  (registers accelerator="xpu" with both registries)
+import lightning_precision._trainer.accelerator  # noqa: F401  (registers accelerator="xpu" with both registries)
 from lightning_precision.cli.recipes._base import ClassificationRecipe, training_loss
 from lightning_precision.cli.recipes.data import ImageClassificationData, TextClassificationData
 from lightning_precision.cli.recipes.text import DistilBertClassifier

@@ -1,0 +1,240 @@
+"""The arguments of ``lightning-precision compare``: parsing, validation before any training, the defaults this machine
+calls for (which precisions, which of them cannot run here and why), and what each precision name builds."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_precision._mfu import parse_peak_override
+from lightning_precision.cli.console import quiet_lightning
+from lightning_precision.cli.recipes import RECIPES
+
+__all__ = [
+    "BASELINES", "FP8_PRECISIONS", "PRECISIONS", "QUICK_STEPS", "QUICK_VAL_BATCHES", "WARMUP", "UsageError",
+    "block_size", "calibration_steps", "check_accelerator", "default_precisions", "emulated", "make_plugin", "on_gpu",
+    "one_line", "parse_args", "precheck", "untimed_steps",
+]
+
+DESCRIPTION = "``lightning-precision compare``: one recipe under several precisions, same seed and steps, side by side."
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "fp8", "fp8-auto", "lightning-bf16-true")
+FP8_PRECISIONS = ("fp8", "fp8-auto")  # fp8-auto: FP8Precision(layers="auto"), layers chosen from measured numerics
+# Lightning's own plugins, run only when named, for comparison with ours: the verdict never recommends one.
+BASELINES = ("lightning-bf16-true",)
+_BF16 = ("bf16-mixed", "bf16-true", "lightning-bf16-true")  # what bf16 hardware support decides
+WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
+QUICK_STEPS, QUICK_VAL_BATCHES = 30, 2
+MAX_SEED = 2**32 - 1  # Lightning's seed_everything (numpy's bound) refuses a seed outside [0, 2**32 - 1]
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line, exit code 2."""
+
+
+def one_line(text: object) -> str:
+    """A message (or an exception's) as one line: the whole of it, whitespace runs folded."""
+    return " ".join(str(text).split())
+
+
+def calibration_steps(steps: int) -> int:
+    """fp8-auto's measured steps: 8 (the plugin's default), fewer in short runs so that most steps run the plan."""
+    return max(1, min(8, steps // 4))
+
+
+def untimed_steps(precision: str, steps: int) -> int:
+    """Steps left out of the timings: the warm-up, and for fp8-auto its measured steps and a warm-up after them."""
+    return WARMUP + (calibration_steps(steps) if precision == "fp8-auto" else 0)
+
+
+def block_size(steps: int) -> int:
+    """Steps per turn: about ten turns per run."""
+    return max(1, steps // 10)
+
+
+def make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
+    """The Trainer plugin a precision name stands for (None for 32-true, the Trainer's default): ours, each with its
+    default arguments, and for ``lightning-bf16-true`` Lightning's own ``precision="bf16-true"``."""
+    from lightning_precision import (
+        BF16MixedPrecision,
+        BF16TruePrecision,
+        FP8Precision,
+        FP16MixedPrecision,
+        FP16TruePrecision,
+    )
+    from lightning_precision.fp8 import fp8_gpu_available
+
+    if precision == "32-true":
+        return None
+    if precision == "bf16-mixed":
+        return BF16MixedPrecision()
+    if precision == "bf16-true":
+        return BF16TruePrecision()
+    if precision == "16-mixed":
+        return FP16MixedPrecision()
+    if precision == "16-true":
+        return FP16TruePrecision()
+    if precision == "lightning-bf16-true":
+        from lightning.pytorch.plugins.precision import HalfPrecision
+
+        return HalfPrecision("bf16-true")
+    # Emulated fp8 is for numerics on small models: run every eligible layer in fp8, not only the large ones.
+    emulated_fp8 = emulate and not fp8_gpu_available()
+    if precision == "fp8-auto":
+        return FP8Precision(emulate=emulated_fp8, skip_small_layers=not emulate, layers="auto",
+                            calibration_batches=calibration_steps(steps))
+    return FP8Precision(emulate=emulated_fp8, skip_small_layers=not emulate)
+
+
+def on_gpu(args: argparse.Namespace) -> bool:
+    return torch.cuda.is_available() and args.accelerator in ("auto", "cuda", "gpu")
+
+
+def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
+    """Whether this precision's arithmetic is emulated where it runs: its speed then says nothing about the format."""
+    if precision in FP8_PRECISIONS:
+        from lightning_precision.fp8 import fp8_gpu_available
+
+        return not fp8_gpu_available()
+    if gpu or precision == "32-true":
+        return False
+    return not machine["cpu"][f"native_{'bf16' if precision in _BF16 else 'fp16'}"]
+
+
+def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The precisions this machine can compare usefully, and a line for each one left out, saying why."""
+    from lightning_precision import _imports
+    from lightning_precision.fp8 import fp8_gpu_available
+
+    chosen, notes = ["32-true"], []
+    gpu = on_gpu(args)
+    no_bf16 = precheck("bf16-mixed", args) if gpu else None
+    if no_bf16:
+        notes.append(f"bf16-mixed left out: {no_bf16}")
+    else:
+        chosen.append("bf16-mixed")
+    if gpu or machine["cpu"]["native_fp16"]:
+        chosen.append("16-mixed")
+    else:
+        notes.append("16-mixed left out: this CPU has no fp16 arithmetic (torch emulates it, several times slower than"
+                     " 32-true). Add it with --precisions 32-true,bf16-mixed,16-mixed to check its numerics.")
+    if fp8_gpu_available() or args.emulate:
+        if _imports.TORCHAO_AVAILABLE:
+            chosen.append("fp8")
+        else:
+            notes.append(f"fp8 left out: torchao is not installed ({_imports.install_command('torchao')}).")
+    return chosen, notes
+
+
+def precheck(precision: str, args: argparse.Namespace) -> str | None:
+    """Why this precision cannot run here, found before any precision starts; None if it can."""
+    from lightning_precision import _imports
+
+    if precision in FP8_PRECISIONS and not _imports.TORCHAO_AVAILABLE:
+        return f"{precision} needs torchao, which is not installed: {_imports.install_command('torchao')}"
+    if precision in _BF16 and on_gpu(args):
+        from lightning_precision._core.devices import check_bf16_supported
+
+        try:
+            check_bf16_supported("cuda")
+        except RuntimeError as err:
+            return one_line(err)
+    try:
+        make_plugin(precision, args.emulate, args.steps)
+    except Exception as err:  # a constructor's own check (hardware, versions): its message is the reason
+        return f"{type(err).__name__}: {one_line(err)}"
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-precision compare", description=DESCRIPTION,
+        epilog="Run `lightning-precision doctor` to see what this machine supports natively. Exit codes: 0 all ran, 1"
+               " a precision failed or the report could not be written, 2 bad arguments or --out held by another"
+               " run, 130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (the terminal closed; not under"
+               " nohup): what finished is written.")
+    parser.add_argument("--recipe", default="distilbert",
+                        help=f"the recipe: {', '.join(RECIPES)} (default: distilbert)")
+    parser.add_argument("--precisions", default=None,
+                        help=f"comma-separated, from {', '.join(PRECISIONS)} (default: chosen for this machine:"
+                             " 32-true and bf16-mixed; 16-mixed where fp16 arithmetic is native"
+                             " (any CUDA GPU, CPUs with AVX512-FP16/AMX-FP16); fp8 on a GPU of compute capability >="
+                             " 8.9 or with --emulate). bf16-true, 16-true: BF16TruePrecision(), FP16TruePrecision()"
+                             " (16-bit weights, gradients and optimizer states). fp8-auto: the layers chosen from their"
+                             " measured fp8 numerics (FP8Precision(layers='auto'); its measured steps are left out of"
+                             " the timings). lightning-bf16-true: Lightning's own precision='bf16-true', a baseline"
+                             " (only when named)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"training steps per precision (default: 100; {QUICK_STEPS} with --quick)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
+    parser.add_argument("--val-batches", type=int, default=None,
+                        help=f"validation batches for the accuracy, 0 for none (default: 8; {QUICK_VAL_BATCHES} with"
+                             " --quick)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and their order (default: 0)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a rough first look: {QUICK_STEPS} steps, {QUICK_VAL_BATCHES} validation batches")
+    parser.add_argument("--accelerator", default="auto", help="auto, cpu, cuda, ... (default: auto)")
+    parser.add_argument("--data-dir", default=None,
+                        help="real data for the recipe: aclImdb for distilbert, an ImageFolder for vit and resnet50"
+                             " (default: the recipe's embedded generated task)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="allow fp8 without fp8 hardware (torchao emulation: numerics, not speed)")
+    parser.add_argument("--out", default="compare-report", help="output folder (default: ./compare-report)")
+    parser.add_argument("--peak-tflops", default=None,
+                        help="the device's peak for MFU, instead of the built-in table of GPUs: one number in TFLOP/s"
+                             " for every precision, or kind=number pairs (kinds fp32, tf32, bf16, fp16, fp8), e.g."
+                             " bf16=989,fp8=1979")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command's arguments with the defaults filled in; a ``UsageError`` for any that every run would refuse.
+    ``--out`` is checked when ``main`` claims it, under its lock, so that no check writes into a folder another run
+    holds."""
+    from lightning_precision.fp8 import fp8_gpu_available
+
+    args = _parser().parse_args(argv)
+    if args.recipe not in RECIPES:
+        raise UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
+    args.steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else 100)
+    args.val_batches = args.val_batches if args.val_batches is not None else (QUICK_VAL_BATCHES if args.quick else 8)
+    if args.precisions is not None:
+        given = args.precisions
+        args.precisions = list(dict.fromkeys(p.strip() for p in given.split(",") if p.strip()))
+        if not args.precisions:
+            raise UsageError(f"--precisions {given!r} names no precision: choose from {', '.join(PRECISIONS)}")
+        for p in args.precisions:
+            if p not in PRECISIONS:
+                raise UsageError(f"unknown precision {p!r}: choose from {', '.join(PRECISIONS)}")
+        fp8 = [p for p in args.precisions if p in FP8_PRECISIONS]
+        if fp8 and not (fp8_gpu_available() or args.emulate):
+            raise UsageError(f"{fp8[0]} needs a CUDA GPU of compute capability >= 8.9; pass --emulate to run its"
+                             " numerics emulated")
+    try:
+        args.peak_overrides = parse_peak_override(args.peak_tflops) if args.peak_tflops is not None else {}
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
+        raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {MAX_SEED} (2**32 - 1).")
+    if args.accelerator != "auto":
+        check_accelerator(args.accelerator)
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise UsageError(f"data folder {args.data_dir!r} does not exist")
+    return args
+
+
+def check_accelerator(name: str) -> None:
+    """A ``UsageError`` if a Trainer refuses ``--accelerator`` here (unknown, or absent from this machine), which every
+    precision's run would do."""
+    import lightning as L
+
+    quiet_lightning()  # the Trainer's banner ("GPU available: ...") is for runs, not for a check
+    try:
+        L.Trainer(accelerator=name, devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    except Exception as err:  # Lightning raises ValueError, MisconfigurationException, ImportError
+        raise UsageError(f"--accelerator {name!r}: {one_line(err)}") from None

@@ -1,0 +1,347 @@
+"""The report of ``lightning-precision compare``: the table (terminal and markdown from the same cells), its notes, the
+verdict, and the files (``report.md``, ``report.json``, ``report.csv``, plots)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from lightning_precision._io import json_safe
+from lightning_precision._launches import launch_floor_ms
+from lightning_precision._warnings import warn
+from lightning_precision.cli.compare.args import BASELINES
+from lightning_precision.cli.compare.outdir import replace_folder
+from lightning_precision.cli.compare.rows import NOISY, Row
+
+__all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"]
+
+# Every file a report writes: the report folder holds these and nothing else (``cli.compare.outdir``).
+FILES = ("report.md", "report.json", "report.csv", "loss.png", "throughput.png", "memory.png")
+
+COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "bytes/param",
+           "final loss", "val acc", "fp16 underflow, unscaled", "at loss scale", "skipped")
+CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "turn_ms_q1", "turn_ms_q3", "turns",
+               "timed_steps", "untimed_steps", "samples_per_s", "units_per_s", "achieved_tflops", "mfu", "peak_tflops",
+               "speedup", "speedup_q1", "speedup_q3", "speedup_paired", "speedup_pairs", "speedup_resolved",
+               "speedup_drift", "peak_memory_mb", "bytes_per_param", "final_loss", "val_acc", "grad_underflow_fp16",
+               "grad_underflow_fp16_scaled", "skipped_steps", "ops_per_step", "launch_us", "launch_bound", "steps_done",
+               "emulated", "noisy", "interrupted", "error"]
+SAME_ACCURACY = 0.01  # the least difference of validation accuracies the verdict calls a difference
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def columns(meta: dict[str, Any]) -> tuple[str, ...]:
+    """The table's headers: the throughput column is named after the recipe's unit (tokens/s, images/s)."""
+    return tuple(f"{meta.get('unit') or 'units'}/s" if c == "units/s" else c for c in COLUMNS)
+
+
+def failed(row: Row) -> bool:
+    """A run that failed (an error, its process died), not one a signal stopped: those are ``interrupted``."""
+    return row.failed
+
+
+def _status(row: Row) -> str | None:
+    return "interrupted" if row.interrupted else "failed" if row.error is not None else None
+
+
+def _spread_flag(row: Row) -> str:
+    """What the spread says: a launch-bound step varies with the host's jitter, not with another job."""
+    return " launch-bound" if row.launch_bound else " busy" if row.noisy else ""
+
+
+def cells(row: Row) -> list[str]:
+    """The table row of one precision, as text (the terminal and report.md show the same)."""
+    status = _status(row)
+    if row.median_step_ms is None:
+        return [row.precision, f"{status} (see notes)" if status else "-", *[""] * (len(COLUMNS) - 2)]
+    speedup = row.speedup
+    mark = "~" if row.speedup_resolved is False else ""
+    return [
+        row.precision + (f" ({status})" if status else ""),
+        _fmt(row.median_step_ms, ".1f"),
+        _fmt(row.spread * 100 if row.spread is not None else None, ".0f", "%") + _spread_flag(row),
+        mark + _fmt(speedup, ".2f", "x")
+        + (f" [{row.speedup_q1:.2f}-{row.speedup_q3:.2f}]" if row.speedup_q1 is not None else "")
+        + (" emulated" if row.emulated and speedup is not None else ""),
+        _fmt(row.samples_per_s, ".0f"),
+        _fmt(row.units_per_s, ".0f"),
+        _fmt(row.mfu * 100, ".1f", "%") if row.mfu is not None else "n/a",
+        _fmt(row.peak_memory_mb, ".0f"),
+        _fmt(row.bytes_per_param, ".1f"),
+        _fmt(row.final_loss, ".3f"),
+        _fmt(row.val_acc, ".3f"),
+        _fmt(row.grad_underflow_fp16, ".2e"),
+        _fmt(row.grad_underflow_fp16_scaled, ".2e"),
+        _fmt(row.skipped_steps, "d"),
+    ]
+
+
+def mfu_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
+    """What MFU was measured against, once per distinct peak (or why it is n/a)."""
+    flops = meta.get("model_flops_per_step")
+    timed = [r for r in rows if r.peak_source is not None]
+    if not timed:
+        return []
+    if not flops:
+        return ["MFU: n/a, the model's FLOPs per step could not be counted."]
+    lines = [f"MFU: the model's {flops / 1e9:.3g} GFLOP per step (forward and backward, torch.utils.flop_counter) over"
+             " the median step time, against the device's dense peak for the run's compute kind:"]
+    by_source: dict[str, list[str]] = {}
+    for r in timed:
+        peak = f"{r.peak_tflops:g} TFLOP/s, " if r.peak_tflops else ""
+        kind = f" ({r.compute_kind})" if r.compute_kind is not None else ""
+        by_source.setdefault(peak + (r.peak_source or ""), []).append(r.precision + kind)
+    lines += [f"  {', '.join(names)}: {source}" for source, names in by_source.items()]
+    return lines
+
+
+BYTES_NOTE = ("bytes/param: weights, their gradients and the optimizer's states, with what a plugin keeps beside them"
+              " (remainders, 16-bit halves of fp32 states), per trained parameter, counted from the tensors after"
+              " training, in each precision's own process: 16 with Adam where the weights are fp32 (32-true, the"
+              " mixed precisions, fp8), 8 where weights, gradients and states are 16-bit. Activations, workspace and"
+              " allocator caches are not in it; peak mem has them.")
+
+
+def memory_note(device: str) -> str:
+    if device == "cpu":
+        return ("peak mem MB: resident memory gained during training, each precision measured in its own process"
+                " (allocator caches included). On a CPU it varies between identical runs by tens of MB (how the C"
+                " allocator reuses freed pages; 19-44 MB for the tiny ViT's 32-true): for small models only large"
+                " differences mean anything.")
+    return ("peak mem MB: peak memory allocated by tensors on the GPU during training, each precision in its own"
+            " process.")
+
+
+def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
+    """The lines under the table: every failure's and interruption's whole reason, which statistic each column is, what
+    each flag means where it appears."""
+    lines = []
+    for r in rows:
+        if r.failed:
+            lines.append(f"{r.precision} failed: {r.error}")
+        elif r.interrupted:
+            lines.append(f"{r.precision}: {r.error}" + ("; its figures are from those steps" if r.steps_done else ""))
+    lines += meta.get("notes", [])
+    if any(r.timed for r in rows):
+        unit = meta.get("unit") or "units"
+        lines.append(f"ms/step: the median over turns of each turn's median step time ({meta['schedule']}); samples/s,"
+                     f" {unit}/s and MFU follow from it. speedup: 32-true's ms/step over this one's, so these columns"
+                     " and throughput.png rank the precisions alike; [brackets]: the interquartile range over turns of"
+                     " the paired ratio (32-true's turn over this one's in the same round, measured back to back)."
+                     " spread: the interquartile range of the timed step times over their median.")
+    if any(r.noisy and not r.launch_bound for r in rows):
+        lines.append(f"busy: step times varied by more than {NOISY:.0%} of their median; something else was using the"
+                     " machine. The paired brackets are the figures to trust; rerun when it is idle.")
+    lines += launch_notes(rows)
+    if any(r.speedup_resolved is False for r in rows):
+        lines.append("~: speedup not resolved: fewer than 3 turns were paired, or the paired ratios' interquartile"
+                     " range includes 1x or lies on the other side of it, so it is not measurably different from"
+                     " 32-true.")
+    for r in rows:
+        if r.speedup_drift:
+            lines.append(f"{r.precision}: the paired turns put it at {r.speedup_q1:.2f}-{r.speedup_q3:.2f}x"
+                         f" the speed of 32-true, the medians at {r.speedup:.2f}x: they disagree on which is faster"
+                         " because the machine's speed changed during the run (paired turns cancel that, medians do"
+                         " not); rerun when it is idle.")
+    emulated = [r.precision for r in rows if r.emulated and r.timed]
+    if emulated:
+        lines.append(f"emulated: no hardware arithmetic for {', '.join(emulated)} on this machine (torch emulates"
+                     " it): the numerics are real, the speed says nothing about hardware that has the format.")
+    lines += mfu_notes(rows, meta)
+    for r in rows:
+        if r.fp8_layers is not None:
+            how = "chosen from measured numerics" if r.fp8_plan is not None else "all that the shape rules leave"
+            line = f"{r.precision}: {r.fp8_layers} of {r.linear_layers} linear layers in fp8, {how}"
+            if not (r.fp8_steps if r.fp8_steps is not None else r.fp8_layers):
+                n = r.steps_done
+                why = "" if not r.fp8_layers else \
+                    f"; {'its one step was' if n == 1 else f'all its {n} steps were'} measured in bf16, before the plan"
+                line += (f"{why}: every matmul ran in bf16, so its figures are bf16-mixed's"
+                         + (" (emulated here)" if r.emulated else " (not emulated)"))
+            lines.append(line + ".")
+    if any(r.grad_underflow_fp16 is not None or r.grad_underflow_fp16_scaled is not None for r in rows):
+        scaled = [r.precision for r in rows if r.grad_underflow_fp16_scaled is not None] or ["16-mixed"]
+        lines.append("fp16 underflow, unscaled: the fraction of nonzero parameter gradients that would flush to zero if"
+                     " cast to fp16 as they are (every precision). at loss scale: the same fraction at the loss scale"
+                     f" in effect, {', '.join(scaled)} only: what {'its' if len(scaled) == 1 else 'their'} fp16"
+                     " backward meets, including what it already flushed. The two answer different questions: compare"
+                     " a column with itself.")
+    lines.append(memory_note(meta["device"]))
+    if any(r.bytes_per_param is not None for r in rows):
+        lines.append(BYTES_NOTE)
+    for r in rows:
+        if r.bytes_per_param is None and r.error is None and r.steps_done and (r.skipped_steps or 0) >= r.steps_done:
+            lines.append(f"{r.precision}: bytes/param n/a: every one of its {r.steps_done} steps was skipped (inf/nan"
+                         " gradients), so the optimizer's states, made by its first step, did not exist to count.")
+    baselines = [r.precision for r in rows if r.precision in BASELINES]
+    if baselines:
+        lines.append(f"{', '.join(baselines)}: Lightning's own plugin (precision='bf16-true': bf16 weights, every"
+                     " update rounded to nearest), for comparison; the verdict does not recommend it.")
+    return lines
+
+
+LAUNCH_ADVICE = ("To measure the arithmetic instead: a larger batch (--batch-size) or model, or torch.compile (fewer,"
+                 " fused kernels).")
+
+
+def launch_notes(rows: list[Row]) -> list[str]:
+    """Where steps are launch-bound: each one's launches against its step time, what that means and what to do."""
+    bound = [r for r in rows if r.launch_bound]
+    if not bound:
+        return []
+    figures = "; ".join(f"{r.precision} {r.ops_per_step} ops, at least"
+                        f" {launch_floor_ms(r.ops_per_step or 0, r.launch_us or 0.0):.1f} of {r.median_step_ms:.1f} ms"
+                        for r in bound)
+    return [f"launch-bound: each step's aten ops (counted in one untimed step) are each a kernel launch that costs the"
+            f" host about {bound[0].launch_us:.1f} us here ({figures}). The GPU waits for the"
+            " host, so these step times measure kernel launches, not the precisions' arithmetic, and they vary with"
+            " the host's jitter (the spread), not with another job. " + LAUNCH_ADVICE]
+
+
+def accuracy_tolerance(base: Row, meta: dict[str, Any]) -> float:
+    """How far two validation accuracies may differ by chance alone: two standard errors of the difference of two
+    accuracies on the validation samples 32-true's run counted (at its accuracy), at least ``SAME_ACCURACY``."""
+    n = max(1, base.val_samples or meta.get("val_batches", 0) * meta.get("batch_size", 0))
+    p = base.val_acc or 0.5
+    return max(SAME_ACCURACY, 2 * math.sqrt(2 * p * (1 - p) / n))
+
+
+def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
+    """The result in a sentence or two, claiming only what the figures resolve. It rests on the table's own figures:
+    a run a signal stopped is partial, not failed, and its speedup counts as the table shows it."""
+    prefix = "Interrupted: the figures below are partial. " if meta.get("interrupted") else ""
+    failures = [r.precision for r in rows if r.failed]
+    tail = f" {', '.join(failures)} failed (see the notes)." if failures else ""
+    base = next((r for r in rows if r.precision == "32-true" and r.timed), None)
+    if base is None:
+        return prefix + "No 32-true step was timed: speedups are not computed." + tail
+    others = [(r, r.speedup) for r in rows if r is not base and not r.failed and r.speedup is not None]
+    tolerance = accuracy_tolerance(base, meta)
+
+    def same_accuracy(r: Row) -> bool:
+        if r.val_acc is None or base.val_acc is None:
+            return True
+        return abs(r.val_acc - base.val_acc) <= tolerance
+
+    def accuracy(r: Row) -> str:
+        if r.val_acc is None or base.val_acc is None:
+            return f"final loss {_fmt(r.final_loss, '.3f')} vs {_fmt(base.final_loss, '.3f')}"
+        return f"validation accuracy {r.val_acc:.3f} vs {base.val_acc:.3f}"
+
+    def differs(r: Row) -> str:
+        return f"{r.precision}'s {accuracy(r)} differs by more than chance allows ({tolerance:.3f})"
+
+    def speed(r: Row, speedup: float) -> str:
+        return (f"{speedup:.2f}x the speed of 32-true (interquartile {_fmt(r.speedup_q1, '.2f')}-"
+                f"{_fmt(r.speedup_q3, '.2f')}x over {r.speedup_pairs} paired turns)")
+
+    resolved = sorted(((r, s) for r, s in others if r.speedup_resolved and s > 1 and not r.emulated),
+                      key=lambda rs: -rs[1])
+    # a baseline (Lightning's own plugin) is there to be compared with, never the one to use
+    faster = [(r, s) for r, s in resolved if r.precision not in BASELINES]
+    if faster:
+        r, speedup = faster[0]
+        if same_accuracy(r):
+            return prefix + f"{r.precision} is the one to use here: {speed(r, speedup)}, {accuracy(r)}." + tail
+        return (prefix + f"{r.precision} ran at {speed(r, speedup)}, but {differs(r)}: check its numerics before"
+                " switching." + tail)
+    slower = [f"{r.precision} {s:.2f}x" for r, s in others if r.speedup_resolved and s < 1 and not r.emulated]
+    emulated = [r.precision for r, _ in others if r.emulated]
+    text = "No precision was measurably faster than 32-true on this machine"
+    if resolved:  # only baselines were: said, as measured, and not recommended
+        text = ("None of lightning-precision's precisions was measurably faster than 32-true on this machine ("
+                + "; ".join(f"{r.precision}, Lightning's own, ran at {speed(r, s)}" for r, s in resolved) + ")")
+    text += f" ({', '.join(slower)}: measurably slower)" if slower else ""
+    text += f"; {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated here" if emulated else ""
+    if any(r.launch_bound for r in rows):
+        text += (". The steps are launch-bound on this GPU (the host issues kernels more slowly than the GPU runs"
+                 " them), so the lower precisions cannot show their speed here. " + LAUNCH_ADVICE)
+    else:
+        text += ". Here the lower precisions show their numerics, not their speed."
+    if any(r.noisy and not r.launch_bound for r in rows):
+        text += " Step times varied widely (a busy machine): rerun when it is idle."
+    text += "".join(f" {differs(r)}: check its numerics." for r, _ in others if not same_accuracy(r))
+    return prefix + text + tail
+
+
+def print_table(rows: list[Row], meta: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    steps = f"{meta['steps']} step{'s' if meta['steps'] != 1 else ''}"
+    title = f"{meta['recipe']}: {meta['task']} | {steps}, batch {meta['batch_size']}, {meta['device']}"
+    table = Table(title=title + (" | INTERRUPTED: partial results" if meta.get("interrupted") else ""))
+    for column in columns(meta):
+        table.add_column(column, justify="left" if column == "precision" else "right")
+    for row in rows:
+        style = "red" if row.failed else "yellow" if row.interrupted else ""
+        table.add_row(*(Text(c, style=style if i < 2 else "") for i, c in enumerate(cells(row))))
+    console.print(table)
+    for line in notes(rows, meta):
+        console.print(Text(line, style="red" if " failed: " in line else "dim"))
+    console.print(Text(meta["verdict"], style="bold"))
+
+
+def markdown(rows: list[Row], meta: dict[str, Any], images: list[str]) -> str:
+    packages = ", ".join(f"{k} {v}" for k, v in meta["machine"]["packages"].items() if v)
+    lines = [
+        f"# compare: {meta['recipe']} on {meta['device']}", "",
+        meta["verdict"], "",
+        f"- Task: {meta['task']} (chance accuracy {meta['chance']})",
+        f"- Run: {meta['steps']} step{'s' if meta['steps'] != 1 else ''} per precision, batch {meta['batch_size']},"
+        f" seed {meta['seed']}, {meta['val_batches']} validation batches; {meta['schedule']}"
+        + ("; --quick" if meta.get("quick") else ""),
+        f"- Machine: {meta['machine_line']}",
+        f"- Packages: {packages}",
+        f"- Command: `{meta.get('command', 'lightning-precision compare')}`",
+        "",
+        "| " + " | ".join(columns(meta)) + " |",
+        "|" + "|".join("---" if c == "precision" else "---:" for c in COLUMNS) + "|",
+    ]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
+    lines += [""] + [f"- {n}" for n in notes(rows, meta)] + [""]
+    lines += [f"![{Path(p).stem}]({Path(p).name})" for p in images]
+    return "\n".join(lines) + "\n"
+
+
+def _write_files(rows: list[Row], folder: Path, meta: dict[str, Any]) -> list[str]:
+    """Write the report's files into ``folder``; their names, report.md first."""
+    results = [r.to_dict() for r in rows]
+    # Strict JSON (no bare NaN or Infinity, which most parsers refuse): a loss that diverged is "nan", as in the CSV.
+    (folder / "report.json").write_text(json.dumps(json_safe({"meta": meta, "results": results}), indent=2,
+                                                   allow_nan=False))
+    with open(folder / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+    images: list[str] = []
+    try:
+        from lightning_precision.cli.compare.plots import plot_compare
+
+        images = [Path(p).name for p in plot_compare(rows, folder, meta)]
+    except ModuleNotFoundError as err:  # matplotlib missing: the table, JSON and CSV still stand
+        warn(str(err))
+    (folder / "report.md").write_text(markdown(rows, meta, images))
+    return ["report.md", "report.json", "report.csv", *images]
+
+
+def write_reports(rows: list[Row], out: Path, meta: dict[str, Any]) -> tuple[Path, list[str], str | None]:
+    """Replace the report in ``out`` (a folder held with ``claim_folder``) whole: written beside it, then swapped in, so
+    that ``out`` holds one whole report, the previous one or this one, whatever happens during the writes (an
+    ``OSError`` leaves it as it was). Returns the folder that holds the new report (``out``, unless ``out`` holds
+    something a report does not write), the names of the files written, and a note when something is not where it was
+    (``replace_folder``)."""
+    names: list[str] = []
+
+    def fill(folder: Path) -> list[str]:
+        names[:] = _write_files(rows, folder, meta)
+        return names
+
+    where, note = replace_folder(out, FILES, fill)
+    return where, names, note
