@@ -41,6 +41,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
+from lightning_precision._core.step_policy import PlainStep
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, WARMUP, StepTimer  # noqa: E402
@@ -92,9 +93,9 @@ def run_group(variants: list[tuple[str, Callable[[], Any]]], rounds: int, steps:
 
 
 class GuardToggle(Callback):
-    """Switches the plugin's non-finite guard off on every other step (benchmark only: it swaps the plugin's private
-    ``_scaler``, which the guard is, for None, the plugin's state with ``skip_nonfinite=False``) and times each step in
-    both clocks, by whether the guard ran."""
+    """Switches the plugin's non-finite guard off on every other step (benchmark only: it swaps the plugin's step
+    policy, the guarded one, for the plain one of ``skip_nonfinite=False``) and times each step in both clocks, by
+    whether the guard ran."""
 
     def __init__(self, guard_on_odd: bool) -> None:
         self.guard_on_odd = guard_on_odd
@@ -103,10 +104,10 @@ class GuardToggle(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         plugin = trainer.precision_plugin
         if not hasattr(self, "guard"):
-            self.guard = plugin._scaler
-            assert self.guard is not None, "the plugin must run the guard: BF16MixedPrecision(skip_nonfinite=True)"
+            self.guard, self.plain = plugin.step_policy, PlainStep("benchmark")
+            assert self.guard.kind == "guarded", "run the guard: BF16MixedPrecision(skip_nonfinite=True)"
         self.on = (batch_idx % 2 == 1) == self.guard_on_odd
-        plugin._scaler = self.guard if self.on else None
+        plugin.step_policy = self.guard if self.on else self.plain
         self._t0 = {c: clock() for c, clock in CLOCKS.items()}
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:

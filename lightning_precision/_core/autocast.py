@@ -22,11 +22,8 @@ from typing_extensions import override
 
 from lightning_precision._core import fsdp
 from lightning_precision._core.probe_pass import in_probe_pass
-from lightning_precision._upstream.lightning import (
-    FABRIC_THROUGHPUT_MODULE,
-    convert_fp_tensor,
-    install_throughput_dtype,
-)
+from lightning_precision._core.process_effects import FABRIC_THROUGHPUT
+from lightning_precision._upstream.lightning import convert_fp_tensor
 
 __all__ = ["MatmulPrecision", "AutocastPrecision"]
 
@@ -107,8 +104,8 @@ class AutocastPrecision(FabricPrecision):
 
     def _install_throughput_dtype(self) -> None:
         """Teach Lightning's ThroughputMonitor this plugin's ``peak_flops_dtype`` (the Trainer classes add the Trainer's
-        monitor)."""
-        install_throughput_dtype(FABRIC_THROUGHPUT_MODULE, AutocastPrecision)
+        monitor): a process-wide effect (``_core/process_effects.py``)."""
+        FABRIC_THROUGHPUT.hold(self, AutocastPrecision)
 
     @property
     def peak_flops_dtype(self) -> torch.dtype:

@@ -9,8 +9,6 @@ autocast, as Lightning's plugins are.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -18,50 +16,25 @@ import torch
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_precision._core.autocast import AutocastPrecision, MatmulPrecision
-from lightning_precision._core.scaler import NonFiniteGuard, ScalerConfig, TrackingGradScaler
+from lightning_precision._core.scaler import ScalerConfig, TrackingGradScaler
+from lightning_precision._core.step_policy import StepPolicy, make_step_policy
 from lightning_precision._core.true_keys import check_readable_states
-from lightning_precision._upstream.lightning import optimizer_handles_unscaling
 
-__all__ = ["SKIP_NONFINITE_DEFAULT", "ScaledPrecision", "check_optimizer", "closure_driven"]
+__all__ = ["SKIP_NONFINITE_DEFAULT", "ScaledPrecision"]
 
 # Whether plugins without loss scaling skip steps with inf/nan gradients unless told: off, because the check costs more
 # than the 2% of a step allowed a default (3-7% on benchmarks/plugin_overhead.py's MLP, docs/benchmarks.md).
 SKIP_NONFINITE_DEFAULT = False
 
 
-def closure_driven(optimizer: Any) -> bool:
-    """Whether ``optimizer`` evaluates its closure inside ``step`` (its gradients do not exist before it): LBFGS, or any
-    optimizer whose ``step`` requires a closure."""
-    cls: Any = type(optimizer)
-    return _requires_closure(cls)
-
-
-@functools.cache
-def _requires_closure(cls: Any) -> bool:
-    if issubclass(cls, LBFGS):
-        return True
-    try:
-        closure = inspect.signature(cls.step).parameters.get("closure")
-    except (TypeError, ValueError):  # no signature to read
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
-
-
-def check_optimizer(owner: str, optimizer: Any) -> None:
-    if closure_driven(optimizer):
-        raise ValueError(
-            f"`{owner}` cannot drive `{type(optimizer).__name__}`: a loss scaler cannot skip a step that re-evaluates"
-            " its closure. Use another optimizer, or `BF16MixedPrecision`, which needs no scaler."
-        )
-
-
 class ScaledPrecision(AutocastPrecision):
-    """Autocast in ``compute_dtype`` with a loss scaler built from ``scaler``; without one (``None``), the non-finite
-    guard when ``skip_nonfinite``, else nothing.
+    """Autocast in ``compute_dtype`` and a step policy chosen once from the arguments (``_core/step_policy.py``): the
+    loss scaler built from ``scaler``; without one (``None``), the non-finite guard when ``skip_nonfinite``, else
+    Lightning's plain step.
 
     The scale is updated once per backward, after every optimizer that uses its gradients has stepped: at the next
     backward, or when ``loss_scale``, ``skipped_steps``, ``metrics()`` or ``state_dict()`` is read (torch's documented
@@ -103,50 +76,38 @@ class ScaledPrecision(AutocastPrecision):
                                  " this"
                                  " plugin skips nothing unless asked, so the limit would have no effect. Pass"
                                  " `skip_nonfinite=True` too, or leave `max_consecutive_skips` out.")
-        # What scales and skips: the loss scaler, or the guard (a scaler at a fixed scale of 1). Built for cpu until the
-        # model's device is known, then rebuilt there with its state.
-        self._scaler: TrackingGradScaler | None = None
-        if scaler is not None:
-            self._scaler = self.scaler_class(device or "cpu", scaler, owner=owner)
-        elif skip_nonfinite:
-            self._scaler = NonFiniteGuard(device or "cpu", max_consecutive_skips, owner=owner)
-        self.step_was_skipped = False
-        self._update_pending = False
+        self.step_policy: StepPolicy = make_step_policy(owner, scaler, skip_nonfinite, max_consecutive_skips, device,
+                                                       reads_skips=skip_schedulers_on_overflow,
+                                                       scaler_class=self.scaler_class)
 
     @property
     def scaler(self) -> TrackingGradScaler | None:
         """The loss scaler (a ``torch.amp.GradScaler``); ``None`` without loss scaling, as for Lightning's bf16 plugin
         (``trainer.scaler`` reads it), also where the non-finite guard skips steps."""
-        return self._scaler if self.scaler_config is not None else None
+        return self.step_policy.loss_scaler
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (its gradients held inf or nan)."""
+        return self.step_policy.step_was_skipped
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:
-        if self._scaler is not None and self._scaler.device_type != device_type:
-            state = self._scaler.state_dict()
-            owner = type(self).__name__
-            self._scaler = (self.scaler_class(device_type, self._scaler.config, owner=owner) if self.scaler_config
-                           else NonFiniteGuard(device_type, self._scaler.config.max_consecutive_skips, owner=owner))
-            self._scaler.load_state_dict(state)
+        self.step_policy.on_device(device_type)
 
     @property
     @override
     def loss_scale(self) -> float | None:
         """The current loss scale: applies the scale update pending since the last optimizer step (a write), then
         reads the device; ``None`` without loss scaling (the guard's scale is no loss scale)."""
-        if self._scaler is None or self.scaler_config is None:
-            return None
-        self.apply_pending_update()
-        return float(self._scaler.scale_tensor())
+        return self.step_policy.loss_scale()
 
     @property
     @override
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because gradients had inf/nan: applies the pending scale update (a write), then
         reads the device; 0 when nothing is skipped."""
-        if self._scaler is None:
-            return 0
-        self.apply_pending_update()
-        return int(self._scaler.skipped_tensor())
+        return self.step_policy.skipped_steps()
 
     @override
     def metrics(self) -> dict[str, Tensor]:
@@ -162,36 +123,21 @@ class ScaledPrecision(AutocastPrecision):
     def scaler_metrics(self) -> dict[str, Tensor]:
         """The loss scaler's (or the guard's) part of ``metrics()``, without what a subclass adds: what the Trainer
         logs."""
-        if self._scaler is None:
-            return {}
-        self.apply_pending_update()
-        metrics = {"precision/skipped_steps": self._scaler.skipped_tensor().float()}
-        if self.scaler_config is not None:
-            metrics = {"precision/loss_scale": self._scaler.scale_tensor().float(), **metrics}
-        return metrics
+        return self.step_policy.metrics()
 
     def update_after_every_step(self) -> None:
         """Update the scale now that every optimizer of the last backward has stepped (the Trainer knows when)."""
-        if self._update_pending and self._scaler is not None:
-            self._update_pending = False
-            self._scaler.update()
+        self.step_policy.update_after_every_step()
 
     def apply_pending_update(self) -> None:
         """Update the scale for the optimizer steps taken since the last backward, if not done yet (it happens by
         itself at the next backward). May raise ``SkippedStepsError`` (see ``max_consecutive_skips``)."""
-        if self._update_pending and self._scaler is not None:
-            self._update_pending = False
-            # Called by a read, maybe between two optimizers' steps on one backward: those still to step keep the
-            # scale their gradients carry.
-            self._scaler.update_before_every_step()
-
-    def _scale_loss(self, tensor: Tensor) -> Tensor:
-        return tensor if self._scaler is None else self._scaler.scale(tensor)
+        self.step_policy.apply_pending_update()
 
     @override
     def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         self.update_after_every_step()  # at a backward, every optimizer of the last one has stepped
-        super().backward(self._scale_loss(tensor), model, *args, **kwargs)
+        super().backward(self.step_policy.scale_loss(tensor), model, *args, **kwargs)
 
     def check_readable_states(self, optimizer: Any) -> None:
         """Refuse, naming the cause and the fix, an optimizer whose states a true-precision plugin encoded (its
@@ -201,30 +147,10 @@ class ScaledPrecision(AutocastPrecision):
 
     def _scaler_step(self, optimizer: Optimizable, closure_step: Callable[[], Any] | None = None,
                      **kwargs: Any) -> Any:
-        """Step ``optimizer`` through the scaler or the guard. ``closure_step``: how a closure-driven optimizer steps
+        """Step ``optimizer`` through the step policy. ``closure_step``: how a closure-driven optimizer steps
         (evaluating the closure itself), for the guard to undo if it leaves non-finite weights."""
         self.check_readable_states(optimizer)
-        if self._scaler is None:
-            self.step_was_skipped = False
-            return optimizer.step(**kwargs) if closure_step is None else closure_step()
-        if (self._update_pending and isinstance(self._scaler, NonFiniteGuard)
-                and self._scaler.has_stepped(optimizer)):  # type: ignore[arg-type]
-            # The guard, and a new iteration whose backward did not come through the plugin (`loss.backward()` by
-            # hand): at a scale of 1 nothing was missed but the update, applied now.
-            self.update_after_every_step()
-        if self.scaler_config is not None:
-            check_optimizer(type(self).__name__, optimizer)
-            output = self._scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-        elif closure_step is not None or "closure" in kwargs:
-            assert isinstance(self._scaler, NonFiniteGuard)
-            output = self._scaler.step_undoing_nonfinite(optimizer,  # type: ignore[arg-type]
-                                                        closure_step or functools.partial(optimizer.step, **kwargs))
-        else:
-            output = self._scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-        if self.skip_schedulers_on_overflow:
-            self.step_was_skipped = self._scaler.step_was_skipped(optimizer)  # type: ignore[arg-type]
-        self._update_pending = True
-        return output
+        return self.step_policy.step(optimizer, closure_step, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
@@ -237,16 +163,7 @@ class ScaledPrecision(AutocastPrecision):
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        if self._scaler is None:
-            return
-        if optimizer_handles_unscaling(optimizer) and self.scaler_config is not None:
-            raise NotImplementedError(
-                f"`{type(optimizer).__name__}` unscales inside `step()` (a fused optimizer), so its gradients cannot"
-                " be unscaled for clipping. Use the non-fused optimizer to clip."
-            )
-        # The guard (scale 1) checks now, fused optimizers included: clipping by value after this could clamp an inf
-        # into a finite gradient that the fused step's own check would let through.
-        self._scaler.unscale_(optimizer)
+        self.step_policy.unscale_for_clipping(optimizer)
 
     # Keys of the state that a subclass keeps beside the scaler's (FP8Precision's plan): never given to the scaler.
     _own_state_keys: tuple[str, ...] = ()
@@ -254,10 +171,7 @@ class ScaledPrecision(AutocastPrecision):
     def scaler_state_dict(self) -> dict[str, Any]:
         """The loss scaler's state alone (what Lightning's ``MixedPrecision`` can resume), or the guard's counters;
         ``{}`` for plain autocast."""
-        if self._scaler is None:
-            return {}
-        self.apply_pending_update()
-        return self._scaler.state_dict()
+        return self.step_policy.state_dict()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -265,12 +179,10 @@ class ScaledPrecision(AutocastPrecision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._scaler is not None:
-            self._scaler.load_state_dict({k: v for k, v in state_dict.items() if k not in self._own_state_keys})
+        self.step_policy.load_state_dict({k: v for k, v in state_dict.items() if k not in self._own_state_keys})
 
     def __getstate__(self) -> dict[str, Any]:
         # torch refuses to pickle (or deepcopy) a GradScaler between a step and its update, which is where this plugin
         # rests at the end of every iteration: apply the update first, as any other read of the state does.
         self.apply_pending_update()
         return super().__getstate__()
-

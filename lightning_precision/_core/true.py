@@ -21,14 +21,15 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from typing_extensions import override
 
 from lightning_precision import _imports
 from lightning_precision._checks import is_positive_int
+from lightning_precision._core.process_effects import STATE_INIT_HOOK
 from lightning_precision._core.rounding import UPDATES
-from lightning_precision._core.scaled import ScaledPrecision, closure_driven
-from lightning_precision._core.scaler import InStepScaler, NonFiniteGuard, ScalerConfig
+from lightning_precision._core.scaled import ScaledPrecision
+from lightning_precision._core.scaler import InStepScaler, ScalerConfig
+from lightning_precision._core.step_policy import GuardedStep, closure_driven
 from lightning_precision._core.true_step import OPTIMIZER_STATES, ClipRequest, TrueStep, is_stepping
 from lightning_precision._upstream.lightning import convert_fp_tensor
 from lightning_precision._upstream.torch import foreach_mul, foreach_mul_, version_counter
@@ -132,7 +133,7 @@ class TruePrecision(ScaledPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         module = super().convert_module(module)
         module.to(dtype=self.compute_dtype)
-        _watch_state_init(self)
+        STATE_INIT_HOOK.hold(self)  # a process-wide effect (`_core/process_effects.py`), until `teardown`
         if self.keep_fp32:
             hooks = _KeepFP32(self.compute_dtype)
             for layer in module.modules():
@@ -248,7 +249,7 @@ class TruePrecision(ScaledPrecision):
         """Lightning's bf16-true, as it steps: the optimizer in bf16 on the bf16 weights (for comparison)."""
         return self.update == "nearest" and self.optimizer_states == "weight" and self.compute_dtype == torch.bfloat16
 
-    def _take_state_init(self, optimizer: Optimizer) -> None:
+    def take_state_init(self, optimizer: Optimizer) -> None:
         """Take, through this plugin's step, a step at lr 0 on an optimizer of this plugin's model that has no state
         yet: torch's distributed checkpoint takes one (zero gradients, every lr set to 0) to learn the states' layout
         before it loads a checkpoint into them, and loads only the keys that step created. Run by the optimizer itself
@@ -258,7 +259,8 @@ class TruePrecision(ScaledPrecision):
         creates them and the weights keep their values (an update of 0 rounds to the same 16-bit weight); the
         optimizer's own step then finds no gradient and does nothing."""
         module = self._module_ref() if self._module_ref is not None else None
-        if module is None or self._steps_plainly or not all(_zero(group.get("lr")) for group in optimizer.param_groups):
+        if (module is None or self._steps_plainly or is_stepping(optimizer)  # (this plugin's own step)
+                or not all(_zero(group.get("lr")) for group in optimizer.param_groups)):
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         ours = {id(p) for p in module.parameters()}
@@ -292,19 +294,16 @@ class TruePrecision(ScaledPrecision):
             self._shown[id(torch_optimizer)] = (kept, {p: (p.grad, version_counter(p.grad)) for p in params})
 
     def _inverse_scale(self) -> Tensor | None:
-        if self.scaler_config is None or self._scaler is None:
-            return None
-        return self._scaler.carried_scale().double().reciprocal().float()
+        scaler = self.step_policy.loss_scaler
+        return None if scaler is None else scaler.carried_scale().double().reciprocal().float()
 
     @override
     def _scaler_step(self, optimizer: Optimizable, closure_step: Callable[[], Any] | None = None,
                      **kwargs: Any) -> Any:
         torch_optimizer: Optimizer = _unwrap(optimizer)
         self._check_steppable(torch_optimizer, kwargs if closure_step is None else {"closure": closure_step})
-        assert self._scaler is not None  # true precision always checks its steps
-        if (self._update_pending and isinstance(self._scaler, NonFiniteGuard)
-                and self._scaler.has_stepped(torch_optimizer)):
-            self.update_after_every_step()  # a backward by hand (not through the plugin): its update now
+        policy = self.step_policy
+        assert isinstance(policy, GuardedStep)  # true precision always checks its steps
         clip = self._clips.pop(id(torch_optimizer), None)
         if self._steps_plainly:
             self.true_step.check_written_by(torch_optimizer)  # (the other plugin's states, read plainly, are garbage)
@@ -319,10 +318,13 @@ class TruePrecision(ScaledPrecision):
                 else:
                     factor = None  # a hook changed them (a clip by hand): its unscaled gradients, as they are
             step = functools.partial(self.true_step.step, torch_optimizer, factor, clip, grads)
-        stepped = self._scaler.step_checked(torch_optimizer, step)
-        self.step_was_skipped = not stepped
-        self._update_pending = True
+        policy.step_checked(torch_optimizer, step)
         return None
+
+    @override
+    def teardown(self) -> None:
+        STATE_INIT_HOOK.release(self)
+        super().teardown()
 
     def __getstate__(self) -> dict[str, Any]:
         # Weak references do not pickle (ddp_spawn pickles the plugin): the copy knows no layer, and hooks the ones of
@@ -335,26 +337,6 @@ class TruePrecision(ScaledPrecision):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._kept = weakref.WeakSet()
-
-
-_PLUGINS: weakref.WeakSet[TruePrecision] = weakref.WeakSet()  # the live ones: the hook below asks each
-_STEP_HOOK: list[Any] = []  # one hook per process
-
-
-def _watch_state_init(plugin: TruePrecision) -> None:
-    _PLUGINS.add(plugin)
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_any_step))
-
-
-def _before_any_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    """Before every optimizer step of the process: one that meets an empty state may be torch's distributed checkpoint
-    learning the states' layout (``TruePrecision._take_state_init``). The plugin's own step creates the states before
-    it steps the optimizer, and runs the step hooks (this one among them) before it: it never gets past the checks."""
-    if optimizer.state or is_stepping(optimizer):
-        return
-    for plugin in list(_PLUGINS):
-        plugin._take_state_init(optimizer)
 
 
 def _zero(lr: Any) -> bool:

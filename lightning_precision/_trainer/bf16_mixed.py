@@ -6,7 +6,7 @@ from lightning_precision.fabric.bf16_mixed import BF16MixedPrecision as _FabricB
 __all__ = ["BF16MixedPrecision"]
 
 
-class BF16MixedPrecision(TrainerScaledPrecision, _FabricBF16MixedPrecision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class BF16MixedPrecision(TrainerScaledPrecision, _FabricBF16MixedPrecision):
     """bf16 autocast for the Trainer: ``Trainer(plugins=[BF16MixedPrecision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.BF16MixedPrecision`; no loss scaling. With

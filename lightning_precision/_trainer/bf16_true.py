@@ -6,7 +6,7 @@ from lightning_precision.fabric.bf16_true import BF16TruePrecision as _FabricBF1
 __all__ = ["BF16TruePrecision"]
 
 
-class BF16TruePrecision(TrainerTruePrecision, _FabricBF16TruePrecision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class BF16TruePrecision(TrainerTruePrecision, _FabricBF16TruePrecision):
     """bf16 weights, gradients and optimizer states that train like fp32: ``Trainer(plugins=[BF16TruePrecision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.BF16TruePrecision` (keyword-only). ``gradient_clip_val``

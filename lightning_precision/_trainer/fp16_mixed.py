@@ -8,7 +8,7 @@ from lightning_precision.fabric.fp16_mixed import FP16MixedPrecision as _FabricF
 __all__ = ["FP16MixedPrecision"]
 
 
-class FP16MixedPrecision(TrainerScaledPrecision, _FabricFP16MixedPrecision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class FP16MixedPrecision(TrainerScaledPrecision, _FabricFP16MixedPrecision):
     """fp16 autocast with a ``GradScaler`` for the Trainer: ``Trainer(plugins=[FP16MixedPrecision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.FP16MixedPrecision` (keyword-only). In addition, at the

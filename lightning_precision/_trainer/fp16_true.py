@@ -6,7 +6,7 @@ from lightning_precision.fabric.fp16_true import FP16TruePrecision as _FabricFP1
 __all__ = ["FP16TruePrecision"]
 
 
-class FP16TruePrecision(TrainerTruePrecision, _FabricFP16TruePrecision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class FP16TruePrecision(TrainerTruePrecision, _FabricFP16TruePrecision):
     """fp16 weights, gradients and optimizer states that train like fp32, never a NaN weight:
     ``Trainer(plugins=[FP16TruePrecision()])``.
 

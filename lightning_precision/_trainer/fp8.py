@@ -15,7 +15,7 @@ from lightning_precision.fabric.fp8 import NVFP4Precision as _FabricNVFP4Precisi
 __all__ = ["FP8Precision", "NVFP4Precision"]
 
 
-class FP8Precision(TrainerScaledPrecision, _FabricFP8Precision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class FP8Precision(TrainerScaledPrecision, _FabricFP8Precision):
     """fp8 linear layers inside bf16 autocast for the Trainer: ``Trainer(plugins=[FP8Precision()])``.
 
     Same arguments as :class:`lightning_precision.fabric.FP8Precision`. With fp16 compute the loss scaler behaves as in
@@ -49,6 +49,6 @@ class FP8Precision(TrainerScaledPrecision, _FabricFP8Precision):  # type: ignore
             yield
 
 
-class NVFP4Precision(FP8Precision, _FabricNVFP4Precision):  # type: ignore[misc]  # as above
+class NVFP4Precision(FP8Precision, _FabricNVFP4Precision):
     """NVFP4 linear layers through Transformer Engine for the Trainer: ``Trainer(plugins=[NVFP4Precision()])``. Same
     arguments as :class:`lightning_precision.fabric.NVFP4Precision`; compute capability >= 10.0."""

@@ -14,8 +14,7 @@ Which hooks see scaled values:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +22,13 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_precision._core.scaled import ScaledPrecision, check_optimizer, closure_driven
-from lightning_precision._trainer.hooks import LIGHTNING_AMP_KEY, TrainerHooks
+from lightning_precision._core.scaled import ScaledPrecision
 from lightning_precision._trainer.schedulers import hold_step_schedulers
+from lightning_precision._trainer.seam import LIGHTNING_AMP_KEY, TrainerHooks
 from lightning_precision._upstream.lightning import optimizer_handles_unscaling, should_update_logs
 
 if TYPE_CHECKING:  # what the mixin is always mixed with, for the type checker
@@ -41,7 +39,7 @@ else:
 __all__ = ["TrainerScaledPrecision"]
 
 
-class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class TrainerScaledPrecision(TrainerHooks, FabricCore):
     """Mixed into ``class X(TrainerScaledPrecision, FabricX)`` where ``FabricX`` is a ``ScaledPrecision``.
 
     The scale is updated after the optimizer step with automatic optimization (one optimizer per backward), and at the
@@ -56,11 +54,9 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
     ) -> tuple[Module, list[Optimizer], list[Any]]:
         self._held_optimizers: set[int] = set()
         self._manual_model: pl.LightningModule | None = None
-        if self.scaler_config is not None:  # a loss scaler; the guard steps closure-driven optimizers its own way
-            for optimizer in optimizers:
-                check_optimizer(type(self).__name__, optimizer)
+        self.step_policy.check_optimizers(optimizers)  # a loss scaler; the guard steps closure-driven ones its own way
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
-        if self._scaler is not None and self.skip_schedulers_on_overflow:
+        if self.step_policy.reads_skips:
             # A bound method, not a local function: the stand-ins pickle with the schedulers they hold.
             lr_schedulers = hold_step_schedulers(lr_schedulers, self._holds_schedulers_of)
         return model, optimizers, lr_schedulers
@@ -70,60 +66,18 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
         return id(optimizer) in getattr(self, "_held_optimizers", ())
 
     @override
-    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        # Hooks see the real loss; only the tensor handed to backward is scaled.
-        tensor = super().pre_backward(tensor, module)
-        self.apply_pending_update()
-        return self._scale_loss(tensor)
-
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self,
-        optimizer: Optimizable,
-        model: pl.LightningModule,
-        closure: Callable[[], Any],
-        **kwargs: Any,
-    ) -> Any:
-        self.check_readable_states(optimizer)
-        if self._scaler is None:  # plain autocast: Lightning's step, closure-driven optimizers included
-            output = super().optimizer_step(optimizer, model, closure, **kwargs)
-        elif self.scaler_config is None and closure_driven(optimizer):
-            # The guard with LBFGS: Lightning's own step hands it the closure; the guard undoes a non-finite step.
-            output = self._scaler_step(optimizer, closure_step=functools.partial(
-                super().optimizer_step, optimizer, model, closure, **kwargs))
-            self._hold_if_skipped(optimizer)
-        else:
-            output = closure()
-            # In automatic optimization a closure returning None skipped backward: nothing to unscale or step.
-            skipped_backward = output is None and model.automatic_optimization
-            # Before the hooks and clipping see the gradients: a loss scaler unscales (a fused optimizer unscales inside
-            # its step); the guard checks, fused optimizers included, before clipping by value can clamp an inf into
-            # a finite gradient that the fused step's own check would let through.
-            if not skipped_backward:
-                self._unscale_before_hooks(optimizer)
-            self._after_closure(model, optimizer)
-            if not skipped_backward:
-                output = self._scaler_step(optimizer, **kwargs)
-                self._hold_if_skipped(optimizer)
-        self._after_optimizer_step()
-        if model.automatic_optimization:  # one optimizer per backward: its update is due now
-            self._update_and_log(model)
-        else:
-            self._manual_model = model
-        return output
-
-    def _unscale_before_hooks(self, optimizer: Optimizable) -> None:
-        """What the hooks and clipping see: gradients unscaled (a fused optimizer unscales inside its step, and its
-        gradients stay scaled), checked by the guard."""
-        assert self._scaler is not None
-        if self.scaler_config is None or not optimizer_handles_unscaling(optimizer):
-            self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the guard: the inf/nan check, times 1
-
-    def _hold_if_skipped(self, optimizer: Optimizable) -> None:
+    def _after_trainer_step(self, optimizer: Optimizable) -> None:
         if self.step_was_skipped:
             self._held_optimizers.add(id(optimizer))
         else:
             self._held_optimizers.discard(id(optimizer))
+
+    @override
+    def _after_iteration_step(self, model: pl.LightningModule) -> None:
+        if model.automatic_optimization:  # one optimizer per backward: its update is due now
+            self._update_and_log(model)
+        else:
+            self._manual_model = model
 
     @override
     @contextmanager
@@ -150,7 +104,7 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if (clip_val > 0 and self.scaler_config is not None and not self.clips_in_step
+        if (clip_val > 0 and self.step_policy.refuses_fused_clipping() and not self.clips_in_step
                 and optimizer_handles_unscaling(optimizer)):
             raise RuntimeError(
                 f"`{type(optimizer).__qualname__}` unscales gradients inside `step()` (a fused optimizer), so they"
@@ -163,7 +117,7 @@ class TrainerScaledPrecision(TrainerHooks, FabricCore):  # type: ignore[misc]  #
         # Also under Lightning's key, so that a run resumed with `precision="16-mixed"` keeps its scale: a real loss
         # scaler's state alone (not the plan FP8Precision keeps beside it, nor the guard's counters, which Lightning's
         # plugin would take for a GradScaler's state).
-        state = self.scaler_state_dict() if self.scaler_config is not None else {}
+        state = self.step_policy.lightning_state_dict()
         if state:
             checkpoint[LIGHTNING_AMP_KEY] = state
 

@@ -29,7 +29,7 @@ else:
 __all__ = ["TrainerTruePrecision"]
 
 
-class TrainerTruePrecision(TrainerScaledPrecision, FabricCore):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class TrainerTruePrecision(TrainerScaledPrecision, FabricCore):
     """Mixed into ``class X(TrainerTruePrecision, FabricX)`` where ``FabricX`` is a ``TruePrecision``."""
 
     @override
@@ -42,8 +42,9 @@ class TrainerTruePrecision(TrainerScaledPrecision, FabricCore):  # type: ignore[
 
     @override
     def _unscale_before_hooks(self, optimizer: Optimizable) -> None:
-        assert self._scaler is not None
-        self._scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the check alone: the gradients stay scaled
+        scaler = self.step_policy.scaler
+        assert scaler is not None  # true precision always checks its steps
+        scaler.unscale_(optimizer)  # type: ignore[arg-type]  # the check alone: the gradients stay scaled
         self.unscale_for_hooks(optimizer)
 
     @override

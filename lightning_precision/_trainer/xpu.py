@@ -14,7 +14,7 @@ from lightning_precision.fabric.xpu import XPUPrecision as _FabricXPUPrecision
 __all__ = ["XPUPrecision"]
 
 
-class XPUPrecision(TrainerScaledPrecision, _FabricXPUPrecision):  # type: ignore[misc]  # Trainer and Fabric hooks differ
+class XPUPrecision(TrainerScaledPrecision, _FabricXPUPrecision):
     """bf16 (default) or fp16 autocast on Intel GPUs for the Trainer:
     ``Trainer(strategy=TrainerXPUAccelerator.strategy(devices=1), plugins=[XPUPrecision()])``.
 

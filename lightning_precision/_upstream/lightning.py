@@ -84,16 +84,21 @@ def publish_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int, c
 FABRIC_THROUGHPUT_MODULE = "lightning.fabric.utilities.throughput"
 # The Trainer's monitor has its own dispatch, which calls the Fabric one bound at its import: both are wrapped.
 TRAINER_THROUGHPUT_MODULE = "lightning.pytorch.callbacks.throughput_monitor"
-_MARK = "_lightning_precision_wrapped"
 
 
-def install_throughput_dtype(module_name: str, plugin_class: type[Any]) -> None:
-    """Teach the ThroughputMonitor of ``module_name`` the ``peak_flops_dtype`` of every ``plugin_class`` instance.
-    Idempotent; the Fabric core installs it in Fabric's monitor, the Trainer classes in the Trainer's too."""
+def install_throughput_dtype(module_name: str, plugin_class: type[Any]) -> Callable[[], None]:
+    """Teach the ThroughputMonitor of ``module_name`` the ``peak_flops_dtype`` of every ``plugin_class`` instance;
+    returns what undoes it (Lightning's own function put back, unless someone wrapped it after us)."""
     module: Any = importlib.import_module(module_name)
     original = module._plugin_to_compute_dtype
-    if not getattr(original, _MARK, False):
-        module._plugin_to_compute_dtype = _wrap(original, plugin_class)
+    wrapped = _wrap(original, plugin_class)
+    module._plugin_to_compute_dtype = wrapped
+
+    def undo() -> None:
+        if module._plugin_to_compute_dtype is wrapped:
+            module._plugin_to_compute_dtype = original
+
+    return undo
 
 
 def _wrap(original: Callable[[Any], torch.dtype], plugin_class: type[Any]) -> Callable[[Any], torch.dtype]:
@@ -103,7 +108,6 @@ def _wrap(original: Callable[[Any], torch.dtype], plugin_class: type[Any]) -> Ca
             return plugin.peak_flops_dtype
         return original(plugin)
 
-    setattr(plugin_to_compute_dtype, _MARK, True)
     return plugin_to_compute_dtype
 
 

@@ -15,6 +15,7 @@ from lightning_precision._core.autocast import MatmulPrecision
 from lightning_precision._core.devices import check_fp64
 from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision._core.scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision._core.step_policy import PlainStep
 from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["XPUPrecision"]
@@ -95,7 +96,7 @@ class XPUPrecision(ScaledPrecision):
     def _on_device_resolved(self, device_type: str) -> None:
         if device_type == "xpu" and self.scaler_config is not None:
             check_fp64(torch.xpu.get_device_properties())
-        elif device_type == "xpu" and self._scaler is not None and torch.xpu.is_available():
+        elif device_type == "xpu" and self.step_policy.scaler is not None and torch.xpu.is_available():
             props = torch.xpu.get_device_properties()
             if not getattr(props, "has_fp64", True):
                 # torch's GradScaler computes 1/scale in fp64 even at the guard's scale of 1: no guard on such a device.
@@ -103,7 +104,7 @@ class XPUPrecision(ScaledPrecision):
                      " which torch's GradScaler (the `skip_nonfinite` check) computes, so steps whose gradients hold"
                      " inf or nan are not skipped on it: they reach the weights, as with Lightning. Pass"
                      " `skip_nonfinite=False` to say you know.", NoEffectWarning)
-                self._scaler, self.skip_nonfinite = None, False
+                self.step_policy, self.skip_nonfinite = PlainStep(type(self).__name__), False
         super()._on_device_resolved(device_type)
 
     def ipex_optimize(self, model: Module, optimizer: Any = None) -> Any:
