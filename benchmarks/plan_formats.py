@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader
 
 from lightning_precision import BF16MixedPrecision, FP8Precision
 from lightning_precision.fp8 import FP8LayerPolicy, LayerSensitivity, PlanRule, PrecisionPlan, make_plan
-from lightning_precision.fp8._plan import error_contribution
+from lightning_precision.fp8._plan_types import error_contribution
 from lightning_precision.fp8._selection import block_stack, select_fp8_layers
 from lightning_precision.fp8._sensitivity import measure_candidates
 from lightning_precision.fp8._speed import GemmDevice, high_time, predicted_saving, runs, speed_device

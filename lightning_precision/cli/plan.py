@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -12,40 +13,21 @@ from torch import nn
 from lightning_precision._io import check_writable_file
 from lightning_precision.cli.console import echo, say
 from lightning_precision.fp8 import select_fp8_layers
-from lightning_precision.fp8._plan import PlanRule, check_candidates, dump_plan, make_plan, plan_suffix
+from lightning_precision.fp8._decision import chooses_formats
+from lightning_precision.fp8._make_plan import make_plan
+from lightning_precision.fp8._plan_file import dump_plan, plan_suffix
+from lightning_precision.fp8._plan_setup import check_candidates
+from lightning_precision.fp8._plan_types import PlanRule
 
 __all__ = ["main"]
-
 
 
 def main(argv: list[str]) -> int:
     """``lightning-precision plan --recipe vit|distilbert``: measure the recipe's embedded default, print the plan and
     write it (YAML or JSON by ``--out``'s suffix)."""
-    import argparse
-
     from lightning_precision.cli.recipes import RECIPES, training_loss
 
-    parser = argparse.ArgumentParser(
-        prog="lightning-precision plan",
-        description="Measure fp8 numerics per linear layer on a recipe's embedded default and write the plan.")
-    parser.add_argument("--recipe", choices=["vit", "distilbert"], required=True, help="the recipe to measure")
-    parser.add_argument("--batches", type=int, default=8, help="training batches to measure (default: 8)")
-    parser.add_argument("--recipe-fp8", dest="recipe_fp8", default="tensorwise", choices=["tensorwise", "rowwise"],
-                        help="torchao scaling recipe (default: tensorwise)")
-    parser.add_argument("--emulate", action="store_true",
-                        help="plan for emulated fp8 (as `fit --precision fp8-emulated`): layers too small to gain on an"
-                             " fp8 GPU are judged too, instead of kept in bf16")
-    parser.add_argument("--candidates", default=None,
-                        help="choose per layer among these formats, comma-separated (e.g. tensorwise,rowwise,mxfp8);"
-                             " default with --budget: those torchao runs on --device")
-    parser.add_argument("--budget", default=None,
-                        help="the error budget of a choice among formats: the most summed error (each layer's output"
-                             " and input-gradient relative noise power) the model may take; 'inf' for none")
-    parser.add_argument("--device", default=None,
-                        help="the GPU the predicted savings are for (e.g. 'H100 SXM', 'B200'); default this"
-                             " machine's, else an H100 SXM (a prediction)")
-    parser.add_argument("--out", default=None, help="plan file, .yaml/.yml/.json (default: plan-<recipe>.yaml)")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.batches < 1:
         return _usage_error(f"--batches {args.batches}: measure at least 1 batch")
     try:
@@ -87,6 +69,31 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _parser() -> argparse.ArgumentParser:
+    """The command's arguments and their help."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-precision plan",
+        description="Measure fp8 numerics per linear layer on a recipe's embedded default and write the plan.")
+    parser.add_argument("--recipe", choices=["vit", "distilbert"], required=True, help="the recipe to measure")
+    parser.add_argument("--batches", type=int, default=8, help="training batches to measure (default: 8)")
+    parser.add_argument("--recipe-fp8", dest="recipe_fp8", default="tensorwise", choices=["tensorwise", "rowwise"],
+                        help="torchao scaling recipe (default: tensorwise)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="plan for emulated fp8 (as `fit --precision fp8-emulated`): layers too small to gain on an"
+                             " fp8 GPU are judged too, instead of kept in bf16")
+    parser.add_argument("--candidates", default=None,
+                        help="choose per layer among these formats, comma-separated (e.g. tensorwise,rowwise,mxfp8);"
+                             " default with --budget: those torchao runs on --device")
+    parser.add_argument("--budget", default=None,
+                        help="the error budget of a choice among formats: the most summed error (each layer's output"
+                             " and input-gradient relative noise power) the model may take; 'inf' for none")
+    parser.add_argument("--device", default=None,
+                        help="the GPU the predicted savings are for (e.g. 'H100 SXM', 'B200'); default this"
+                             " machine's, else an H100 SXM (a prediction)")
+    parser.add_argument("--out", default=None, help="plan file, .yaml/.yml/.json (default: plan-<recipe>.yaml)")
+    return parser
+
+
 def _choice_arguments(args: Any) -> dict[str, Any]:
     """make_plan's arguments for a choice among formats (--candidates, --budget, --device), checked before measuring;
     empty without them (the one-recipe plan)."""
@@ -113,8 +120,12 @@ def _choice_arguments(args: Any) -> dict[str, Any]:
             raise ValueError(f"--budget {args.budget!r}: a number >= 0 (or inf)") from None
         if math.isnan(budget) or budget < 0:
             raise ValueError(f"--budget {args.budget!r}: a number >= 0 (or inf)")
+    rule = PlanRule(error_budget=budget)
+    if args.device is not None and not chooses_formats(names, rule):  # one format and no budget: nothing to weigh
+        raise ValueError(f"--device {args.device!r}: savings are weighed when choosing among formats; name several"
+                         " --candidates, or a --budget")
     # no --device: the plan's own choice (this GPU; without one, a GPU that runs every candidate, as a prediction)
-    return {"candidates": names, "device": args.device, "plan_rule": PlanRule(error_budget=budget)}
+    return {"candidates": names, "device": args.device, "plan_rule": rule}
 
 
 def _nothing_to_measure(model: nn.Module, recipe: str, scaling_family: str, emulate: bool) -> str | None:

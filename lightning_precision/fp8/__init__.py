@@ -7,7 +7,9 @@ a plugin cannot go (before training, or inside ``configure_model`` before FSDP2'
 
 One concern per private module: ``_selection`` (layer rules), ``_edges`` (which layers read the input and write the
 logits), ``_torchao`` and ``_te`` (the backends), ``_hardware``, ``_emulate`` (each format's casts) and ``_sensitivity``
-(the probe), ``_speed`` (the step-time model), ``_choice`` (the exact choice), ``_plan``, ``_watch`` (which converted
+(the probe), ``_speed`` (the step-time model), ``_choice`` (the exact choice), the plan's ``_plan_types`` (its entries
+and rule), ``_decision`` (choose or decide, from the numbers), ``_plan_file`` (its files), ``_plan_setup`` (what its
+makers share) and ``_plan`` (``PrecisionPlan``), ``_make_plan`` (which runs the model), ``_watch`` (which converted
 layers ran).
 """
 
@@ -15,14 +17,9 @@ from typing import Any
 
 from lightning_precision.fp8._edges import edges_of
 from lightning_precision.fp8._hardware import check_fp8_hardware, fp8_capable, fp8_gpu_available
-from lightning_precision.fp8._plan import (
-    FormatOption,
-    HighLabel,
-    LayerPlan,
-    PlanRule,
-    PrecisionPlan,
-    make_plan,
-)
+from lightning_precision.fp8._make_plan import make_plan
+from lightning_precision.fp8._plan import PrecisionPlan
+from lightning_precision.fp8._plan_types import FormatOption, HighLabel, LayerPlan, PlanRule
 from lightning_precision.fp8._selection import (
     FP8LayerPolicy,
     LayerDecision,

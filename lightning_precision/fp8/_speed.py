@@ -21,6 +21,7 @@ the docs. ``benchmark_saving`` measures it on a CUDA GPU instead.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import statistics
@@ -33,6 +34,7 @@ from torch import nn
 
 from lightning_precision._mfu import PEAKS, compute_kind, device_peak
 from lightning_precision.fp8._hardware import check_fp8_hardware
+from lightning_precision.fp8._plan_types import HIGH, HIGH_LABELS
 from lightning_precision.fp8._selection import BACKENDS, TE_NVFP4, TE_RECIPES, TORCHAO_RECIPES, LayerDecision
 from lightning_precision.fp8._torchao import convert_with_torchao, torchao_config
 
@@ -60,9 +62,8 @@ __all__ = [
     "supported_candidates",
 ]
 
-# The labels of a layer kept in high precision (fp8._plan.HIGH_LABELS: the plan imports this module, so the four are
-# repeated here and a test checks they agree). "high" (a plan made by hand, dtype unknown) counts as bf16.
-_HIGH_KIND = {"high": "bf16", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+# The kind a plan's high-precision label computes in: "high" (a plan made by hand, dtype unknown) counts as bf16.
+_HIGH_KIND = {label: "bf16" if label == HIGH else label for label in HIGH_LABELS}
 
 
 @dataclass(frozen=True)
@@ -384,32 +385,24 @@ def predicted_saving(candidate: str, tokens: float, in_features: float, out_feat
 # Rowwise: pytorch/ao docs/static/fp8-rowwise-perf.png ("dynamic row-wise scaling, PyTorch 2.8.0a0"), linked from
 # torchao/float8/README.md "Performance"; M and K over 1024..32768 (rows), N over the same (columns).
 _SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
-_ROWWISE_ROWS = (
-    # M=1024, K=1024..32768
-    (0.42, 0.42, 0.50, 0.51, 0.56, 0.56), (0.40, 0.38, 0.42, 0.50, 0.50, 0.56), (0.48, 0.43, 0.46, 0.53, 0.57, 0.60),
-    (0.45, 0.48, 0.54, 0.62, 0.60, 0.62), (0.46, 0.48, 0.54, 0.60, 0.60, 0.61), (0.45, 0.50, 0.55, 0.60, 0.62, 0.65),
-    # M=2048
-    (0.43, 0.43, 0.48, 0.55, 0.62, 0.65), (0.38, 0.45, 0.58, 0.65, 0.72, 0.75), (0.43, 0.50, 0.68, 0.78, 0.81, 0.82),
-    (0.46, 0.58, 0.73, 0.82, 0.87, 0.89), (0.48, 0.62, 0.75, 0.83, 0.84, 0.85), (0.50, 0.64, 0.75, 0.84, 0.83, 0.99),
-    # M=4096
-    (0.45, 0.47, 0.57, 0.66, 0.72, 0.76), (0.43, 0.53, 0.70, 0.83, 0.90, 0.91), (0.44, 0.64, 0.84, 1.01, 1.01, 1.04),
-    (0.53, 0.72, 0.91, 1.01, 1.07, 1.13), (0.53, 0.74, 0.92, 1.05, 1.10, 1.18), (0.54, 0.75, 0.93, 1.02, 1.17, 1.18),
-    # M=8192
-    (0.48, 0.52, 0.65, 0.77, 0.83, 0.84), (0.45, 0.64, 0.82, 1.01, 1.03, 1.06), (0.52, 0.76, 1.00, 1.13, 1.17, 1.19),
-    (0.59, 0.85, 1.05, 1.20, 1.31, 1.41), (0.58, 0.82, 1.03, 1.22, 1.37, 1.40), (0.59, 0.82, 1.04, 1.30, 1.36, 1.46),
-    # M=16384
-    (0.48, 0.58, 0.73, 0.86, 0.85, 0.89), (0.51, 0.70, 0.90, 1.05, 1.07, 1.15), (0.57, 0.79, 1.02, 1.20, 1.26, 1.40),
-    (0.61, 0.87, 1.08, 1.33, 1.39, 1.49), (0.59, 0.83, 1.07, 1.34, 1.42, 1.55), (0.60, 0.85, 1.16, 1.35, 1.48, 1.72),
-    # M=32768
-    (0.51, 0.62, 0.77, 0.87, 0.88, 0.94), (0.54, 0.73, 0.91, 1.08, 1.14, 1.27), (0.59, 0.81, 1.04, 1.28, 1.35, 1.49),
-    (0.63, 0.87, 1.11, 1.41, 1.50, 1.62), (0.60, 0.83, 1.16, 1.39, 1.49, 1.73), (0.63, 0.93, 1.16, 1.48, 1.70, 1.52),
+# Two lines per M (1024 first): the speedups at K = 1024, 2048, 4096, then 8192, 16384, 32768, each over N (six).
+_ROWWISE_SPEEDUPS = (
+    "0.42 0.42 0.50 0.51 0.56 0.56  0.40 0.38 0.42 0.50 0.50 0.56  0.48 0.43 0.46 0.53 0.57 0.60",
+    "0.45 0.48 0.54 0.62 0.60 0.62  0.46 0.48 0.54 0.60 0.60 0.61  0.45 0.50 0.55 0.60 0.62 0.65",
+    "0.43 0.43 0.48 0.55 0.62 0.65  0.38 0.45 0.58 0.65 0.72 0.75  0.43 0.50 0.68 0.78 0.81 0.82",
+    "0.46 0.58 0.73 0.82 0.87 0.89  0.48 0.62 0.75 0.83 0.84 0.85  0.50 0.64 0.75 0.84 0.83 0.99",
+    "0.45 0.47 0.57 0.66 0.72 0.76  0.43 0.53 0.70 0.83 0.90 0.91  0.44 0.64 0.84 1.01 1.01 1.04",
+    "0.53 0.72 0.91 1.01 1.07 1.13  0.53 0.74 0.92 1.05 1.10 1.18  0.54 0.75 0.93 1.02 1.17 1.18",
+    "0.48 0.52 0.65 0.77 0.83 0.84  0.45 0.64 0.82 1.01 1.03 1.06  0.52 0.76 1.00 1.13 1.17 1.19",
+    "0.59 0.85 1.05 1.20 1.31 1.41  0.58 0.82 1.03 1.22 1.37 1.40  0.59 0.82 1.04 1.30 1.36 1.46",
+    "0.48 0.58 0.73 0.86 0.85 0.89  0.51 0.70 0.90 1.05 1.07 1.15  0.57 0.79 1.02 1.20 1.26 1.40",
+    "0.61 0.87 1.08 1.33 1.39 1.49  0.59 0.83 1.07 1.34 1.42 1.55  0.60 0.85 1.16 1.35 1.48 1.72",
+    "0.51 0.62 0.77 0.87 0.88 0.94  0.54 0.73 0.91 1.08 1.14 1.27  0.59 0.81 1.04 1.28 1.35 1.49",
+    "0.63 0.87 1.11 1.41 1.50 1.62  0.60 0.83 1.16 1.39 1.49 1.73  0.63 0.93 1.16 1.48 1.70 1.52",
 )
-TORCHAO_H100_ROWWISE: dict[tuple[int, int, int], float] = {
-    (m, k, n): speedup
-    for i, row in enumerate(_ROWWISE_ROWS)
-    for m, k in [(_SWEEP[i // 6], _SWEEP[i % 6])]
-    for n, speedup in zip(_SWEEP, row, strict=True)
-}
+TORCHAO_H100_ROWWISE: dict[tuple[int, int, int], float] = dict(zip(
+    itertools.product(_SWEEP, _SWEEP, _SWEEP), (float(v) for line in _ROWWISE_SPEEDUPS for v in line.split()),
+    strict=True))
 # Tensorwise: the README's two worked examples (torchao/float8/README.md "Performance", from its tensorwise table,
 # whose image is not in the repository): (M, K, N) = (1024, 2048, 1024) runs at 0.80x, (4096, 8192, 16384) at 1.39x.
 TORCHAO_H100_TENSORWISE: dict[tuple[int, int, int], float] = {(1024, 2048, 1024): 0.80, (4096, 8192, 16384): 1.39}

@@ -18,7 +18,8 @@ from torch import nn
 import lightning_precision
 from lightning_precision import FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.fp8._plan import LayerPlan, make_plan
+from lightning_precision.fp8._make_plan import make_plan
+from lightning_precision.fp8._plan_types import LayerPlan
 from lightning_precision.fp8._sensitivity import TORCHAO_EPS, CastSpec, cast_numerics, fp8_sensitivity
 from tests.helpers import LossRecorder
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_precision.fp8 import LayerDecision, LayerSensitivity, PlanRule, PrecisionPlan, TensorNumerics, make_plan
-from lightning_precision.fp8._plan import error_contribution
+from lightning_precision.fp8._plan_types import error_contribution
 from lightning_precision.fp8._speed import predicted_saving, speed_device
 from tests.helpers import has_mxfp8, rowwise_emulates_on_cpu
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_precision import FP8Precision, PlanRule, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
-from lightning_precision.fp8._plan import FP8, LayerPlan
+from lightning_precision.fp8._plan_types import FP8, LayerPlan
 
 HIGH = "bf16"  # the label of a layer kept in high precision by a bf16 plugin
 
@@ -110,7 +110,8 @@ def test_save_through_a_symlink_updates_the_target_and_keeps_the_link(tmp_path, 
 _WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from lightning_precision.fp8._plan import FP8, LayerPlan, PrecisionPlan
+    from lightning_precision.fp8._plan import PrecisionPlan
+    from lightning_precision.fp8._plan_types import FP8, LayerPlan
     HIGH = "bf16"
 
     path, me, go, n = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])

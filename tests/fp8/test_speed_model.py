@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_precision._mfu import PEAKS
 from lightning_precision.fp8 import _speed
-from lightning_precision.fp8._plan import HIGH_LABELS
+from lightning_precision.fp8._plan_types import HIGH_LABELS
 from lightning_precision.fp8._speed import (
     CAST_COSTS,
     DEVICES,

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from lightning_precision import _channels_last, _launches, formats, functional
-from lightning_precision.fp8 import _plan, _selection
+from lightning_precision.fp8 import _decision, _plan, _plan_types, _selection
 
 # The fewest examples each module must run: the count written, so that losing examples fails here.
-EXAMPLES = {functional: 40, _channels_last: 7, formats: 20, _selection: 7, _plan: 1, _launches: 1}
+EXAMPLES = {functional: 40, _channels_last: 7, formats: 20, _selection: 7, _plan: 1, _plan_types: 2, _decision: 1,
+            _launches: 1}
 
 
 @pytest.mark.parametrize("module", list(EXAMPLES), ids=lambda m: m.__name__)
