@@ -165,7 +165,7 @@ def _choose_precision(config: Any, precision: str | None) -> None:
             )
         return
     if precision == "fp8":
-        from lightning_precision.fp8 import fp8_gpu_available
+        from lightning_precision.fp8._hardware import fp8_gpu_available
 
         if not fp8_gpu_available():  # said now, not as a traceback from inside the fit
             raise _ConfigError("--precision fp8 needs a CUDA GPU of compute capability >= 8.9; use --precision"

@@ -16,18 +16,11 @@ layers ran).
 from typing import Any
 
 from lightning_precision.fp8._edges import edges_of
-from lightning_precision.fp8._hardware import check_fp8_hardware, fp8_capable, fp8_gpu_available
+from lightning_precision.fp8._hardware import check_fp8_hardware
 from lightning_precision.fp8._make_plan import make_plan
 from lightning_precision.fp8._plan import PrecisionPlan
-from lightning_precision.fp8._plan_types import FormatOption, HighLabel, LayerPlan, PlanRule
-from lightning_precision.fp8._selection import (
-    FP8LayerPolicy,
-    LayerDecision,
-    ModuleFilter,
-    ScalingFamily,
-    format_summary,
-    select_fp8_layers,
-)
+from lightning_precision.fp8._plan_types import FormatOption, LayerPlan, PlanRule
+from lightning_precision.fp8._selection import FP8LayerPolicy, LayerDecision, select_fp8_layers
 from lightning_precision.fp8._sensitivity import LayerSensitivity, TensorNumerics, fp8_sensitivity, measure_candidates
 from lightning_precision.fp8._torchao import (
     NO_TOKENS_CLASS,
@@ -40,22 +33,16 @@ from lightning_precision.fp8._torchao import (
 __all__ = [
     "FP8LayerPolicy",
     "FormatOption",
-    "HighLabel",
     "LayerDecision",
     "LayerPlan",
     "LayerSensitivity",
     "MXFP8Recipe",
-    "ModuleFilter",
     "PlanRule",
     "PrecisionPlan",
-    "ScalingFamily",
     "TensorNumerics",
     "check_fp8_hardware",
     "convert_with_torchao",
     "edges_of",
-    "format_summary",
-    "fp8_capable",
-    "fp8_gpu_available",
     "fp8_sensitivity",
     "make_plan",
     "measure_candidates",

@@ -155,7 +155,7 @@ def test_first_and_last_are_chosen_among_the_layers_that_run(framed):
 
 
 def test_no_fp8_layer_warns_and_the_plugin_keeps_a_summary():
-    from lightning_precision.fp8 import format_summary
+    from lightning_precision.fp8._selection import format_summary
 
     model, plugin = FP8Net(), FP8Precision(emulate=True)
     with pytest.warns(NoEffectWarning, match="no linear layer runs in fp8.*too small"):

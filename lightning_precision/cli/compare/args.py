@@ -64,7 +64,7 @@ def make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
         FP16MixedPrecision,
         FP16TruePrecision,
     )
-    from lightning_precision.fp8 import fp8_gpu_available
+    from lightning_precision.fp8._hardware import fp8_gpu_available
 
     if precision == "32-true":
         return None
@@ -95,7 +95,7 @@ def on_gpu(args: argparse.Namespace) -> bool:
 def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
     """Whether this precision's arithmetic is emulated where it runs: its speed then says nothing about the format."""
     if precision in FP8_PRECISIONS:
-        from lightning_precision.fp8 import fp8_gpu_available
+        from lightning_precision.fp8._hardware import fp8_gpu_available
 
         return not fp8_gpu_available()
     if gpu or precision == "32-true":
@@ -106,7 +106,7 @@ def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
 def default_precisions(machine: dict[str, Any], args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The precisions this machine can compare usefully, and a line for each one left out, saying why."""
     from lightning_precision import _imports
-    from lightning_precision.fp8 import fp8_gpu_available
+    from lightning_precision.fp8._hardware import fp8_gpu_available
 
     chosen, notes = ["32-true"], []
     gpu = on_gpu(args)
@@ -193,7 +193,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command's arguments with the defaults filled in; a ``UsageError`` for any that every run would refuse.
     ``--out`` is checked when ``main`` claims it, under its lock, so that no check writes into a folder another run
     holds."""
-    from lightning_precision.fp8 import fp8_gpu_available
+    from lightning_precision.fp8._hardware import fp8_gpu_available
 
     args = _parser().parse_args(argv)
     if args.recipe not in RECIPES:
