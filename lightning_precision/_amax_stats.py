@@ -1,20 +1,21 @@
 """The what-if statistics of AmaxHistoryLogger over all layers at once: one sample per tensor kind, shared among the
 layers in proportion to their sizes, measured in one pass (every layer at its own scale, each block-scaled format's
-blocks within a layer)."""
+blocks within a layer); ``what_if`` gives the logged fractions."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_precision._blocks import block_scaled
 from lightning_precision.formats import BlockFormat, NumberFormat, get_format
-from lightning_precision.functional import CastStats, measurable_values
+from lightning_precision.fp8._selection import HYBRID_FORMAT, TENSORS
+from lightning_precision.functional import CastStats, measurable_values, multi_format_stats, multi_scale_stats
 
-__all__ = ["CHUNK", "RUN", "block_sample", "pooled_stats", "shared_sample"]
+__all__ = ["CHUNK", "RUN", "block_sample", "pooled_stats", "shared_sample", "what_if"]
 
 # A multiple of every block format's block size (MXFP8 32, NVFP4 16): runs of the sample start on block boundaries and
 # each layer's part of the pooled sample is padded to it, so no block spans two layers.
@@ -110,3 +111,44 @@ def pooled_stats(parts: Sequence[Tensor], fmt: str, scales: Sequence[Tensor], bl
         # padding counts only as elements and zeros: it cancels out of the underflow and non-finite counts.
         out[name] = CastStats(numel - pad, zeros - pad, under - zeros, over - inf, numel - finite)
     return out
+
+
+def what_if(capture: Sequence[dict[str, tuple[Tensor, int]]], current: Tensor, delayed: Tensor, jit: Tensor,
+            block_formats: Sequence[str], limit: int | None) -> dict[str, Tensor]:
+    """Underflow/overflow fractions of a step's ``capture``d tensors (per layer and tensor kind: the tensor or its
+    sample, and its real number of elements) cast with the ``delayed`` scale vs the current one ``jit`` (from the
+    step's amax ``current``; each [layers, 3]), and in each of ``block_formats``, keyed
+    ``precision/fp8_whatif/<tensor>/<delayed|current|format>/<underflow|overflow>``. Per tensor kind, one sample shared
+    by all layers (``shared_sample``: every element when they fit in ``limit``), measured in one pass, each element
+    at its layer's scale."""
+    blocks = [b for b in (get_format(f) for f in block_formats) if isinstance(b, BlockFormat)]
+    out = {}
+    for k, tensor in enumerate(TENSORS):
+        captured = [(i, c[tensor]) for i, c in enumerate(capture) if tensor in c]
+        if not captured:
+            continue
+        rows = [i for i, _ in captured]
+        parts = shared_sample([t for _, (t, _) in captured], [n for _, (_, n) in captured], limit)
+        index = torch.tensor(rows, device=current.device)
+        pooled = pooled_stats(parts, HYBRID_FORMAT[tensor], [delayed[index, k], jit[index, k]], blocks,
+                              current[index, k])
+        if pooled is None:  # float64 tensors: per layer
+            per_layer = [dict(zip(("delayed", "current"), multi_scale_stats(
+                part.float(), HYBRID_FORMAT[tensor], [delayed[i, k], jit[i, k]]), strict=True)) |
+                multi_format_stats(part, block_formats, tensor_amax=current[i, k])
+                for i, part in zip(rows, parts, strict=True)]
+            per_kind = {kind: _sum(layer[kind] for layer in per_layer) for kind in per_layer[0]}
+        else:
+            per_kind = {"delayed": pooled["0"], "current": pooled["1"]}
+            per_kind.update({f: pooled[f] for f in block_formats})
+        for kind, stats in per_kind.items():
+            out[f"precision/fp8_whatif/{tensor}/{kind}/underflow"] = stats.underflow_fraction
+            out[f"precision/fp8_whatif/{tensor}/{kind}/overflow"] = stats.overflow_fraction
+    return out
+
+
+def _sum(stats: Iterable[CastStats]) -> CastStats:
+    total, *rest = stats
+    for s in rest:
+        total = total + s
+    return total
