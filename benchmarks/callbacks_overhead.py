@@ -4,8 +4,7 @@
    one step in 50, which a median hides and a mean over ~100 noisy steps cannot resolve, so its step time is
    amortised: (49 * median of ordinary steps + mean of measuring steps) / 50, against the median without it, and
    against its own ordinary steps (what the measuring adds, free of fit-to-fit noise). Goal ratio <= 1.03.
-2. AmaxHistoryLogger (every step: amax hooks; logging steps: what-if casts) on a 5-layer MLP, same amortisation.
-   Goal ratio <= 1.03.
+2. AmaxHistoryLogger: ``benchmarks/amax_cost.py`` and ``benchmarks/callback_cost.py`` (ops, reads and amortised time).
 1b. GradientUnderflowMonitor at the default cadence on a small MLP (512 x4, then 10) under the bf16 and fp16 plugins
    (``--only monitor_mlp``): the monitor's own CPU time (its hooks: the fp16 probe backward, the measuring, ``compute``
    and the logging), summed over whole fits, against the rest of the step's CPU time: 1 + own / (step - own); and the
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, WARMUP, ResNet18Module, StepTimer, image_data  # noqa: E402
 
-from lightning_precision.callbacks import AmaxHistoryLogger, ChannelsLast, GradientUnderflowMonitor
+from lightning_precision.callbacks import ChannelsLast, GradientUnderflowMonitor
 from lightning_precision.functional import apply_channels_last, to_channels_last
 
 
@@ -47,37 +46,6 @@ class ByHand(ResNet18Module):
 
 
 CADENCE = 50
-
-
-class TimedAmaxLogger(AmaxHistoryLogger):
-    """Adds up the wall time spent in the logger's hooks and step."""
-
-    seconds = 0.0
-
-    def _timed(self, fn):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                TimedAmaxLogger.seconds += time.perf_counter() - start
-
-        return wrapper
-
-    def _input_hook(self, i):
-        return self._timed(super()._input_hook(i))
-
-    def _output_hook(self, i):
-        return self._timed(super()._output_hook(i))
-
-    def _grad(self, i, g):
-        return self._timed(super()._grad)(i, g)
-
-    def on_before_optimizer_step(self, *args):
-        return self._timed(super().on_before_optimizer_step)(*args)
-
-    def on_train_batch_start(self, *args):
-        return self._timed(super().on_train_batch_start)(*args)
 
 
 class TimedMonitor(GradientUnderflowMonitor):
@@ -132,31 +100,6 @@ def monitor_mlp(rounds: int, steps: int, batch: int) -> None:
               f" {statistics.median(pairs):.3f} over {len(pairs)} pairs (goal <= 1.03)")
 
 
-class AlternatingAmaxLogger(AmaxHistoryLogger):
-    """Measures on odd steps only (the logging steps, (step + 1) % 50 == 0, are odd); on even steps its hooks return at
-    once. Comparing the two kinds of step inside one fit cancels the fit-to-fit drift of a shared machine (the baseline
-    moved 12 -> 15 ms between runs here)."""
-
-    active = True
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        AlternatingAmaxLogger.active = trainer.global_step % 2 == 1
-        if self.active:
-            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    def _input_hook(self, i):
-        hook = super()._input_hook(i)
-        return lambda *args: hook(*args) if AlternatingAmaxLogger.active else None
-
-    def _output_hook(self, i):
-        hook = super()._output_hook(i)
-        return lambda *args: hook(*args) if AlternatingAmaxLogger.active else None
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.active:
-            super().on_before_optimizer_step(trainer, pl_module, optimizer)
-
-
 def fit(module: L.LightningModule, callbacks: list, steps: int, data, log_every: int = CADENCE,
         keep_all: bool = False, plugins: list | None = None, clock=time.perf_counter) -> list[float]:
     timer = StepTimer(clock=clock)
@@ -191,10 +134,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=105)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--width", type=int, default=2048, help="MLP width for the AmaxHistoryLogger run")
-    parser.add_argument("--dims", default=None, help="MLP layer widths for the AmaxHistoryLogger run, e.g."
-                        " 256,1024,1024,10 (instead of --width)")
-    parser.add_argument("--only", choices=("monitor", "monitor_mlp", "channels_last", "amax", "sample"), default=None)
+    parser.add_argument("--only", choices=("monitor", "monitor_mlp", "channels_last", "sample"), default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -238,50 +178,7 @@ if __name__ == "__main__":
               f" measuring steps {measuring * 1e3:.1f} ms, amortised {amort * 1e3:.1f} ms;"
               f" ratio {amort / base:.3f} against the fits without it, {amort / ordinary:.3f} against its own ordinary"
               " steps (the latter free of fit-to-fit noise; goal <= 1.03)")
-    if args.only in (None, "amax"):
-        # Every step: hooks take the amax of each linear layer's input, weight and output gradient (on device);
-        # on logging steps also the what-if casts. Same amortisation as the monitor.
-        # On the MLP of plugin_overhead.py (5 linear layers): linear layers are all it has. --width 2048 is the
-        # smallest square size torchao's tensorwise filter would run in fp8 (N > 1024).
-        dims = tuple(int(d) for d in args.dims.split(",")) if args.dims else (args.width,) * 5 + (10,)
-        shape = "-".join(map(str, dims))
-        mlp_data = torch.utils.data.TensorDataset(torch.randn(args.batch * args.steps, dims[0]),
-                                                  torch.randint(0, dims[-1], (args.batch * args.steps,)))
-        none, with_logger = [], []
-        for _ in range(args.rounds):
-            none += fit(MLP(dims=dims), [], args.steps, mlp_data)
-            with_logger.append(fit(MLP(dims=dims), [AmaxHistoryLogger()], args.steps, mlp_data, keep_all=True))
-        base = statistics.median(none)
-        amort, ordinary, measuring = amortised(with_logger)
-        # Fit-to-fit noise on a shared 2-core machine reaches +-10% at this size, more than the effect: also time the
-        # logger's own code inside the same fit (CPU ops are synchronous, so this is its real cost).
-        timed = TimedAmaxLogger()
-        steps_timed = fit(MLP(dims=dims), [timed], args.steps, mlp_data, keep_all=True)
-        own = timed.seconds / len(steps_timed)
-        step_time = statistics.mean(steps_timed) - own
-        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}): its own code takes {own * 1e3:.2f} ms"
-              f" per step on average (logging steps included) = {1 + own / step_time:.3f} of the step without it")
-        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}): without {base * 1e3:.1f} ms; with: ordinary steps"
-              f" {ordinary * 1e3:.1f} ms, logging steps {measuring * 1e3:.1f} ms, amortised {amort * 1e3:.1f} ms;"
-              f" ratio {amort / base:.3f}"
-              f" against the fits without it (goal <= 1.03)")
-        # The same, measured inside one fit: odd steps with the logger, even steps without.
-        alternating = AlternatingAmaxLogger(log_every_n_steps=CADENCE)
-        on, off, logging = [], [], []
-        for _ in range(args.rounds):
-            for step, t in enumerate(fit(MLP(dims=dims), [alternating], args.steps * 2, mlp_data, keep_all=True)):
-                if step < WARMUP:
-                    continue
-                if (step + 1) % CADENCE == 0:
-                    logging.append(t)
-                else:
-                    (on if step % 2 == 1 else off).append(t)
-        amort_ab = (statistics.median(on) * (CADENCE - 1) + statistics.mean(logging)) / CADENCE
-        print(f"AmaxHistoryLogger (MLP {shape}, batch {args.batch}), A/B inside one fit: without"
-              f" {statistics.median(off) * 1e3:.2f} ms, with {statistics.median(on) * 1e3:.2f} ms"
-              f" (logging steps {statistics.mean(logging) * 1e3:.1f} ms),"
-              f" amortised ratio {amort_ab / statistics.median(off):.3f} (goal <= 1.03)")
-    if args.only in ("monitor", "monitor_mlp", "amax", "sample"):
+    if args.only in ("monitor", "monitor_mlp", "sample"):
         sys.exit(0)
 
     c = compare({
