@@ -1,5 +1,5 @@
 """The Transformer Engine backend: recipes by name, and ``nn.Linear``/``nn.LayerNorm`` replaced by TE modules that hold
-the same Parameter objects. Also which scaling family a recipe of either backend has."""
+the same Parameter objects."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from lightning_precision.fp8._selection import (
     linear_layers,
     replace_modules,
 )
-from lightning_precision.fp8._torchao import torchao_scaling_family
 
-__all__ = ["adopt_parameters", "convert_with_te", "import_te", "scaling_family_of", "te_recipe", "te_scaling_family"]
+__all__ = ["adopt_parameters", "convert_with_te", "import_te", "te_recipe", "te_scaling_family"]
+
 
 def import_te():
     """``(transformer_engine.pytorch, transformer_engine.common.recipe)``, or an error naming the extra."""
@@ -131,11 +131,3 @@ def adopt_parameters(new: nn.Module, old: nn.Module) -> None:
         setattr(new, name, kept)
     if init_meta:
         new.param_init_meta.update(init_meta)  # type: ignore[union-attr,operator]  # TE's attribute
-
-
-
-def scaling_family_of(backend: str, recipe: Any) -> ScalingFamily:
-    """What the layer rules and hardware checks depend on: ``"tensorwise"``, ``"rowwise"`` or ``"mxfp8"`` for torchao,
-    the recipe's name for Transformer Engine."""
-    return torchao_scaling_family(recipe) if backend == "torchao" else te_scaling_family(recipe)
-
