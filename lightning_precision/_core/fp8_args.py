@@ -87,7 +87,7 @@ def check_fp8_args(owner: str, backend: FP8Backend, nvfp4: bool, recipe: Any, co
         )
     plan = _check_layers(owner, backend, layers, calibration_batches, plan_rule, fsdp_float8_all_gather,
                          policy.module_filter)
-    chosen = _check_candidates(owner, backend, candidates, recipe is not None, layers)
+    chosen = _check_candidates(owner, backend, candidates, recipe is not None, layers, plan_rule)
     chosen = _check_fp16_mxfp8(owner, backend, recipe, compute_dtype, chosen, candidates is None, plan, layers)
     return FP8Args(fsdp_float8_all_gather, layers, calibration_batches, plan_rule, chosen, plan)
 
@@ -133,10 +133,11 @@ def _check_layers(owner: str, backend: FP8Backend, layers: Any, batches: Any, pl
     return plan
 
 
-def _check_candidates(owner: str, backend: FP8Backend, candidates: Any, recipe_given: bool, layers: Any
-                      ) -> tuple[str, ...]:
+def _check_candidates(owner: str, backend: FP8Backend, candidates: Any, recipe_given: bool, layers: Any,
+                      plan_rule: PlanRule | None) -> tuple[str, ...]:
     """``candidates`` checked, or its default: the recipe asked for (one candidate: fp8 or high precision, as
     before), else what the backend and the device run."""
+    from lightning_precision.fp8._decision import chooses_formats
     from lightning_precision.fp8._plan import check_candidates
 
     if candidates is None:
@@ -147,6 +148,11 @@ def _check_candidates(owner: str, backend: FP8Backend, candidates: Any, recipe_g
     call = f"`{owner}(layers='auto', candidates={candidates!r})`"
     checked = check_candidates(call, candidates, backend.candidates_known, backend.name, backend.candidates_example())
     backend.check_candidates(call, checked)
+    if not chooses_formats(checked, plan_rule) and checked != (backend.recipe_format,):
+        # Deciding measures the plugin's recipe alone, which then runs: another format would be ignored silently.
+        raise ValueError(f"{call}: one candidate and no error budget decide between this plugin's recipe"
+                         f" ({backend.recipe_format!r}) and high precision. Pass `recipe={checked[0]!r}` to measure and"
+                         " run it, or several candidates (or `PlanRule(error_budget=...)`) to choose among formats.")
     return checked
 
 

@@ -36,6 +36,7 @@ class FP8Backend(Protocol):
     name: ClassVar[str]  # the `backend` argument that chose it
     candidates_known: ClassVar[tuple[str, ...]]  # the formats `layers="auto"` may choose among
     mxfp8_takes_fp16: ClassVar[bool]  # whether its MXFP8 casts take fp16 inputs (torchao's do not)
+    moves_layers: ClassVar[bool]  # whether converted layers can change format in place (``movable``)
     recipe: Any  # resolved: a torchao config (or `MXFP8Recipe`), or a Transformer Engine recipe object
     emulate: bool
     scaling_family: ScalingFamily  # what the layer rules and the hardware checks depend on

@@ -83,6 +83,7 @@ class TorchaoBackend(ResolvedRecipe):
     precisions: ClassVar[dict[torch.dtype, str]] = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
     candidates_known: ClassVar[tuple[str, ...]] = TORCHAO_CANDIDATES
     mxfp8_takes_fp16: ClassVar[bool] = False  # "torch.float16 is not supported yet"
+    moves_layers: ClassVar[bool] = True
 
     @classmethod
     def resolve(cls, recipe: Any, emulate: bool, owner: str) -> TorchaoBackend:
@@ -177,6 +178,7 @@ class TEBackend(ResolvedRecipe):
                                                     torch.float16: "transformer-engine-float16"}
     candidates_known: ClassVar[tuple[str, ...]] = TE_CANDIDATES
     mxfp8_takes_fp16: ClassVar[bool] = True
+    moves_layers: ClassVar[bool] = False  # TE's modules are replaced, not swapped in place
 
     @classmethod
     def resolve(cls, recipe: Any, emulate: bool, owner: str) -> TEBackend:

@@ -63,7 +63,7 @@ def _refuse_blocks(fmt: str) -> ValueError:
 
 def _check_movable(plugin: Any) -> None:
     """Refuse, before training, fp8 layers that could not be measured or moved in place when the time came."""
-    if plugin.backend != "torchao":
+    if not plugin.moves_layers:
         raise ValueError("FP8Guard: Transformer Engine layers cannot return to high precision in place, nor"
                          " change format (NVFP4 included); use `FP8Precision(backend='torchao')`, or pass a plan"
                          " (`layers='plan.yaml'`).")

@@ -7,7 +7,6 @@ book (``_core.fp8_layers``: what each layer runs and why, the plan in force, mov
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, cast
@@ -25,6 +24,7 @@ from lightning_precision._core.fp8_calibration import Calibration, PlanSetup, de
 from lightning_precision._core.fp8_layers import CONVERTED, LayerBook, families_of
 from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision._core.scaler import ScalerConfig
+from lightning_precision.fp8._decision import chooses_formats
 from lightning_precision.fp8._plan import PlanLike, PlanRule, PrecisionPlan, high_label
 from lightning_precision.fp8._selection import (
     TE_NVFP4,
@@ -142,6 +142,7 @@ class FP8Precision(ScaledPrecision):
     recipe = property(lambda self: self._backend.recipe)
     emulate = property(lambda self: self._backend.emulate)
     scaling_family = property(lambda self: self._backend.scaling_family)
+    moves_layers = property(lambda self: self._backend.moves_layers)  # in place: `demote`, `step_down`, FP8Guard
     fsdp_float8_all_gather = property(lambda self: self._args.fsdp_float8_all_gather)
     layers = property(lambda self: self._args.layers)
     calibration_batches = property(lambda self: self._args.calibration_batches)
@@ -193,7 +194,7 @@ class FP8Precision(ScaledPrecision):
     def _choosing(self) -> bool:
         """Whether ``layers="auto"`` chooses among formats (several candidates, or an error budget) rather than between
         the plugin's recipe and high precision."""
-        return len(self.candidates) > 1 or math.isfinite((self.plan_rule or PlanRule()).error_budget)
+        return chooses_formats(self.candidates, self.plan_rule)  # the one rule, `make_plan`'s too
 
     def _plan_setup(self) -> PlanSetup:
         return PlanSetup(type(self).__name__, self.layer_policy, self._choosing, self.candidates, self.plan_rule,
@@ -306,9 +307,8 @@ class FP8Precision(ScaledPrecision):
         """``precision/fp8_layers``: how many linear layers compute in fp8 (emulated or not), from the first backward
         on; nothing before it, when layers chosen for fp8 may still turn out never to run. With fp16 compute, the loss
         scaler's ``precision/loss_scale`` and ``precision/skipped_steps`` too."""
-        metrics = super().metrics()  # the loss scale and skipped steps, where there are
-        metrics.update(self._book.metrics(self._backend.recipe_format))
-        return metrics
+        # the loss scale and skipped steps, where there are, then the layers
+        return {**super().metrics(), **self._book.metrics(self._backend.recipe_format)}
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:

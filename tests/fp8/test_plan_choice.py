@@ -369,3 +369,18 @@ def test_a_chosen_plan_of_no_low_layer_is_no_other_recipes_plan():
                                 device="B200")
     assert not plan.fp8_layers and plan.measured
     assert plan.recipe_mismatch("rowwise") is None and plan.recipe_mismatch("tensorwise") is None
+
+
+def test_one_candidate_other_than_the_recipe_is_refused_not_ignored():
+    """One candidate and no error budget decide between the plugin's recipe and high precision (the one rule,
+    ``fp8._decision.chooses_formats``): a candidate other than the recipe was measured as the recipe and then ignored;
+    now it is refused, saying the fix. The recipe itself, or a budget (a choice), is taken."""
+    from lightning_precision.fabric import FP8Precision
+
+    pytest.importorskip("torchao")
+    with pytest.raises(ValueError, match=r"one candidate and no error budget .*'tensorwise'.* `recipe='rowwise'`"):
+        FP8Precision(layers="auto", candidates=("rowwise",), emulate=True)
+    assert FP8Precision(layers="auto", recipe="rowwise", candidates=("rowwise",), emulate=True).candidates == \
+        ("rowwise",)
+    chooses = FP8Precision(layers="auto", candidates=("rowwise",), plan_rule=PlanRule(error_budget=0.1), emulate=True)
+    assert chooses._choosing and chooses.candidates == ("rowwise",)
