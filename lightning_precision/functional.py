@@ -21,7 +21,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_precision._blocks import block_scaled
+from lightning_precision._cast_counts import (
+    CHUNK,
+    bound_counts,
+    chunks_of,
+    finite_amax,
+    histogram_add,
+    histogram_finish,
+    magnitudes,
+    tensor_scale_amax,
+)
 from lightning_precision._channels_last import apply_channels_last, to_channels_last
 from lightning_precision._core.loss_scale import MAX_LOG2_SCALE
 from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
@@ -136,12 +145,6 @@ def _named(tensors: TensorsLike) -> dict[str, Tensor]:
     return {str(i): t for i, t in enumerate(tensors)}
 
 
-# Elements per pass. Every temporary is a few bytes per element of one chunk (about 20 in all), so the extra memory of a
-# measurement stays near 20 MB whatever the size of the tensor, and a chunk stays in cache between the passes.
-CHUNK = 2**20
-
-
-
 def measurable_values(tensor: Tensor) -> Tensor:
     """The real floating-point values a tensor holds, flat and, where the layout allows, without a copy: a sparse
     tensor's stored values, a complex tensor's real and imaginary parts.
@@ -167,54 +170,12 @@ def measurable_values(tensor: Tensor) -> Tensor:
     return x.view(-1)
 
 
-def _chunks(flat: Tensor) -> Iterable[Tensor]:
-    for start in range(0, flat.numel(), CHUNK):
-        yield flat[start : start + CHUNK]
-
-
-def _magnitudes(chunk: Tensor) -> Tensor:
-    # At least fp32, so that scaling cannot itself round or overflow first.
-    return chunk.float().abs() if chunk.element_size() < 4 else chunk.abs()
-
-
-def _counts(a: Tensor, formats: Sequence[AnyFormat], tensor_amax: Tensor | None = None) -> Tensor:
-    """For |x| values ``a``: [zeros, finite, inf, then (at most flush bound, at least overflow bound) per format],
-    as one int64 tensor on the device. Each count is one compare-and-count pass (the cheapest on CPU and GPU alike).
-    A block format compares each element scaled by its block's multiplier with the element format's bounds (a scaled
-    zero stays zero and inf stays inf, so the subtractions in ``_stats_from_counts`` still hold)."""
-    count = torch.count_nonzero
-    passes = [count(a == 0), count(a <= torch.finfo(a.dtype).max), count(a == math.inf)]
-    for f in formats:
-        if isinstance(f, BlockFormat):
-            m, f = block_scaled(a, f, tensor_amax), f.element
-        else:
-            m = a
-        passes += [count(m <= f.flush_bound), count(m >= f.overflow_bound)]
-    return torch.stack(passes)
-
-
 def _elementwise(fmt: FormatLike, caller: str) -> NumberFormat:
     f = get_format(fmt)
     if isinstance(f, BlockFormat):
         raise ValueError(f"`{caller}` takes one scale per tensor; {f.name} scales each block of {f.block_size} itself."
                          f" Use `underflow_stats(x, {f.name!r})`.")
     return f
-
-
-def _tensor_amax(flat: Tensor, formats: Sequence[AnyFormat]) -> Tensor | None:
-    """The largest finite magnitude of the tensor, when a format has a per-tensor scale (NVFP4): one more pass."""
-    if not any(isinstance(f, BlockFormat) and f.tensor_scale for f in formats):
-        return None
-    return _finite_amax(flat)
-
-
-def _finite_amax(flat: Tensor) -> Tensor:
-    """The largest finite magnitude of a flat tensor, in chunks (0 for an empty or all-non-finite one)."""
-    amax = torch.zeros((), device=flat.device)
-    for chunk in _chunks(flat):
-        a = _magnitudes(chunk)
-        amax = torch.maximum(amax, torch.where(a <= torch.finfo(a.dtype).max, a, 0.0).amax().float())
-    return amax
 
 
 def _stats_from_counts(numel: Tensor, counts: Tensor, n_formats: int) -> list[CastStats]:
@@ -227,23 +188,6 @@ def _stats_from_counts(numel: Tensor, counts: Tensor, n_formats: int) -> list[Ca
         out.append(CastStats(numel=numel, exact_zero=zeros, underflow=under - zeros, overflow=over - inf,
                              nonfinite=nonfinite))
     return out
-
-
-def _histogram_add(hist: Tensor | None, a: Tensor) -> Tensor:
-    """Add the exponent histogram of |x| values ``a`` to ``hist``. frexp's exponent e gives floor(log2) = e - 1 for
-    every finite non-zero fp32 value, subnormals included; zero, inf and nan get e = 0 and land in the bin of [0.5, 1),
-    from which ``_histogram_finish`` removes them."""
-    # fp64 stays fp64: in fp32 its values below 2**-149 would flush to 0 (and land in [0.5, 1)) or overflow to inf.
-    _, exponent = torch.frexp(a if a.dtype == torch.float64 else a.float())
-    counts = torch.bincount(exponent.add_(-1 - HIST_MIN).clamp_(0, HIST_MAX - HIST_MIN - 1),
-                            minlength=HIST_MAX - HIST_MIN)
-    return counts if hist is None else hist + counts
-
-
-def _histogram_finish(hist: Tensor, not_counted: Tensor) -> Tensor:
-    hist = hist.clone()
-    hist[-1 - HIST_MIN] -= not_counted
-    return hist
 
 
 def cast_stats(tensor: Tensor, fmt: FormatLike, scale: float | Tensor = 1.0) -> CastStats:
@@ -283,15 +227,15 @@ def multi_format_stats(
         row = single_pass(flat, [(fmts, scale)], CHUNK)[0][0]
         return {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, row, len(fmts)), strict=True)}
     if tensor_amax is None:
-        tensor_amax = _tensor_amax(flat, fmts)
+        tensor_amax = tensor_scale_amax(flat, fmts)
     if tensor_amax is not None and (isinstance(scale, Tensor) or scale != 1.0):
         tensor_amax = tensor_amax * scale
     total = None
-    for chunk in _chunks(flat):
-        a = _magnitudes(chunk)
+    for chunk in chunks_of(flat):
+        a = magnitudes(chunk)
         if isinstance(scale, Tensor) or scale != 1.0:
             a = a.mul_(scale)  # a tensor scale stays on the device
-        counts = _counts(a, fmts, tensor_amax)
+        counts = bound_counts(a, fmts, tensor_amax)
         total = counts if total is None else total + counts
     if total is None:
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=flat.device)
@@ -313,9 +257,9 @@ def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[float | 
     flat = measurable_values(tensor)
     shared = per_scale = None
     for start in range(0, flat.numel(), CHUNK):
-        a = _magnitudes(flat[start : start + CHUNK])
+        a = magnitudes(flat[start : start + CHUNK])
         count = torch.count_nonzero
-        common = _counts(a, ())  # zeros, finite, inf: once per chunk, whatever the number of scales
+        common = bound_counts(a, ())  # zeros, finite, inf: once per chunk, whatever the number of scales
         rows = []
         for scale in scales:
             if isinstance(scale, Tensor) and scale.numel() == flat.numel():
@@ -328,7 +272,7 @@ def multi_scale_stats(tensor: Tensor, fmt: FormatLike, scales: Sequence[float | 
     if shared is None or per_scale is None:
         shared = torch.zeros(3, dtype=torch.int64, device=flat.device)
         per_scale = torch.zeros(len(scales), 2, dtype=torch.int64, device=flat.device)
-    # a scaled zero stays zero and inf stays inf; a finite value scaled to inf counts as overflow, as in _counts.
+    # a scaled zero stays zero and inf stays inf; a finite value scaled to inf counts as overflow, as in bound_counts.
     return [_stats_from_counts(numel, torch.cat([shared, row]), 1)[0] for row in per_scale]
 
 
@@ -372,15 +316,16 @@ def dynamic_scale_stats(
         amax, n = None, rows.numel()
     else:
         flat = measurable_values(x)
-        chunks, amax, n = _chunks(flat), _finite_amax(flat), flat.numel()  # one scale for the tensor: its amax first
+        chunks, amax, n = chunks_of(flat), finite_amax(flat), flat.numel()  # one scale for the tensor: its amax first
     total = None
     for chunk in chunks:
-        a = _magnitudes(chunk)
+        a = magnitudes(chunk)
         if chunk.dim() > 1:  # rowwise
             amax = torch.where(a <= torch.finfo(a.dtype).max, a, 0.0).amax(dim=-1, keepdim=True)
         # zeros, finite and inf once (a scaled zero stays zero, inf stays inf), then each format at its own scale
         assert amax is not None  # the tensor's, or this chunk's rows'
-        parts = [_counts(a, ())] + [_counts((a * torchao_scale(amax, f.max, pow2)).view(-1), (f,))[3:] for f in fmts]
+        parts = [bound_counts(a, ())] + [bound_counts((a * torchao_scale(amax, f.max, pow2)).view(-1), (f,))[3:]
+                                          for f in fmts]
         total = torch.cat(parts) if total is None else total + torch.cat(parts)
     numel = torch.zeros((), dtype=torch.int64, device=x.device) + n
     if total is None:  # an empty tensor
@@ -412,15 +357,15 @@ def gradient_stats(
         rows, histogram = single_pass(flat, questions + ([([fp16], scale)] if scale is not None else []), CHUNK)
         per_format = {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, rows[0], len(fmts)), strict=True)}
         return per_format, _stats_from_counts(numel, rows[1], 1)[0] if scale is not None else None, histogram
-    tensor_amax = _tensor_amax(flat, fmts)
+    tensor_amax = tensor_scale_amax(flat, fmts)
     total = scaled_total = hist = None
-    for chunk in _chunks(flat):
-        a = _magnitudes(chunk)
-        counts = _counts(a, fmts, tensor_amax)
+    for chunk in chunks_of(flat):
+        a = magnitudes(chunk)
+        counts = bound_counts(a, fmts, tensor_amax)
         total = counts if total is None else total + counts
-        hist = _histogram_add(hist, a)
+        hist = histogram_add(hist, a)
         if scale is not None:
-            scaled = _counts(a.mul_(scale), (FORMATS["fp16"],))
+            scaled = bound_counts(a.mul_(scale), (FORMATS["fp16"],))
             scaled_total = scaled if scaled_total is None else scaled_total + scaled
     if total is None or hist is None:  # an empty tensor
         total = torch.zeros(3 + 2 * len(fmts), dtype=torch.int64, device=device)
@@ -428,7 +373,7 @@ def gradient_stats(
     per_format = {f.name: s for f, s in zip(fmts, _stats_from_counts(numel, total, len(fmts)), strict=True)}
     scaled_stats = _stats_from_counts(numel, scaled_total, 1)[0] if scaled_total is not None else None
     first = next(iter(per_format.values()))
-    return per_format, scaled_stats, _histogram_finish(hist, first.exact_zero + first.nonfinite)
+    return per_format, scaled_stats, histogram_finish(hist, first.exact_zero + first.nonfinite)
 
 
 def underflow_stats(tensors: TensorsLike, fmt: FormatLike, scale: float | Tensor = 1.0) -> UnderflowReport:
@@ -493,16 +438,16 @@ def exponent_histogram(tensors: TensorsLike, scale: float | Tensor = 1.0) -> Ten
             zero = torch.zeros((), dtype=torch.int64, device=flat.device)
             not_counted = zero if not_counted is None else not_counted
             continue
-        for chunk in _chunks(flat):
-            a = _magnitudes(chunk)  # as gradient_stats sees them: fp64 stays fp64
+        for chunk in chunks_of(flat):
+            a = magnitudes(chunk)  # as gradient_stats sees them: fp64 stays fp64
             if isinstance(scale, Tensor) or scale != 1.0:
                 a = a.mul_(scale)
-            hist = _histogram_add(hist, a)
+            hist = histogram_add(hist, a)
             skip = torch.count_nonzero(a == 0) + a.numel() - torch.count_nonzero(a <= torch.finfo(a.dtype).max)
             not_counted = skip if not_counted is None else not_counted + skip
     if hist is None or not_counted is None:
         return torch.zeros(HIST_MAX - HIST_MIN, dtype=torch.int64)
-    return _histogram_finish(hist, not_counted)
+    return histogram_finish(hist, not_counted)
 
 
 class LossScaleAdvice(NamedTuple):

@@ -19,11 +19,10 @@ It uses its base's own state (``_per_optimizer_states``, ``_scale``, ...) and to
 overrides one private method, ``_unscale_grads_``, all listed in ``_upstream/torch.py`` with their canary. That
 override checks any gradient dtype on any device without a host read: torch's hands bf16 gradients (a bf16 submodule
 under fp16 autocast, bf16 LoRA adapters) to a kernel that refuses them on CUDA. Whether a step ran is seen through
-the optimizer's public step post-hook (registered once per optimizer: registering and removing one every step cost as
-much as the rest of the bookkeeping together). The host also follows torch's growth tracker while every answer is on
-the host, so the bound is applied (one device op) only on the updates that can move the scale, a backoff or a growth.
-The non-finite guard (the scaler of plugins without loss scaling) records its check where ``unscale_`` does, with
-torch's own kernel.
+the optimizer's public step post-hook (``step_seen``). The host also follows torch's growth tracker while every answer
+is on the host, so the bound is applied (one device op) only on the updates that can move the scale, a backoff or a
+growth. The non-finite guard (the scaler of plugins without loss scaling) records its check where ``unscale_`` does,
+with torch's own kernel. A saved state is read back by ``scaler_state``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import math
 import numbers
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -41,6 +40,8 @@ from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
 from lightning_precision._core.loss_scale import SCALE_RANGE
+from lightning_precision._core.scaler_state import COUNTER_KEYS, CheckedState
+from lightning_precision._core.step_seen import StepSeen, run_undoing_nonfinite
 from lightning_precision._upstream.lightning import optimizer_handles_unscaling
 from lightning_precision._upstream.torch import grad_scaler_scale, non_finite_check_and_unscale_, sparse_values
 from lightning_precision._warnings import warn
@@ -54,8 +55,6 @@ class SkippedStepsError(RuntimeError):
 
 
 _FP32_MAX = torch.finfo(torch.float32).max
-# The counters every scaler saves beside torch's state; all the non-finite guard saves.
-_COUNTER_KEYS = ("skipped_steps", "optimizer_steps", "consecutive_skips")
 
 
 @dataclass(frozen=True)
@@ -141,19 +140,6 @@ def resolve_scaler_config(owner: str, scaler: ScalerConfig | None, defaults: dic
     config: ScalerConfig = one_config(owner, "scaler", ScalerConfig, scaler, flat)
     config.validate(owner, None if scaler is not None else defaults)
     return config
-
-
-class StepSeen:
-    """An optimizer's step post-hook, registered once: ``stepped`` is set when the optimizer's step ran, and cleared by
-    the scaler before each of its ``step`` calls. Holds nothing else, so the optimizer keeps no scaler alive."""
-
-    __slots__ = ("stepped",)
-
-    def __init__(self) -> None:
-        self.stepped = False
-
-    def __call__(self, *_: Any) -> None:
-        self.stepped = True
 
 
 class TrackingGradScaler(torch.amp.GradScaler):
@@ -432,47 +418,32 @@ class TrackingGradScaler(torch.amp.GradScaler):
         ``init_scale``."""
         if not self._enabled or not state_dict:
             return
-        checked = _CheckedState(self.owner, state_dict)
-        if "scale" not in state_dict and set(state_dict) <= set(_COUNTER_KEYS):
+        checked = CheckedState(self.owner, state_dict)
+        if "scale" not in state_dict and set(state_dict) <= set(COUNTER_KEYS):
             # The non-finite guard's counters: a run without loss scaling (FP8Precision or XPUPrecision in bf16, under
             # the same checkpoint key as in fp16) resumed with it. No scale to resume: init_scale, as for a bf16 state
             # without the guard; the run's counters go on.
-            self._set_counters(*checked.counters(self.config.max_consecutive_skips))
+            self._resume_counters(checked)
             return
         scale = checked.number("scale")
         tracker = checked.count("_growth_tracker", required=True)
         skipped, steps, streak = checked.counters(self.config.max_consecutive_skips)
-        config = self.config
-        changed = [f"{name}: checkpoint {state_dict[name]!r}, now {getattr(config, name)!r}"
-                   for name in ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale")
-                   if name in state_dict and state_dict[name] != getattr(config, name)]
-        if changed:
-            warn(
-                "Resuming the loss scaler with other arguments than the checkpoint's: " + "; ".join(changed) + ". The"
-                " arguments you pass are in force; the scale, growth tracker and counters come from the checkpoint.",
-            )
-        bounded = min(max(scale, config.min_scale), config.max_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            bounded = float(config.init_scale)
-            tracker = 0
-            warn(
-                f"The checkpoint's loss scale is {scale!r}, which would turn the next clean step into NaN weights"
-                f" (it was saved by a scaler without bounds). Restarting the scale from init_scale={bounded:g}.",
-            )
-        elif bounded != scale:
-            warn(
-                f"The checkpoint's loss scale {scale:g} lies outside [min_scale, max_scale] = [{config.min_scale:g},"
-                f" {config.max_scale:g}]: clamped to {bounded:g}.",
-            )
-        # torch grows the scale when the tracker reaches growth_interval exactly: a tracker saved under a larger
-        # interval would pass the new one and never grow again (until an overflow). Such a tracker is due: it grows
-        # next.
-        self._init_growth_tracker = self._host_tracker = min(tracker, config.growth_interval - 1)
+        bounded, tracker = checked.resumed_scale(scale, tracker, asdict(self.config))
+        for message in checked.warnings:
+            warn(message)
+        self._init_growth_tracker = self._host_tracker = tracker
         self._init_scale = bounded
         if self._scale is not None:
             self._scale.fill_(bounded)
             self._growth_tracker.fill_(self._init_growth_tracker)  # type: ignore[union-attr]
         self._set_counters(skipped, steps, streak)
+
+    def _resume_counters(self, checked: CheckedState) -> None:
+        """The saved state's counters alone (a state of the non-finite guard, or read by it)."""
+        counters = checked.counters(self.config.max_consecutive_skips)
+        for message in checked.warnings:
+            warn(message)
+        self._set_counters(*counters)
 
     def _set_counters(self, skipped: int, steps: int, streak: int) -> None:
         self._skipped, self._steps, self._streak = skipped, steps, streak
@@ -550,14 +521,7 @@ class NonFiniteGuard(TrackingGradScaler):
         back as they were and the step counts as skipped. Costs one copy of the parameters a step (LBFGS itself keeps
         ``2 * history_size`` flat copies) and a host read per parameter (LBFGS reads the host many times a step); the
         optimizer's own state is not rolled back (LBFGS drops a non-finite curvature pair by itself)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        saved = [p.detach().clone() for p in params]
-        output = closure_step()
-        bad = not all(bool(torch.isfinite(p).all()) for p in params)
-        if bad:
-            with torch.no_grad():
-                for p, before in zip(params, saved, strict=True):
-                    p.copy_(before)
+        output, bad = run_undoing_nonfinite(optimizer, closure_step)
         device = self._scale.device if self._scale is not None else torch.device("cpu")
         found = torch.tensor(float(bad), dtype=torch.float32, device=device)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {device: found}
@@ -574,66 +538,12 @@ class NonFiniteGuard(TrackingGradScaler):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(zip(_COUNTER_KEYS, (int(self._skipped), int(self._steps), int(self._streak)), strict=True))
+        return dict(zip(COUNTER_KEYS, (int(self._skipped), int(self._steps), int(self._streak)), strict=True))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The counters, where the state has them: ``{}`` (a checkpoint from before the guard) leaves them at 0, and a
         loss scaler's state (a run that switched from fp16) gives its counters, its scale being nothing to this one."""
-        self._set_counters(*_CheckedState(self.owner, state_dict).counters(self.config.max_consecutive_skips))
-
-
-class _CheckedState:
-    """Reads a saved scaler state, refusing what no scaler saved with a ``ValueError`` that names the key, the value and
-    the fix (a checkpoint edited by hand, cut short, or of another object)."""
-
-    def __init__(self, owner: str, state: dict[str, Any]) -> None:
-        self.owner, self.state = owner, state
-
-    def _fail(self, problem: str) -> ValueError:
-        return ValueError(
-            f"`{self.owner}.load_state_dict`: the checkpoint's scaler state {problem}. Resume from a checkpoint that"
-            " this"
-            f" plugin or Lightning's MixedPrecision saved, or delete the plugin's entry (`checkpoint[{self.owner!r}]`,"
-            " and `checkpoint['MixedPrecision']` if there is one) to start the scaler afresh."
-        )
-
-    def _get(self, key: str) -> Any:
-        if key not in self.state:
-            raise self._fail(f"lacks {key!r} (it holds {sorted(self.state)})")
-        value = self.state[key]
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        return value
-
-    def number(self, key: str) -> float:
-        value = self._get(key)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise self._fail(f"has {key}={value!r}, which is not a number")
-        return float(value)
-
-    def count(self, key: str, required: bool = False) -> int:
-        if not required and key not in self.state:
-            return 0
-        value = self._get(key)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise self._fail(f"has {key}={value!r}, which is not a count of steps (an int >= 0)")
-        return int(value)
-
-    def counters(self, max_consecutive_skips: int | None) -> tuple[int, int, int]:
-        """``skipped_steps``, ``optimizer_steps`` and ``consecutive_skips`` (0 where absent, as in Lightning's state);
-        a streak at or above ``max_consecutive_skips`` restarts from 0, with a warning."""
-        skipped, steps, streak = (self.count(key) for key in _COUNTER_KEYS)
-        if max_consecutive_skips is not None and streak >= max_consecutive_skips:
-            warn(
-                f"`{self.owner}.load_state_dict`: the checkpoint's consecutive_skips={streak} is at or above"
-                f" max_consecutive_skips={max_consecutive_skips} (saved under a larger limit, or none): resumed as is,"
-                " the run would stop at its first skipped step. The streak restarts from 0, so the run stops only"
-                f" after {max_consecutive_skips} skipped steps in a row from here. Pass a larger"
-                " `max_consecutive_skips`"
-                " to keep counting the checkpoint's streak."
-            )
-            streak = 0
-        return skipped, steps, streak
+        self._resume_counters(CheckedState(self.owner, state_dict))
 
 
 def gradient_groups(optimizer: Optimizer, allow_fp16: bool = True) -> dict[tuple[torch.device, torch.dtype],

@@ -1,6 +1,6 @@
-"""A chunk of the true-precision step on flat buffers (``_workspace``): the widening of the weights, gradients and
-states, the landing of the new weights and the encoding of the states, each a constant number of ops for any number of
-parameters.
+"""A chunk of the true-precision step on flat buffers (``workspace``, kept by ``true_chunks``): the widening of the
+weights, gradients and states, the landing of the new weights and the encoding of the states, each a constant number of
+ops for any number of parameters.
 
 Lists of per-parameter tensors move in and out of the flat buffers with one ``torch._foreach_copy_`` each (torch's CUDA
 kernel converts the dtype in the copy when every source shares one dtype and every destination another, and sizes and
@@ -11,9 +11,9 @@ Nothing is read from the device on an accelerator: every new weight goes through
 finite, or out of the 16-bit range, keeps the old weight). On a CPU a read waits for nothing, and one pass tells
 whether any value needs that check: mostly none does, and the check's passes are skipped (the same bits either way).
 
-The results are the bits the per-parameter path (``TrueStep``'s loose path, the same functions of ``_rounding``) gives
-on the same values, except the draws of stochastic rounding: one draw per chunk instead of one per parameter (the
-weights first, then the states by name).
+The results are the bits the per-parameter path (``rounding_policy`` and ``true_states``, the same functions of
+``rounding``) gives on the same values, except the draws of stochastic rounding: one draw per chunk instead of one per
+parameter (the weights first, then the states by name).
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ def _title(meta: Mapping[str, Any], what: str) -> str:
     return f"{meta['recipe']} on {meta['device']}: {what} ({meta['steps']} steps, batch {meta['batch_size']})"
 
 
+def _label(r: Row) -> str:
+    status = "interrupted" if r.interrupted else "failed" if r.error is not None else ""
+    return r.precision + (f" ({status} after {r.steps_done} steps)" if status else "")
+
+
 def plot_compare(rows: Sequence[Row], out: Path, meta: Mapping[str, Any]) -> list[str]:
     """``loss.png`` (training loss per precision, and its difference from 32-true, where overlapping curves part),
     ``throughput.png`` (samples/s from the table's ms/step, with the interquartile range over turns and the table's
@@ -36,17 +41,33 @@ def plot_compare(rows: Sequence[Row], out: Path, meta: Mapping[str, Any]) -> lis
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def label(r: Row) -> str:
-        status = "interrupted" if r.interrupted else "failed" if r.error is not None else ""
-        return r.precision + (f" ({status} after {r.steps_done} steps)" if status else "")
+    files = [_loss_plot(plt, rows, out, meta)]
+    memory = ("peak resident memory gained in training (MiB)" if meta["device"] == "cpu"
+              else "peak GPU memory allocated (MiB)")
+    throughput = "samples / s (batch / ms/step)"
+    for key, name, ylabel, what in (
+        ("samples_per_s", "throughput.png", throughput, "throughput"),
+        ("peak_memory_mb", "memory.png", memory, "memory, each precision in its own process"),
+    ):
+        files.append(_bar_plot(plt, rows, out, meta, key, name, ylabel, what))
+    return files
 
-    files = []
+
+def _saved(plt: Any, fig: Any, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def _loss_plot(plt: Any, rows: Sequence[Row], out: Path, meta: Mapping[str, Any]) -> str:
+    """``loss.png``: each precision's training loss and, where 32-true has one, each one's difference from it."""
     base = next((r for r in rows if r.precision == "32-true" and r.losses), None)
     fig, axes = plt.subplots(2 if base else 1, 1, figsize=(8, 6.4 if base else 4), sharex=True, squeeze=False)
     ax = axes[0, 0]
     for r in rows:
         if r.losses:
-            ax.plot(range(1, len(r.losses) + 1), r.losses, label=label(r), lw=1.2,
+            ax.plot(range(1, len(r.losses) + 1), r.losses, label=_label(r), lw=1.2,
                     color=_precision_color(r.precision), ls="--" if r.error is not None else "-")
     ax.set_ylabel("training loss (cross-entropy)")
     ax.set_title(_title(meta, "training loss"))
@@ -61,51 +82,41 @@ def plot_compare(rows: Sequence[Row], out: Path, meta: Mapping[str, Any]) -> lis
             if r is not base and r.losses:
                 n = min(len(r.losses), len(base.losses))
                 diff.plot(range(1, n + 1), [a - b for a, b in zip(r.losses[:n], base.losses[:n], strict=True)],
-                          label=label(r), lw=1.2, color=_precision_color(r.precision))
+                          label=_label(r), lw=1.2, color=_precision_color(r.precision))
         diff.set_ylabel("loss minus 32-true's loss")
         diff.set_title("difference from 32-true at the same step (same seed, same batches)", fontsize=9)
     axes[-1, 0].set_xlabel("optimizer step")
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=100)
-    plt.close(fig)
-    files.append(str(out / "loss.png"))
+    return _saved(plt, fig, out / "loss.png")
 
-    memory = ("peak resident memory gained in training (MiB)" if meta["device"] == "cpu"
-              else "peak GPU memory allocated (MiB)")
-    throughput = "samples / s (batch / ms/step)"
-    for key, name, ylabel, what in (
-        ("samples_per_s", "throughput.png", throughput, "throughput"),
-        ("peak_memory_mb", "memory.png", memory, "memory, each precision in its own process"),
-    ):
-        fig, ax = plt.subplots(figsize=(7, 4.4))
-        names = [r.precision for r in rows]
-        figures = [r.samples_per_s if key == "samples_per_s" else r.peak_memory_mb for r in rows]
-        values = [v or 0.0 for v in figures]
-        errors = None
-        labels = ["failed" if r.failed and not v else "interrupted" if r.interrupted and not v else f"{v:.0f}"
-                  for r, v in zip(rows, values, strict=True)]
-        if key == "samples_per_s":
-            # the turn medians' quartiles turned into samples/s (the slower quartile gives the lower bound): the same
-            # statistic as the bar, and as the table's ms/step
-            errors = [[max(0.0, v - meta["batch_size"] * 1e3 / r.turn_ms_q3) if r.turn_ms_q3 is not None else 0.0
-                       for v, r in zip(values, rows, strict=True)],
-                      [max(0.0, meta["batch_size"] * 1e3 / r.turn_ms_q1 - v) if r.turn_ms_q1 is not None else 0.0
-                       for v, r in zip(values, rows, strict=True)]]
-            names = [n + (f"\n{r.speedup:.2f}x" if r.speedup is not None else "")
-                     for n, r in zip(names, rows, strict=True)]
-            ax.set_xlabel("under each name its speedup: 32-true's ms/step over its own, as in the table\nms/step: the"
-                          " median of the turns' median step times; whiskers: the middle half of the turns", fontsize=8)
-        elif any(r.bytes_per_param is not None for r in rows):
-            names = [n + (f"\n{r.bytes_per_param:.1f} B/param" if r.bytes_per_param is not None else "")
-                     for n, r in zip(names, rows, strict=True)]
-            ax.set_xlabel("under each name its bytes/param, as in the table: weights, gradients and optimizer states"
-                          " per parameter", fontsize=8)
-        bars = ax.bar(names, values, yerr=errors, capsize=4, color=[_precision_color(r.precision) for r in rows])
-        ax.bar_label(bars, label_type="center", labels=labels)
-        ax.set_ylabel(ylabel, fontsize=9)
-        ax.set_title(_title(meta, what), fontsize=10)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        files.append(str(out / name))
-    return files
+
+def _bar_plot(plt: Any, rows: Sequence[Row], out: Path, meta: Mapping[str, Any], key: str, name: str, ylabel: str,
+              what: str) -> str:
+    """A bar per precision of ``key`` (``samples_per_s`` or ``peak_memory_mb``), marked where the run failed or was
+    interrupted before it had the figure."""
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    names = [r.precision for r in rows]
+    figures = [r.samples_per_s if key == "samples_per_s" else r.peak_memory_mb for r in rows]
+    values = [v or 0.0 for v in figures]
+    errors = None
+    labels = ["failed" if r.failed and not v else "interrupted" if r.interrupted and not v else f"{v:.0f}"
+              for r, v in zip(rows, values, strict=True)]
+    if key == "samples_per_s":
+        # the turn medians' quartiles turned into samples/s (the slower quartile gives the lower bound): the same
+        # statistic as the bar, and as the table's ms/step
+        errors = [[max(0.0, v - meta["batch_size"] * 1e3 / r.turn_ms_q3) if r.turn_ms_q3 is not None else 0.0
+                   for v, r in zip(values, rows, strict=True)],
+                  [max(0.0, meta["batch_size"] * 1e3 / r.turn_ms_q1 - v) if r.turn_ms_q1 is not None else 0.0
+                   for v, r in zip(values, rows, strict=True)]]
+        names = [n + (f"\n{r.speedup:.2f}x" if r.speedup is not None else "") for n, r in zip(names, rows, strict=True)]
+        ax.set_xlabel("under each name its speedup: 32-true's ms/step over its own, as in the table\nms/step: the"
+                      " median of the turns' median step times; whiskers: the middle half of the turns", fontsize=8)
+    elif any(r.bytes_per_param is not None for r in rows):
+        names = [n + (f"\n{r.bytes_per_param:.1f} B/param" if r.bytes_per_param is not None else "")
+                 for n, r in zip(names, rows, strict=True)]
+        ax.set_xlabel("under each name its bytes/param, as in the table: weights, gradients and optimizer states"
+                      " per parameter", fontsize=8)
+    bars = ax.bar(names, values, yerr=errors, capsize=4, color=[_precision_color(r.precision) for r in rows])
+    ax.bar_label(bars, label_type="center", labels=labels)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.set_title(_title(meta, what), fontsize=10)
+    return _saved(plt, fig, out / name)

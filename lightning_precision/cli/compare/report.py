@@ -128,6 +128,16 @@ def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
         elif r.interrupted:
             lines.append(f"{r.precision}: {r.error}" + ("; its figures are from those steps" if r.steps_done else ""))
     lines += meta.get("notes", [])
+    lines += _timing_notes(rows, meta)
+    lines += mfu_notes(rows, meta)
+    lines += [_fp8_note(r) for r in rows if r.fp8_layers is not None]
+    lines += _figure_notes(rows, meta)
+    return lines
+
+
+def _timing_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
+    """What ms/step and the speedup are, and each flag on them: busy, launch-bound, unresolved, drift, emulated."""
+    lines = []
     if any(r.timed for r in rows):
         unit = meta.get("unit") or "units"
         lines.append(f"ms/step: the median over turns of each turn's median step time ({meta['schedule']}); samples/s,"
@@ -153,18 +163,25 @@ def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
     if emulated:
         lines.append(f"emulated: no hardware arithmetic for {', '.join(emulated)} on this machine (torch emulates"
                      " it): the numerics are real, the speed says nothing about hardware that has the format.")
-    lines += mfu_notes(rows, meta)
-    for r in rows:
-        if r.fp8_layers is not None:
-            how = "chosen from measured numerics" if r.fp8_plan is not None else "all that the shape rules leave"
-            line = f"{r.precision}: {r.fp8_layers} of {r.linear_layers} linear layers in fp8, {how}"
-            if not (r.fp8_steps if r.fp8_steps is not None else r.fp8_layers):
-                n = r.steps_done
-                why = "" if not r.fp8_layers else \
-                    f"; {'its one step was' if n == 1 else f'all its {n} steps were'} measured in bf16, before the plan"
-                line += (f"{why}: every matmul ran in bf16, so its figures are bf16-mixed's"
-                         + (" (emulated here)" if r.emulated else " (not emulated)"))
-            lines.append(line + ".")
+    return lines
+
+
+def _fp8_note(r: Row) -> str:
+    """How many of a run's linear layers ran in fp8, chosen how, and whether its figures are bf16-mixed's after all."""
+    how = "chosen from measured numerics" if r.fp8_plan is not None else "all that the shape rules leave"
+    line = f"{r.precision}: {r.fp8_layers} of {r.linear_layers} linear layers in fp8, {how}"
+    if not (r.fp8_steps if r.fp8_steps is not None else r.fp8_layers):
+        n = r.steps_done
+        why = "" if not r.fp8_layers else \
+            f"; {'its one step was' if n == 1 else f'all its {n} steps were'} measured in bf16, before the plan"
+        line += (f"{why}: every matmul ran in bf16, so its figures are bf16-mixed's"
+                 + (" (emulated here)" if r.emulated else " (not emulated)"))
+    return line + "."
+
+
+def _figure_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
+    """What the underflow, memory and bytes/param columns measure, and the baseline's place in the verdict."""
+    lines = []
     if any(r.grad_underflow_fp16 is not None or r.grad_underflow_fp16_scaled is not None for r in rows):
         scaled = [r.precision for r in rows if r.grad_underflow_fp16_scaled is not None] or ["16-mixed"]
         lines.append("fp16 underflow, unscaled: the fraction of nonzero parameter gradients that would flush to zero if"
