@@ -41,7 +41,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
-from lightning_precision._core.step_policy import PlainStep
+from lightning_precision._core.scaling.step_policy import PlainStep
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import MLP, WARMUP, StepTimer  # noqa: E402

@@ -428,8 +428,8 @@ def profile_step(pristine: L.LightningModule, batches: list[Any], args: argparse
     ``update``, alternated; then a ``torch.profiler`` table of ours (the default): the ops that take its time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lightning_precision._core.true import DEFAULT_STEP_CHUNK
-    from lightning_precision._core.true_step import TrueStep
+    from lightning_precision._core.true.precision import DEFAULT_STEP_CHUNK
+    from lightning_precision._core.true.step import TrueStep
 
     base = copy.deepcopy(pristine).to(torch.bfloat16)
     batch = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in batches[0]]

@@ -28,8 +28,8 @@ _SOURCE = {
     "NoEffectWarning": "lightning_precision._warnings",
     "PlanRule": "lightning_precision.fp8",
     "PrecisionPlan": "lightning_precision.fp8",
-    "ScalerConfig": "lightning_precision._core.scaler",
-    "SkippedStepsError": "lightning_precision._core.scaler",
+    "ScalerConfig": "lightning_precision._core.scaling.scaler",
+    "SkippedStepsError": "lightning_precision._core.scaling.scaler",
     "TrainerXPUAccelerator": "lightning_precision._accelerators",
     "XPUAccelerator": "lightning_precision._accelerators",
     "XPUPrecision": "lightning_precision._trainer",
@@ -56,7 +56,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from lightning_precision._accelerators import TrainerXPUAccelerator, XPUAccelerator
-    from lightning_precision._core.scaler import ScalerConfig, SkippedStepsError
+    from lightning_precision._core.scaling.scaler import ScalerConfig, SkippedStepsError
     from lightning_precision._trainer import (
         BF16MixedPrecision,
         BF16TruePrecision,

@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_precision._core.fsdp import local_shard
-from lightning_precision._core.true_step import own_state_bytes
+from lightning_precision._core.true.step import own_state_bytes
 
 __all__ = ["TrainingBytes", "training_bytes"]
 

@@ -32,7 +32,7 @@ from lightning_precision._cast_counts import (
     tensor_scale_amax,
 )
 from lightning_precision._channels_last import apply_channels_last, to_channels_last
-from lightning_precision._core.loss_scale import MAX_LOG2_SCALE
+from lightning_precision._core.scaling.loss_scale import MAX_LOG2_SCALE
 from lightning_precision._mfu import choose_peak, mfu, model_flops_per_step
 from lightning_precision._single_pass import HIST_MAX, HIST_MIN, in_one_pass, single_pass
 from lightning_precision.formats import FORMATS, AnyFormat, BlockFormat, NumberFormat, get_format

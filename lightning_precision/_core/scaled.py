@@ -20,9 +20,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_precision._core.autocast import AutocastPrecision, MatmulPrecision
-from lightning_precision._core.scaler import ScalerConfig, TrackingGradScaler
-from lightning_precision._core.step_policy import StepPolicy, make_step_policy
-from lightning_precision._core.true_keys import check_readable_states
+from lightning_precision._core.scaling.scaler import ScalerConfig, TrackingGradScaler
+from lightning_precision._core.scaling.step_policy import StepPolicy, make_step_policy
+from lightning_precision._core.true.keys import check_readable_states
 
 __all__ = ["SKIP_NONFINITE_DEFAULT", "ScaledPrecision"]
 
@@ -32,9 +32,9 @@ SKIP_NONFINITE_DEFAULT = False
 
 
 class ScaledPrecision(AutocastPrecision):
-    """Autocast in ``compute_dtype`` and a step policy chosen once from the arguments (``_core/step_policy.py``): the
-    loss scaler built from ``scaler``; without one (``None``), the non-finite guard when ``skip_nonfinite``, else
-    Lightning's plain step.
+    """Autocast in ``compute_dtype`` and a step policy chosen once from the arguments
+    (``_core/scaling/step_policy.py``): the loss scaler built from ``scaler``; without one (``None``), the non-finite
+    guard when ``skip_nonfinite``, else Lightning's plain step.
 
     The scale is updated once per backward, after every optimizer that uses its gradients has stepped: at the next
     backward, or when ``loss_scale``, ``skipped_steps``, ``metrics()`` or ``state_dict()`` is read (torch's documented

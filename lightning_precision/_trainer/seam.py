@@ -4,9 +4,9 @@ Lightning's Trainer ``Precision`` hides of them.
 Each Trainer plugin is ``class X(TrainerScaledPrecision, FabricX)``. In its MRO Lightning's ``lightning.pytorch``
 ``Precision`` sits between our Trainer mixins and our Fabric class, and the methods in ``SHADOWED`` override the Fabric
 ``Precision``'s without calling ``super()``: whatever our Fabric class does in them never runs under the Trainer.
-``TrainerHooks`` re-implements each one here, over the same step policy (``_core/step_policy.py``) the Fabric class
-calls; tests/trainer/test_seam.py fails when Lightning adds such a method, drops one or changes its parameters, and
-when a Trainer plugin would let Lightning's shadow a Fabric method.
+``TrainerHooks`` re-implements each one here, over the same step policy (``_core/scaling/step_policy.py``) the Fabric
+class calls; tests/trainer/test_seam.py fails when Lightning adds such a method, drops one or changes its parameters,
+and when a Trainer plugin would let Lightning's shadow a Fabric method.
 
 - ``pre_backward``: Lightning's callback and module hooks see the real loss; the loss handed to backward is scaled here
   (the Fabric class scales it in ``backward``), after the update left pending by the last step's reads.

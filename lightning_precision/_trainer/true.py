@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_precision._trainer.scaled import TrainerScaledPrecision
 
 if TYPE_CHECKING:  # what the mixin is always mixed with, for the type checker
-    from lightning_precision._core.true import TruePrecision as FabricCore
+    from lightning_precision._core.true.precision import TruePrecision as FabricCore
 else:
     FabricCore = object
 

@@ -3,13 +3,13 @@
 ``tests/upstream/test_upstream_torch.py`` exercises what we rely on against the installed torch, so that an upstream
 change fails loudly there, not deep inside a sharded run or as a wrong loss scale.
 
-Besides the functions below, ``_core/scaler.py``'s ``TrackingGradScaler`` subclasses ``torch.amp.GradScaler`` and
-reads and writes its base's own state: ``_per_optimizer_states`` (each optimizer's stage and ``found_inf_per_device``),
-``_scale``, ``_growth_tracker``, ``_init_scale``, ``_init_growth_tracker`` and ``_enabled`` (stable since torch 1.6),
-and overrides one private method, ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``: the one place
-torch's scaler checks gradients (its ``unscale_``, and the check before a fused optimizer's step), which hands bf16
-gradients to a kernel that refuses them on CUDA (pytorch#127176). A subclass's use of its base cannot move here; the
-canary pins each of them by behaviour.
+Besides the functions below, ``_core/scaling/scaler.py``'s ``TrackingGradScaler`` subclasses ``torch.amp.GradScaler``
+and reads and writes its base's own state: ``_per_optimizer_states`` (each optimizer's stage and
+``found_inf_per_device``), ``_scale``, ``_growth_tracker``, ``_init_scale``, ``_init_growth_tracker`` and ``_enabled``
+(stable since torch 1.6), and overrides one private method, ``_unscale_grads_(optimizer, inv_scale, found_inf,
+allow_fp16)``: the one place torch's scaler checks gradients (its ``unscale_``, and the check before a fused optimizer's
+step), which hands bf16 gradients to a kernel that refuses them on CUDA (pytorch#127176). A subclass's use of its base
+cannot move here; the canary pins each of them by behaviour.
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ from lightning_precision._core.fsdp import is_sharded
 from lightning_precision._io import check_writable_dir
 from lightning_precision._launches import ops_are_cheap
 from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics
-from lightning_precision.callbacks._amax_checks import check_window, what_if_formats
-from lightning_precision.callbacks._amax_extremes import StepExtremes
-from lightning_precision.callbacks._amax_hooks import LayerHooks, linear_layers
-from lightning_precision.callbacks._amax_report import layer_metrics
-from lightning_precision.callbacks._amax_te import write_te_history
+from lightning_precision.callbacks._amax.checks import check_window, what_if_formats
+from lightning_precision.callbacks._amax.extremes import StepExtremes
+from lightning_precision.callbacks._amax.hooks import LayerHooks, linear_layers
+from lightning_precision.callbacks._amax.report import layer_metrics
+from lightning_precision.callbacks._amax.te import write_te_history
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.callbacks._publish import read_metrics
 from lightning_precision.formats import FORMATS

@@ -21,32 +21,32 @@ from typing_extensions import override
 from lightning_precision._core.accumulator import Reduce, all_reduce
 from lightning_precision._core.fsdp import is_sharded, local_shard
 from lightning_precision._core.probe_pass import probe_pass
-from lightning_precision._core.true_step import TrueStep
+from lightning_precision._core.true.step import TrueStep
 from lightning_precision._plots import check_plot_path
 from lightning_precision._upstream.lightning import batches_that_stepped, publish_metrics
 from lightning_precision._warnings import warn
 from lightning_precision.callbacks._cadence import on_cadence, set_cadence
 from lightning_precision.callbacks._publish import read_metrics
-from lightning_precision.callbacks._underflow_activations import ActivationHooks
-from lightning_precision.callbacks._underflow_checks import check_options, format_names
-from lightning_precision.callbacks._underflow_measure import Measures
-from lightning_precision.callbacks._underflow_plugin import (
+from lightning_precision.callbacks._underflow.activations import ActivationHooks
+from lightning_precision.callbacks._underflow.checks import check_options, format_names
+from lightning_precision.callbacks._underflow.measure import Measures
+from lightning_precision.callbacks._underflow.plugin import (
     fp16_backward,
     hooks_see_scaled_loss,
     loss_scale_of,
     scale_in_gradients,
 )
-from lightning_precision.callbacks._underflow_probe import Probe, judged, probe_run, probe_scale, smaller_factor
-from lightning_precision.callbacks._underflow_report import gradient_metrics, underflow_warning, warning_key
-from lightning_precision.callbacks._underflow_rounding import UpdateRounding, rounding_metrics
-from lightning_precision.callbacks._underflow_scaling import (
+from lightning_precision.callbacks._underflow.probe import Probe, judged, probe_run, probe_scale, smaller_factor
+from lightning_precision.callbacks._underflow.report import gradient_metrics, underflow_warning, warning_key
+from lightning_precision.callbacks._underflow.rounding import UpdateRounding, rounding_metrics
+from lightning_precision.callbacks._underflow.scaling import (
     DYNAMIC,
     FP8_SCALINGS,
     check_fp8_scaling,
     fixed_scaling,
     plugin_scaling,
 )
-from lightning_precision.callbacks._underflow_state import (
+from lightning_precision.callbacks._underflow.state import (
     ACTIVATION,
     PARAM,
     add_histogram,

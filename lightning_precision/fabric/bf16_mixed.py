@@ -11,7 +11,7 @@ from typing_extensions import override
 from lightning_precision._core.autocast import MatmulPrecision
 from lightning_precision._core.devices import check_bf16_supported
 from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
-from lightning_precision._core.scaler import ScalerConfig
+from lightning_precision._core.scaling.scaler import ScalerConfig
 
 __all__ = ["BF16MixedPrecision"]
 

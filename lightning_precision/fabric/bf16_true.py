@@ -7,8 +7,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_precision._core.devices import check_bf16_supported
-from lightning_precision._core.scaler import ScalerConfig
-from lightning_precision._core.true import DEFAULT_STEP_CHUNK, DEFAULT_UPDATE, TruePrecision
+from lightning_precision._core.scaling.scaler import ScalerConfig
+from lightning_precision._core.true.precision import DEFAULT_STEP_CHUNK, DEFAULT_UPDATE, TruePrecision
 
 __all__ = ["BF16TruePrecision"]
 

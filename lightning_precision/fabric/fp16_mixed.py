@@ -6,7 +6,7 @@ import torch
 
 from lightning_precision._core.autocast import MatmulPrecision
 from lightning_precision._core.scaled import ScaledPrecision
-from lightning_precision._core.scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision._core.scaling.scaler import ScalerConfig, resolve_scaler_config
 
 __all__ = ["FP16MixedPrecision"]
 

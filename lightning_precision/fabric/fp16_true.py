@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_precision._core.scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision._core.true import DEFAULT_STEP_CHUNK, DEFAULT_UPDATE, TruePrecision
+from lightning_precision._core.scaling.scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision._core.true.precision import DEFAULT_STEP_CHUNK, DEFAULT_UPDATE, TruePrecision
 
 __all__ = ["FP16TruePrecision"]
 

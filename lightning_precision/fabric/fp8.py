@@ -1,9 +1,9 @@
 """fp8 training for Fabric: fp8 linear layers (torchao or Transformer Engine) inside bf16 autocast.
 
 ``FP8Precision`` is a thin plugin over three parts, each a private module of one concern: the backend that runs the
-layers (the protocol of ``_core.fp8_backend``; torchao's and Transformer Engine's in ``_core.fp8_backends``), the layer
-book (``_core.fp8_layers``: what each layer runs and why, the plan in force, moving layers in place) and
-``layers="auto"``'s measuring (``_core.fp8_calibration``). Its arguments are checked in ``_core.fp8_args``."""
+layers (the protocol of ``_core.fp8.backend``; torchao's and Transformer Engine's in ``_core.fp8.backends``), the layer
+book (``_core.fp8.layers``: what each layer runs and why, the plan in force, moving layers in place) and
+``layers="auto"``'s measuring (``_core.fp8.calibration``). Its arguments are checked in ``_core.fp8.args``."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_precision._core.autocast import MatmulPrecision
-from lightning_precision._core.fp8_args import check_fp8_args, check_precision_args, shown_layers
-from lightning_precision._core.fp8_backend import FP8Backend
-from lightning_precision._core.fp8_backends import make_backend
-from lightning_precision._core.fp8_calibration import Calibration, PlanSetup, decide, start_calibration
-from lightning_precision._core.fp8_layers import CONVERTED, LayerBook, families_of
+from lightning_precision._core.fp8.args import check_fp8_args, check_precision_args, shown_layers
+from lightning_precision._core.fp8.backend import FP8Backend
+from lightning_precision._core.fp8.backends import make_backend
+from lightning_precision._core.fp8.calibration import Calibration, PlanSetup, decide, start_calibration
+from lightning_precision._core.fp8.layers import CONVERTED, LayerBook, families_of
 from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
-from lightning_precision._core.scaler import ScalerConfig
+from lightning_precision._core.scaling.scaler import ScalerConfig
 from lightning_precision.fp8._decision import chooses_formats
 from lightning_precision.fp8._plan import PlanLike, PlanRule, PrecisionPlan, high_label
 from lightning_precision.fp8._selection import (

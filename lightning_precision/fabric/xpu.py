@@ -14,8 +14,8 @@ from lightning_precision import _imports
 from lightning_precision._core.autocast import MatmulPrecision
 from lightning_precision._core.devices import check_fp64
 from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
-from lightning_precision._core.scaler import ScalerConfig, resolve_scaler_config
-from lightning_precision._core.step_policy import PlainStep
+from lightning_precision._core.scaling.scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision._core.scaling.step_policy import PlainStep
 from lightning_precision._warnings import NoEffectWarning, warn
 
 __all__ = ["XPUPrecision"]

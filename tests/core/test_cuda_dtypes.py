@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_precision import BF16MixedPrecision, BF16TruePrecision, FP16MixedPrecision, FP16TruePrecision
-from lightning_precision._core.scaler import check_gradients
+from lightning_precision._core.scaling.scaler import check_gradients
 from lightning_precision._upstream.torch import CUDA_KERNEL_DTYPES, DispatchCounter, non_finite_check_and_unscale_
 from tests.cuda_kernels import cuda_refusal
 from tests.helpers import IN, OUT, loader, make_data, trainer

@@ -238,7 +238,7 @@ def test_the_scaler_overrides_one_private_method_of_torchs():
     ``GradScaler._maybe_opt_step``; the one private override is ``_unscale_grads_``, torch's single place of the
     gradient check, whose kernel refuses bf16 on CUDA (its canary: tests/upstream/test_upstream_torch.py). This fails if
     another private override comes in."""
-    from lightning_precision._core.scaler import TrackingGradScaler
+    from lightning_precision._core.scaling.scaler import TrackingGradScaler
 
     overridden = {name for name in vars(TrackingGradScaler) if name.startswith("_") and not name.startswith("__")
                   and hasattr(torch.amp.GradScaler, name)}

@@ -1,9 +1,9 @@
-"""The rounding functions of the true-precision step (lightning_precision/_core/rounding.py), on plain tensors."""
+"""The rounding functions of the true-precision step (lightning_precision/_core/true/rounding.py), on plain tensors."""
 
 import pytest
 import torch
 
-from lightning_precision._core.rounding import join_remainder, split_remainder, stochastic_round
+from lightning_precision._core.true.rounding import join_remainder, split_remainder, stochastic_round
 
 DTYPES = [torch.bfloat16, torch.float16]
 DRAWS = 200_000

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_precision import ScalerConfig
 from lightning_precision import fabric as lp_fabric
-from lightning_precision._core.scaler import TrackingGradScaler
+from lightning_precision._core.scaling.scaler import TrackingGradScaler
 from tests.core.test_scaler_numbers import CONFIG, FACTORS, GOLDEN, _batch, _fabric_run, _loss, _net, _state
 
 

@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import lightning_precision as lp
 import lightning_precision.fabric as lpf
-from lightning_precision._core.true_step import RoundingMeter
+from lightning_precision._core.true.step import RoundingMeter
 from tests.helpers import LitNet, loader, make_data, trainer
 
 PLUGINS = [lpf.BF16TruePrecision, lpf.FP16TruePrecision]
@@ -101,7 +101,7 @@ def test_step_hooks_run_once_a_step_on_the_real_parameters(cls):
 def stepped_per_chunk(monkeypatch):
     """``_RaisesOnChunk`` overrides ``step`` only to count its calls and interrupt one: stepped a chunk at a time, as
     the AdamW it is (an optimizer of unknown kind is stepped once a step, on the whole model)."""
-    from lightning_precision._core import true_step
+    from lightning_precision._core.true import step as true_step
 
     monkeypatch.setattr(true_step, "steps_each_parameter_apart", lambda optimizer: True)
 

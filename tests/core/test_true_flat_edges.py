@@ -15,8 +15,8 @@ from torch import nn
 
 import lightning_precision as lp
 import lightning_precision.fabric as lpf
-from lightning_precision._core.rounding_meter import RoundingMeter
-from lightning_precision._core.true_step import TrueStep
+from lightning_precision._core.true.rounding_meter import RoundingMeter
+from lightning_precision._core.true.step import TrueStep
 from tests.helpers import assert_same_bits, trainer
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_precision._core.true_step import TrueStep
+from lightning_precision._core.true.step import TrueStep
 from lightning_precision._upstream.torch import DispatchCounter
 from tests.helpers import assert_same_bits
 
@@ -143,7 +143,7 @@ def test_the_landing_an_accelerator_takes_equals_the_cpus(monkeypatch, update, d
         return [p.detach().clone() for p in net.parameters()]
 
     cpu = run()
-    from lightning_precision._core import true_flat
+    from lightning_precision._core.true import flat as true_flat
 
     monkeypatch.setattr(true_flat, "reads_are_free", lambda device: False)
     accelerator = run()
@@ -189,7 +189,7 @@ def test_the_step_adds_a_constant_number_of_ops_and_reads_nothing(dtype, update,
     plainly (torch's own ops: a constant number per group, and a host read of each CPU step count): what our step
     adds is the same number of aten ops for 4 and 32 layers, and no host read, as on an accelerator (where a read
     would wait for the device; on a CPU the step reads one flag a chunk to skip the element-wise check)."""
-    from lightning_precision._core import true_flat
+    from lightning_precision._core.true import flat as true_flat
 
     monkeypatch.setattr(true_flat, "reads_are_free", lambda device: False)
     added = []

@@ -58,7 +58,7 @@ def _lands_as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     read a chunk a CPU takes because it waits for nothing (``true_flat.reads_are_free``): the reads counted are
     CUDA's."""
     if not ON_CUDA:
-        from lightning_precision._core import true_flat
+        from lightning_precision._core.true import flat as true_flat
 
         monkeypatch.setattr(true_flat, "reads_are_free", lambda device: False)
 

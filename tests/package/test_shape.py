@@ -1,6 +1,6 @@
 """The shape of the library, read from its source: no module over 600 lines, no class over 400, no function over 60
 lines of code (blank lines, comments and docstrings not counted), and no ``backend ==`` dispatch of fp8 in the plugins
-outside the one factory (``_core/fp8_backends.py``). Import cycles and import depth: tests/package/test_import_graph.py."""
+outside the one factory (``_core/fp8/backends.py``). Import cycles and import depth: tests/package/test_import_graph.py."""
 
 from __future__ import annotations
 
@@ -65,6 +65,6 @@ def test_fp8_backends_are_chosen_in_one_place():
     users = ("lightning_precision.fabric", "lightning_precision._core", "lightning_precision._trainer",
              "lightning_precision.callbacks")
     dispatching = [name for name, source in SOURCES.items()
-                   if name.startswith(users) and name != "lightning_precision._core.fp8_backends"
+                   if name.startswith(users) and name != "lightning_precision._core.fp8.backends"
                    and re.search(r"backend\s*[!=]=", source)]
     assert dispatching == [], "these modules dispatch on the fp8 backend's name: ask the backend object instead"

@@ -1,5 +1,5 @@
 """Canaries of the private torch names in ``lightning_precision/_upstream/torch.py`` and of the ``GradScaler`` state
-``_core/scaler.py``'s subclass uses: each exercises the behaviour the package relies on against the installed torch,
+``_core/scaling/scaler.py``'s subclass uses: each exercises the behaviour the package relies on against the installed torch,
 so that an upstream change fails here, with the name, not deep inside a sharded run or as a wrong loss scale."""
 
 import pytest

@@ -39,9 +39,9 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_precision._checks import is_positive_int, one_config
-from lightning_precision._core.loss_scale import SCALE_RANGE
-from lightning_precision._core.scaler_state import COUNTER_KEYS, CheckedState
-from lightning_precision._core.step_seen import StepSeen, run_undoing_nonfinite
+from lightning_precision._core.scaling.loss_scale import SCALE_RANGE
+from lightning_precision._core.scaling.scaler_state import COUNTER_KEYS, CheckedState
+from lightning_precision._core.scaling.step_seen import StepSeen, run_undoing_nonfinite
 from lightning_precision._upstream.lightning import optimizer_handles_unscaling
 from lightning_precision._upstream.torch import grad_scaler_scale, non_finite_check_and_unscale_, sparse_values
 from lightning_precision._warnings import warn

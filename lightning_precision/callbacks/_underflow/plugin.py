@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_precision._core.scaler import InStepScaler, scale_of
+from lightning_precision._core.scaling.scaler import InStepScaler, scale_of
 
 __all__ = ["fp16_backward", "hooks_see_scaled_loss", "loss_scale_of", "scale_in_gradients", "unscaled"]
 

@@ -23,10 +23,10 @@ import sys
 import torch
 from torch import Tensor
 
-from lightning_precision._core.rounding import split_remainder, stochastic_round
-from lightning_precision._core.rounding_meter import RoundingMeter
-from lightning_precision._core.true_keys import FP16_TOP, SQUARED
-from lightning_precision._core.workspace import Buffer, Workspace
+from lightning_precision._core.true.keys import FP16_TOP, SQUARED
+from lightning_precision._core.true.rounding import split_remainder, stochastic_round
+from lightning_precision._core.true.rounding_meter import RoundingMeter
+from lightning_precision._core.true.workspace import Buffer, Workspace
 from lightning_precision._upstream.torch import foreach_copy_, foreach_norm
 
 __all__ = ["FLAT_FORMS", "decode_state", "encode_state", "land_weights", "reads_are_free", "widen_grads",

@@ -1,5 +1,5 @@
 """What ``FP8Precision`` asks of the library that runs its fp8 layers: one protocol (``FP8Backend``) that torchao's
-backend and Transformer Engine's implement (``_core.fp8_backends``), and the smaller one of moving layers in place
+backend and Transformer Engine's implement (``_core.fp8.backends``), and the smaller one of moving layers in place
 (``LayerMover``, torchao's only)."""
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_precision._core.scaler import ScalerConfig
-from lightning_precision.callbacks._underflow_plugin import loss_scale_of, scale_in_gradients
+from lightning_precision._core.scaling.scaler import ScalerConfig
+from lightning_precision.callbacks._underflow.plugin import loss_scale_of, scale_in_gradients
 from lightning_precision.functional import CastStats, LossScaleAdvice
 
 __all__ = ["gradient_metrics", "underflow_warning", "warning_key"]

@@ -1,4 +1,4 @@
-"""The two backends of ``FP8Precision``, one class each behind the protocol of ``_core.fp8_backend``: torchao's fp8
+"""The two backends of ``FP8Precision``, one class each behind the protocol of ``_core.fp8.backend``: torchao's fp8
 layers (tensorwise, rowwise and MXFP8 side by side, emulated anywhere, movable in place) and Transformer Engine's (one
 recipe per model, under ``te.autocast``). ``make_backend`` is the one place that reads the ``backend`` argument:
 everything else asks the backend object."""
@@ -14,8 +14,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
-from lightning_precision._core.fp8_args import check_backend_name
-from lightning_precision._core.fp8_backend import FP8Backend, LayerMover
+from lightning_precision._core.fp8.args import check_backend_name
+from lightning_precision._core.fp8.backend import FP8Backend, LayerMover
 from lightning_precision.fp8._hardware import check_fp8_hardware
 from lightning_precision.fp8._selection import (
     BLOCK_SCALED,

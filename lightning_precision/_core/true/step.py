@@ -44,15 +44,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_precision._core.rounding_meter import ROUNDING_COUNTS, RoundingMeter
-from lightning_precision._core.rounding_policy import RoundingPolicy
-from lightning_precision._core.true_chunks import Chunk, FlatPath
-from lightning_precision._core.true_grads import ClipRequest, norm_factor, widen_grad
-from lightning_precision._core.true_hooks import Interrupts, interrupts_held, is_stepping, step_hooks_once, stepping
-from lightning_precision._core.true_keys import PLUGIN_OF, STATE_PREFIX, WRITTEN_BY, is_own_key
-from lightning_precision._core.true_shards import like, local_part, shard_index
-from lightning_precision._core.true_states import StateCodec, own_state_bytes
-from lightning_precision._core.workspace import Workspace
+from lightning_precision._core.true.chunks import Chunk, FlatPath
+from lightning_precision._core.true.grads import ClipRequest, norm_factor, widen_grad
+from lightning_precision._core.true.hooks import Interrupts, interrupts_held, is_stepping, step_hooks_once, stepping
+from lightning_precision._core.true.keys import PLUGIN_OF, STATE_PREFIX, WRITTEN_BY, is_own_key
+from lightning_precision._core.true.rounding_meter import ROUNDING_COUNTS, RoundingMeter
+from lightning_precision._core.true.rounding_policy import RoundingPolicy
+from lightning_precision._core.true.shards import like, local_part, shard_index
+from lightning_precision._core.true.states import StateCodec, own_state_bytes
+from lightning_precision._core.true.workspace import Workspace
 
 # Beside TrueStep, what the plugins, the callbacks and `_bytes` take from here (defined in the modules above).
 __all__ = ["OPTIMIZER_STATES", "ROUNDING_COUNTS", "STATE_PREFIX", "ClipRequest", "RoundingMeter", "TrueStep",

@@ -1,4 +1,4 @@
-"""The range of loss scales: a fact of fp32, shared by the scaler (``_core/scaler.py``) and the pure functions
+"""The range of loss scales: a fact of fp32, shared by the scaler (``_core/scaling/scaler.py``) and the pure functions
 (``functional.recommend_loss_scale``), which import no Lightning."""
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_precision import _imports
-from lightning_precision._core.scaler import ScalerConfig, resolve_scaler_config
+from lightning_precision._core.scaling.scaler import ScalerConfig, resolve_scaler_config
 from lightning_precision._warnings import warn
 from lightning_precision.fp8._selection import BACKENDS, TE_NVFP4, FP8LayerPolicy, ModuleFilter, resolve_layer_policy
 
 if TYPE_CHECKING:
-    from lightning_precision._core.fp8_backend import FP8Backend
+    from lightning_precision._core.fp8.backend import FP8Backend
     from lightning_precision.fp8._plan import PlanLike, PlanRule, PrecisionPlan
 
 __all__ = ["FP8Args", "check_backend_name", "check_fp8_args", "check_plan_formats", "check_precision_args",

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_precision._core.rounding_meter import RoundingMeter
-from lightning_precision._core.true_flat import decode_state, encode_state, land_weights, widen_grads, widen_weights
-from lightning_precision._core.true_keys import REMAINDER
-from lightning_precision._core.true_shards import is_sharded, like, local_part
-from lightning_precision._core.true_states import StateCodec, clone_all, stored_form, stored_keys
-from lightning_precision._core.workspace import Workspace
+from lightning_precision._core.true.flat import decode_state, encode_state, land_weights, widen_grads, widen_weights
+from lightning_precision._core.true.keys import REMAINDER
+from lightning_precision._core.true.rounding_meter import RoundingMeter
+from lightning_precision._core.true.shards import is_sharded, like, local_part
+from lightning_precision._core.true.states import StateCodec, clone_all, stored_form, stored_keys
+from lightning_precision._core.true.workspace import Workspace
 from lightning_precision._upstream.torch import foreach_copy_
 
 if TYPE_CHECKING:  # (an import here would make the plugins' imports one level deeper)
-    from lightning_precision._core.rounding_policy import RoundingPolicy
+    from lightning_precision._core.true.rounding_policy import RoundingPolicy
 
 __all__ = ["MAX_WORKSPACES", "Chunk", "FlatPath"]
 

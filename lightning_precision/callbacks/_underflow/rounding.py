@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_precision._core.rounding_meter import ROUNDING_COUNTS, RoundingMeter
+from lightning_precision._core.true.rounding_meter import ROUNDING_COUNTS, RoundingMeter
 from lightning_precision.formats import get_format
 
 if TYPE_CHECKING:
-    from lightning_precision._core.true_step import TrueStep
+    from lightning_precision._core.true.step import TrueStep
 
 __all__ = ["UpdateRounding", "rounding_metrics"]
 

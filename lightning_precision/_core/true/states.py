@@ -19,8 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_precision import _imports
-from lightning_precision._core.rounding import stochastic_round
-from lightning_precision._core.true_keys import (
+from lightning_precision._core.true.keys import (
     BLOCK,
     CODES,
     EXP,
@@ -37,7 +36,8 @@ from lightning_precision._core.true_keys import (
     is_own_key,
     is_scalar_fp32,
 )
-from lightning_precision._core.true_shards import is_sharded, like, like_flat, local_part, shard_count
+from lightning_precision._core.true.rounding import stochastic_round
+from lightning_precision._core.true.shards import is_sharded, like, like_flat, local_part, shard_count
 from lightning_precision._upstream.torch import foreach_mul
 
 __all__ = ["StateCodec", "clone_all", "fits_8bit", "own_state_bytes", "stored_form", "stored_keys"]

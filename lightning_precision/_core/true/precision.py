@@ -26,11 +26,11 @@ from typing_extensions import override
 from lightning_precision import _imports
 from lightning_precision._checks import is_positive_int
 from lightning_precision._core.process_effects import STATE_INIT_HOOK
-from lightning_precision._core.rounding import UPDATES
 from lightning_precision._core.scaled import ScaledPrecision
-from lightning_precision._core.scaler import InStepScaler, ScalerConfig
-from lightning_precision._core.step_policy import GuardedStep, closure_driven
-from lightning_precision._core.true_step import OPTIMIZER_STATES, ClipRequest, TrueStep, is_stepping
+from lightning_precision._core.scaling.scaler import InStepScaler, ScalerConfig
+from lightning_precision._core.scaling.step_policy import GuardedStep, closure_driven
+from lightning_precision._core.true.rounding import UPDATES
+from lightning_precision._core.true.step import OPTIMIZER_STATES, ClipRequest, TrueStep, is_stepping
 from lightning_precision._upstream.lightning import convert_fp_tensor
 from lightning_precision._upstream.torch import foreach_mul, foreach_mul_, version_counter
 

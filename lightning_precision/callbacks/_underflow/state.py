@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_precision._core.accumulator import Accumulator, Reduce, as_reduce_op
-from lightning_precision._core.rounding_meter import ROUNDING_COUNTS
+from lightning_precision._core.true.rounding_meter import ROUNDING_COUNTS
 from lightning_precision._single_pass import HIST_MAX, HIST_MIN
 from lightning_precision._upstream.lightning import unwrapped_name
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from lightning_precision._core.accumulator import Accumulator
-from lightning_precision.callbacks._underflow_plugin import unscaled
-from lightning_precision.callbacks._underflow_scaling import Scaling, fp8_formats, label
-from lightning_precision.callbacks._underflow_state import ACTIVATION, PARAM, add_counts, add_histogram, module_path
+from lightning_precision.callbacks._underflow.plugin import unscaled
+from lightning_precision.callbacks._underflow.scaling import Scaling, fp8_formats, label
+from lightning_precision.callbacks._underflow.state import ACTIVATION, PARAM, add_counts, add_histogram, module_path
 from lightning_precision.functional import (
     CastStats,
     dynamic_scale_stats,
@@ -24,7 +24,7 @@ from lightning_precision.functional import (
 )
 
 if TYPE_CHECKING:
-    from lightning_precision.callbacks._underflow_probe import Probe
+    from lightning_precision.callbacks._underflow.probe import Probe
 
 __all__ = ["Measures", "Skip"]
 

@@ -22,7 +22,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import LBFGS
 
-from lightning_precision._core.scaler import NonFiniteGuard, ScalerConfig, TrackingGradScaler
+from lightning_precision._core.scaling.scaler import NonFiniteGuard, ScalerConfig, TrackingGradScaler
 from lightning_precision._upstream.lightning import optimizer_handles_unscaling
 
 __all__ = ["GuardedStep", "LossScaledStep", "PlainStep", "StepPolicy", "check_optimizer", "closure_driven",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_precision._core.true_shards import local_part
+from lightning_precision._core.true.shards import local_part
 from lightning_precision._upstream.torch import foreach_norm
 
 __all__ = ["ClipRequest", "norm_factor", "widen_grad"]

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_precision._core import fsdp
-from lightning_precision._core.fp8_args import check_plan_formats, decision_format
+from lightning_precision._core.fp8.args import check_plan_formats, decision_format
 from lightning_precision._warnings import warn
 from lightning_precision.fp8._selection import (
     LADDER,
@@ -36,8 +36,8 @@ from lightning_precision.fp8._torchao import MXFP8_TOKENS, mxfp8_after_first_ste
 from lightning_precision.fp8._watch import NEVER_RAN, ForwardWatch, warn_never_ran
 
 if TYPE_CHECKING:
-    from lightning_precision._core.fp8_args import FP8Args
-    from lightning_precision._core.fp8_backend import FP8Backend, LayerMover
+    from lightning_precision._core.fp8.args import FP8Args
+    from lightning_precision._core.fp8.backend import FP8Backend, LayerMover
     from lightning_precision.fp8._plan import HighLabel, PrecisionPlan
 
 __all__ = ["CONVERTED", "LayerBook", "families_of", "rung_below"]

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_precision._core.rounding import join_remainder, split_remainder, stochastic_round
-from lightning_precision._core.rounding_meter import RoundingMeter
-from lightning_precision._core.true_keys import REMAINDER, ROUNDS
-from lightning_precision._core.true_shards import like, local_part, shard_index
+from lightning_precision._core.true.keys import REMAINDER, ROUNDS
+from lightning_precision._core.true.rounding import join_remainder, split_remainder, stochastic_round
+from lightning_precision._core.true.rounding_meter import RoundingMeter
+from lightning_precision._core.true.shards import like, local_part, shard_index
 
 __all__ = ["RoundingPolicy", "seed_of"]
 

@@ -13,7 +13,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from lightning_precision._core.probe_pass import in_probe_pass
 from lightning_precision._warnings import NoEffectWarning, warn
-from lightning_precision.callbacks._amax_extremes import StepExtremes, weight_values
+from lightning_precision.callbacks._amax.extremes import StepExtremes, weight_values
 from lightning_precision.fp8._selection import functional_linears
 
 __all__ = ["Capture", "LayerHooks", "linear_layers"]
