@@ -1,5 +1,5 @@
 """XPUAccelerator: Intel GPUs through upstream torch's ``torch.xpu`` (no IPEX needed), for Fabric (the Trainer's
-subclass is in ``trainer.py``).
+subclass is ``_trainer/accelerator.py``).
 
 Lightning 2.6 rejects ``accelerator="xpu"`` (Lightning #20848). Importing ``lightning_precision`` registers this
 accelerator under ``"xpu"``, unless the name is taken (a Lightning that ships its own XPU accelerator keeps it).

@@ -1,9 +1,9 @@
 """AmaxHistoryLogger: the amax history and scales of fp8 delayed scaling, recorded and made visible.
 
 The callback is the Trainer glue, the window (the ring of amaxes in the accumulator, and the scale it gives) and the
-order of the work; the work is in the private modules beside it: the argument checks (``_amax_checks``), the layers'
-hooks (``_amax_hooks``) recording each step (``_amax_extremes``), Transformer Engine's own state (``_amax_te``), the
-logged keys (``_amax_report``) and the what-if statistics (``lightning_precision._amax_stats``)."""
+order of the work; the work is in the private modules beside it: the argument checks (``_amax.checks``), the layers'
+hooks (``_amax.hooks``) recording each step (``_amax.extremes``), Transformer Engine's own state (``_amax.te``), the
+logged keys (``_amax.report``) and the what-if statistics (``lightning_precision._amax_stats``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """GradientUnderflowMonitor: how many gradients flush to zero (or overflow) in each low-precision format.
 
 The callback is the Trainer glue and the order of the work; the work is in the private modules beside it: the argument
-checks (``_underflow_checks``), the precision plugin's loss scale (``_underflow_plugin``), the fp8 formats' dynamic
-scale (``_underflow_scaling``), the accumulated state (``_underflow_state``), the measures counted into it
-(``_underflow_measure``), the probe backward (``_underflow_probe``), the activation hooks (``_underflow_activations``),
-the weights' rounding (``_underflow_rounding``) and what is logged (``_underflow_report``)."""
+checks (``_underflow.checks``), the precision plugin's loss scale (``_underflow.plugin``), the fp8 formats' dynamic
+scale (``_underflow.scaling``), the accumulated state (``_underflow.state``), the measures counted into it
+(``_underflow.measure``), the probe backward (``_underflow.probe``), the activation hooks (``_underflow.activations``),
+the weights' rounding (``_underflow.rounding``) and what is logged (``_underflow.report``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The chunks of the true-precision step, and the bookkeeping of its flat path: a chunk's workspace (kept per layout),
 what the optimizer steps in the parameters' place (views of its fp32 buffers) and how each state and weight comes back
-out of them. The conversions on the buffers themselves are ``true_flat``'s.
+out of them. The conversions on the buffers themselves are ``flat``'s.
 
 In a chunk on the flat path, a state stored in another form than the step writes now (a resume that changed a setting),
 or one the optimizer replaced by another tensor, is read and written one parameter at a time (``StateCodec``).

@@ -1,4 +1,4 @@
-"""A chunk of the true-precision step on flat buffers (``workspace``, kept by ``true_chunks``): the widening of the
+"""A chunk of the true-precision step on flat buffers (``workspace``, kept by ``chunks``): the widening of the
 weights, gradients and states, the landing of the new weights and the encoding of the states, each a constant number of
 ops for any number of parameters.
 
@@ -11,7 +11,7 @@ Nothing is read from the device on an accelerator: every new weight goes through
 finite, or out of the 16-bit range, keeps the old weight). On a CPU a read waits for nothing, and one pass tells
 whether any value needs that check: mostly none does, and the check's passes are skipped (the same bits either way).
 
-The results are the bits the per-parameter path (``rounding_policy`` and ``true_states``, the same functions of
+The results are the bits the per-parameter path (``rounding_policy`` and ``states``, the same functions of
 ``rounding``) gives on the same values, except the draws of stochastic rounding: one draw per chunk instead of one per
 parameter (the weights first, then the states by name).
 """

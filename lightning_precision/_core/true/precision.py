@@ -1,5 +1,5 @@
 """The core of the true-precision plugins: weights, gradients and activations in bf16/fp16, the user's optimizer
-stepped in fp32 (``_true_step``), every step checked for inf/nan before it is taken.
+stepped in fp32 (``step``), every step checked for inf/nan before it is taken.
 
 No autocast: the model is cast to the 16-bit dtype (the layers of ``keep_fp32`` excepted), floating inputs are cast to
 it, and new tensors default to it inside the forward pass, as Lightning's ``bf16-true``/``16-true`` do. What differs is

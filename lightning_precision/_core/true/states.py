@@ -1,4 +1,4 @@
-"""How the true-precision step stores an optimizer's states (``optimizer_states``), under the keys of ``true_keys``:
+"""How the true-precision step stores an optimizer's states (``optimizer_states``), under the keys of ``keys``:
 each read into fp32 for the optimizer (``StateCodec.decode``) and written back after its step (``StateCodec.encode``),
 one parameter at a time; and the forms the flat path reads and writes on its buffers (``stored_form``,
 ``stored_keys``).

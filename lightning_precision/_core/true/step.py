@@ -11,7 +11,7 @@ Weights and gradients live in bf16/fp16, optimizer states in the dtype asked for
 
 **A constant number of ops.** Parameters of one weight dtype, device and shard go together (a *chunk*): they are
 widened into flat fp32 buffers whose views (made once, ``workspace``) are the stand-ins, and every conversion runs on
-the whole buffer (``true_flat``, kept by ``true_chunks``). What the step adds to the optimizer's own ops is then a fixed
+the whole buffer (``flat``, kept by ``chunks``). What the step adds to the optimizer's own ops is then a fixed
 number per chunk, not per parameter (on a GPU each op is a kernel launch), and it reads nothing from the device.
 Parameters it cannot take so (a sparse gradient, an empty tensor) and states in another form (8-bit ones, torchao's
 low-bit ones, those of a new parameter's first step) take the per-parameter path, the same values.
@@ -25,13 +25,13 @@ A step whose gradients hold inf/nan never gets here: the plugin skips it (and an
 The optimizer's step hooks (``register_step_pre_hook``/``register_step_post_hook``, torch's global ones) run once a
 step, around the whole step, and see the real parameters. A Ctrl-C during the step is raised when it has landed: a
 second one raises at once while the optimizer steps, and is held too while the new values are written (a handful of
-copies, so that no weight is written without its state): ``true_hooks``. An error the optimizer raises leaves the chunk
+copies, so that no weight is written without its state): ``hooks``. An error the optimizer raises leaves the chunk
 it was stepping as it was; chunks landed before it stay stepped.
 
-What the step keeps beside the user's states lives in the optimizer's own state (keys in ``true_keys``), so that every
+What the step keeps beside the user's states lives in the optimizer's own state (keys in ``keys``), so that every
 checkpoint (the Trainer's, ``fabric.save``, a sharded one) carries it: a weight's remainder and how many times it was
 rounded (``rounding_policy``, which also seeds the stochastic rounding so that a resumed run draws what the
-uninterrupted one draws), and the states in the form ``optimizer_states`` asks (``true_states``).
+uninterrupted one draws), and the states in the form ``optimizer_states`` asks (``states``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GradientUnderflowMonitor's measures, counted into its state (``_underflow_state``): each parameter gradient's cast
+"""GradientUnderflowMonitor's measures, counted into its state (``state``): each parameter gradient's cast
 statistics in every format (the fp8 ones at the dynamic scale, keyed ``<fmt>/dynamic``), its fp16 figures at the loss
 scale and its exponent histogram, compared with the probe's; each activation gradient's the same way."""
 
