@@ -18,7 +18,7 @@ from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_precision._core import fsdp
 from lightning_precision._core.probe_pass import in_probe_pass
@@ -100,7 +100,13 @@ class AutocastPrecision(FabricPrecision):
         self._device_type: str | None = None
         self._checked_device: str | None = None
         self._module_ref: weakref.ref | None = None
-        self._install_throughput_dtype()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # Here, not in `__init__`: a copy or an unpickled plugin (deepcopy, ddp_spawn's process) is made without
+        # `__init__`, and the monitor would take it for fp32 once the original is collected.
+        plugin = super().__new__(cls)
+        plugin._install_throughput_dtype()
+        return plugin
 
     def _install_throughput_dtype(self) -> None:
         """Teach Lightning's ThroughputMonitor this plugin's ``peak_flops_dtype`` (the Trainer classes add the Trainer's

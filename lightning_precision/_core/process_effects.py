@@ -4,11 +4,12 @@ undone when the last plugin that holds it lets go (its ``teardown``) or is garba
 - ``FABRIC_THROUGHPUT`` and ``TRAINER_THROUGHPUT``: Lightning's ThroughputMonitor (Fabric's, and the Trainer's, which
   has its own dispatch) maps a precision plugin to the dtype of its peak FLOPs through a private function that takes
   any plugin it does not know for fp32; wrapped, it asks ours for ``peak_flops_dtype`` (others are answered as
-  before). Held from a plugin's construction until it is collected, not released at ``teardown``: the Trainer's
-  monitor reads the dtype in its ``setup``, before the plugin sees the next stage (``validate`` after ``fit``).
+  before). Held from the moment a plugin exists (built, or copied and unpickled, which skip ``__init__``: its
+  ``__new__``) until it is collected, not released at ``teardown``: the Trainer's monitor reads the dtype in its
+  ``setup``, before the plugin sees the next stage (``validate`` after ``fit``).
 - ``STATE_INIT_HOOK``: torch's global optimizer-step pre-hook of the true-precision plugins. torch's distributed
   checkpoint takes a step at lr 0 on a fresh optimizer to learn its states' layout; the hook has such a step taken by
-  the plugin's own fp32 step (``TruePrecision._take_state_init``). Held from ``convert_module`` (which comes before any
+  the plugin's own fp32 step (``TruePrecision.take_state_init``). Held from ``convert_module`` (which comes before any
   checkpoint is loaded) until ``teardown``.
 
 tests/core/test_process_effects.py checks that each is made, undone, and made again by a plugin used again.

@@ -150,7 +150,9 @@ class GuardedStep(StepPolicy):
 
     def on_device(self, device_type: str) -> None:
         if self.scaler.device_type != device_type:
-            state = self.scaler.state_dict()
+            # With the last step's update applied first (a plugin reused on another device rests between a step and
+            # its update under Fabric): the new scaler has no record of that step, and updating it would fail.
+            state = self.state_dict()
             self.scaler = self._rebuilt(device_type)
             self.scaler.load_state_dict(state)
 
