@@ -241,6 +241,14 @@ class AutocastPrecision(FabricPrecision):
     def _after_backward(self) -> None:
         """Hook for subclasses: runs after each successful backward pass."""
 
+    @override
+    def pre_backward(self, tensor: Tensor, module: Module | None) -> Any:
+        self._before_backward(tensor)
+        return super().pre_backward(tensor, module)
+
+    def _before_backward(self, loss: Tensor) -> None:
+        """Hook for subclasses: the loss about to be backpropagated, unscaled (the Trainer's seam calls it too)."""
+
     def autocast_context_manager(self) -> torch.autocast:
         # No weight cache: before pytorch#165068 (torch < 2.10 or so), a `no_grad` forward inside the autocast region
         # cached casts without grad history, and the next forward's backward failed (Lightning #20644). Lightning makes

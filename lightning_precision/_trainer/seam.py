@@ -8,8 +8,9 @@ Each Trainer plugin is ``class X(TrainerScaledPrecision, FabricX)``. In its MRO 
 class calls; tests/trainer/test_seam.py fails when Lightning adds such a method, drops one or changes its parameters,
 and when a Trainer plugin would let Lightning's shadow a Fabric method.
 
-- ``pre_backward``: Lightning's callback and module hooks see the real loss; the loss handed to backward is scaled here
-  (the Fabric class scales it in ``backward``), after the update left pending by the last step's reads.
+- ``pre_backward``: Lightning's callback and module hooks see the real loss, then the plugin's ``_before_backward`` (as
+  the Fabric ``pre_backward``); the loss handed to backward is scaled here (the Fabric class scales it in
+  ``backward``), after the update left pending by the last step's reads.
 - ``backward``: Lightning's ``model.backward`` inside the plugin's backward scope (its matmul precision, then its
   after-backward hook), as the Fabric ``backward``.
 - ``post_backward``: Lightning's own (the Fabric classes add nothing there).
@@ -86,6 +87,7 @@ class TrainerHooks(TrainerPrecision, FabricCore):
                 f" use `from lightning_precision.fabric import {name}`."
             )
         tensor = super().pre_backward(tensor, module)  # Lightning's: the hooks see the real loss
+        self._before_backward(tensor)  # what the Fabric class's `pre_backward` does
         self.apply_pending_update()
         return self.step_policy.scale_loss(tensor)
 

@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                              " and input-gradient relative noise power) the model may take; 'inf' for none")
     parser.add_argument("--device", default=None,
                         help="the GPU the predicted savings are for (e.g. 'H100 SXM', 'B200'); default this"
-                             " machine's, else an H100 SXM (a prediction)")
+                             " machine's; without one (or one the speed table lacks) a prediction for an H100 SXM,"
+                             " or for a B200 where a candidate needs Blackwell (mxfp8, nvfp4)")
     parser.add_argument("--out", default=None, help="plan file, .yaml/.yml/.json (default: plan-<recipe>.yaml)")
     return parser
 

@@ -49,10 +49,9 @@ class FP8Precision(ScaledPrecision):
     Args:
         backend: ``"torchao"`` (default; ``convert_to_float8_training``) or ``"transformer_engine"``
             (``te.autocast(recipe=...)``, TE >= 2.9; ``nn.Linear``/``nn.LayerNorm`` replaced by TE modules).
-        recipe: torchao: ``"tensorwise"`` (default), ``"rowwise"``, ``"rowwise_with_gw_hp"``, a
-            ``Float8LinearConfig``, or ``"mxfp8"`` (torchao's MXFP8 training layer; compute capability >= 10.0, or
-            ``emulate=True``; dims divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``,
-            ``"block"``, a mapping
+        recipe: torchao: ``"tensorwise"`` (default), ``"rowwise"``, ``"rowwise_with_gw_hp"``, a ``Float8LinearConfig``,
+            or ``"mxfp8"`` (torchao's MXFP8 training layer; compute capability >= 10.0, or ``emulate=True``; dims
+            divisible by 32). TE: ``"delayed"`` (default), ``"current"``, ``"mxfp8"``, ``"block"``, a mapping
             ``{"name": "delayed", "amax_history_len": 16, ...}`` or a TE recipe object.
         emulate: run torchao's fp8 numerics without fp8 hardware (CPU included), slowly. torchao only.
         compute_dtype: the high-precision dtype of everything that is not an fp8 GEMM (bf16 or fp16). With fp16 the
@@ -72,15 +71,14 @@ class FP8Precision(ScaledPrecision):
         skip_first_last: leave the first and last linear layers that run as modules in high precision.
         layers: which eligible layers run in fp8. ``None`` (default): all that the shape rules leave. ``"auto"``: the
             first ``calibration_batches`` training batches run in ``compute_dtype`` while each eligible layer's fp8
-            numerics are measured (``lightning_precision.fp8.fp8_sensitivity``; none is reported fp8 meanwhile); at
-            the first
-            optimizer step after them the layers ``plan_rule`` accepts are converted (same Parameter objects: the
-            optimizer is untouched) and the plan is logged and kept in ``plan`` and in checkpoints. A plan made here
-            belongs to its model: set up with another model, the plugin measures again. A ``PrecisionPlan`` or the
-            path of a saved one (YAML/JSON): its fp8 layers, as saved (``skip_small_layers``/``skip_first_last`` do
-            not apply; a plan with ``module_filter`` is refused). A plan's layer may name its own format
-            (``precision: rowwise``; ``"fp8"`` is the plugin's ``recipe``): under torchao each layer is converted in
-            its format, tensorwise, rowwise, rowwise_with_gw_hp and MXFP8 side by side.
+            numerics are measured (``lightning_precision.fp8.fp8_sensitivity``; none is reported fp8 meanwhile; a batch
+            whose loss is not finite is left out); at the first optimizer step after them the layers ``plan_rule``
+            accepts are converted (same Parameter objects: the optimizer is untouched) and the plan is logged and kept
+            in ``plan`` and in checkpoints. A plan made here belongs to its model: set up with another model, the plugin
+            measures again. A ``PrecisionPlan`` or the path of a saved one (YAML/JSON): its fp8 layers, as saved
+            (``skip_small_layers``/``skip_first_last`` do not apply; a plan with ``module_filter`` is refused). A plan's
+            layer may name its own format (``precision: rowwise``; ``"fp8"`` is the plugin's ``recipe``): under torchao
+            each layer is converted in its format, tensorwise, rowwise, rowwise_with_gw_hp and MXFP8 side by side.
         calibration_batches: with ``layers="auto"``, how many batches to measure (default 8): Trainer training steps
             (whatever the optimizers or the gradient accumulation), Fabric backward passes. With fp16 compute, batches
             whose step the loss scaler skipped (its overflows) are measured again.
@@ -136,8 +134,7 @@ class FP8Precision(ScaledPrecision):
         self._book = LayerBook(owner, "NVFP4" if self._nvfp4 else "fp8", compute_dtype, self._high, self._args)
         self._calibration: Calibration | None = None
 
-    # Read-only: what the backend resolved, the arguments about layers (checked), what the layer book records; the
-    # flat layer choice reads `layer_policy`, for code written against the flat arguments.
+    # Read-only: what the backend resolved, the checked layer arguments, the layer book's records, `layer_policy`'s.
     backend = property(lambda self: self._backend.name, _set_backend)
     recipe = property(lambda self: self._backend.recipe)
     emulate = property(lambda self: self._backend.emulate)
@@ -157,9 +154,8 @@ class FP8Precision(ScaledPrecision):
     skip_first_last = property(lambda self: self.layer_policy.skip_first_last)
 
     def _to_be_sharded(self, module: Module) -> bool:
-        """Whether FSDP2 is about to shard ``module`` (the plugin then converts before ``fully_shard``). Fabric shards
-        in ``parallelize_fn``, after the conversion, and says nothing of it here: ``fsdp_float8_all_gather=True``
-        asks for it. The Trainer's plugin knows (its strategy)."""
+        """Whether FSDP2 is about to shard ``module`` (the plugin then converts before ``fully_shard``): unseen here,
+        Fabric shards in ``parallelize_fn`` (``fsdp_float8_all_gather=True`` asks); the Trainer's plugin knows."""
         return False
 
     @property
@@ -192,8 +188,7 @@ class FP8Precision(ScaledPrecision):
 
     @property
     def _choosing(self) -> bool:
-        """Whether ``layers="auto"`` chooses among formats (several candidates, or an error budget) rather than between
-        the plugin's recipe and high precision."""
+        """Whether ``layers="auto"`` chooses among formats (several candidates, or an error budget), not fp8-or-not."""
         return chooses_formats(self.candidates, self.plan_rule)  # the one rule, `make_plan`'s too
 
     def _plan_setup(self) -> PlanSetup:
@@ -282,13 +277,17 @@ class FP8Precision(ScaledPrecision):
             self._calibration.stepped(self.step_was_skipped)  # known on the host already (schedulers are held)
         return output
 
-    # Where a batch ends for `layers="auto"`: Fabric has no training-step hook, so each backward pass is one; the
-    # Trainer counts training steps (`train_step_context`), whatever backward passes one runs (manual optimization).
+    # A batch of `layers="auto"`: a Fabric backward pass (the Trainer's plugin: a training step, `train_step_context`).
     _batch_per_backward = True
 
     def _measured_batch(self) -> None:
         if self._calibration is not None:
             self._calibration.measured_batch(self.compute_dtype, self._book.report)
+
+    @override
+    def _before_backward(self, loss: Tensor) -> None:
+        if self._calibration is not None:  # a non-finite loss leaves its batch out of the measuring
+            self._calibration.loss(loss)
 
     @override
     def _after_backward(self) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_precision.fp8._decision import chooses_formats
 from lightning_precision.fp8._plan import PrecisionPlan
-from lightning_precision.fp8._plan_setup import check_candidates, planning_policies, recording_edges
+from lightning_precision.fp8._plan_setup import check_candidates, check_root_layer, planning_policies, recording_edges
 from lightning_precision.fp8._plan_types import HIGH, HighLabel, PlanRule, high_label
 from lightning_precision.fp8._selection import (
     FP8LayerPolicy,
@@ -30,7 +30,7 @@ from lightning_precision.fp8._sensitivity import (
     measure_candidates,
     probe_config,
 )
-from lightning_precision.fp8._torchao import torchao_scaling_family
+from lightning_precision.fp8._torchao import MXFP8Recipe, torchao_scaling_family
 
 __all__ = ["make_plan"]
 
@@ -58,18 +58,22 @@ def make_plan(
 
     ``candidates`` (format names, e.g. ``("tensorwise", "rowwise", "mxfp8")``): choose among them per layer
     (``PrecisionPlan.choose``): each is measured in the same pass over ``batches``, its step-time saving predicted for
-    ``device`` (a GPU's name; default this process's GPU, else an H100 SXM, said to be a prediction) or, with
+    ``device`` (a GPU's name; default this process's GPU; without one, or one the speed table lacks, a prediction for
+    an H100 SXM, or for a B200 where a candidate needs Blackwell: MXFP8, NVFP4; ``_speed.planning_device``) or, with
     ``benchmark=True`` on a CUDA GPU, timed on the layer's own shapes; the plan takes the most saving within
     ``plan_rule`` (its per-layer bounds and ``error_budget``). Without ``candidates`` (and without an error budget),
     ``recipe`` alone is measured and each layer is fp8 or high precision by the per-layer bounds, as before; so is
     one candidate without an error budget, measured in its own format (``_decision.chooses_formats``: the plugin's
-    rule)."""
+    rule). A model that is itself an ``nn.Linear`` is refused (``check_root_layer``), and so is MXFP8 under
+    ``autocast_dtype=torch.float16`` (torchao's MXFP8 casts take bf16 or fp32; the plugin refuses it too)."""
+    check_root_layer("`make_plan(model=nn.Linear(...))`", model)
     if plan_rule is not None and not isinstance(plan_rule, PlanRule):
         raise ValueError(f"`make_plan(plan_rule={plan_rule!r})`: pass a `PlanRule` (`PlanRule()` for the defaults).")
     policy = resolve_layer_policy("make_plan", layer_policy, module_filter=module_filter,
                                   skip_small_layers=skip_small_layers, skip_first_last=skip_first_last)
     names = check_candidates(f"`make_plan(candidates={candidates!r})`", candidates) if candidates is not None \
         else None
+    _check_fp16_mxfp8(recipe, names, autocast_dtype)
     if not chooses_formats(names, plan_rule):
         if device is not None or benchmark:
             raise ValueError("`make_plan(device=..., benchmark=...)`: savings are weighed when choosing among formats;"
@@ -103,6 +107,21 @@ def make_plan(
     savings = _timed_savings(model, measured, high) if benchmark else None
     return PrecisionPlan.choose(decisions, measured, plan_rule, device, high, policy.skip_small_layers,
                                 savings=savings)
+
+
+def _check_fp16_mxfp8(recipe: Any, names: tuple[str, ...] | None, autocast_dtype: torch.dtype | None) -> None:
+    """torchao's MXFP8 casts take bf16 or fp32, not fp16: a plan with MXFP8 layers made under fp16 autocast would be
+    refused by the plugin that applies it (``FP8Precision(compute_dtype=torch.float16)``, ``args._check_fp16_mxfp8``),
+    so it is refused here as there, before measuring."""
+    if autocast_dtype != torch.float16:
+        return
+    fix = "pass `autocast_dtype=torch.bfloat16` (the default), or leave MXFP8 out"
+    if names is not None and "mxfp8" in names:
+        raise ValueError(f"`make_plan(candidates={names!r}, autocast_dtype=torch.float16)`: torchao's MXFP8 casts take"
+                         f" bf16 or fp32, not fp16; {fix} of `candidates`.")
+    if names is None and (isinstance(recipe, MXFP8Recipe) or (isinstance(recipe, str) and recipe == "mxfp8")):
+        raise ValueError(f"`make_plan(recipe={recipe!r}, autocast_dtype=torch.float16)`: torchao's MXFP8 casts take"
+                         f" bf16 or fp32, not fp16; {fix}.")
 
 
 def _decided(model: nn.Module, policy: FP8LayerPolicy, scaling_family: ScalingFamily, plan_rule: PlanRule | None,

@@ -122,7 +122,8 @@ class PrecisionPlan:
         """The plan that chooses, per layer the shape rules leave (``decisions``), one of the formats measured
         (``measured``: format -> layer -> numbers, ``measure_candidates``'s result) or high precision: the most
         predicted saving (``_speed.predicted_saving`` on ``device``, default this process's GPU, else an H100 SXM as a
-        prediction) such that every chosen format passes ``rule``'s per-layer bounds and the chosen formats' summed
+        prediction, or the first GPU of the table that runs every candidate, a B200, when MXFP8 or NVFP4 is one) such
+        that every chosen format passes ``rule``'s per-layer bounds and the chosen formats' summed
         ``error_contribution`` stays within ``rule.error_budget``; solved exactly (``_choice.choose``).
         ``skip_small_layers=False``: a format predicted slower than ``high`` may still be chosen (first as many layers
         in low precision as the budget allows, then the most saving), as the shape rule's flag means. ``savings``:
@@ -159,6 +160,24 @@ class PrecisionPlan:
 
     def get(self, fqn: str) -> LayerPlan | None:
         return next((p for p in self.layers if p.fqn == fqn), None)
+
+    def by_first_path(self, decisions: list[LayerDecision]) -> PrecisionPlan:
+        """This plan with each entry under its layer's first path (``LayerDecision.fqn``): a module registered under
+        several names (``self.c = self.a``) is one layer, and the plan may name it by any of them. Two entries for
+        one layer must agree on what it runs in (an fp8 format, or high precision); else a ``ValueError``."""
+        first = {alias: d.fqn for d in decisions for alias in d.aliases}
+        if not any(p.fqn in first for p in self.layers):
+            return self
+        kept: dict[str, LayerPlan] = {}
+        for p in sorted(self.layers, key=lambda p: p.fqn in first):  # an entry under the first path wins
+            path = first.get(p.fqn, p.fqn)
+            other = kept.setdefault(path, dataclasses.replace(p, fqn=path))
+            if other.low != p.low or (p.low and other.precision != p.precision):
+                names = [q.fqn for q in self.layers if first.get(q.fqn, q.fqn) == path]
+                raise ValueError(f"PrecisionPlan: {' and '.join(map(repr, names))} are one layer (one module"
+                                 f" registered under {len(names)} names), and the plan gives it {other.precision!r}"
+                                 f" and {p.precision!r}; give every name of it one precision, or list it once.")
+        return dataclasses.replace(self, layers=tuple(kept.values()))
 
     @property
     def measured(self) -> bool:

@@ -1,5 +1,6 @@
 """What ``make_plan``, the plan command and ``FP8Precision(layers="auto")`` share before they measure: the candidate
-formats checked (``check_candidates``), the layer policies of the measuring pass and of the decision
+formats checked (``check_candidates``), the model checked for a layer a plan can name (``check_root_layer``), the
+layer policies of the measuring pass and of the decision
 (``planning_policies``), and the recorder of the model's edges during that pass (``edge_recorder``,
 ``recording_edges``).
 """
@@ -17,7 +18,7 @@ from lightning_precision.fp8._edges import EdgeRecorder
 from lightning_precision.fp8._plan_types import FORMATS, FP8, HIGH_LABELS
 from lightning_precision.fp8._selection import FP8LayerPolicy, linear_layers
 
-__all__ = ["check_candidates", "edge_recorder", "planning_policies", "recording_edges"]
+__all__ = ["check_candidates", "check_root_layer", "edge_recorder", "planning_policies", "recording_edges"]
 
 
 def check_candidates(call: str, candidates: Any, known: Sequence[str] = FORMATS, kind: str = "",
@@ -39,6 +40,18 @@ def check_candidates(call: str, candidates: Any, known: Sequence[str] = FORMATS,
     if repeated:
         raise ValueError(f"{call}: {', '.join(map(repr, repeated))} named more than once; name each format once.")
     return tuple(candidates)
+
+
+def check_root_layer(call: str, model: nn.Module) -> None:
+    """A model that is itself an ``nn.Linear`` is refused with a ``ValueError`` that repeats ``call`` and says the fix.
+    A plan names each layer by its path, and this layer's is ``''``, which a plan refuses (``LayerPlan``: an empty path
+    in a file is a mistake far more often than the model itself); nor could ``layers="auto"`` convert it after
+    measuring, in place, as it converts a layer inside a model: the root is the object the caller holds."""
+    if isinstance(model, nn.Linear):
+        raise ValueError(f"{call}: the model is itself an nn.Linear, whose path in the model is '' (empty), and a plan"
+                         " names each layer by its path. Wrap it: `nn.Sequential(model)` (its layer's path is then"
+                         " '0'), and train the wrapped model; or convert it by a recipe without a plan"
+                         " (`FP8Precision(recipe=...)`, no `layers=`).")
 
 
 def planning_policies(policy: FP8LayerPolicy, choosing: bool) -> tuple[FP8LayerPolicy, FP8LayerPolicy]:

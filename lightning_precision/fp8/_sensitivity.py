@@ -258,6 +258,14 @@ class _Probe:
         flags[emulator] = torch.minimum(flags[emulator], finite.to(flags))
         self._pending = True
 
+    def mark_loss(self, loss: Tensor) -> None:
+        """The staged batch's loss: a non-finite one leaves the batch out, as a non-finite input or gradient does (a
+        term of the loss that reaches no layer's gradient, an inf penalty say, would not). Device ops only; nothing
+        when nothing was staged."""
+        if self._pending:
+            flags = self.state["finite"]
+            flags.copy_(torch.minimum(flags, torch.isfinite(loss.detach()).all().to(flags)))
+
     def commit(self) -> None:
         """End of a batch: its staged numbers join the sums if every tensor measured in it was finite; counted either
         way. Device ops only; nothing when nothing was staged."""
@@ -478,6 +486,7 @@ def _measure(owner: str, model: nn.Module, batches: Iterable[Any], make_probe: C
                 outputs, probe.outputs = probe.outputs, []
                 if outputs:  # the layers' output gradients only: no parameter's .grad is written
                     torch.autograd.grad(loss, outputs, allow_unused=True)
+                probe.mark_loss(loss)
                 probe.commit()
     finally:
         probe.close()

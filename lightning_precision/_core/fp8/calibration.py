@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from torch.nn import Linear, Module
 
 from lightning_precision._core import fsdp
@@ -64,7 +65,9 @@ def start_calibration(module: Module, setup: PlanSetup, batches: int, to_be_shar
                       previous: Calibration | None) -> Calibration:
     """Start measuring ``module`` (``previous``: a model whose measuring never finished; its hooks go)."""
     from lightning_precision.fp8._plan import edge_recorder, planning_policies
+    from lightning_precision.fp8._plan_setup import check_root_layer
 
+    check_root_layer(f"{setup.owner}(layers='auto')", module)  # before measuring: its plan could not name the layer
     if to_be_sharded or fsdp.is_sharded(module):
         raise RuntimeError(
             f"{setup.owner}(layers='auto') cannot choose layers under FSDP2: they must be converted before"
@@ -121,6 +124,10 @@ class Calibration:
         more batch is counted."""
         self.probe.commit()
         self.seen += 1
+
+    def loss(self, loss: Tensor) -> None:
+        """The loss of the batch being measured (before its backward): a non-finite one leaves the batch out."""
+        self.probe.mark_loss(loss)
 
     def stepped(self, skipped: bool) -> None:
         """An optimizer step of the loss scaler (fp16 compute). One it skipped overflowed the scale in its batches,
@@ -188,9 +195,9 @@ class Calibration:
         faults = max(0, probe.dropped - self.retaken * _world_size())
         if faults:
             warn(f"{setup.owner}(layers='auto'): {faults} of the {probe.dropped + probe.batches} batches measured"
-                 " (over all processes) had a non-finite input, gradient or fp32 result in a measured layer: a fault"
-                 " of the data or the loss, not of fp8. They were left out; the plan is made from the other"
-                 f" {probe.batches}.")
+                 " (over all processes) had a non-finite loss, or a non-finite input, gradient or fp32 result in a"
+                 " measured layer: a fault of the data or the loss, not of fp8. They were left out; the plan is made"
+                 f" from the other {probe.batches}.")
         not_measured = (f"not measured: all {probe.dropped} batches measured had non-finite values"
                         if probe.dropped and not probe.batches else None)
         final, _ = planning_policies(setup.policy, setup.choosing)

@@ -134,6 +134,7 @@ class LayerBook:
         check_plan_formats(plan, self.owner, backend, self.fsdp_float8_all_gather)  # a restored plan is checked here
         every = lambda m, fqn: True  # noqa: E731  (the hard rules alone)
         hard = select_fp8_layers(module, backend.scaling_family, module_filter=every)
+        plan = plan.by_first_path(hard)  # a layer may be named by any of its paths
         unknown = sorted(plan.fp8_layers - {d.fqn for d in hard})
         if unknown:
             raise ValueError(f"{self.owner}: the plan puts layers in fp8 that this model does not have as"
@@ -301,9 +302,11 @@ class LayerBook:
         return self._move("step_down", layers, numbers, backend, lambda fqn, module, mover: rung_below(mover, module))
 
     def _move(self, verb: str, layers: Mapping[str, str], numbers: Mapping[str, dict[str, float]] | None,
-              backend: FP8Backend, target: Target) -> dict[str, str]:
+              backend: FP8Backend, target: Target, resumed: bool = False) -> dict[str, str]:
         """Move the named converted layers to the format ``target`` gives each (None: ``compute_dtype``), in place,
-        and record it (``demote``, ``step_down``, and a resumed run's plan). A layer already in its target stays."""
+        and record it (``demote``, ``step_down``, and a resumed run's plan). A layer already in its target stays, and
+        is not recorded unless ``resumed``: the checkpoint's plan put it there (a layer stepped down to the recipe's
+        own format, which the new conversion gave it too), and the plan and decisions say so, as the run's did."""
         current, root = self.fp8_modules(), self.root()
         if root is not None:
             # Converted layers reported not fp8 for now still compute in fp8 when they run (an expert no token has
@@ -323,6 +326,8 @@ class LayerBook:
             module = current[fqn]
             fmt = target(fqn, module, mover)
             if fmt == mover.layer_format(module):
+                if resumed:
+                    moved[fqn] = fmt
                 continue
             new = mover.set_layer_format(module, fmt, fqn)
             if new is not module:
@@ -330,12 +335,14 @@ class LayerBook:
             moved[fqn] = fmt
             self._short_mxfp8.pop(fqn, None)  # no longer an MXFP8 layer: its fallbacks are over
         if moved:
-            self._record_moves(moved, layers, numbers or {}, backend.scaling_family)
+            self._record_moves(moved, layers, numbers or {}, backend)
         return {fqn: fmt or self.high for fqn, fmt in moved.items()}
 
     def _record_moves(self, moved: dict[str, str | None], why: Mapping[str, str],
-                      numbers: Mapping[str, dict[str, float]], scaling_family: ScalingFamily) -> None:
-        plan = self.plan_in_force(scaling_family)
+                      numbers: Mapping[str, dict[str, float]], backend: FP8Backend) -> None:
+        """The plan says each moved layer's new format; its decision says it as a plan's does (``decision_format``:
+        None for the plugin's own recipe), so a resumed run, which decides from the plan, reports it alike."""
+        plan = self.plan_in_force(backend.scaling_family)
         assert plan is not None  # layers run in fp8: the model is converted and decided
         for fqn, fmt in moved.items():
             plan = plan.with_layer(fqn, fmt or self.high, why[fqn], numbers.get(fqn))
@@ -345,7 +352,8 @@ class LayerBook:
             fmt = moved[d.fqn]
             if fmt is None:
                 return dataclasses.replace(d, fp8=False, format=None, reason=f"demoted: {why[d.fqn]}")
-            return dataclasses.replace(d, fp8=True, format=fmt, reason=f"stepped down to {fmt}: {why[d.fqn]}")
+            return dataclasses.replace(d, fp8=True, format=decision_format(fmt, backend.recipe_format),
+                                       reason=f"stepped down to {fmt}: {why[d.fqn]}")
 
         for fqn in moved:  # an expert not run yet: reported not fp8 until it runs, then as it is now
             idle = self._idle.pop(fqn, None)
@@ -388,7 +396,7 @@ class LayerBook:
         else:  # converted already: what the run moved stays where it went
             self._move("load_state_dict", {f: p.reason for f, p in moved.items()},
                        {f: p.numbers for f, p in moved.items()}, backend,
-                       lambda fqn, module, mover: saved.format_of(fqn))
+                       lambda fqn, module, mover: saved.format_of(fqn), resumed=True)
 
     def _warn_plans_differ(self, saved: PrecisionPlan, given: PrecisionPlan, recipe_format: str, shown: str) -> None:
         """The checkpoint's plan is what the run trained with, FP8Guard's demotions included; the given one is what
