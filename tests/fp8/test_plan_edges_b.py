@@ -12,22 +12,11 @@ from torch import nn
 from lightning_precision import FP8Precision, PrecisionPlan
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.fp8._plan_types import LayerPlan
+from tests.callbacks.test_guard_ladder import Net  # dims and tokens multiples of 32: every layer runs MXFP8
 from tests.fp8.test_plan import FP8_KW, Lit, batches, loader
 from tests.helpers import has_mxfp8
 
 pytest.importorskip("torchao")
-
-
-class Net(nn.Module):
-    """Dims and tokens multiples of 32: every layer can run in MXFP8."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.head = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
 @pytest.mark.skipif(not has_mxfp8(), reason="this torchao has no MXFP8 training layer (torchao 0.11)")
