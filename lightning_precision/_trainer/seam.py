@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_precision._core.autocast import AutocastPrecision
 from lightning_precision._core.process_effects import TRAINER_THROUGHPUT
+from lightning_precision._upstream.lightning import after_closure
 
 if TYPE_CHECKING:  # what the mixin is always mixed with, for the type checker
     from lightning_precision._core.scaled import ScaledPrecision as FabricCore
@@ -124,7 +125,7 @@ class TrainerHooks(TrainerPrecision, FabricCore):
             # a finite gradient that the fused step's own check would let through.
             if not skipped_backward:
                 self._unscale_before_hooks(optimizer)
-            self._after_closure(model, optimizer)
+            after_closure(self, model, optimizer)
             if not skipped_backward:
                 output = self._scaler_step(optimizer, **kwargs)
                 self._after_trainer_step(optimizer)

@@ -41,6 +41,7 @@ __all__ = [
     "FABRIC_MODULE_PREFIX",
     "FABRIC_THROUGHPUT_MODULE",
     "TRAINER_THROUGHPUT_MODULE",
+    "after_closure",
     "batches_that_stepped",
     "convert_fp_tensor",
     "install_throughput_dtype",
@@ -55,6 +56,14 @@ def should_update_logs(trainer: pl.Trainer) -> bool:
     """Whether the logger connector writes on this step (``Trainer(log_every_n_steps=...)``). Lightning exposes no
     public way to ask; the plugins and callbacks read device values only on such steps."""
     return trainer._logger_connector.should_update_logs
+
+
+def after_closure(plugin: Any, model: pl.LightningModule, optimizer: Any) -> None:
+    """What Lightning's Trainer ``Precision.optimizer_step`` does between the closure and the step: the callbacks' and
+    the LightningModule's ``on_before_optimizer_step``, then gradient clipping at the Trainer's ``gradient_clip_val``.
+    The seam's ``optimizer_step`` must unscale and check between the closure and these hooks, so it cannot call
+    Lightning's step whole; no public method runs the hooks and clipping in Lightning's order."""
+    plugin._after_closure(model, optimizer)
 
 
 def batches_that_stepped(trainer: pl.Trainer) -> int:

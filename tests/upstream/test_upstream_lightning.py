@@ -98,3 +98,27 @@ def test_published_metrics_reach_the_loggers_and_callback_metrics_and_stay():
     assert float(run.logged_metrics["published"]) == 2.5 and "loss" in run.logged_metrics
     steps = {key: step for step, metrics in logger.logged for key in metrics}
     assert steps["published"] == 1 and [s for s, m in logger.logged if "loss" in m][0] == 1  # the same step
+
+
+def test_after_closure_runs_the_before_step_hooks_then_clips():
+    """`after_closure` (Lightning's private `Precision._after_closure`): the callbacks' and the module's
+    `on_before_optimizer_step` see the gradients before clipping, which clips at the Trainer's `gradient_clip_val`."""
+    seen = []
+
+    class Hooked(LitNet):
+        def on_before_optimizer_step(self, optimizer):
+            seen.append(max(p.grad.abs().max().item() for p in self.parameters()))
+
+    class Scaled(LitNet):  # gradients far above the clip value, so clipping is visible
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * 1e4
+
+    model = type("Both", (Scaled, Hooked), {})()
+    run = trainer(None, max_steps=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
+    run.fit(model, loader(make_data(2)))  # a real fit: the Trainer the hooks and the clip value are read from
+    loss = model.training_step(next(iter(loader(make_data(2)))), 0)
+    loss.backward()
+    before = max(p.grad.abs().max().item() for p in model.parameters())
+    upstream.after_closure(run.precision_plugin, model, run.optimizers[0])
+    after = max(p.grad.abs().max().item() for p in model.parameters())
+    assert seen[-1] == before > 1e-3 and after == pytest.approx(1e-3)
