@@ -1,6 +1,7 @@
 """``benchmarks/true_precision.py`` runs, as a user would run it (a subprocess), on a few steps: its step-time part with
-the optimizer step alone and its profile, its pieces, and one variant's bytes a parameter. Nothing timed is asserted;
-the bytes are counted, so they are."""
+the optimizer step alone and its profile, its pieces and its op counts in one run (each test reads its part of the
+output: a process's start costs more than a part), and one variant's bytes a parameter. Nothing timed is asserted; the
+bytes are counted, so they are."""
 
 from __future__ import annotations
 
@@ -26,8 +27,16 @@ def _run(*args: str, env: dict[str, str] | None = None) -> str:
     return proc.stdout
 
 
-def test_step_time_with_the_step_alone_and_the_pieces():
-    out = _run("--part", "time", "--part", "pieces", "--model", "vit", "--rounds", "1", "--steps", "7", "--profile")
+@pytest.fixture(scope="module")
+def time_pieces_and_ops() -> str:
+    """The time part (torchao's peer row included), its profile, the pieces, then the ops part (last: the ops tests
+    split the output at its tables' titles), in one process."""
+    return _run("--part", "time", "--part", "pieces", "--part", "ops", "--model", "vit", "--rounds", "1", "--steps", "7",
+                "--profile", "--ops-layers", "2,8")
+
+
+def test_step_time_with_the_step_alone_and_the_pieces(time_pieces_and_ops):
+    out = time_pieces_and_ops.split("\nOne training step")[0]
     for row in ("| Lightning bf16-true |", "| BF16TruePrecision() |", "| BF16TruePrecision(update='compensated') |",
                 "| Lightning bf16-mixed |", "| FP16TruePrecision() |", "| torchao _AdamW(bf16_stochastic_round=True)",
                 "AdamW on the bf16 weights (Lightning bf16-true)", "ours, update='stochastic', step_chunk=2**20",
@@ -41,10 +50,10 @@ def _ops(out: str, model: str, variant: str, table: int) -> int:
     return int(cells[2])
 
 
-def test_the_ops_part_counts_what_the_step_adds_as_a_constant():
+def test_the_ops_part_counts_what_the_step_adds_as_a_constant(time_pieces_and_ops):
     """The op-count part, on MLPs of 2 and 8 layers: what each true plugin adds to Lightning's bf16-true is the same
     number of aten ops for both (constant per chunk, not per parameter), with AdamW's loop and with its foreach."""
-    out = _run("--part", "ops", "--model", "vit", "--ops-layers", "2,8", "--no-peer")
+    out = time_pieces_and_ops
     for table in (0, 1):
         for variant in ("BF16TruePrecision()", "FP16TruePrecision()", "BF16TruePrecision(update='compensated')"):
             added = [_ops(out, f"MLP {n} x 64x64 ({2 * n} parameters)", variant, table)
