@@ -7,6 +7,7 @@ book (``_core.fp8.layers``: what each layer runs and why, the plan in force, mov
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, cast
@@ -16,14 +17,25 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_precision._core import fsdp
 from lightning_precision._core.autocast import MatmulPrecision
 from lightning_precision._core.fp8.args import check_fp8_args, check_precision_args, shown_layers
 from lightning_precision._core.fp8.backend import FP8Backend
 from lightning_precision._core.fp8.backends import make_backend
-from lightning_precision._core.fp8.calibration import Calibration, PlanSetup, decide, start_calibration
+from lightning_precision._core.fp8.calibration import (
+    Calibration,
+    PlanSetup,
+    ShapeTiming,
+    decide,
+    runs_here,
+    start_calibration,
+    start_timing,
+    timed_plan,
+)
 from lightning_precision._core.fp8.layers import CONVERTED, LayerBook, families_of
 from lightning_precision._core.scaled import SKIP_NONFINITE_DEFAULT, ScaledPrecision
 from lightning_precision._core.scaling.scaler import ScalerConfig
+from lightning_precision._warnings import warn
 from lightning_precision.fp8._decision import chooses_formats
 from lightning_precision.fp8._plan import PlanLike, PlanRule, PrecisionPlan, high_label
 from lightning_precision.fp8._selection import (
@@ -34,6 +46,8 @@ from lightning_precision.fp8._selection import (
     RecipeLike,
     select_fp8_layers,
 )
+from lightning_precision.fp8._step_shapes import CompileWatch
+from lightning_precision.fp8._timing import Timer, timer_for
 
 __all__ = ["FP8Precision", "NVFP4Precision"]
 
@@ -133,6 +147,8 @@ class FP8Precision(ScaledPrecision):
                                     fsdp_float8_all_gather, layers, calibration_batches, plan_rule, candidates)
         self._book = LayerBook(owner, "NVFP4" if self._nvfp4 else "fp8", compute_dtype, self._high, self._args)
         self._calibration: Calibration | None = None
+        self._compile_watch: CompileWatch | None = None  # whether the model runs compiled: seen at its first forward
+        self._compiled = False
 
     # Read-only: what the backend resolved, the checked layer arguments, the layer book's records, `layer_policy`'s.
     backend = property(lambda self: self._backend.name, _set_backend)
@@ -184,7 +200,35 @@ class FP8Precision(ScaledPrecision):
                      else select_fp8_layers(module, self.scaling_family, layer_policy=self.layer_policy))
         if self.layers == "auto":  # and no plan: measure first
             return self._start_calibration(module)
-        return self._book.convert(module, decisions, self._backend, lambda: self._to_be_sharded(module))
+        if self.plan is None and self._timer() is not None and not self._sharding(module):
+            self._calibration = start_timing(module, decisions, self._calibration)  # time first (a CUDA GPU)
+            self._book.measure(module, self._calibration.measuring())
+            self._watch_compile(module, self._calibration.decisions)
+            return module
+        module = self._book.convert(module, decisions, self._backend, lambda: self._to_be_sharded(module))
+        self._watch_compile(module, self._book.decisions)
+        return module
+
+    def _timer(self) -> Timer | None:
+        """This CUDA GPU's timer where fp8 runs for real on it through torchao (``fp8._timing``'s seam); None
+        elsewhere: on a CPU, with ``emulate=True``, or with Transformer Engine (whose recipes torchao cannot time:
+        the shape rules' thresholds stand)."""
+        return timer_for(self._backend.name, self.emulate)
+
+    def _sharding(self, module: Module) -> bool:
+        """Whether FSDP2 shards ``module`` (or is known to be about to): its layers convert before ``fully_shard``, so
+        before any batch could show their shapes: the shape rules' thresholds decide, as without a GPU."""
+        return self._to_be_sharded(module) or fsdp.is_sharded(module) or self.fsdp_float8_all_gather is True
+
+    def _watch_compile(self, module: Module, decisions: list[LayerDecision]) -> None:
+        """Watch the first forward of any eligible layer: does the model run under ``torch.compile``? (The plugin never
+        sees the compiled wrapper: Fabric unwraps it, the Trainer compiles the LightningModule's forward.) torchao
+        only: Transformer Engine fuses its casts in its own kernels, compiled or not, and its layers are not timed."""
+        if self._compile_watch is not None:
+            self._compile_watch.close()
+        eligible = [module.get_submodule(d.fqn) for d in decisions if d.fp8]
+        watched = eligible and self._backend.name == "torchao"
+        self._compile_watch = CompileWatch(eligible) if watched else None
 
     @property
     def _choosing(self) -> bool:
@@ -192,8 +236,12 @@ class FP8Precision(ScaledPrecision):
         return chooses_formats(self.candidates, self.plan_rule)  # the one rule, `make_plan`'s too
 
     def _plan_setup(self) -> PlanSetup:
+        timer = self._timer()
+        allowed = self.candidates if self._choosing and self.candidates else (self._backend.recipe_format,)
+        timed = tuple(f for f in allowed if runs_here(f)) if timer is not None else ()  # this GPU's own capability
         return PlanSetup(type(self).__name__, self.layer_policy, self._choosing, self.candidates, self.plan_rule,
-                         self.scaling_family, self._backend.name, self._high, self._probe_config)
+                         self.scaling_family, self._backend.name, self._high, self._probe_config, timer, timed,
+                         self._compiled)
 
     def _probe_config(self) -> Any:
         return self._backend.probe_config()
@@ -202,16 +250,31 @@ class FP8Precision(ScaledPrecision):
         self._calibration = start_calibration(module, self._plan_setup(), self.calibration_batches or 8,
                                               self._to_be_sharded(module), self._calibration)
         self._book.measure(module, self._calibration.measuring())
+        self._watch_compile(module, self._calibration.decisions)
         return module
 
     def _decide(self, decisions: list[LayerDecision], sensitivity: dict[str, Any],
-                not_measured: str | None = None) -> PrecisionPlan:
-        """``layers="auto"``'s plan (the one place it is made: ``fp8_calibration.decide``)."""
-        return decide(decisions, sensitivity, not_measured, self._plan_setup())
+                not_measured: str | None = None, speed: Any = None) -> PrecisionPlan:
+        """``layers="auto"``'s plan (the one place it is made: ``fp8_calibration.decide``); ``speed``: the layers timed
+        on this GPU (a ``MeasuredSpeed``), else the savings are predicted."""
+        return decide(decisions, sensitivity, not_measured, self._plan_setup(), speed)
 
     def _finish_calibration(self) -> None:
         calibration, self._calibration = self._calibration, None
         assert calibration is not None
+        if isinstance(calibration, ShapeTiming):  # layers=None on a CUDA GPU: convert the layers measured faster
+            setup, timings = self._plan_setup(), calibration.models()
+            for timing in timings:  # each model set up on the plugin (the book follows the last)
+                module = timing.module
+                decisions, speed = timing.timed(setup, self._backend.recipe_format)
+                self._book.convert(module, decisions, self._backend, functools.partial(self._to_be_sharded, module))
+            # Kept in checkpoints so a resume converts alike, untimed; a plan names one model's paths: with several
+            # models (whose paths may coincide) none is kept, and a resumed run times again (the cache answers).
+            if speed is not None and len(timings) == 1:
+                self._book.adopt(timed_plan(decisions, speed, setup))
+            if self._device_type is not None:
+                self._on_device_resolved(self._device_type)
+            return
         self._book.adopt(calibration.plan(self._plan_setup(), self._decide))
         self._apply_plan(calibration.module)
 
@@ -223,6 +286,11 @@ class FP8Precision(ScaledPrecision):
 
     @override
     def _on_sharded(self, module: Module) -> None:
+        if isinstance(self._calibration, ShapeTiming):
+            raise RuntimeError(
+                f"{type(self).__name__}: the model was sharded by FSDP2 after the plugin set it up to time its layers"
+                " on this GPU (after the first batch), when they can no longer be converted. Tell the plugin it is"
+                " sharded: `fsdp_float8_all_gather=True` (Fabric with FSDP2), and the shape rules decide, as before.")
         super()._on_sharded(module)
         self._book.on_sharded(module)
 
@@ -294,6 +362,20 @@ class FP8Precision(ScaledPrecision):
         if self._batch_per_backward:
             self._measured_batch()
         self._book.after_backward()
+        if self._compile_watch is not None:
+            self._settle_compile(self._compile_watch)
+
+    def _settle_compile(self, watch: CompileWatch) -> None:
+        """After the first backward: whether the model runs compiled (what its layers are timed under); on a CUDA
+        GPU with real fp8, an eager model is told that fp8 will be slower than bf16 there."""
+        compiled = watch.settle()
+        if compiled is None:  # the watched layer has not run yet
+            return
+        self._compile_watch, self._compiled = None, compiled
+        if not compiled and self._timer() is not None:
+            warn(f"{type(self).__name__}: the model runs without torch.compile on a CUDA GPU: fp8's casts are not"
+                 " fused there (each a kernel of its own), so fp8 will be slower than bf16. Compile the model:"
+                 " `torch.compile(model)` before `trainer.fit`, or with Fabric `fabric.setup(torch.compile(model))`.")
 
     @override
     def teardown(self) -> None:
@@ -320,9 +402,9 @@ class FP8Precision(ScaledPrecision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The plan in force (made by ``layers="auto"``, given, or changed by ``demote``): a resumed fit applies it
-        instead of measuring again, and keeps demoted layers in high precision. With fp16 compute, the loss scaler's
-        state beside it."""
+        """The plan in force (made by ``layers="auto"``, given, timed on a CUDA GPU, or changed by ``demote``): a
+        resumed fit applies it instead of measuring or timing again, and keeps demoted layers in high precision. With
+        fp16 compute, the loss scaler's state beside it."""
         return {**super().state_dict(), **self._book.state_dict()}
 
     @override
@@ -333,6 +415,8 @@ class FP8Precision(ScaledPrecision):
         self._book.resume(state_dict["plan"], self._backend, shown_layers(self.layers), self._calibration is not None)
         if self._calibration is not None:  # restored after setup started measuring: convert now, as the run did
             calibration, self._calibration = self._calibration, None
+            if isinstance(calibration, ShapeTiming):  # models set up before this one are timed as they were to be
+                calibration.earlier, self._calibration = None, calibration.earlier
             calibration.close()
             self._apply_plan(calibration.module, restored=True)
 
@@ -340,6 +424,7 @@ class FP8Precision(ScaledPrecision):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_calibration"] = None  # hooks too; a spawned process starts measuring at its own setup
+        state["_compile_watch"] = None  # a hook of this process's model
         return state
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from lightning_precision._warnings import warn
 from lightning_precision.fp8._choice import choose_within
@@ -21,6 +21,7 @@ from lightning_precision.fp8._plan_types import (
     FormatOption,
     HighLabel,
     LayerPlan,
+    MeasuredSpeed,
     PlanRule,
     error_contribution,
     measured_numbers,
@@ -62,10 +63,12 @@ def demotions(sensitivity: Mapping[str, LayerSensitivity], rule: PlanRule | None
 
 
 def decide_layers(decisions: Sequence[LayerDecision], sensitivity: Mapping[str, LayerSensitivity], rule: PlanRule,
-                  not_measured: str | None = None, high: HighLabel = HIGH) -> tuple[LayerPlan, ...]:
+                  not_measured: str | None = None, high: HighLabel = HIGH,
+                  speed: MeasuredSpeed | None = None) -> tuple[LayerPlan, ...]:
     """Per layer of the shape rules' ``decisions``, fp8 or ``high``: a layer the rules keep in high precision stays
     there for their reason; a layer they leave but ``sensitivity`` lacks stays there for ``not_measured`` (else
-    because it did not run); a measured layer is fp8 where ``rule`` accepts its numbers."""
+    because it did not run); a measured layer is fp8 where ``rule`` accepts its numbers and, where ``speed`` was timed
+    (one format, on a CUDA GPU), where it was measured faster."""
     layers = []
     for d in decisions:
         s = sensitivity.get(d.fqn)
@@ -75,8 +78,13 @@ def decide_layers(decisions: Sequence[LayerDecision], sensitivity: Mapping[str, 
             layers.append(LayerPlan(d.fqn, high, not_measured or "did not run while measured: nothing to judge"))
         else:
             why = rule.why_not(s)
-            layers.append(LayerPlan(d.fqn, high if why else FP8, why or "measured within the rule",
-                                    measured_numbers(s)))
+            timed = speed is not None and d.fqn in speed.high_seconds
+            fmt = next(iter(speed.low_seconds)) if speed is not None and timed else ""
+            if why is None and speed is not None and timed and speed.saving(fmt, d.fqn) <= 0:
+                why = speed.said(fmt, d.fqn)
+            reason = "measured within the rule" + (f"; {speed.said(fmt, d.fqn)}" if speed is not None and timed
+                                                   else "")
+            layers.append(LayerPlan(d.fqn, high if why else FP8, why or reason, measured_numbers(s)))
     return tuple(layers)
 
 
@@ -109,6 +117,7 @@ class _Weighing:
     backend: str | None
     savings: Mapping[str, Mapping[str, float]] | None
     not_measured: str | None
+    speed: MeasuredSpeed | None  # the timings behind ``savings``, where the plugin timed them
 
     def weigh(self, d: LayerDecision, fmt: str) -> _Weighed:
         """``fmt`` for layer ``d``: its error and saving, and ``ELIGIBLE`` or why it is out."""
@@ -121,44 +130,63 @@ class _Weighing:
             return FormatOption(fmt, math.inf, 0.0, why), {}
         if s is None:
             return FormatOption(fmt, math.inf, 0.0, self.not_measured or "did not run while measured"), {}
-        if self.savings is None and not runs(self.gpu, fmt, self.backend):
+        if self.savings is not None:  # timed: only what was timed is eligible, never a prediction beside timings
+            saving = self.savings.get(fmt, {}).get(d.fqn)
+            if saving is None:
+                why = (f"{fmt} not timed: the layer took no rows while measured" if fmt in self.savings else
+                       f"the {self.speed.device} does not run {fmt} (not timed)" if self.speed is not None
+                       else f"{fmt} not timed (not in `savings`)")
+                return FormatOption(fmt, math.inf, 0.0, why), measured_numbers(s)
+        elif not runs(self.gpu, fmt, self.backend):
             return FormatOption(fmt, math.inf, 0.0, f"the {self.gpu.name} does not run {fmt}"), measured_numbers(s)
-        saving = self.savings[fmt][d.fqn] if self.savings is not None else predicted_saving(
-            fmt, s.tokens, s.in_features, s.out_features, self.gpu, self.high_dtype, self.backend)
+        else:
+            saving = predicted_saving(fmt, s.tokens, s.in_features, s.out_features, self.gpu, self.high_dtype,
+                                      self.backend)
         why_not = self.rule.why_not(s)
         if why_not is None and self.skip_small_layers and saving <= 0:
-            why_not = f"predicted slower than {self.high_dtype} on {self.gpu.name}"
+            why_not = (self.speed.said(fmt, d.fqn) if self.speed is not None else
+                       f"measured slower than {self.high_dtype} on {self.gpu.name}" if self.savings is not None else
+                       f"predicted slower than {self.high_dtype} on {self.gpu.name}")
         return FormatOption(fmt, error_contribution(s), saving, why_not or ELIGIBLE), measured_numbers(s)
 
     def baseline(self, d: LayerDecision) -> float:
         """The layer's GEMM seconds per step in the high dtype, on the most tokens any format saw it take."""
         from lightning_precision.fp8._speed import high_time
 
+        if self.speed is not None:
+            return self.speed.high_seconds.get(d.fqn, 0.0)
         tokens = max((by[d.fqn].tokens for by in self.measured.values() if d.fqn in by), default=0.0)
         return high_time(tokens, d.in_features, d.out_features, self.gpu, self.high_dtype)
 
 
 def choose_layers(decisions: Sequence[LayerDecision], measured: Mapping[str, Mapping[str, LayerSensitivity]],
                   rule: PlanRule, device: str | None = None, high: HighLabel = HIGH, skip_small_layers: bool = True,
-                  backend: str | None = None, savings: Mapping[str, Mapping[str, float]] | None = None,
+                  backend: str | None = None, savings: Mapping[str, Mapping[str, float]] | MeasuredSpeed | None = None,
                   not_measured: str | None = None) -> Choice:
     """``PrecisionPlan.choose``'s plan (the arguments are its own, ``rule`` given): per layer the shape rules leave,
-    the format or high precision of the exact choice, every format weighed kept in the entry."""
+    the format or high precision of the exact choice, every format weighed kept in the entry. ``savings`` as a
+    ``MeasuredSpeed``: timed on this process's GPU, which the plan names."""
     # The speed model loads torchao's conversion: imported when a plan chooses, not with every plan.
     from lightning_precision.fp8._speed import planning_device
 
+    speed = savings if isinstance(savings, MeasuredSpeed) else None
+    saved = speed.savings() if speed is not None else cast("Mapping[str, Mapping[str, float]] | None", savings)
     gpu, prediction = planning_device(device, measured, backend)
-    weighing = _Weighing(measured, rule, gpu, high if high != HIGH else "bf16", skip_small_layers, backend, savings,
-                         not_measured)
+    weighing = _Weighing(measured, rule, gpu, high if high != HIGH else "bf16", skip_small_layers, backend, saved,
+                         not_measured, speed)
     rows = [(d, [weighing.weigh(d, fmt) for fmt in measured] if d.fp8 else []) for d in decisions]
     baseline = sum((weighing.baseline(d) for d in decisions if d.fp8), 0.0)
     picks = _picks(rows, rule, skip_small_layers, len(measured))
     budgeted = math.isfinite(rule.error_budget)
-    layers = tuple(_entry(d, options, pick, high, budgeted) for (d, options), pick in zip(rows, picks, strict=True))
+    timed = savings is not None
+    layers = tuple(_entry(d, options, pick, high, budgeted, timed)
+                   for (d, options), pick in zip(rows, picks, strict=True))
     batches = max((s.batches for by in measured.values() for s in by.values()), default=0)
     first = next(iter(measured), "")
     family = format_family(first) if first in _RECORDED_FAMILIES else "tensorwise"
-    return Choice(layers, family, batches, gpu.name, not prediction, savings is not None, baseline)
+    if speed is not None:  # the GPU this process timed on, by its own name
+        return Choice(layers, family, batches, speed.device, True, True, baseline)
+    return Choice(layers, family, batches, gpu.name, not prediction, timed, baseline)
 
 
 def _picks(rows: list[tuple[LayerDecision, list[_Weighed]]], rule: PlanRule, skip_small_layers: bool,
@@ -176,7 +204,8 @@ def _picks(rows: list[tuple[LayerDecision, list[_Weighed]]], rule: PlanRule, ski
     return picks
 
 
-def _entry(d: LayerDecision, options: list[_Weighed], pick: int, high: HighLabel, budgeted: bool) -> LayerPlan:
+def _entry(d: LayerDecision, options: list[_Weighed], pick: int, high: HighLabel, budgeted: bool,
+           timed: bool) -> LayerPlan:
     """Layer ``d``'s entry: the format picked, or high precision and why, with every format weighed."""
     if not d.fp8:
         return LayerPlan(d.fqn, high, d.reason)
@@ -184,7 +213,7 @@ def _entry(d: LayerDecision, options: list[_Weighed], pick: int, high: HighLabel
                          for j, (o, _) in enumerate(options))
     if pick:
         chosen, numbers = options[pick - 1]
-        reason = (f"{chosen.format}: the most predicted saving"
+        reason = (f"{chosen.format}: the most {'measured' if timed else 'predicted'} saving"
                   f"{' within the error budget' if budgeted else ''} among the formats within the rule")
         return LayerPlan(d.fqn, chosen.format, reason, numbers, alternatives, chosen.predicted_saving)
     eligible = [o.format for o, _ in options if o.verdict == ELIGIBLE]

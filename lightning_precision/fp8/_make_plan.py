@@ -6,7 +6,7 @@ numerics of the layers they leave measured in one pass, then the decision (``_de
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from torch import nn
 from lightning_precision.fp8._decision import chooses_formats
 from lightning_precision.fp8._plan import PrecisionPlan
 from lightning_precision.fp8._plan_setup import check_candidates, check_root_layer, planning_policies, recording_edges
-from lightning_precision.fp8._plan_types import HIGH, HighLabel, PlanRule, high_label
+from lightning_precision.fp8._plan_types import HighLabel, MeasuredSpeed, PlanRule, high_label
 from lightning_precision.fp8._selection import (
     FP8LayerPolicy,
     ModuleFilter,
@@ -60,7 +60,8 @@ def make_plan(
     (``PrecisionPlan.choose``): each is measured in the same pass over ``batches``, its step-time saving predicted for
     ``device`` (a GPU's name; default this process's GPU; without one, or one the speed table lacks, a prediction for
     an H100 SXM, or for a B200 where a candidate needs Blackwell: MXFP8, NVFP4; ``_speed.planning_device``) or, with
-    ``benchmark=True`` on a CUDA GPU, timed on the layer's own shapes; the plan takes the most saving within
+    ``benchmark=True`` on a CUDA GPU, timed on the layer's own shapes (eager; ``_timing.time_shapes``, cached), the plan
+    then saying "measured on <GPU>" instead of "predicted for <GPU>"; the plan takes the most saving within
     ``plan_rule`` (its per-layer bounds and ``error_budget``). Without ``candidates`` (and without an error budget),
     ``recipe`` alone is measured and each layer is fp8 or high precision by the per-layer bounds, as before; so is
     one candidate without an error budget, measured in its own format (``_decision.chooses_formats``: the plugin's
@@ -137,10 +138,9 @@ def _decided(model: nn.Module, policy: FP8LayerPolicy, scaling_family: ScalingFa
 
 
 def _timed_savings(model: nn.Module, measured: dict[str, dict[str, LayerSensitivity]],
-                   high: HighLabel) -> dict[str, dict[str, float]]:
-    """Seconds per step each measured layer saves in each format, timed on this GPU on the layer's own shapes."""
-    from lightning_precision.fp8._speed import benchmark_saving
+                   high: HighLabel) -> MeasuredSpeed:
+    """Each measured layer timed on this GPU in the high dtype and in each format, on its own shapes, eager."""
+    from lightning_precision.fp8._timing import CudaTimer, layer_shape, time_shapes
 
-    return {fmt: {fqn: benchmark_saving(cast(nn.Linear, model.get_submodule(fqn)), fmt, max(1, round(s.tokens)),
-                                        high if high != HIGH else "bf16")
-                  for fqn, s in by_layer.items()} for fmt, by_layer in measured.items()}
+    shapes = {fqn: layer_shape(model, fqn, s.tokens) for by_layer in measured.values() for fqn, s in by_layer.items()}
+    return time_shapes(shapes, measured, high, False, CudaTimer())

@@ -29,6 +29,7 @@ from lightning_precision.fp8._plan_types import (
     HIGH_LABELS,
     HighLabel,
     LayerPlan,
+    MeasuredSpeed,
     PlanRule,
     check_count,
     check_recipe,
@@ -117,7 +118,7 @@ class PrecisionPlan:
     def choose(cls, decisions: list[LayerDecision], measured: Mapping[str, Mapping[str, LayerSensitivity]],
                rule: PlanRule | None = None, device: str | None = None, high: HighLabel = HIGH,
                skip_small_layers: bool = True, backend: str | None = None,
-               savings: Mapping[str, Mapping[str, float]] | None = None,
+               savings: Mapping[str, Mapping[str, float]] | MeasuredSpeed | None = None,
                not_measured: str | None = None) -> PrecisionPlan:
         """The plan that chooses, per layer the shape rules leave (``decisions``), one of the formats measured
         (``measured``: format -> layer -> numbers, ``measure_candidates``'s result) or high precision: the most
@@ -127,7 +128,8 @@ class PrecisionPlan:
         ``error_contribution`` stays within ``rule.error_budget``; solved exactly (``_choice.choose``).
         ``skip_small_layers=False``: a format predicted slower than ``high`` may still be chosen (first as many layers
         in low precision as the budget allows, then the most saving), as the shape rule's flag means. ``savings``:
-        seconds saved per format and layer, timed (``_speed.benchmark_saving``) instead of predicted.
+        seconds saved per format and layer, timed (``_timing.benchmark_saving``) instead of predicted; a
+        ``MeasuredSpeed`` (``_timing.time_shapes``, what ``FP8Precision`` times on a CUDA GPU) names its GPU.
         ``not_measured``: why a layer has no numbers, if not that it did not run (as ``decide``'s). The decision is
         ``_decision.choose_layers``'s."""
         rule = rule or PlanRule()
@@ -138,14 +140,19 @@ class PrecisionPlan:
     @classmethod
     def decide(cls, decisions: list[LayerDecision], sensitivity: dict[str, LayerSensitivity],
                rule: PlanRule | None = None, scaling_family: ScalingFamily = "tensorwise",
-               not_measured: str | None = None, high: HighLabel = HIGH) -> PrecisionPlan:
+               not_measured: str | None = None, high: HighLabel = HIGH,
+               speed: MeasuredSpeed | None = None) -> PrecisionPlan:
         """The plan for layers whose shape rules are ``decisions`` and whose numerics are ``sensitivity``. A layer the
         rules leave but ``sensitivity`` lacks stays in high precision, for ``not_measured`` if given (why nothing was
         measured), else because it did not run. ``high``: the label of the layers kept in high precision (the dtype
-        they run in, see ``high_label``)."""
+        they run in, see ``high_label``). ``speed``: the layers timed in the one format on this GPU (a layer measured
+        slower stays in high precision), which the plan then names as measured."""
         rule = rule or PlanRule()
         batches = max((s.batches for s in sensitivity.values()), default=0)
-        return cls(decide_layers(decisions, sensitivity, rule, not_measured, high), scaling_family, rule, batches)
+        layers = decide_layers(decisions, sensitivity, rule, not_measured, high, speed)
+        if speed is None:
+            return cls(layers, scaling_family, rule, batches)
+        return cls(layers, scaling_family, rule, batches, speed.device, True, True)
 
     @classmethod
     def from_decisions(cls, decisions: list[LayerDecision], scaling_family: ScalingFamily = "tensorwise",
@@ -224,14 +231,23 @@ class PrecisionPlan:
             LayerPlan(fqn, precision, reason, numbers or {}, alternatives, saving) if p.fqn == fqn else p
             for p in self.layers))
 
+    @property
+    def speed_source(self) -> str:
+        """Where the plan's speed came from: ``"measured on <GPU>"`` (timed there), ``"predicted for <GPU>"`` (the
+        speed model; a plan file written before plans said it reads so), or ``""`` for a plan that weighed no speed
+        (the shape rules' thresholds alone)."""
+        if not self.device:
+            return ""
+        return f"measured on {self.device}" if self.benchmarked else f"predicted for {self.device}"
+
     def saving_line(self) -> str:
-        """The plan's predicted saving in words: per step, as a fraction of the baseline, on which GPU, and whether it
-        is a prediction."""
-        how = "timed" if self.benchmarked else "predicted"
+        """The plan's saving in words: per step, as a fraction of the baseline, on which GPU, and whether it was
+        measured there or predicted."""
+        how = "measured" if self.benchmarked else "predicted"
         share = f" ({self.predicted_saving / self.baseline:.1%} of the measured layers' GEMM time)" \
             if self.baseline > 0 else ""
         where = "" if self.device_here else " (a prediction: this process does not run on one)"
-        return f"{how} saving {self.predicted_saving * 1e3:.3f} ms per step{share} on {self.device or 'a GPU'}{where}"
+        return f"{how} saving {self.predicted_saving * 1e3:.3f} ms per step{share}; speed {self.speed_source}{where}"
 
     def table(self) -> str:
         """A fixed-width table: layer, precision, the worst measured numbers, reason; for a plan that chose among
@@ -239,8 +255,9 @@ class PrecisionPlan:
         if any(p.alternatives for p in self.layers):
             return self._choice_table()
         n = len(self.fp8_layers)
+        source = f"; speed {self.speed_source}" if self.speed_source else ""
         head = (f"plan ({self.scaling_family}, {self.batches} batches measured): {n} of {len(self.layers)} linear"
-                " layers in fp8")
+                f" layers in fp8{source}")
         width = max((len(p.fqn) for p in self.layers), default=5)
         lines = [head, f"  {'layer':<{width}}  prec  min SQNR dB  max underflow  out err  gin err  reason"]
         for p in self.layers:

@@ -28,6 +28,7 @@ __all__ = [
     "HighLabel",
     "KIND",
     "LayerPlan",
+    "MeasuredSpeed",
     "PlanRule",
     "check_bound",
     "check_count",
@@ -263,3 +264,31 @@ class LayerPlan:
         """Whether the layer computes in a low-precision format (fp8, MXFP8, NVFP4), not in its high precision."""
         return self.precision not in HIGH_LABELS
 
+
+
+@dataclass(frozen=True)
+class MeasuredSpeed:
+    """Seconds per training step (forward and backward) of each layer, timed on ``device`` (``_timing.time_shapes``):
+    in the ``high`` dtype (``high_seconds``: path -> seconds) and in each format (``low_seconds``: format -> path ->
+    seconds), ``compiled`` or eager. What a plan's speed input is on a CUDA GPU instead of the speed model's
+    prediction."""
+
+    device: str
+    high: str
+    compiled: bool
+    high_seconds: Mapping[str, float]
+    low_seconds: Mapping[str, Mapping[str, float]]
+
+    def saving(self, fmt: str, fqn: str) -> float:
+        return self.high_seconds[fqn] - self.low_seconds[fmt][fqn]
+
+    def savings(self) -> dict[str, dict[str, float]]:
+        """format -> path -> seconds saved (negative: slower), ``PrecisionPlan.choose``'s ``savings``."""
+        return {fmt: {fqn: self.saving(fmt, fqn) for fqn in by} for fmt, by in self.low_seconds.items()}
+
+    def said(self, fmt: str, fqn: str) -> str:
+        """``"measured slower on <device>: x.xx ms vs y.yy ms in bf16"`` (or faster): the layer's reason."""
+        how = "faster" if self.saving(fmt, fqn) > 0 else "slower"
+        way = "compiled" if self.compiled else "eager"
+        return (f"measured {how} on {self.device}: {self.low_seconds[fmt][fqn] * 1e3:.2f} ms in {fmt} vs"
+                f" {self.high_seconds[fqn] * 1e3:.2f} ms in {self.high} ({way})")

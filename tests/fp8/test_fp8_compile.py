@@ -191,6 +191,28 @@ def test_transformer_engine_layers_keep_their_watch_hook_and_the_model_pickles(m
     assert len(copy.a._forward_pre_hooks) == len(model.get_submodule("a")._forward_pre_hooks) == 1
 
 
+def test_a_compiled_torchao_model_keeps_its_compile_watch_and_saves_whole(tmp_path):
+    """A compiled model keeps the plugin's compile-watch pre-hooks (dynamo guards on a module's hooks: removing them
+    would compile it again); saved whole (``torch.save(model)``) it still loads and computes the same."""
+    from lightning_precision.fp8._step_shapes import CompileWatch
+
+    torch._dynamo.reset()
+    plugin = FabricFP8Precision(**FP8_KW)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = Net()
+    model, optimizer = fabric.setup(cast(nn.Module, torch.compile(net, backend="eager")),
+                                    torch.optim.SGD(net.parameters(), lr=0.01))
+    x = batches()[0]
+    fabric.backward(model(x).float().square().mean())
+    optimizer.step()
+    torch._dynamo.reset()
+    assert any(isinstance(getattr(hook, "__self__", None), CompileWatch) for hook in net.a._forward_pre_hooks.values())
+    torch.save(net, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded.a).__name__ == "Float8Linear"
+    torch.testing.assert_close(loaded(x), net(x))
+
+
 def test_compiled_mxfp8_layers_compile_nothing_after_the_first_step():
     """An MXFP8 layer records that a training call ran in MXFP8 by writing a flag, not by reading it first: a flag the
     graph reads is guarded on, and its change after the first step compiled every MXFP8 layer's forward again. And the

@@ -1,12 +1,11 @@
 """The speed model (fp8/_speed.py): the device table, the formats each device runs, and the predicted saving against
-torchao's published H100 speedups. No GPU is needed except for the benchmark, which skips here with its reason."""
+torchao's size rules (the signs against every measurement: test_speed_signs.py). No GPU is needed."""
 
 import doctest
 import math
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_precision._mfu import PEAKS
 from lightning_precision.fp8 import _speed
@@ -14,15 +13,11 @@ from lightning_precision.fp8._plan_types import HIGH_LABELS
 from lightning_precision.fp8._speed import (
     CAST_COSTS,
     DEVICES,
-    TORCHAO_H100_ROWWISE,
-    TORCHAO_H100_TENSORWISE,
-    benchmark_saving,
     high_time,
     predicted_saving,
     speed_device,
     supported_candidates,
 )
-from tests.runif import RunIf
 
 H100 = speed_device("H100 SXM")[0]
 B200 = speed_device("B200")[0]
@@ -63,40 +58,31 @@ def test_supported_candidates_per_device_and_backend():
         supported_candidates(H100, "te")
 
 
-def test_signs_agree_with_torchao_published_rowwise_table():
-    """The saving's sign against torchao's 216 published rowwise speedups (H100; LayerNorm -> Linear -> Sigmoid, whose
-    bf16 ops pull a speedup towards 1 but not across it). Tolerance: at least 200 agree, and every row that disagrees
-    is near break-even (published 0.9x to 1.2x). Today 204 agree; the 12 others are published at 0.93x to 1.15x:
-    (4096, 4096, N>=8192), (M>=8192, 2048, N>=8192) but (32768, 2048, 32768), and (32768, 32768, 2048)."""
-    disagree = {shape: published for shape, published in TORCHAO_H100_ROWWISE.items()
-                if (predicted_saving("rowwise", *shape, H100) > 0) != (published > 1)}
-    assert len(TORCHAO_H100_ROWWISE) == 216
-    assert len(disagree) <= 16, disagree
-    assert all(0.9 <= published <= 1.2 for published in disagree.values()), disagree
-
-
-def test_signs_agree_with_torchao_tensorwise_examples_and_size_rules():
-    """The README's two tensorwise examples (0.80x, 1.39x), and torchao's size rules (the thresholds
-    fp8/_selection.py quotes: tensorwise skips K <= 4096 and N <= 1024; rowwise skips N <= 2048, K <= 1024, or
-    N <= 4096 and K <= 2048), read at the large token counts they were set for: at most 2 of the 36 (K, N) disagree
-    for tensorwise, 3 for rowwise (all next to a threshold)."""
-    for shape, published in TORCHAO_H100_TENSORWISE.items():
-        assert (predicted_saving("tensorwise", *shape, H100) > 0) == (published > 1), shape
+def test_signs_against_torchao_size_rules():
+    """torchao's size rules (the thresholds fp8/_selection.py quotes: tensorwise skips K <= 4096 and N <= 1024;
+    rowwise skips N <= 2048, K <= 1024, or N <= 4096 and K <= 2048), read at the large token counts they were set
+    for. Rules of thumb, not measurements: the model may be stricter than the tensorwise rule (the ViT-H-sized stack
+    of GPU.md loses at K, N of 1280..5120, which the rule converts) but agrees with it on most of the 36 (K, N)."""
     for m in (16384, 32768):
-        tensorwise = [(k, n) for k in SWEEP for n in SWEEP
-                      if (predicted_saving("tensorwise", m, k, n, H100) > 0) == (k <= 4096 and n <= 1024)]
         rowwise = [(k, n) for k in SWEEP for n in SWEEP
                    if (predicted_saving("rowwise", m, k, n, H100) > 0)
                    == (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))]
-        assert len(tensorwise) <= 2 and len(rowwise) <= 3, (m, tensorwise, rowwise)
+        assert rowwise == [], (m, rowwise)
+        # Tensorwise: where they differ the model keeps the layer high and the rule converts it (14 of 36: K = 1024,
+        # or N <= 2048, or K = N = 2048..4096), never the other way round.
+        saves = {(k, n): predicted_saving("tensorwise", m, k, n, H100) > 0 for k in SWEEP for n in SWEEP}
+        assert not [kn for kn, saved in saves.items() if saved and kn[0] <= 4096 and kn[1] <= 1024], m
+        stricter = [kn for kn, saved in saves.items() if not saved and not (kn[0] <= 4096 and kn[1] <= 1024)]
+        assert len(stricter) <= 14 and all(k == 1024 or n <= 2048 or max(k, n) <= 4096 for k, n in stricter), (m, stricter)
 
 
-def test_large_gemms_approach_the_peak_ratio():
+def test_large_gemms_approach_the_measured_rate_ratio():
     huge = (262144, 32768, 32768)
-    assert 1.85 < speedup("tensorwise", *huge) < 2.0  # fp8 / bf16 peaks: 2x
-    assert 1.85 < speedup("mxfp8", *huge, device=B200) < 2.0
-    assert 3.5 < speedup("nvfp4", *huge, device=B200, backend="transformer_engine") < 4.0  # fp4: 4x
-    # Per-row scaled GEMMs run slower than per-tensor ones: below the peak ratio even at this size.
+    # fp8 / bf16 GEMM rates as measured on an H200 (1453 / 783 TFLOP/s: 1.85x, not the peaks' 2x), less the casts.
+    assert 1.6 < speedup("tensorwise", *huge) < 1.85
+    assert 1.6 < speedup("mxfp8", *huge, device=B200) < 1.85
+    assert 3.2 < speedup("nvfp4", *huge, device=B200, backend="transformer_engine") < 3.7  # fp4: twice fp8's rate
+    # Per-row scaling's casts cost more than per-tensor's: below tensorwise even at this size.
     assert 1.5 < speedup("rowwise", *huge) < speedup("tensorwise", *huge)
 
 
@@ -105,8 +91,7 @@ def test_finer_scaling_saves_less_at_the_same_shape():
         for k in SWEEP:
             for n in SWEEP:
                 rowwise, tensorwise = (predicted_saving(c, m, k, n, H100) for c in ("rowwise", "tensorwise"))
-                # 1024^3: every kernel of both at its launch floor, the same count of cast kernels: equal.
-                assert rowwise < tensorwise or (rowwise == tensorwise and (m, k, n) == (1024, 1024, 1024))
+                assert rowwise < tensorwise, (m, k, n)
     # The weight gradient in high precision gives up a third of the GEMM saving: less than rowwise on large layers...
     for shape in ((16384, 16384, 16384), (32768, 8192, 28672), (65536, 16384, 53248)):
         assert predicted_saving("rowwise_with_gw_hp", *shape, H100) < predicted_saving("rowwise", *shape, H100)
@@ -193,22 +178,6 @@ def test_without_cuda_the_prediction_is_for_an_h100_sxm():
     device, predicted = speed_device()
     assert device.name == "H100 SXM" and device is H100 and predicted is True
     assert speed_device("B200") == (B200, True)  # a named GPU this process does not run on: a prediction too
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
-def test_benchmark_saving_needs_cuda():
-    with pytest.raises(RuntimeError, match=r"benchmark_saving\('tensorwise'\): needs a CUDA GPU.*predicted_saving"):
-        benchmark_saving(nn.Linear(64, 64), "tensorwise", 64)
-
-
-@pytest.mark.cuda
-@RunIf(cuda=True, min_sm=(8, 9))
-def test_benchmark_saving_times_the_layers_own_shapes():
-    layer = nn.Linear(4096, 4096)
-    before = layer.weight.detach().clone()
-    saving = benchmark_saving(layer, "tensorwise", 8192, steps=3, warmup=2)
-    assert math.isfinite(saving)
-    assert torch.equal(layer.weight.detach(), before) and layer.weight.device.type == "cpu"  # the layer is not changed
 
 
 def test_docstring_examples_run():

@@ -17,21 +17,34 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Linear, Module
+from typing_extensions import override
 
 from lightning_precision._core import fsdp
 from lightning_precision._core.accumulator import all_reduce
 from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fp8._edges import EdgeRecorder
-from lightning_precision.fp8._selection import FP8LayerPolicy, LayerDecision, ScalingFamily, select_fp8_layers
+from lightning_precision.fp8._hardware import FP8_MIN_CAPABILITY, MXFP8_MIN_CAPABILITY
+from lightning_precision.fp8._selection import (
+    BLOCK_SCALED,
+    FP8LayerPolicy,
+    LayerDecision,
+    ScalingFamily,
+    format_family,
+    select_fp8_layers,
+)
 from lightning_precision.fp8._sensitivity import MultiProbe, SensitivityProbe
+from lightning_precision.fp8._step_shapes import RowProbe
 
 if TYPE_CHECKING:
     from lightning_precision.fp8._plan import HighLabel, PlanRule, PrecisionPlan
+    from lightning_precision.fp8._plan_types import MeasuredSpeed
+    from lightning_precision.fp8._timing import LayerShape, Timer
 
-__all__ = ["Calibration", "PlanSetup", "decide", "start_calibration"]
+__all__ = ["Calibration", "PlanSetup", "ShapeTiming", "decide", "runs_here", "start_calibration", "start_timing",
+           "timed_plan"]
 
 Report = Callable[[list[LayerDecision]], None]  # what the layers run now, told to the plugin's layer book
-Decide = Callable[[list[LayerDecision], dict[str, Any], "str | None"], "PrecisionPlan"]
+Decide = Callable[[list[LayerDecision], dict[str, Any], "str | None", "MeasuredSpeed | None"], "PrecisionPlan"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +60,70 @@ class PlanSetup:
     backend: str
     high: HighLabel
     probe_config: Callable[[], Any]  # what one format is measured with (asked only when not choosing)
+    # On a CUDA GPU with real fp8 (torchao): its timer, the formats it runs among those allowed (timed there instead
+    # of predicted), and whether the model runs compiled (each layer is timed the way it runs).
+    timer: Timer | None = None
+    timed_formats: tuple[str, ...] = ()
+    compiled: bool = False
+
+    def speed(self, shapes: dict[str, LayerShape]) -> MeasuredSpeed | None:
+        """``shapes`` timed on this GPU (every rank the mean of all ranks' timings: one decision everywhere); None
+        without a timer, with no shape or format to time, or where the timing failed on any rank (said, naming the
+        error: the shape rules decide then, as without a GPU, and training goes on)."""
+        from lightning_precision.fp8._timing import time_shapes
+
+        if self.timer is None or not shapes or not self.timed_formats:
+            return None
+        try:
+            local: MeasuredSpeed | None = time_shapes(shapes, self.timed_formats, self.high, self.compiled, self.timer)
+            failed = ""
+        except Exception as err:  # an OOM beside the model's own memory, an inductor error compiling the one layer
+            local, failed = None, f"{type(err).__name__}: {str(err).strip()[:300]}"
+        return _mean_over_ranks(local, list(shapes), self.timed_formats, failed, self.owner)
 
     @property
     def family(self) -> str:
         """The scaling family whose GEMM rules choose the layers to plan: the recipe's, or (choosing among formats,
         each held to its own rules by the choice) fp8's 16."""
         return "tensorwise" if self.choosing else self.scaling_family
+
+
+def _mean_over_ranks(local: MeasuredSpeed | None, fqns: list[str], formats: tuple[str, ...], failed: str,
+                     owner: str) -> MeasuredSpeed | None:
+    """Every rank's timings averaged (one all-reduce, the same on every rank: one that failed sends zeros and a flag,
+    so none waits on it), or None where any rank's timing failed, said once."""
+    from lightning_precision.fp8._plan_types import MeasuredSpeed
+
+    kinds: list[str | None] = [None, *formats]
+    values = [0.0] * (len(fqns) * len(kinds)) if local is None else [
+        local.high_seconds[f] if k is None else local.low_seconds[k][f] for f in fqns for k in kinds]
+    world = _world_size()
+    summed = all_reduce(torch.tensor([*values, float(local is None)], dtype=torch.float64)).cpu()
+    if summed[-1] > 0:
+        where = f" ({failed})" if failed else ""
+        ranks = f" on {int(summed[-1])} of {world} processes" if world > 1 else ""
+        warn(f"{owner}: timing the layers' shapes on this GPU failed{ranks}{where}. Nothing was timed: the shape"
+             " rules decide which layers run in fp8, as without a GPU, and training goes on.")
+        return None
+    assert local is not None  # no rank failed, this one included
+    mean = (summed[:-1] / world).tolist()
+    at = {(f, k): mean[i * len(kinds) + j] for i, f in enumerate(fqns) for j, k in enumerate(kinds)}
+    return MeasuredSpeed(local.device, local.high, local.compiled, {f: at[(f, None)] for f in fqns},
+                         {k: {f: at[(f, k)] for f in fqns} for k in formats})
+
+
+def runs_here(fmt: str) -> bool:
+    """Whether this process's CUDA GPU runs torchao's ``fmt`` for real, by its own compute capability
+    (``fp8._hardware``'s thresholds: MXFP8 needs 10.0), not by the speed table's entry, which stands an H100 in for a
+    GPU it lacks: only such formats are timed, and only timed formats can be chosen."""
+    need = MXFP8_MIN_CAPABILITY if format_family(fmt) in BLOCK_SCALED else FP8_MIN_CAPABILITY
+    return gpu_capability() >= need
+
+
+def gpu_capability() -> tuple[int, int]:
+    """This CUDA GPU's compute capability. A timer where CUDA is unavailable is a test's stand-in of an fp8 GPU (CI
+    has none): taken as a Hopper's 9.0 (a test replaces this to stand in a Blackwell)."""
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 
 
 def _world_size() -> int:
@@ -76,6 +147,12 @@ def start_calibration(module: Module, setup: PlanSetup, batches: int, to_be_shar
         )
     if previous is not None:
         previous.close()
+        if previous.module is not module and not isinstance(previous, ShapeTiming):
+            first = type(previous.module).__name__
+            warn(f"{setup.owner}(layers='auto') measures one model at a time: another model was set up before the"
+                 f" {first} set up first had its plan made, so that {first} is not measured: it trains in high"
+                 " precision, no layer in fp8. Set up one model per plugin with layers='auto', or plan each"
+                 " beforehand (`lightning-precision plan`) and pass its plan.", NoEffectWarning)
     final, measure = planning_policies(setup.policy, setup.choosing)
     decisions = select_fp8_layers(module, setup.family, layer_policy=measure)
     probe: Callable[[dict[str, Linear]], Any] = (
@@ -85,17 +162,19 @@ def start_calibration(module: Module, setup: PlanSetup, batches: int, to_be_shar
 
 
 def decide(decisions: list[LayerDecision], sensitivity: dict[str, Any], not_measured: str | None,
-           setup: PlanSetup) -> PrecisionPlan:
+           setup: PlanSetup, speed: MeasuredSpeed | None = None) -> PrecisionPlan:
     """The plan from the shape rules' ``decisions`` and what was measured: with one candidate, each layer in fp8 where
-    ``plan_rule`` accepts its numbers, else in high precision; with several (or an error budget), the exact choice of
-    ``PrecisionPlan.choose`` (savings predicted for this process's GPU)."""
+    ``plan_rule`` accepts its numbers (and, timed, where it was measured faster), else in high precision; with several
+    (or an error budget), the exact choice of ``PrecisionPlan.choose`` (savings timed on this GPU where ``speed``
+    is given, else predicted for it)."""
     from lightning_precision.fp8._plan import PrecisionPlan
 
     if setup.choosing:
         return PrecisionPlan.choose(decisions, sensitivity, setup.rule, None, setup.high,
-                                    setup.policy.skip_small_layers, setup.backend, not_measured=not_measured)
+                                    setup.policy.skip_small_layers, setup.backend, savings=speed,
+                                    not_measured=not_measured)
     return PrecisionPlan.decide(decisions, sensitivity, setup.rule, setup.scaling_family,
-                                not_measured=not_measured, high=setup.high)
+                                not_measured=not_measured, high=setup.high, speed=speed)
 
 
 class Calibration:
@@ -203,4 +282,121 @@ class Calibration:
         final, _ = planning_policies(setup.policy, setup.choosing)
         edges = self.recorder.edges() if self.recorder is not None else None
         decisions = select_fp8_layers(self.module, setup.family, layer_policy=final, edges=edges)
-        return decide(decisions, sensitivity, not_measured)
+        return decide(decisions, sensitivity, not_measured, setup.speed(self._shapes(sensitivity, setup.choosing)))
+
+    def _shapes(self, sensitivity: dict[str, Any], choosing: bool) -> dict[str, LayerShape]:
+        """Each measured layer's shape, on the tokens the probe saw it take (the same on every rank: all-reduced)."""
+        from lightning_precision.fp8._timing import layer_shape
+
+        by_layer = {fqn: s for by in sensitivity.values() for fqn, s in by.items()} if choosing else sensitivity
+        return {fqn: layer_shape(self.module, fqn, s.tokens) for fqn, s in by_layer.items() if s.tokens > 0}
+
+
+class ShapeTiming(Calibration):
+    """The default layer selection (``layers=None``) on a CUDA GPU with real fp8: the first training batch runs in the
+    high dtype while each eligible layer's rows are counted; at the optimizer step that ends it each distinct shape is
+    timed on the GPU (``PlanSetup.speed``) and only the layers measured faster are converted. ``earlier``: the timings
+    of models set up on the same plugin before this one whose batch has not ended (a GAN's generator and
+    discriminator): they are measured in the same batch and each is timed and converted at the same step."""
+
+    def __init__(self, module: Module, decisions: list[LayerDecision], earlier: ShapeTiming | None = None) -> None:
+        super().__init__(module, decisions, RowProbe, 1)
+        self.earlier = earlier
+
+    def models(self) -> list[ShapeTiming]:
+        """Each model's timing, the first set up first."""
+        return [*(self.earlier.models() if self.earlier is not None else []), self]
+
+    @override
+    def close(self) -> None:
+        for timing in self.models():
+            Calibration.close(timing)
+
+    @override
+    def unmeasured(self, why: str) -> list[LayerDecision]:
+        return [dataclasses.replace(d, fp8=False, reason=f"speed: {why}") if d.fp8 else d for d in self.decisions]
+
+    @override
+    def measuring(self) -> list[LayerDecision]:
+        return self.unmeasured("not timed yet (the first training batch runs in high precision; then each layer's"
+                               " shape is timed on this GPU, and the layers measured faster are converted)")
+
+    @override
+    def measured_batch(self, compute_dtype: torch.dtype, report: Report) -> None:
+        if self.ended:
+            self.ended = False
+            report(self.measuring())
+        for timing in self.models():
+            timing.probe.reopen()
+        if self.seen == 0:
+            rank_zero_info(f"fp8: {sum(d.fp8 for t in self.models() for d in t.decisions)} eligible linear layers; the"
+                           f" first training batch runs in {compute_dtype} while their shapes are recorded, then each"
+                           " is timed on this GPU in fp8 and in the high dtype, and only those measured faster are"
+                           " converted.")
+        self.next_batch()
+
+    def timed(self, setup: PlanSetup, fmt: str) -> tuple[list[LayerDecision], MeasuredSpeed | None]:
+        """The shape rules' decisions with each eligible layer in ``fmt`` where it was measured faster, else in high
+        precision with the two timings. A layer idle in the measured batch (no rows: an expert no token reached, a
+        network that runs only after the first optimizer step) is timed at the most rows a layer of its shape took;
+        with none, it stays in high precision: never converted untimed. Where the timing failed (said), the shape
+        rules' decisions stand, as without a GPU. With them, the timings (None where nothing was timed)."""
+        from lightning_precision.fp8._timing import layer_shape
+
+        probe = cast(RowProbe, self.probe)
+        probe.close()
+        rows = probe.result(lambda t: all_reduce(t, "max"))  # the same on every rank
+        shapes = {fqn: layer_shape(self.module, fqn, tokens) for fqn, tokens in rows.items()}
+        most: dict[tuple[int, int, bool], int] = {}
+        for shape in shapes.values():
+            key = (shape.in_features, shape.out_features, shape.bias)
+            most[key] = max(most.get(key, 0), shape.tokens)
+        idle = [d.fqn for d in self.decisions if d.fp8 and d.fqn not in shapes]
+        for fqn in idle:
+            shape = layer_shape(self.module, fqn, 1)
+            if (shape.in_features, shape.out_features, shape.bias) in most:
+                shapes[fqn] = shape._replace(tokens=most[(shape.in_features, shape.out_features, shape.bias)])
+        speed = setup.speed(shapes) if shapes else None
+        if speed is None and shapes:
+            return self.decisions, None  # the timing failed (said): the shape rules decide
+        if speed is not None:
+            rank_zero_info(f"fp8: {len(dict.fromkeys(shapes.values()))} distinct layer shapes timed (speed measured"
+                           f" on {speed.device}, {'compiled' if speed.compiled else 'eager'}).")
+        out = []
+        for d in self.decisions:
+            if not d.fp8:
+                out.append(d)
+            elif speed is None or d.fqn not in speed.high_seconds:
+                out.append(dataclasses.replace(d, fp8=False, reason=IDLE))
+            else:
+                said = speed.said(fmt, d.fqn)
+                if d.fqn in idle:
+                    said += "; idle in the measured batch, timed at the rows of a layer of its shape"
+                out.append(dataclasses.replace(d, fp8=speed.saving(fmt, d.fqn) > 0, reason=said))
+        return out, speed
+
+
+def timed_plan(decisions: list[LayerDecision], speed: MeasuredSpeed, setup: PlanSetup) -> PrecisionPlan:
+    """The plan of layers converted as timed: what the plugin's ``state_dict`` keeps, so a resumed run converts as this
+    one did instead of timing again (a new timing could flip a layer's precision mid-run)."""
+    from lightning_precision.fp8._plan import PrecisionPlan
+
+    plan = PrecisionPlan.from_decisions(decisions, setup.scaling_family, setup.high)
+    return dataclasses.replace(plan, device=speed.device, device_here=True, benchmarked=True)
+
+
+# Why an eligible layer that took no rows in the measured batch, and has no layer of its shape that did, stays high:
+# converting it untimed could make it slower than bf16, the very thing timing is there to prevent.
+IDLE = "not timed: idle in the measured batch (and no layer of its shape ran), so kept in high precision"
+
+
+def start_timing(module: Module, decisions: list[LayerDecision], previous: Calibration | None) -> ShapeTiming:
+    """Start recording the rows of ``module``'s eligible layers for one batch. ``previous``: a measuring that never
+    finished: another model's timing still waiting for its batch is kept (several models set up on one plugin are
+    each timed); the same model's, or ``layers="auto"``'s, goes with its hooks."""
+    earlier = None
+    if isinstance(previous, ShapeTiming) and previous.module is not module:
+        earlier = previous
+    elif previous is not None:
+        previous.close()
+    return ShapeTiming(module, decisions, earlier)

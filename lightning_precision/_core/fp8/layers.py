@@ -165,7 +165,9 @@ class LayerBook:
         assert self.plan is not None  # made, given or restored just before
         table = self.plan.table()
         if restored:
-            table = f"fp8 (layers='auto'): the plan restored from the checkpoint, not measured again:\n{table}"
+            # a plan of measured batches is layers="auto"'s; without, the shape rules' (timed on a GPU, or demoted)
+            source = "layers='auto'" if self.plan.batches else self.plan.speed_source or "the shape rules"
+            table = f"fp8 ({source}): the plan restored from the checkpoint, not measured again:\n{table}"
         return self.convert(module, self.decisions_of_plan(module, backend), backend, to_be_sharded, table)
 
     def convert(self, module: Module, decisions: list[LayerDecision], backend: FP8Backend,
