@@ -15,7 +15,7 @@ __all__ = ["main", "recipe_configs"]
 _USAGE = """usage: lightning-precision [--version] {fit,compare,doctor,plan} ...
 
   fit      LightningCLI over the recipes: lightning-precision fit --config distilbert [--config precision-16-mixed]
-  compare  one recipe under several precisions, side by side (runs an embedded default with no arguments)
+  compare  a recipe or your own model under several precisions, side by side (an embedded default with no arguments)
   doctor   what this machine can do: devices, packages, support per precision, recommendation
   plan     fp8 numerics per linear layer on a recipe, and the plan FP8Precision(layers=...) applies
 

@@ -253,7 +253,7 @@ def test_plan_with_a_budget_chooses_among_formats_and_prints_the_predicted_savin
     plan = PrecisionPlan.load(out)
     assert plan.rule.error_budget == 0.05 and plan.device == "B200"
     assert all({o.format for o in p.alternatives} == {"tensorwise", "mxfp8"} for p in plan.layers if p.alternatives)
-    assert "error budget 0.05" in printed and "ms per step" in printed and "on B200" in printed
+    assert "error budget 0.05" in printed and "ms per step" in printed and "predicted for B200" in printed
 
 
 @pytest.mark.parametrize(("args", "said"), [

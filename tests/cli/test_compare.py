@@ -59,6 +59,10 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert report["meta"]["verdict"] in md and report["meta"]["machine_line"] in md
     assert md.count("\n| ") == 4 and "![loss](loss.png)" in md  # header and three rows; the plots linked
+    # which size ran and why, on the screen and in the file (no GPU here: the embedded default, as always)
+    assert (report["meta"]["size"], report["meta"]["workload"]) == ("embedded", "embedded CPU default (no CUDA GPU)")
+    assert "workload: embedded CPU default (no CUDA GPU)" in printed
+    assert "- Workload: embedded CPU default (no CUDA GPU)\n" in md
     _check_bytes_per_param(rows, md, csv_lines)
     for png in ("loss.png", "throughput.png", "memory.png"):
         assert (out / png).stat().st_size > 5_000
@@ -154,18 +158,10 @@ def test_the_true_rows_and_lightnings_bf16_true_as_a_baseline(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_precisions_take_turns_in_rotating_order(tmp_path, monkeypatch):
-    """Blocks of steps alternate between the processes, so drift in the machine's speed hits every precision."""
-    order = []
-    real = runner.advance
-
-    def record(progress, task, steps):
-        order.append(progress.tasks[task].description.split()[-1])
-        real(progress, task, steps)
-
-    monkeypatch.setattr(runner, "advance", record)
-    assert cli.main(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--val-batches", "0",
-                     "--out", str(tmp_path / "r")]) == 0
+def test_precisions_take_turns_in_rotating_order(piped_comparison):
+    """Blocks of steps alternate between the processes, so drift in the machine's speed hits every precision. The turns
+    in the order they ended: the line each prints where stdout is not a terminal (``runner.advance``, once a turn)."""
+    order = [m[1] for line in piped_comparison["lines"] if (m := re.match(r"vit (\S+): \d/6 steps, ", line))]
     assert sorted(order) == ["32-true"] * 6 + ["bf16-mixed"] * 6  # one step per turn at 6 steps
     # rotating order: A B | B A | A B ...: never three turns of one precision in a row, and both start rounds
     assert not re.search(r"(32-true,){3}|(bf16-mixed,){3}", ",".join(order) + ",")
@@ -173,14 +169,16 @@ def test_precisions_take_turns_in_rotating_order(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_memory_does_not_follow_run_order(tmp_path):
+def test_memory_does_not_follow_run_order(tmp_path, piped_comparison):
     """Each precision is measured in its own process: running it first or last gives the same figure (in one shared
-    process the first run paid for the allocator's growth: 20 MB first, 1 MB last)."""
+    process the first run paid for the allocator's growth: 20 MB first, 1 MB last). 32-true first: the comparison run
+    as a command (``piped_comparison``, the same arguments); bf16-mixed first: here."""
     memory = {}
-    for order in ("32-true,bf16-mixed", "bf16-mixed,32-true"):
-        out = tmp_path / order.replace(",", "_")
-        assert cli.main(["compare", *TINY, "--precisions", order, "--val-batches", "0", "--out", str(out)]) == 0
-        for r in json.loads((out / "report.json").read_text())["results"]:
+    out = tmp_path / "bf16-mixed_32-true"
+    assert cli.main(["compare", *TINY, "--precisions", "bf16-mixed,32-true", "--val-batches", "0",
+                     "--out", str(out)]) == 0
+    for folder in (piped_comparison["out"], out):
+        for r in json.loads((folder / "report.json").read_text())["results"]:
             memory.setdefault(r["precision"], []).append(r["peak_memory_mb"])
     for precision, (first, second) in memory.items():
         assert first > 0 and second > 0
@@ -608,24 +606,35 @@ def _command(argv, tmp_path, **kwargs):
                             env={**os.environ, "PYTHONPATH": str(root)}, **kwargs)
 
 
-@pytest.mark.slow
-def test_a_line_per_turn_when_stdout_is_not_a_terminal(tmp_path):
-    """rich draws no progress bar where stdout is not a terminal, so a loaded machine's comparison was silent for its
-    whole length (45 minutes once): a line per finished turn says each precision's steps and the time, as it happens
-    (the first one arrives long before the report is written)."""
-    out = tmp_path / "r"
+@pytest.fixture(scope="module")
+def piped_comparison(tmp_path_factory):
+    """32-true and bf16-mixed on TINY without validation, the real command with its stdout a pipe, run once for the tests
+    that read its lines or its report: the lines as printed, whether the report existed when the first turn's line
+    came, and the report's folder."""
+    folder = tmp_path_factory.mktemp("piped")
+    out = folder / "r"
     run = _command(["compare", *TINY, "--precisions", "32-true,bf16-mixed", "--val-batches", "0", "--out", str(out)],
-                   tmp_path)
+                   folder)
     try:
-        lines = []
+        lines, report_at_first_turn = [], None
         for line in run.stdout:
-            if " steps, " in line and len([x for x in lines if " steps, " in x]) == 0:
-                assert not (out / "report.json").exists()  # printed as it happened, not at the end
+            if " steps, " in line and report_at_first_turn is None:
+                report_at_first_turn = (out / "report.json").exists()
             lines.append(line.rstrip("\n"))
         assert run.wait(timeout=300) == 0, run.stderr.read()
     finally:
         run.kill()
         run.wait()
+    return {"lines": lines, "report_at_first_turn": report_at_first_turn, "out": out}
+
+
+@pytest.mark.slow
+def test_a_line_per_turn_when_stdout_is_not_a_terminal(piped_comparison):
+    """rich draws no progress bar where stdout is not a terminal, so a loaded machine's comparison was silent for its
+    whole length (45 minutes once): a line per finished turn says each precision's steps and the time, as it happens
+    (the first one arrives long before the report is written)."""
+    lines = piped_comparison["lines"]
+    assert piped_comparison["report_at_first_turn"] is False  # printed as it happened, not at the end
     assert "vit: starting 32-true, bf16-mixed, each in its own process; a line per turn of 1 step follows" in lines
     for precision in ("32-true", "bf16-mixed"):
         progress = [x for x in lines if x.startswith(f"vit {precision}: ")]
@@ -636,13 +645,13 @@ def test_a_line_per_turn_when_stdout_is_not_a_terminal(tmp_path):
 
 @pytest.mark.slow
 def test_a_closed_pipe_does_not_end_the_comparison(tmp_path):
-    """`compare | head -3`: the reader goes away after three lines, mid-run. Printing the next line made rich end the
+    """`compare | head -4`: the reader goes away after four lines, mid-run. Printing the next line made rich end the
     program (SystemExit(1)): the measurements were lost and no report was written. The comparison goes on quietly and
     writes its report."""
     out = tmp_path / "r"
     run = _command(["compare", *TINY, "--precisions", "32-true", "--val-batches", "0", "--out", str(out)], tmp_path)
     try:
-        head = [run.stdout.readline() for _ in range(3)]
+        head = [run.stdout.readline() for _ in range(4)]  # the recipe and machine, the workload, the start, a turn
         run.stdout.close()  # as head does when it has its lines
         assert run.wait(timeout=300) == 0
         err = run.stderr.read()
@@ -699,6 +708,27 @@ def _rows_of(runs, steps=24):
     rows = [lp_rows.make_row(run, args, _machine(bf16=True, fp16=False)) for run in runs.values()]
     lp_rows.add_speedups(rows, runs, steps)
     return {r.precision: r for r in rows}
+
+
+def test_a_run_whose_loss_diverged_is_never_recommended():
+    """bf16-mixed measurably twice as fast (6 paired turns at 2x) but its loss NaN: not recommended, and said so; with
+    32-true's loss NaN too, nothing is (a model whose step returns NaN in every precision)."""
+    runs = {"32-true": _run_of("32-true", [20] * 6), "bf16-mixed": _run_of("bf16-mixed", [10] * 6)}
+    runs["bf16-mixed"].losses = [float("nan")] * len(runs["bf16-mixed"].times)
+    verdict = lp_report.verdict(list(_rows_of(runs).values()), META)
+    assert verdict.startswith("bf16-mixed (final loss nan) diverged where 32-true did not: not recommended; check its"
+                              " numerics. No other precision was measurably faster than 32-true on this machine.")
+    runs["32-true"].losses = [float("nan")] * len(runs["32-true"].times)
+    assert lp_report.verdict(list(_rows_of(runs).values()), META) == (
+        "Nothing is recommended: the loss diverged in 32-true (final loss nan), bf16-mixed (final loss nan), 32-true"
+        " among them, so no run here trained soundly enough to compare with; check the model's numerics first.")
+
+
+def test_a_rate_under_10_keeps_its_decimals():
+    """A real model on a CPU: 0.32 samples a second must not read 0."""
+    rows = _rows_of({"32-true": _run_of("32-true", [25_000] * 6)})  # 32 samples in 25 s a step
+    assert lp_report.cells(rows["32-true"])[4] == "1.28"
+    assert [lp_rows.rate_text(v) for v in (0.3212, 9.87, 10.4, 1234.6, None)] == ["0.321", "9.87", "10", "1235", "-"]
 
 
 @pytest.mark.slow
@@ -773,3 +803,13 @@ def test_one_step_says_which_steps_were_timed_and_fp8_auto_that_never_ran_fp8(tm
     assert auto["fp8_layers"] > 0 and auto["fp8_steps"] == 0 and auto["emulated"] is (not native_bf16)
     assert "its one step was measured in bf16, before the plan: every matmul ran in bf16, so its figures are" \
            " bf16-mixed's" in " ".join(md.split())
+
+
+def test_the_fp8_note_says_where_the_speed_was_measured():
+    """On a CUDA GPU an fp8 row's layers were timed there: its note says so (the figures are given, as a child on a GPU
+    reports them)."""
+    result = {"fp8_layers": 2, "linear_layers": 7, "fp8_speed": "measured on NVIDIA H200"}
+    rows = _rows_of({"32-true": _run_of("32-true", [10] * 6), "fp8": _run_of("fp8", [8] * 6, result)})
+    notes = lp_report.notes(list(rows.values()), {**META, "schedule": "interleaved"})
+    assert "fp8: 2 of 7 linear layers in fp8, all that the shape rules leave and measured faster (speed measured on" \
+           " NVIDIA H200)." in notes

@@ -146,3 +146,30 @@ def test_image_folder(tmp_path):
     data.setup("fit")
     x, y = next(iter(data.val_dataloader()))
     assert x.shape == (4, 3, 16, 16) and data.num_classes == 2 and sorted(y.tolist()) == [0, 0, 1, 1]
+
+
+def test_large_generated_images_are_made_as_they_are_read():
+    """The real image recipes' 224x224 RGB gratings: made a batch at a time from per-index draws (2.3 GiB up front for
+    4096 of them), each index always the same image, the grating the one ``_synthetic_images`` draws for the same
+    draws; the embedded sizes are made up front as before."""
+    from lightning_precision.cli.recipes.data import GeneratedImages, _synthetic_images
+
+    data = ImageClassificationData(image_size=224, channels=3, batch_size=8)
+    data.setup("fit")
+    train = data._train
+    assert isinstance(train, GeneratedImages) and len(train) == 4096
+    held = sum(t.numel() * t.element_size() for t in vars(train).values() if isinstance(t, torch.Tensor))
+    assert held < 20 * 2**20  # 64 noise fields and a few numbers an image, not 4096 images
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == (8, 3, 224, 224) and x.dtype == torch.float32 and y.shape == (8,)
+    assert torch.equal(train[5][0], train.__getitems__([3, 5])[0][1])  # an index is its image, in any batch
+    assert torch.equal(x[:, 0], x[:, 2])  # the same grating in every channel, as the embedded images
+    coords = torch.linspace(-1, 1, 224)
+    yy, xx = torch.meshgrid(coords, coords, indexing="ij")
+    angle = train.labels[5].float() * torch.pi / 10
+    grating = torch.sin(train.freq[5] * torch.pi * (xx * torch.cos(angle) + yy * torch.sin(angle)) + train.phase[5])
+    expected = grating * train.contrast[5] + train.noise[train.plane[5]]
+    torch.testing.assert_close(train[5][0][0], expected, atol=1e-5, rtol=0)
+    small = ImageClassificationData(num_samples=256)
+    small.setup("fit")
+    assert torch.equal(small._train.tensors[0], _synthetic_images(256, 32, 3, 10, 0).tensors[0])

@@ -10,16 +10,19 @@ from typing import Any
 import torch
 
 from lightning_precision._mfu import parse_peak_override
+from lightning_precision.cli.compare.sizing import SIZES
+from lightning_precision.cli.compare.user_model import ModelError, from_args
 from lightning_precision.cli.console import quiet_lightning
 from lightning_precision.cli.recipes import RECIPES
 
 __all__ = [
     "BASELINES", "FP8_PRECISIONS", "PRECISIONS", "QUICK_STEPS", "QUICK_VAL_BATCHES", "WARMUP", "UsageError",
-    "block_size", "calibration_steps", "check_accelerator", "default_precisions", "emulated", "make_plugin", "on_gpu",
-    "one_line", "parse_args", "precheck", "untimed_steps",
+    "block_size", "calibration_steps", "check_accelerator", "compiled", "default_precisions", "emulated", "make_plugin",
+    "on_gpu", "one_line", "parse_args", "precheck", "untimed_steps",
 ]
 
-DESCRIPTION = "``lightning-precision compare``: one recipe under several precisions, same seed and steps, side by side."
+DESCRIPTION = ("``lightning-precision compare``: one recipe, or your own model (--model/--data or --config), under"
+               " several precisions, same seed and steps, side by side.")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "fp8", "fp8-auto", "lightning-bf16-true")
 FP8_PRECISIONS = ("fp8", "fp8-auto")  # fp8-auto: FP8Precision(layers="auto"), layers chosen from measured numerics
 # Lightning's own plugins, run only when named, for comparison with ours: the verdict never recommends one.
@@ -92,6 +95,15 @@ def on_gpu(args: argparse.Namespace) -> bool:
     return torch.cuda.is_available() and args.accelerator in ("auto", "cuda", "gpu")
 
 
+def compiled(precision: str, args: argparse.Namespace) -> bool:
+    """Whether a precision's run compiles its LightningModule (``torch.compile`` before the fit): the fp8 rows where
+    they run real fp8 (a CUDA GPU of compute capability >= 8.9). Eager fp8 casts are separate kernels, slower than
+    bf16 (../shared/GPU.md; torchao's own advice); emulated fp8 is about numerics, so it stays eager."""
+    from lightning_precision.fp8._hardware import fp8_gpu_available
+
+    return precision in FP8_PRECISIONS and on_gpu(args) and fp8_gpu_available()
+
+
 def emulated(precision: str, machine: dict[str, Any], gpu: bool) -> bool:
     """Whether this precision's arithmetic is emulated where it runs: its speed then says nothing about the format."""
     if precision in FP8_PRECISIONS:
@@ -155,8 +167,20 @@ def _parser() -> argparse.ArgumentParser:
                " a precision failed or the report could not be written, 2 bad arguments or --out held by another"
                " run, 130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (the terminal closed; not under"
                " nohup): what finished is written.")
-    parser.add_argument("--recipe", default="distilbert",
-                        help=f"the recipe: {', '.join(RECIPES)} (default: distilbert)")
+    parser.add_argument("--recipe", default=None,
+                        help=f"the recipe: {', '.join(RECIPES)} (default: distilbert, unless --model or --config names"
+                             " your own model)")
+    parser.add_argument("--model", default=None,
+                        help="your LightningModule instead of a recipe, as an import path (my_pkg.models.Net; the"
+                             " current directory is importable, as for `python -m`), with --data")
+    parser.add_argument("--data", default=None, help="your LightningDataModule, as an import path (my_pkg.data.Data)")
+    parser.add_argument("--model-args", default=None, help="--model's init args as a JSON object: '{\"hidden\": 64}'")
+    parser.add_argument("--data-args", default=None,
+                        help="--data's init args as a JSON object: '{\"batch_size\": 64}' (the data sets the batch)")
+    parser.add_argument("--config", default=None,
+                        help="a LightningCLI config (YAML) whose model: and data: (class_path, init_args) name your"
+                             " model, instead of --model and --data; its other keys (trainer: ...) are ignored, and"
+                             " said to be")
     parser.add_argument("--precisions", default=None,
                         help=f"comma-separated, from {', '.join(PRECISIONS)} (default: chosen for this machine:"
                              " 32-true and bf16-mixed; 16-mixed where fp16 arithmetic is native"
@@ -168,7 +192,14 @@ def _parser() -> argparse.ArgumentParser:
                              " (only when named)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"training steps per precision (default: 100; {QUICK_STEPS} with --quick)")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per step (default: 32)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="a recipe's samples per step (default: 32 for the embedded default; at the real"
+                             " dimensions, the most that fits the GPU, see --size; your own data sets its own)")
+    parser.add_argument("--size", default="auto", choices=SIZES,
+                        help="a recipe's size: embedded (the small default a CPU trains in seconds), real"
+                             " (DistilBERT-base at 128 tokens, ViT-B/16 and ResNet50 at 224x224, randomly initialised,"
+                             " with a batch that fills a share of the GPU's memory: the speed a GPU shows), or auto:"
+                             " real on a CUDA GPU, embedded elsewhere (default: auto)")
     parser.add_argument("--val-batches", type=int, default=None,
                         help=f"validation batches for the accuracy, 0 for none (default: 8; {QUICK_VAL_BATCHES} with"
                              " --quick)")
@@ -196,7 +227,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from lightning_precision.fp8._hardware import fp8_gpu_available
 
     args = _parser().parse_args(argv)
-    if args.recipe not in RECIPES:
+    try:
+        args.user = from_args(args)  # the user's model instead of a recipe: imported and checked now
+    except ModelError as err:
+        raise UsageError(str(err)) from None
+    if args.user is not None:
+        args.recipe = args.user.label
+    args.recipe = args.recipe or "distilbert"
+    args.batch_size_given = args.batch_size is not None  # it wins over the batch sizing chooses (main, sizing)
+    if args.batch_size is None and args.user is None:  # your own data's batch is measured (main.measure_batch)
+        args.batch_size = 32
+    if args.user is None and args.recipe not in RECIPES:
         raise UsageError(f"unknown recipe {args.recipe!r}: choose one of {', '.join(RECIPES)}")
     args.steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else 100)
     args.val_batches = args.val_batches if args.val_batches is not None else (QUICK_VAL_BATCHES if args.quick else 8)
@@ -216,7 +257,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.peak_overrides = parse_peak_override(args.peak_tflops) if args.peak_tflops is not None else {}
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if args.steps < 1 or args.batch_size < 1 or args.val_batches < 0:
+    if args.steps < 1 or (args.batch_size is not None and args.batch_size < 1) or args.val_batches < 0:
         raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {MAX_SEED} (2**32 - 1).")

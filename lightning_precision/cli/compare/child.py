@@ -11,7 +11,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -21,7 +21,8 @@ from lightning_precision._bytes import training_bytes
 from lightning_precision._launches import host_launch_us
 from lightning_precision._mfu import plugin_compute_dtype
 from lightning_precision._upstream.torch import DispatchCounter
-from lightning_precision.cli.compare.args import block_size, make_plugin, one_line, untimed_steps
+from lightning_precision.cli.compare import user_model
+from lightning_precision.cli.compare.args import block_size, compiled, make_plugin, one_line, untimed_steps
 from lightning_precision.cli.console import quiet_lightning
 from lightning_precision.cli.recipes import RECIPES
 from lightning_precision.cli.stop import STOP_SIGNALS, signals_blocked
@@ -119,7 +120,9 @@ class RunStats(Callback):
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self.ops_per_step, self._counter = len(self._counter.names), None
-        self._losses.append(outputs["loss"].detach())  # read at the block's end: no device read inside a step
+        # read at the block's end: no device read inside a step. A user's step may return no loss (None skips it)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float("nan")))
 
     @override
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *args: Any) -> None:
@@ -163,10 +166,15 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
     data_args = {"batch_size": args.batch_size, "seed": args.seed}
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
-    model, data = RECIPES[recipe].build(data_args=data_args)
+    user = getattr(args, "user", None)  # the user's own model (--model/--data, --config) instead of the recipe
+    size: Literal["embedded", "real"] = "real" if getattr(args, "size", None) == "real" else "embedded"  # as chosen
+    model, data = (user_model.build(user) if user is not None
+                   else RECIPES[recipe].sized(size).build(data_args=data_args))
     measure_every = max(1, args.steps // 10)
-    stats = RunStats(block_size(args.steps), gate, on_block, count_step=_counted_step(precision, args.steps,
-                                                                                       measure_every))
+    compile_model = compiled(precision, args)
+    # a compiled step runs its own kernels, not aten ops one by one: counting them would say nothing of its launches
+    stats = RunStats(block_size(args.steps), gate, on_block,
+                     count_step=None if compile_model else _counted_step(precision, args.steps, measure_every))
     monitor = GradientUnderflowMonitor(formats=("fp16",), top_k=0, warn_threshold=1.0,
                                        measure_every_n_steps=measure_every, log_every_n_steps=args.steps)
     plugin = make_plugin(precision, args.emulate, args.steps)
@@ -176,15 +184,19 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
         enable_model_summary=False, limit_val_batches=args.val_batches, num_sanity_val_steps=0,
         check_val_every_n_epoch=10**9, log_every_n_steps=args.steps,  # validation once, after the timed steps
     )
-    trainer.fit(model, data)
+    fitted: Any = torch.compile(model) if compile_model else model  # Lightning takes the compiled module as it is
+    trainer.fit(fitted, data)  # compiled: validate runs compiled too
     stats.flush()
     metrics = dict(trainer.callback_metrics)
     held = held_bytes(trainer)  # after the steps, which made the optimizer's states
     gate()  # validation takes a turn too: it must not run beside another precision's timed steps
-    val = trainer.validate(model, datamodule=data, verbose=False)[0] if args.val_batches else {}
+    validate = args.val_batches and (user is None or user_model.validates(model, data))
+    val = trainer.validate(model, datamodule=data, verbose=False)[0] if validate else {}
     unscaled, scaled = (metrics.get(f"precision/underflow/fp16{k}") for k in ("", "/scaled"))
     return {
         "val_acc": float(val["val_acc"]) if "val_acc" in val else None,
+        # a user's model may log another metric: the report names it where no val_acc comes
+        **({"val_metrics": {k: float(v) for k, v in val.items()} if validate else None} if user is not None else {}),
         "val_samples": stats.val_samples,
         # two figures, never one for the other: parameter gradients cast to fp16 as they are (every precision), and at
         # the loss scale in effect (the fp16 run only: what its backward meets)
@@ -227,12 +239,18 @@ def held_bytes(trainer: Any) -> dict[str, Any]:
 
 
 def _fp8_layers(plugin: Any) -> dict[str, Any]:
-    """For fp8 runs: how many linear layers ran in fp8, of how many; for fp8-auto, the plan it made."""
+    """For fp8 runs: how many linear layers ran in fp8, of how many, where their speed came from (timed on a GPU, or
+    predicted); for fp8-auto, the plan it made."""
     decisions = getattr(plugin, "layer_decisions", None)
     if not decisions:
         return {}
     plan = getattr(plugin, "plan", None)
+    # a layer timed on a GPU says so first in its reason: "measured faster on <GPU>: ..." (`MeasuredSpeed.said`)
+    timed = next(("measured " + d.reason.partition(": ")[0].split(" ", 2)[2] for d in decisions
+                  if d.reason.startswith(("measured faster on ", "measured slower on "))), None)
+    speed = plan.speed_source if plan is not None and plan.speed_source else timed
     return {"fp8_layers": sum(d.fp8 for d in decisions), "linear_layers": len(decisions),
+            **({"fp8_speed": speed} if speed else {}),
             **({"fp8_plan": plan.to_dict()} if plan is not None else {})}
 
 
@@ -266,6 +284,8 @@ def run_child(conn: Any, recipe: str, precision: str, args: argparse.Namespace,
     except BaseException as err:  # the parent reports it; nothing must be lost silently
         if isinstance(err, SystemExit) and err.code == 0:
             return
-        conn.send(("error", f"{type(err).__name__}: {one_line(err)}", traceback.format_exc()))
+        user = getattr(args, "user", None)  # the class that failed, named with the precision: the row says both
+        where = f" (training {user.model.path} on {user.data.path} under {precision})" if user is not None else ""
+        conn.send(("error", f"{type(err).__name__}: {one_line(err)}{where}", traceback.format_exc()))
         return
     conn.send(("done", result))

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 
 from lightning_precision._mfu import model_flops_per_step
-from lightning_precision.cli.compare import runner
+from lightning_precision.cli.compare import runner, sizing, user_model
 from lightning_precision.cli.compare.args import (
     PRECISIONS,
     UsageError,
+    compiled,
     default_precisions,
     on_gpu,
     one_line,
@@ -45,7 +46,7 @@ from lightning_precision.cli.recipes import RECIPES, training_loss
 from lightning_precision.cli.spawn import exit_if_importing_main
 from lightning_precision.cli.stop import Interrupted, Stop, signal_name
 
-__all__ = ["PRECISIONS", "UsageError", "main", "measure_batch"]
+__all__ = ["PRECISIONS", "UsageError", "choose_workload", "main", "measure_batch"]
 
 # The parts: ``compare_args`` (the arguments), ``runner`` (the processes, taking turns), ``child`` (one precision's
 # run, in its process), ``rows`` (the figures, typed) and ``report`` (the table and the files). This module ties them.
@@ -91,16 +92,28 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
     notes: list[str] = []
     if args.precisions is None:
         args.precisions, notes = default_precisions(machine, args)
-    spec = RECIPES[args.recipe]
+    if args.user is not None:  # the report names the classes it trained, with their init args
+        notes += args.user.notes()
+        trained = {"task": args.user.describe(), "chance": None, "model": args.user.model.call(),
+                   "data": args.user.data.call(), **({"config": args.user.config} if args.user.config else {})}
+    else:
+        workload = choose_workload(args)
+        notes += [workload.warning] if workload.warning else []
+        spec = RECIPES[args.recipe].sized(workload.size)
+        trained = {"task": spec.task if not args.data_dir else args.data_dir, "chance": spec.chance,
+                   "size": workload.size, "workload": workload.why}
     gpu = on_gpu(args)
-    meta = {"recipe": args.recipe, "task": spec.task if not args.data_dir else args.data_dir, "chance": spec.chance,
+    meta = {"recipe": args.recipe, **trained,
             "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "val_batches": args.val_batches,
             "quick": args.quick, "device": torch.cuda.get_device_name() if gpu else "cpu",
             "machine_line": describe(machine, "cuda" if gpu else "cpu"), "machine": machine, "notes": notes,
             "interrupted": False, "command": shlex.join(["lightning-precision", "compare", *argv])}
+    meta["compiled"] = [p for p in args.precisions if compiled(p, args)]
     meta.update(measure_batch(args))  # first: data that every run would refuse is one line, with nothing before it
     out = console(outlive_reader=True)  # `compare | head` must not end the comparison: the report is written
     out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
+    if "workload" in meta:
+        out.print(f"workload: {meta['workload']}", highlight=False, markup=False)
     for note in notes:
         out.print(f"note: {note}", highlight=False, markup=False)
     doomed = {p: why for p in args.precisions if (why := precheck(p, args))}
@@ -162,27 +175,59 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
     return 1 if where != folder or any(r.error is not None for r in rows) else 0
 
 
+def choose_workload(args: argparse.Namespace) -> sizing.Workload:
+    """The recipe's size and batch for this machine (``sizing.choose_workload`` over the GPU's memory as it is now),
+    set on ``args`` (``size``, ``batch_size``) for the precisions' processes and the report."""
+    gpu = None
+    if on_gpu(args):
+        free, total = torch.cuda.mem_get_info()
+        gpu = sizing.Gpu(torch.cuda.get_device_name(), total, free)
+    no_gpu = f"--accelerator {args.accelerator}" if torch.cuda.is_available() else "no CUDA GPU"
+    given = args.batch_size if getattr(args, "batch_size_given", True) else None
+    try:
+        workload = sizing.choose_workload(args.size, RECIPES[args.recipe].real, gpu, given, len(args.precisions),
+                                          no_gpu)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    args.size, args.batch_size = workload.size, workload.batch_size
+    return workload
+
+
 def measure_batch(args: argparse.Namespace) -> dict[str, Any]:
     """What one training batch of the recipe costs and holds, the same for every precision, so measured once before the
-    runs: ``model_flops_per_step`` (forward and backward, in fp32 on the CPU; None if it cannot be counted) and
-    ``units_per_batch`` with its ``unit`` (tokens or images)."""
-    recipe = RECIPES[args.recipe]
+    runs: ``model_flops_per_step`` (forward and backward, in fp32 on the CPU, at the real dimensions on two samples
+    and scaled to the batch; None if it cannot be counted) and ``units_per_batch`` with its ``unit`` (tokens or
+    images). For the user's own model, ``batch_size`` too (its
+    batch's first dim: samples/s rests on it), and ``flops_note`` where its FLOPs could not be counted."""
+    if args.user is not None:
+        try:
+            measured = user_model.measure_batch(args.user, args.seed)
+        except user_model.ModelError as err:
+            raise UsageError(str(err)) from None
+        args.batch_size = measured["batch_size"]  # samples/s: the precisions' processes do not read it
+        return measured
+    real = getattr(args, "size", None) == "real"  # as choose_workload set it; "auto" is unresolved: the default
+    recipe = RECIPES[args.recipe].sized("real" if real else "embedded")
     data_args = {"batch_size": args.batch_size, "seed": args.seed}
     if args.data_dir:
         data_args["data_dir"] = args.data_dir
     out: dict[str, Any] = {"model_flops_per_step": None, "unit": recipe.unit, "units_per_batch": None}
-    given = f"--recipe {args.recipe} --batch-size {args.batch_size}" + (f" --data-dir {args.data_dir}" if args.data_dir
-                                                                         else "")
+    given = (f"--recipe {args.recipe}{' --size real' if real else ''} --batch-size {args.batch_size}"
+             + (f" --data-dir {args.data_dir}" if args.data_dir else ""))
     try:
         model, (batch,) = recipe.training_batches(1, data_args)
         out["units_per_batch"] = recipe.units(batch)
     except Exception as err:  # every precision's run builds the same data: none of them could start
         raise UsageError(f"{given}: the recipe's first batch cannot be made ({type(err).__name__}: {one_line(err)}),"
                          " so every precision would fail; check --data-dir or choose other arguments.") from None
+    # At the real dimensions the whole batch would take the CPU minutes: their FLOPs grow with the batch and nothing
+    # else (no term that does not), so two samples are counted, and scaled.
+    counted = [t[:2] if isinstance(t, torch.Tensor) else t for t in batch] if real else batch
     try:
-        out["model_flops_per_step"] = model_flops_per_step(model, batch, training_loss)
+        out["model_flops_per_step"] = (model_flops_per_step(model, counted, training_loss) * len(batch[-1])
+                                       // len(counted[-1]))
     except Exception as err:
-        _check_one_step(model, batch, given)
+        _check_one_step(model, counted, given)
         # a model flop_counter cannot trace: MFU is then n/a, the comparison still runs
         warnings.warn(f"compare: the model's FLOPs could not be counted ({type(err).__name__}: {err}); MFU is n/a.",
                       stacklevel=2)

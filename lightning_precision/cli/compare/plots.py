@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_precision._imports import MATPLOTLIB_AVAILABLE, require
-from lightning_precision.cli.compare.rows import Row
+from lightning_precision.cli.compare.rows import Row, rate_text
 
 __all__ = ["plot_compare"]
 
@@ -98,8 +98,8 @@ def _bar_plot(plt: Any, rows: Sequence[Row], out: Path, meta: Mapping[str, Any],
     figures = [r.samples_per_s if key == "samples_per_s" else r.peak_memory_mb for r in rows]
     values = [v or 0.0 for v in figures]
     errors = None
-    labels = ["failed" if r.failed and not v else "interrupted" if r.interrupted and not v else f"{v:.0f}"
-              for r, v in zip(rows, values, strict=True)]
+    labels = ["failed" if r.failed and not v else "interrupted" if r.interrupted and not v
+              else rate_text(v) if key == "samples_per_s" else f"{v:.0f}" for r, v in zip(rows, values, strict=True)]
     if key == "samples_per_s":
         # the turn medians' quartiles turned into samples/s (the slower quartile gives the lower bound): the same
         # statistic as the bar, and as the table's ms/step

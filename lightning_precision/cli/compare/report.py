@@ -14,7 +14,7 @@ from lightning_precision._launches import launch_floor_ms
 from lightning_precision._warnings import warn
 from lightning_precision.cli.compare.args import BASELINES
 from lightning_precision.cli.compare.outdir import replace_folder
-from lightning_precision.cli.compare.rows import NOISY, Row
+from lightning_precision.cli.compare.rows import NOISY, Row, rate_text
 
 __all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"]
 
@@ -69,8 +69,8 @@ def cells(row: Row) -> list[str]:
         mark + _fmt(speedup, ".2f", "x")
         + (f" [{row.speedup_q1:.2f}-{row.speedup_q3:.2f}]" if row.speedup_q1 is not None else "")
         + (" emulated" if row.emulated and speedup is not None else ""),
-        _fmt(row.samples_per_s, ".0f"),
-        _fmt(row.units_per_s, ".0f"),
+        rate_text(row.samples_per_s),
+        rate_text(row.units_per_s),
         _fmt(row.mfu * 100, ".1f", "%") if row.mfu is not None else "n/a",
         _fmt(row.peak_memory_mb, ".0f"),
         _fmt(row.bytes_per_param, ".1f"),
@@ -89,7 +89,7 @@ def mfu_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
     if not timed:
         return []
     if not flops:
-        return ["MFU: n/a, the model's FLOPs per step could not be counted."]
+        return [meta.get("flops_note") or "MFU: n/a, the model's FLOPs per step could not be counted."]
     lines = [f"MFU: the model's {flops / 1e9:.3g} GFLOP per step (forward and backward, torch.utils.flop_counter) over"
              " the median step time, against the device's dense peak for the run's compute kind:"]
     by_source: dict[str, list[str]] = {}
@@ -149,6 +149,11 @@ def _timing_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
         lines.append(f"busy: step times varied by more than {NOISY:.0%} of their median; something else was using the"
                      " machine. The paired brackets are the figures to trust; rerun when it is idle.")
     lines += launch_notes(rows)
+    compiled = [r.precision for r in rows if r.precision in meta.get("compiled", ()) and r.timed]
+    if compiled:
+        lines.append(f"{', '.join(compiled)}: compiled (torch.compile of the LightningModule, compiling in the untimed"
+                     " first steps), the other rows eager: fp8's casts are fused only when compiled, and eager fp8 is"
+                     " slower than bf16.")
     if any(r.speedup_resolved is False for r in rows):
         lines.append("~: speedup not resolved: fewer than 3 turns were paired, or the paired ratios' interquartile"
                      " range includes 1x or lies on the other side of it, so it is not measurably different from"
@@ -169,6 +174,8 @@ def _timing_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
 def _fp8_note(r: Row) -> str:
     """How many of a run's linear layers ran in fp8, chosen how, and whether its figures are bf16-mixed's after all."""
     how = "chosen from measured numerics" if r.fp8_plan is not None else "all that the shape rules leave"
+    if r.fp8_speed:
+        how += f", speed {r.fp8_speed}" if r.fp8_plan is not None else f" and measured faster (speed {r.fp8_speed})"
     line = f"{r.precision}: {r.fp8_layers} of {r.linear_layers} linear layers in fp8, {how}"
     if not (r.fp8_steps if r.fp8_steps is not None else r.fp8_layers):
         n = r.steps_done
@@ -189,6 +196,7 @@ def _figure_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
                      f" in effect, {', '.join(scaled)} only: what {'its' if len(scaled) == 1 else 'their'} fp16"
                      " backward meets, including what it already flushed. The two answer different questions: compare"
                      " a column with itself.")
+    lines += _accuracy_note(rows, meta)
     lines.append(memory_note(meta["device"]))
     if any(r.bytes_per_param is not None for r in rows):
         lines.append(BYTES_NOTE)
@@ -201,6 +209,21 @@ def _figure_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
         lines.append(f"{', '.join(baselines)}: Lightning's own plugin (precision='bf16-true': bf16 weights, every"
                      " update rounded to nearest), for comparison; the verdict does not recommend it.")
     return lines
+
+
+def _accuracy_note(rows: list[Row], meta: dict[str, Any]) -> list[str]:
+    """For a user's model that logs no val_acc: what its validation logged instead, or why none ran."""
+    finished = [r for r in rows if r.error is None and r.steps_done]
+    if "model" not in meta or not meta.get("val_batches") or not finished or any(r.val_acc is not None for r in rows):
+        return []
+    logged = sorted({name for r in rows for name in (r.val_metrics or {})})
+    if logged:
+        return [f"val acc: -: {meta['recipe']} logs no val_acc; its validation logs {', '.join(logged)} (each"
+                " precision's values in report.json's val_metrics)."]
+    if any(r.val_metrics is not None for r in finished):
+        return [f"val acc: -: {meta['recipe']}'s validation logs nothing."]
+    return [f"val acc: -: no validation ran: {meta['recipe']} defines no validation_step, or its data no"
+            " val_dataloader."]
 
 
 LAUNCH_ADVICE = ("To measure the arithmetic instead: a larger batch (--batch-size) or model, or torch.compile (fewer,"
@@ -238,7 +261,17 @@ def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
     base = next((r for r in rows if r.precision == "32-true" and r.timed), None)
     if base is None:
         return prefix + "No 32-true step was timed: speedups are not computed." + tail
-    others = [(r, r.speedup) for r in rows if r is not base and not r.failed and r.speedup is not None]
+    # a run whose loss is nan or inf trained nothing worth its speed: never recommended, and said so
+    diverged = [r for r in rows if not r.failed and r.final_loss is not None and not math.isfinite(r.final_loss)]
+    losses = ", ".join(f"{r.precision} (final loss {_fmt(r.final_loss, '.3f')})" for r in diverged)
+    if any(r is base for r in diverged):
+        return (prefix + f"Nothing is recommended: the loss diverged in {losses}, 32-true among them, so no run here"
+                " trained soundly enough to compare with; check the model's numerics first." + tail)
+    if diverged:  # said first: the rest of the verdict is about the other rows
+        prefix += (f"{losses} diverged where 32-true did not: not recommended; check"
+                   f" {'its' if len(diverged) == 1 else 'their'} numerics. ")
+    others = [(r, r.speedup) for r in rows if r is not base and not r.failed and r.speedup is not None
+              and not any(r is d for d in diverged)]
     tolerance = accuracy_tolerance(base, meta)
 
     def same_accuracy(r: Row) -> bool:
@@ -270,7 +303,7 @@ def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
                 " switching." + tail)
     slower = [f"{r.precision} {s:.2f}x" for r, s in others if r.speedup_resolved and s < 1 and not r.emulated]
     emulated = [r.precision for r, _ in others if r.emulated]
-    text = "No precision was measurably faster than 32-true on this machine"
+    text = f"No {'other ' if diverged else ''}precision was measurably faster than 32-true on this machine"
     if resolved:  # only baselines were: said, as measured, and not recommended
         text = ("None of lightning-precision's precisions was measurably faster than 32-true on this machine ("
                 + "; ".join(f"{r.precision}, Lightning's own, ran at {speed(r, s)}" for r, s in resolved) + ")")
@@ -293,6 +326,7 @@ def print_table(rows: list[Row], meta: dict[str, Any], console: Any) -> None:
 
     steps = f"{meta['steps']} step{'s' if meta['steps'] != 1 else ''}"
     title = f"{meta['recipe']}: {meta['task']} | {steps}, batch {meta['batch_size']}, {meta['device']}"
+    title += f"\nworkload: {meta['workload']}" if meta.get("workload") else ""
     table = Table(title=title + (" | INTERRUPTED: partial results" if meta.get("interrupted") else ""))
     for column in columns(meta):
         table.add_column(column, justify="left" if column == "precision" else "right")
@@ -310,7 +344,9 @@ def markdown(rows: list[Row], meta: dict[str, Any], images: list[str]) -> str:
     lines = [
         f"# compare: {meta['recipe']} on {meta['device']}", "",
         meta["verdict"], "",
-        f"- Task: {meta['task']} (chance accuracy {meta['chance']})",
+        f"- Task: {meta['task']} (chance accuracy {meta['chance']})" if meta.get("chance") is not None else
+        f"- Model: {meta['task']}",
+        *([f"- Workload: {meta['workload']}"] if meta.get("workload") else []),
         f"- Run: {meta['steps']} step{'s' if meta['steps'] != 1 else ''} per precision, batch {meta['batch_size']},"
         f" seed {meta['seed']}, {meta['val_batches']} validation batches; {meta['schedule']}"
         + ("; --quick" if meta.get("quick") else ""),

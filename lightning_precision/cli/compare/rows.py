@@ -26,7 +26,7 @@ from lightning_precision.cli.compare.args import (
 if TYPE_CHECKING:
     from lightning_precision.cli.compare.runner import Run
 
-__all__ = ["MIN_PAIRS", "NOISY", "Row", "add_mfu", "add_speedups", "make_row", "schedule"]
+__all__ = ["MIN_PAIRS", "NOISY", "Row", "add_mfu", "add_speedups", "make_row", "rate_text", "schedule"]
 
 MIN_PAIRS = 3  # paired turns needed before a speedup can count as resolved
 # Interquartile range / median of a run's step times above which it is flagged as measured on a busy machine. Steps
@@ -73,6 +73,7 @@ class Row:
     final_loss: float | None = None
     val_acc: float | None = None
     val_samples: int | None = None
+    val_metrics: dict[str, float] | None = None  # a user's model: what its validation logged (val_acc or not)
     grad_underflow_fp16: float | None = None
     grad_underflow_fp16_scaled: float | None = None
     skipped_steps: int | None = None
@@ -80,6 +81,7 @@ class Row:
     fp8_layers: int | None = None
     linear_layers: int | None = None
     fp8_plan: dict[str, Any] | None = None
+    fp8_speed: str | None = None  # "measured on <GPU>" (timed there), "predicted for <GPU>", or None: the shape rules
     fp8_steps: int | None = None
     # aten ops of one untimed step (each a kernel launch on a GPU); on a GPU the host's cost of a launch, and whether
     # the launches alone take LAUNCH_BOUND of the step (``lightning_precision._launches``)
@@ -191,7 +193,8 @@ def make_row(run: Run, args: argparse.Namespace, machine: dict[str, Any], interr
         q1, median, q3 = _quartiles(times)
         t1, turn_median, t3 = _quartiles(turns)
         row.update(dict(median_step_ms=turn_median * 1e3, turn_ms_q1=t1 * 1e3, turn_ms_q3=t3 * 1e3, turns=len(turns),
-                        step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3, samples_per_s=args.batch_size / turn_median,
+                        step_ms_q1=q1 * 1e3, step_ms_q3=q3 * 1e3,
+                        samples_per_s=args.batch_size / turn_median if args.batch_size else None,  # no tensor: n/a
                         spread=(q3 - q1) / median, noisy=(q3 - q1) / median > NOISY, timed_steps=len(times),
                         untimed_steps=left_out))
     row.peak_memory_mb = run.peak_mb
@@ -277,3 +280,11 @@ def add_speedups(rows: list[Row], runs: Mapping[str, Run], steps: int) -> None:
         row.speedup_q1, row.speedup_q3, row.speedup_paired, row.speedup_pairs = q1, q3, median, len(ratios)
         row.speedup_resolved = len(ratios) >= MIN_PAIRS and ((above and speedup > 1) or (below and speedup < 1))
         row.speedup_drift = (above and speedup < 1) or (below and speedup > 1)
+
+
+def rate_text(value: float | None) -> str:
+    """A rate (samples/s, tokens/s) as the table and the plots show it: whole from 10 up, three significant digits
+    below (a real model on a CPU trains well under one sample a second, which must not read 0)."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 10 else f"{value:.3g}"

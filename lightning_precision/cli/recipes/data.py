@@ -11,11 +11,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_precision import _imports
 
-__all__ = ["ImageClassificationData", "TextClassificationData"]
+__all__ = ["GeneratedImages", "ImageClassificationData", "TextClassificationData"]
 
 # ---- embedded text task ----------------------------------------------------------------------------------------------
 
@@ -73,18 +74,19 @@ def _read_aclimdb(root: str, split: str) -> tuple[list[str], list[int]]:
 class _TensorData(L.LightningDataModule):
     """Loaders over the ``_train``/``_val`` tensor datasets a subclass builds in ``setup``; shuffled with the seed."""
 
-    _train: TensorDataset | None
-    _val: TensorDataset
+    _train: Dataset | None
+    _val: Dataset
 
     def train_dataloader(self) -> DataLoader:
         if self._train is None:
             raise RuntimeError(f"{type(self).__name__}: no training data; call setup('fit') first")
         g = torch.Generator().manual_seed(self.hparams["seed"])
         return DataLoader(self._train, batch_size=self.hparams["batch_size"], shuffle=True, generator=g,
-                          num_workers=self.hparams["num_workers"])
+                          num_workers=self.hparams["num_workers"], collate_fn=getattr(self._train, "collate", None))
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._val, batch_size=self.hparams["batch_size"] * 2, num_workers=self.hparams["num_workers"])
+        return DataLoader(self._val, batch_size=self.hparams["batch_size"] * 2, num_workers=self.hparams["num_workers"],
+                          collate_fn=getattr(self._val, "collate", None))
 
 
 class TextClassificationData(_TensorData):
@@ -158,6 +160,56 @@ def _synthetic_images(n: int, size: int, channels: int, num_classes: int, seed: 
     return TensorDataset(images, labels)
 
 
+# Above this many bytes the generated set is made as it is read (``GeneratedImages``): 4096 images of 224x224 RGB would
+# take 2.3 GiB in every precision's process. The embedded defaults (50 MB, 13 MB) are made up front, as they always
+# were.
+ON_THE_FLY_BYTES = 256 * 2**20
+NOISE_PLANES = 64  # the noise fields ``GeneratedImages`` draws once and shares among its images
+
+
+class GeneratedImages(Dataset):
+    """``_synthetic_images``'s gratings, made as they are read, a batch at a time (the DataLoader calls
+    ``__getitems__``; ``collate`` passes its batch through): what a large image size needs, where the whole set would
+    not fit in memory. Index ``i`` is always the same image: its label, phase, frequency and contrast are drawn once per
+    index from the seed, and its noise is one of ``NOISE_PLANES`` fields drawn once (a field shared by images of every
+    class carries no label: orientation stays the only signal). Not the same draws as ``_synthetic_images``: the same
+    task, other samples."""
+
+    def __init__(self, n: int, size: int, channels: int, num_classes: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, num_classes, (n,), generator=g)
+        self.phase = torch.rand(n, generator=g) * 2 * torch.pi
+        self.freq = 3.0 + torch.rand(n, generator=g) * 2
+        self.contrast = 0.5 + torch.rand(n, generator=g)
+        self.plane = torch.randint(0, NOISE_PLANES, (n,), generator=g)
+        self.noise = 0.8 * torch.randn(NOISE_PLANES, size, size, generator=g)
+        self.coords = torch.linspace(-1, 1, size)
+        self.channels, self.num_classes = channels, num_classes
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        images, labels = self.__getitems__([index])
+        return images[0], labels[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Tensor]:
+        i = torch.as_tensor(indices, dtype=torch.long)
+        angle = self.labels[i].float() * torch.pi / self.num_classes
+        freq = self.freq[i] * torch.pi
+        a, b = (freq * torch.cos(angle))[:, None], (freq * torch.sin(angle))[:, None]
+        # sin(a x + b y + phase) = sin(a x + phase) cos(b y) + cos(a x + phase) sin(b y): one (rows x 2) @ (2 x columns)
+        # product per image, added to its noise in one call, instead of a sine of every pixel
+        ax, by = a * self.coords + self.phase[i][:, None], b * self.coords
+        rows = torch.stack([torch.cos(by), torch.sin(by)], 2) * self.contrast[i][:, None, None]
+        images = torch.baddbmm(self.noise[self.plane[i]], rows, torch.stack([torch.sin(ax), torch.cos(ax)], 1))
+        return [images[:, None].expand(-1, self.channels, -1, -1).contiguous(), self.labels[i]]
+
+    @staticmethod
+    def collate(batch: list[Tensor]) -> list[Tensor]:
+        return batch
+
+
 def _read_fashion_mnist(root: str, train: bool) -> TensorDataset:
     """FashionMNIST from its raw idx files (``train-images-idx3-ubyte[.gz]`` ...) under ``root`` or
     ``root/FashionMNIST/raw`` (where torchvision puts them): no torchvision needed."""
@@ -205,18 +257,20 @@ class ImageClassificationData(_TensorData):
 
     Sources: ``dataset="fashion_mnist"`` with ``data_dir`` (raw idx files; ``download=True`` fetches them with
     torchvision, only when asked), ``data_dir`` alone (an ImageFolder layout, ``data_dir/train`` and ``data_dir/val``
-    if present), else embedded synthetic gratings of ``image_size`` x ``image_size`` with ``channels`` channels.
+    if present), else embedded synthetic gratings of ``image_size`` x ``image_size`` with ``channels`` channels, made
+    up front, or as they are read with ``on_the_fly=True`` (``GeneratedImages``; ``None``: where the whole set would
+    take more than ``ON_THE_FLY_BYTES``, 256 MiB, as 224x224 RGB images do).
     """
 
     def __init__(self, data_dir: str | None = None, dataset: str | None = None, download: bool = False,
                  image_size: int = 32, channels: int = 3, num_classes: int = 10, batch_size: int = 32,
-                 num_samples: int = 4096, num_workers: int = 0, seed: int = 0) -> None:
+                 num_samples: int = 4096, num_workers: int = 0, seed: int = 0, on_the_fly: bool | None = None) -> None:
         super().__init__()
         if dataset not in (None, "fashion_mnist"):
             raise ValueError(f"`ImageClassificationData(dataset={dataset!r})`: use 'fashion_mnist', or data_dir alone.")
         self.save_hyperparameters()
         self.num_classes = num_classes
-        self._train: TensorDataset | None = None
+        self._train: Dataset | None = None
 
     def setup(self, stage: str) -> None:
         if self._train is not None:
@@ -244,6 +298,9 @@ class ImageClassificationData(_TensorData):
             self.num_classes = len(classes)
         else:
             n_val = max(h["num_samples"] // 4, 64)
-            self._train = _synthetic_images(h["num_samples"], h["image_size"], h["channels"], h["num_classes"],
-                                            h["seed"])
-            self._val = _synthetic_images(n_val, h["image_size"], h["channels"], h["num_classes"], h["seed"] + 1)
+            lazy = h["on_the_fly"]
+            if lazy is None:
+                lazy = h["num_samples"] * h["channels"] * h["image_size"] ** 2 * 4 > ON_THE_FLY_BYTES
+            make = GeneratedImages if lazy else _synthetic_images
+            self._train = make(h["num_samples"], h["image_size"], h["channels"], h["num_classes"], h["seed"])
+            self._val = make(n_val, h["image_size"], h["channels"], h["num_classes"], h["seed"] + 1)
