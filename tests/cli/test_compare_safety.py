@@ -354,10 +354,14 @@ def _gone(pid: int) -> bool:
 # Run by the tests below in a process of its own: compare as the console script runs it, and a file made once both
 # precisions have reported steps (our progress function is wrapped for that; nothing else is changed).
 DRIVER = """
-import sys
+import signal, sys
 from pathlib import Path
 import lightning_precision.cli as cli
 from lightning_precision.cli.compare import runner
+
+# As a command started in a terminal: SIGHUP at its default, also where the tests run under nohup (which compare
+# honours by running on)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 ready, real = Path(sys.argv[1]), runner.advance
 

@@ -44,9 +44,9 @@ def test_outputs_are_cast_floating_only():
 @pytest.mark.parametrize("module", [fabric_throughput, trainer_throughput], ids=["fabric", "trainer"])
 def test_throughput_monitors_count_our_plugins_at_their_dtype_and_others_as_before(module):
     """The dispatch both ThroughputMonitors ask is replaced once (however many plugins are built), answers our
-    plugins' ``peak_flops_dtype`` and leaves every other plugin's answer to Lightning."""
-    lightning_precision.BF16MixedPrecision()
-    lightning_precision.BF16MixedPrecision()
+    plugins' ``peak_flops_dtype`` and leaves every other plugin's answer to Lightning. The replacement lives while a
+    plugin does (``_core/process_effects.py``): two are kept alive here (alone in its process, nothing else holds one)."""
+    held = [lightning_precision.BF16MixedPrecision(), lightning_precision.BF16MixedPrecision()]
     dispatch = module._plugin_to_compute_dtype
     assert dispatch(lightning_precision.BF16MixedPrecision()) == torch.bfloat16
     assert dispatch(lp_fabric.FP16MixedPrecision()) == torch.float16
@@ -55,6 +55,7 @@ def test_throughput_monitors_count_our_plugins_at_their_dtype_and_others_as_befo
     assert not hasattr(dispatch.__wrapped__, "__wrapped__")  # not wrapped twice
     if module is trainer_throughput:
         assert dispatch(MixedPrecision("16-mixed", "cpu")) == torch.float16
+    assert len(held) == 2
 
 
 def test_the_fabric_monitor_measures_a_fabric_plugin_at_its_dtype(monkeypatch):
