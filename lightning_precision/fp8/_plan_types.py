@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the probe's result type only: importing the probe here woul
     from lightning_precision.fp8._sensitivity import LayerSensitivity
 
 __all__ = [
+    "DTYPE_OF_HIGH",
     "FORMATS",
     "FP8",
     "FormatOption",
@@ -54,6 +55,8 @@ HIGH: HighLabel = "high"
 FORMATS: tuple[str, ...] = tuple(dict.fromkeys((*TORCHAO_RECIPES, *TE_RECIPES, TE_NVFP4)))
 _HIGH_OF_DTYPE: dict[torch.dtype | None, HighLabel] = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# The dtype of each known high label (not "high": its dtype is unknown).
+DTYPE_OF_HIGH: dict[str, torch.dtype] = {label: dtype for dtype, label in _HIGH_OF_DTYPE.items() if dtype is not None}
 
 
 def high_label(dtype: torch.dtype | None) -> HighLabel:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from lightning_precision._imports import installed_version
 from lightning_precision._warnings import warn
-from lightning_precision.fp8._plan_types import HIGH, HIGH_LABELS, MeasuredSpeed
+from lightning_precision.fp8._plan_types import DTYPE_OF_HIGH, HIGH, HIGH_LABELS, MeasuredSpeed
 from lightning_precision.fp8._selection import TORCHAO_RECIPES, LayerDecision
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
 CACHE_FORMAT = "lightning-precision layer timings"  # the marker that makes a cache file ours (and overwritable)
 _CACHE_VERSION = 1
 LOCK_WAIT_S = 10.0  # the longest a write waits for another process's lock before it gives up (nothing written)
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class LayerShape(NamedTuple):
@@ -318,7 +317,7 @@ def time_shapes(shapes: Mapping[str, LayerShape], formats: Iterable[str], high: 
     """Seconds per training step of each layer (``shapes``: path -> shape) in ``high`` and in each of ``formats``,
     each distinct shape timed once (or read from the cache), then averaged over the processes by ``reduce``."""
     high = high if high != HIGH else "bf16"
-    dtype = _DTYPES[high]
+    dtype = DTYPE_OF_HIGH[high]
     cache = cache or TimingCache()
     kinds: list[str | None] = [None, *formats]
     distinct = list(dict.fromkeys(shapes.values()))
@@ -363,12 +362,12 @@ def benchmark_saving(layer: nn.Linear, candidate: str, tokens: int, high: str = 
     # This GPU's own capability, not the table's entry (a GPU missing from the table predicts as an H100).
     check_fp8_hardware("cuda", "torchao", candidate, emulate=False, owner="benchmark_saving")
     high = "bf16" if high == HIGH else high  # a plan's "high" (dtype unknown) counts as bf16, as the speed model's
-    if high not in _DTYPES:
+    if high not in DTYPE_OF_HIGH:
         raise ValueError(f"benchmark_saving(high={high!r}): one of {', '.join(HIGH_LABELS)}.")
     for arg, value in (("tokens", tokens), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"benchmark_saving({arg}={value!r}): a whole number >= 1.")
     timer = CudaTimer(steps, warmup)
     shape = LayerShape(tokens, layer.in_features, layer.out_features, layer.bias is not None)
-    dtype = _DTYPES[high]
+    dtype = DTYPE_OF_HIGH[high]
     return timer.seconds(shape, None, dtype, False) - timer.seconds(shape, candidate, dtype, False)

@@ -28,6 +28,20 @@ class Net(nn.Module):
         return self.head(torch.relu(self.big(torch.relu(self.small(x)))))
 
 
+class LitOver(L.LightningModule):
+    """The Trainer's view of ``net``: its squared output's mean as the loss, SGD."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).float().square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
 @pytest.fixture
 def fake_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> FakeTimer:
     timer = FakeTimer()
@@ -123,19 +137,8 @@ def test_the_trainer_times_converts_the_faster_and_keeps_the_optimizer(fake_gpu:
 
     monkeypatch.setattr(FakeTimer, "seconds", seconds)
 
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = Net()
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).float().square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     plugin = FP8Precision(**KW)
-    lit = Lit()
+    lit = LitOver(Net())
     big = lit.net.big.weight
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 32)), batch_size=16)
     with pytest.warns(UserWarning, match="without torch.compile"):

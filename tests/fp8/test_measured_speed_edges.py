@@ -15,6 +15,7 @@ from torch import nn
 from lightning_precision import fabric as lp_fabric
 from lightning_precision._warnings import NoEffectWarning
 from lightning_precision.fp8 import _timing
+from tests.fp8.test_measured_speed import LitOver
 from tests.fp8.test_timing import FakeTimer
 
 pytest.importorskip("torchao")
@@ -175,26 +176,15 @@ def test_a_resumed_fit_converts_as_timed_without_timing_again(gpu: BigFaster, tm
     from lightning_precision import FP8Precision
     from tests.helpers import trainer
 
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = mlp()
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).float().square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     data = DataLoader(TensorDataset(torch.randn(32, 32)), batch_size=16)
     with pytest.warns(UserWarning, match="without torch.compile"):
         run = trainer(FP8Precision(**KW), max_steps=1)
-        run.fit(Lit(), data)
+        run.fit(LitOver(mlp()), data)
     run.save_checkpoint(tmp_path / "run.ckpt")
     slower = FakeTimer()  # every layer measured slower at 16 rows
     monkeypatch.setattr(_timing, "cuda_timer", lambda emulate: slower)
     monkeypatch.setattr(_timing, "_MEMORY", {})
-    resumed, lit = FP8Precision(**KW), Lit()
+    resumed, lit = FP8Precision(**KW), LitOver(mlp())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer(resumed, max_steps=2).fit(lit, data, ckpt_path=tmp_path / "run.ckpt")
