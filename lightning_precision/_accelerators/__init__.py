@@ -1,5 +1,6 @@
 """Accelerators; importing ``lightning_precision`` registers ``"xpu"`` with Lightning's registries where the name is
-free. Nothing of Lightning's is patched: pick the XPU strategy with ``XPUAccelerator.strategy(devices)``.
+free. Nothing of Lightning's is patched: pick the XPU strategy with
+``TrainerXPUAccelerator.strategy(devices)`` for the Trainer, ``XPUAccelerator.strategy(devices)`` for Fabric.
 
 Importing this package registers the Fabric accelerator (Fabric's plugins import nothing of ``lightning.pytorch``);
 ``_accelerators.trainer`` registers the Trainer's, imported by the Trainer plugins, the callbacks and the top-level

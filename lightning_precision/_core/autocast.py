@@ -8,6 +8,7 @@ Scaling, fp8 and XPU specifics live in the small modules beside it.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -21,6 +22,8 @@ from torch.nn import Module
 from typing_extensions import Self, override
 
 from lightning_precision._core import fsdp
+from lightning_precision._core.evaluation import EVAL_AUTOCAST, check_eval_precision, eval_autocast
+from lightning_precision._core.plugin_repr import plugin_repr
 from lightning_precision._core.probe_pass import in_probe_pass
 from lightning_precision._core.process_effects import FABRIC_THROUGHPUT
 from lightning_precision._upstream.lightning import convert_fp_tensor
@@ -81,6 +84,11 @@ class AutocastPrecision(FabricPrecision):
     # Whether the forward pass runs under autocast (the true-precision plugins cast the model instead): what an error
     # about the device says.
     autocasts = True
+    # What `eval_precision` may name: the precision validation, test and predict run in (`_core/evaluation.py`).
+    eval_precisions: tuple[str, ...] = EVAL_AUTOCAST
+    # Class defaults too: a plugin made without `__init__` (an old pickle) evaluates as it trains.
+    eval_precision: str | None = None
+    _eval_depth = 0  # how many `eval_context`s are open: the one attribute the forward's hot path reads
 
     def __init__(
         self,
@@ -88,11 +96,15 @@ class AutocastPrecision(FabricPrecision):
         device: str | None = None,
         matmul_precision: MatmulPrecision | None = None,
         reduce_dtype: torch.dtype = torch.float32,
+        eval_precision: str | None = None,
     ) -> None:
         owner = type(self).__name__
         _validate_device(owner, device)
         _validate_matmul_precision(owner, matmul_precision)
         _validate_reduce_dtype(owner, reduce_dtype)
+        check_eval_precision(owner, eval_precision, self.eval_precisions)
+        self.eval_precision = eval_precision
+        self._eval_depth = 0
         self.compute_dtype = compute_dtype
         self.device = device
         self.matmul_precision = matmul_precision
@@ -257,6 +269,8 @@ class AutocastPrecision(FabricPrecision):
 
     @override
     def forward_context(self) -> Any:
+        if self._eval_depth:
+            return self._eval_forward_context()
         # Without a matmul precision to scope, the bare autocast: a generator-based scope per pass costs about 7 µs,
         # a measurable share of a small model's step (benchmarks/scaler_cost.py).
         if self.matmul_precision is None:
@@ -267,6 +281,43 @@ class AutocastPrecision(FabricPrecision):
     def _forward_scope(self) -> Generator[None, None, None]:
         with self._matmul_precision_scope(), self.autocast_context_manager():
             yield
+
+    @contextmanager
+    def eval_context(self) -> Generator[None, None, None]:
+        """While open, the plugin's forward passes and input conversion run in ``eval_precision`` instead of the
+        training precision (nothing changes with ``eval_precision=None``). The Trainer opens it around every validation,
+        test and predict step; with Fabric: ``with torch.no_grad(), plugin.eval_context(): out = model(x)``. Re-entrant;
+        whatever the model was changed for the evaluation (fp8 layers computing in high precision, a true-precision
+        layer's fp32 stand-ins) is put back when the outermost one closes, also after an error."""
+        if self.eval_precision is None:
+            yield
+            return
+        with self._evaluation_scope() if not self._eval_depth else contextlib.nullcontext():
+            self._eval_depth += 1
+            try:
+                yield
+            finally:
+                self._eval_depth -= 1
+
+    def _evaluation_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Hook: what the model needs for the whole of an evaluation (the outermost ``eval_context``)."""
+        return contextlib.nullcontext()
+
+    def _eval_forward_context(self) -> Any:
+        """The forward's context under ``eval_context``."""
+        assert self.eval_precision is not None
+        return eval_autocast(self.eval_precision, self.resolve_device())
+
+    def _eval_input(self, data: Any) -> Any:
+        """The input conversion under ``eval_context`` (the Trainer's loops convert before the step's context)."""
+        return data
+
+    def _repr_kept(self) -> dict[str, Any]:
+        """Constructor arguments this plugin keeps under another name, for ``repr``."""
+        return {}
+
+    def __repr__(self) -> str:
+        return plugin_repr(self, self._repr_kept)
 
     @override
     def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -293,4 +344,5 @@ class AutocastPrecision(FabricPrecision):
         # A weak reference cannot be pickled (ddp_spawn pickles the plugin); the module is found again at setup.
         state = self.__dict__.copy()
         state["_module_ref"] = None
+        state["_eval_depth"] = 0  # a copy made mid-evaluation starts outside it
         return state

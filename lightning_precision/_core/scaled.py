@@ -58,8 +58,10 @@ class ScaledPrecision(AutocastPrecision):
         reduce_dtype: torch.dtype,
         skip_nonfinite: bool = False,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
+        eval_precision: str | None = None,
     ) -> None:
-        super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype)
+        super().__init__(compute_dtype, device=device, matmul_precision=matmul_precision, reduce_dtype=reduce_dtype,
+                         eval_precision=eval_precision)
         owner = type(self).__name__
         for name, value in (("skip_schedulers_on_overflow", skip_schedulers_on_overflow),
                             ("skip_nonfinite", skip_nonfinite)):
@@ -176,6 +178,11 @@ class ScaledPrecision(AutocastPrecision):
     @override
     def state_dict(self) -> dict[str, Any]:
         return self.scaler_state_dict()
+
+    @override
+    def _repr_kept(self) -> dict[str, Any]:
+        # A loss scaler always skips non-finite steps: `skip_nonfinite` is the guard's argument, without one.
+        return {"scaler": self.scaler_config, "skip_nonfinite": self.scaler_config is None and self.skip_nonfinite}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -18,14 +18,16 @@ and when a Trainer plugin would let Lightning's shadow a Fabric method.
   ``on_before_optimizer_step`` hooks and clipping, then the policy's step; the plain policy leaves it to Lightning's.
 
 Also here, what every Trainer plugin adds at ``connect`` (the device resolved), to Lightning's ThroughputMonitor (the
-plugin's compute dtype) and at ``on_load_checkpoint`` (a scaler saved by Lightning's own plugin).
+plugin's compute dtype), at ``on_load_checkpoint`` (a scaler saved by Lightning's own plugin), and to validation, test
+and predict (``eval_precision``: each step inside the plugin's ``eval_context``, and its batch converted for it).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -64,6 +66,8 @@ _LIGHTNING_AMP_KEYS = (LIGHTNING_AMP_KEY, "native_amp_scaling_state")
 class TrainerHooks(TrainerPrecision, FabricCore):
     """Mixed into the Trainer classes before the Fabric class (see the module's docstring)."""
 
+    _lightning_ref: weakref.ref | None = None  # the LightningModule, whose Trainer says whether it evaluates
+
     @override
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -71,8 +75,48 @@ class TrainerHooks(TrainerPrecision, FabricCore):
         # Strategies call this after moving the model: the first moment its device is known, and the one step that
         # resolves it (hardware checks, FSDP2's checks).
         self._module_ref = weakref.ref(model)
+        # DDP connects its wrapper: the LightningModule is inside it.
+        lightning = next((m for m in model.modules() if isinstance(m, pl.LightningModule)), None)
+        self._lightning_ref = weakref.ref(lightning) if lightning is not None else None
         self.resolve_device()
         return super().connect(model, optimizers, lr_schedulers)
+
+    def _trainer_evaluates(self) -> bool:
+        """Whether the model's Trainer is validating, testing, predicting or sanity checking."""
+        model = self._lightning_ref() if self._lightning_ref is not None else None
+        if model is None:
+            return False
+        try:
+            trainer = model.trainer
+        except RuntimeError:  # not attached to a Trainer (Lightning's own error for it)
+            return False
+        return bool(trainer.evaluating or trainer.predicting)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        # Lightning's evaluation and prediction loops convert the batch before the step's context is open: the
+        # evaluation's conversion there (a true-precision plugin evaluating in fp32 must not round the batch first).
+        if self.eval_precision is not None and self._trainer_evaluates():
+            return self._eval_input(data)
+        return super().convert_input(data)
+
+    @override
+    @contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        with self.eval_context(), super().val_step_context():
+            yield
+
+    @override
+    @contextmanager
+    def test_step_context(self) -> Generator[None, None, None]:
+        with self.eval_context(), super().test_step_context():
+            yield
+
+    @override
+    @contextmanager
+    def predict_step_context(self) -> Generator[None, None, None]:
+        with self.eval_context(), super().predict_step_context():
+            yield
 
     def _install_throughput_dtype(self) -> None:
         super()._install_throughput_dtype()
@@ -143,6 +187,11 @@ class TrainerHooks(TrainerPrecision, FabricCore):
 
     def _after_iteration_step(self, model: pl.LightningModule) -> None:
         """Hook: at the end of every ``optimizer_step`` of the Trainer, whichever policy stepped."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_lightning_ref"] = None  # a weak reference does not pickle; set again at `connect`
+        return state
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

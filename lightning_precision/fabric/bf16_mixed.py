@@ -34,6 +34,8 @@ class BF16MixedPrecision(ScaledPrecision):
         max_consecutive_skips: skipped steps in a row before the run stops with ``SkippedStepsError`` (default 50;
             None: never), instead of training nothing. With ``skip_nonfinite=True`` only (another value without it
             is a ``ValueError``: nothing would be skipped).
+        eval_precision: what validation, test and predict run in (``eval_context()``): ``None`` (default) as it
+            trains; ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (docs/evaluation.md).
     """
 
     precision = "bf16-mixed"
@@ -47,6 +49,7 @@ class BF16MixedPrecision(ScaledPrecision):
         reduce_dtype: torch.dtype = torch.float32,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
+        eval_precision: str | None = None,
     ) -> None:
         if scaler is not None:
             raise ValueError(
@@ -54,7 +57,8 @@ class BF16MixedPrecision(ScaledPrecision):
                 " underflow and need no loss scaling. Remove `scaler`, or use `FP16MixedPrecision(...)` for fp16."
             )
         super().__init__(torch.bfloat16, None, True, device, matmul_precision, reduce_dtype,
-                         skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips)
+                         skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips,
+                         eval_precision=eval_precision)
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:

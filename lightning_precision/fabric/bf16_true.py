@@ -44,6 +44,9 @@ class BF16TruePrecision(TruePrecision):
         skip_schedulers_on_overflow: hold step-interval LR schedulers on a skipped step (Trainer).
         max_consecutive_skips: skipped steps (inf/nan gradients) in a row before ``SkippedStepsError`` (None: never).
         device: the device the model lives on; ``None``: where it is.
+        eval_precision: what validation, test and predict run in (``eval_context()``): ``None`` (default) as it
+            trains; ``"32-true"``: fp32 compute, each layer's weights widened for its own forward only (no fp32 copy
+            of the model; docs/evaluation.md).
     """
 
     precision = "bf16-true"
@@ -59,11 +62,12 @@ class BF16TruePrecision(TruePrecision):
         skip_schedulers_on_overflow: bool = True,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
         device: str | None = None,
+        eval_precision: str | None = None,
     ) -> None:
         super().__init__(torch.bfloat16, update=update, optimizer_states=optimizer_states, keep_fp32=keep_fp32,
                          seed=seed, step_chunk=step_chunk, scaler=None,
                          skip_schedulers_on_overflow=skip_schedulers_on_overflow, device=device,
-                         max_consecutive_skips=max_consecutive_skips)
+                         max_consecutive_skips=max_consecutive_skips, eval_precision=eval_precision)
 
     @override
     def _on_device_resolved(self, device_type: str) -> None:

@@ -38,6 +38,8 @@ class FP16MixedPrecision(ScaledPrecision):
         max_consecutive_skips: skipped steps in a row before the run stops with ``SkippedStepsError`` (default 50;
             None: never), instead of training nothing.
         reduce_dtype: the dtype FSDP2 reduces gradients in under ``mp_policy`` (fp32 by default; bf16 halves the bytes).
+        eval_precision: what validation, test and predict run in (``eval_context()``): ``None`` (default) as it
+            trains; ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (docs/evaluation.md).
     """
 
     precision = "16-mixed"
@@ -57,10 +59,12 @@ class FP16MixedPrecision(ScaledPrecision):
         max_scale: float = ScalerConfig.max_scale,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
         reduce_dtype: torch.dtype = torch.float32,
+        eval_precision: str | None = None,
     ) -> None:
         config = resolve_scaler_config(
             type(self).__name__, scaler, init_scale=init_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval, min_scale=min_scale, max_scale=max_scale,
             max_consecutive_skips=max_consecutive_skips,
         )
-        super().__init__(torch.float16, config, skip_schedulers_on_overflow, device, matmul_precision, reduce_dtype)
+        super().__init__(torch.float16, config, skip_schedulers_on_overflow, device, matmul_precision, reduce_dtype,
+                         eval_precision=eval_precision)

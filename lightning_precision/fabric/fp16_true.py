@@ -27,11 +27,12 @@ class FP16TruePrecision(TruePrecision):
     new value is not finite keeps its old one: no NaN is ever written into a weight.
 
     Every argument is keyword-only. ``update``, ``optimizer_states``, ``keep_fp32``, ``seed``, ``step_chunk``,
-    ``skip_schedulers_on_overflow`` and ``device`` as for :class:`BF16TruePrecision` (in fp16, ``"compensated"``
-    keeps the remainder in bf16, about 19 bits of the weight instead of fp32's 24). The loss scaler's arguments as for
-    ``FP16MixedPrecision``: ``scaler=ScalerConfig(...)`` or the flat ones (``init_scale``, default 2**15 here: the
-    gradient a loss computed in fp16 starts backward with is the scale, and 2**16 is inf in fp16; ``growth_factor``,
-    ``backoff_factor``, ``growth_interval``, ``min_scale``, ``max_scale``, ``max_consecutive_skips``).
+    ``skip_schedulers_on_overflow``, ``device`` and ``eval_precision`` as for :class:`BF16TruePrecision` (in fp16,
+    ``"compensated"`` keeps the remainder in bf16, about 19 bits of the weight instead of fp32's 24). The loss scaler's
+    arguments as for ``FP16MixedPrecision``: ``scaler=ScalerConfig(...)`` or the flat ones (``init_scale``, default
+    2**15 here: the gradient a loss computed in fp16 starts backward with is the scale, and 2**16 is inf in fp16;
+    ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_scale``, ``max_scale``,
+    ``max_consecutive_skips``).
 
     Clipping: the Trainer's ``gradient_clip_val`` clips inside the step, in fp32; with Fabric call
     ``plugin.clip_in_step(optimizer, max_norm=...)`` before ``optimizer.step()`` (``fabric.clip_gradients`` would
@@ -58,6 +59,7 @@ class FP16TruePrecision(TruePrecision):
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
         skip_schedulers_on_overflow: bool = True,
         device: str | None = None,
+        eval_precision: str | None = None,
     ) -> None:
         if scaler is not None and init_scale == INIT_SCALE:
             init_scale = ScalerConfig.init_scale  # left at this plugin's default: the config's own is in force
@@ -69,4 +71,4 @@ class FP16TruePrecision(TruePrecision):
         super().__init__(torch.float16, update=update, optimizer_states=optimizer_states, keep_fp32=keep_fp32,
                          seed=seed, step_chunk=step_chunk, scaler=config,
                          skip_schedulers_on_overflow=skip_schedulers_on_overflow, device=device,
-                         max_consecutive_skips=config.max_consecutive_skips)
+                         max_consecutive_skips=config.max_consecutive_skips, eval_precision=eval_precision)

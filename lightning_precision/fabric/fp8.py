@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_precision._core import fsdp
 from lightning_precision._core.autocast import MatmulPrecision
-from lightning_precision._core.fp8.args import check_fp8_args, check_precision_args, shown_layers
+from lightning_precision._core.fp8.args import check_eval_gather, check_fp8_args, check_precision_args, shown_layers
 from lightning_precision._core.fp8.backend import FP8Backend
 from lightning_precision._core.fp8.backends import make_backend
 from lightning_precision._core.fp8.calibration import (
@@ -106,6 +106,9 @@ class FP8Precision(ScaledPrecision):
             model is known to be sharded by FSDP2 at conversion (the Trainer's ``ModelParallelStrategy``, with
             ``convert_module`` called in ``configure_model``); off otherwise, since the weights then become torchao
             tensor subclasses that a plain ``torch.load`` cannot read without torchao. Fabric with FSDP2: pass True.
+        eval_precision: what validation, test and predict run in: ``None`` (default) as it trains, fp8 included;
+            ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``: without fp8 (the fp8 layers compute as plain linear
+            layers meanwhile; docs/evaluation.md).
         device, matmul_precision, reduce_dtype: as for every plugin.
     """
 
@@ -133,15 +136,19 @@ class FP8Precision(ScaledPrecision):
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
         candidates: tuple[str, ...] | None = None,
+        eval_precision: str | None = None,
     ) -> None:
         owner = type(self).__name__
         self.layer_policy, config = check_precision_args(owner, backend, compute_dtype, layer_policy, module_filter,
                                                          skip_small_layers, skip_first_last, scaler,
                                                          max_consecutive_skips)
+        check_eval_gather(owner, eval_precision, fsdp_float8_all_gather)
         super().__init__(compute_dtype, config, True, device, matmul_precision, reduce_dtype,
-                         skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips)
+                         skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips,
+                         eval_precision=eval_precision)
         # Resolved now, so a bad recipe or a missing package fails at construction, not mid-setup.
         self._backend: FP8Backend = make_backend(backend, owner, recipe, emulate)
+        self._recipe_shown = None if recipe is None else self._backend_recipe_name(recipe)
         self.precision = cast(Any, self._backend.lightning_precision(compute_dtype))  # Lightning's Literal of them
         self._args = check_fp8_args(owner, self._backend, self._nvfp4, recipe, compute_dtype, self.layer_policy,
                                     fsdp_float8_all_gather, layers, calibration_batches, plan_rule, candidates)
@@ -298,9 +305,26 @@ class FP8Precision(ScaledPrecision):
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         with super().forward_context():
+            if self._eval_depth:  # evaluation without fp8: no fp8 scales to precompute, no fp8 autocast
+                yield
+                return
             self._book.before_forward()  # after `super().forward_context()` resolved the device (and `_on_sharded`)
             with self._backend.forward_context():
                 yield
+
+    @override
+    def _evaluation_scope(self) -> Any:
+        return self._backend.high_precision_context(self._book.root())
+
+    @override
+    def _repr_kept(self) -> dict[str, Any]:
+        given = self._recipe_shown is not None
+        candidates = None if self.candidates == self._backend.default_candidates(given) else self.candidates
+        return {**super()._repr_kept(), "recipe": self._recipe_shown, "candidates": candidates}
+
+    def _backend_recipe_name(self, recipe: Any) -> Any:
+        """A recipe as ``repr`` shows it: by its format's name (a config or a TE recipe object is long)."""
+        return recipe if isinstance(recipe, str) else self._backend.recipe_format
 
     def fp8_modules(self) -> dict[str, Module]:
         """The layers that compute in fp8 now, by path: none before conversion, nor while ``layers="auto"`` measures."""
@@ -442,7 +466,8 @@ class NVFP4Precision(FP8Precision):
         recipe: ``"nvfp4"`` (default), a mapping ``{"name": "nvfp4", **NVFP4BlockScaling_kwargs}`` or TE's
             ``NVFP4BlockScaling`` object.
         compute_dtype, layer_policy, module_filter, skip_small_layers, skip_first_last, layers, device,
-            matmul_precision, reduce_dtype, scaler, skip_nonfinite, max_consecutive_skips: as for ``FP8Precision``
+            matmul_precision, reduce_dtype, scaler, skip_nonfinite, max_consecutive_skips, eval_precision: as for
+            ``FP8Precision``
             (the layer choice as one ``layer_policy`` or the three flat arguments, not both). Every argument is
             keyword-only.
     """
@@ -464,11 +489,13 @@ class NVFP4Precision(FP8Precision):
         scaler: ScalerConfig | None = None,
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
+        eval_precision: str | None = None,
     ) -> None:
         super().__init__(
             backend="transformer_engine", recipe=recipe if recipe is not None else TE_NVFP4,
             compute_dtype=compute_dtype, layer_policy=layer_policy, module_filter=module_filter,
             skip_small_layers=skip_small_layers, skip_first_last=skip_first_last, layers=layers, device=device,
             matmul_precision=matmul_precision, reduce_dtype=reduce_dtype, scaler=scaler, skip_nonfinite=skip_nonfinite,
-            max_consecutive_skips=max_consecutive_skips,
+            max_consecutive_skips=max_consecutive_skips, eval_precision=eval_precision,
         )
+        self._recipe_shown = None if recipe is None else self._recipe_shown

@@ -59,6 +59,7 @@ class XPUPrecision(ScaledPrecision):
         matmul_precision: as for every plugin.
         reduce_dtype: as for every plugin (FSDP2's gradient reduction under ``mp_policy``).
         device: ``"xpu"``; another device type only to exercise the logic where no XPU exists (the tests do).
+        eval_precision: as for every plugin: ``None``, ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class XPUPrecision(ScaledPrecision):
         # Skipped steps: the non-finite guard (bf16) and how many in a row stop the run (either dtype).
         skip_nonfinite: bool = SKIP_NONFINITE_DEFAULT,
         max_consecutive_skips: int | None = ScalerConfig.max_consecutive_skips,
+        eval_precision: str | None = None,
     ) -> None:
         owner = type(self).__name__
         _check_choices(owner, dtype, ipex)
@@ -87,7 +89,7 @@ class XPUPrecision(ScaledPrecision):
         compute_dtype, self.precision = _DTYPES[dtype]
         super().__init__(compute_dtype, config if dtype == "fp16" else None, skip_schedulers_on_overflow, device,
                          matmul_precision, reduce_dtype, skip_nonfinite=skip_nonfinite,
-                         max_consecutive_skips=max_consecutive_skips)
+                         max_consecutive_skips=max_consecutive_skips, eval_precision=eval_precision)
         self.dtype = dtype
         self.ipex = ipex
         self._ipex_module: Any = _imports.load_ipex(ipex)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = [
     "demote_torchao_layer",
     "float8_all_gather_possible",
     "float8_linear_class",
+    "high_precision_layers",
     "layer_config",
     "layer_format",
     "mark_ran",
@@ -133,6 +134,28 @@ def demote_torchao_layer(layer: nn.Module) -> None:
         layer.__dict__.pop(attribute, None)
     layer.__class__ = nn.Linear
 
+
+@contextlib.contextmanager
+def high_precision_layers(module: nn.Module | None) -> Iterator[None]:
+    """torchao's converted layers of ``module`` compute as the ``nn.Linear`` each is, for the context's duration
+    (evaluation without fp8): only the class changes, and back whatever happens (Python only, no op; the same
+    Parameters, hooks and attributes, unlike ``demote_torchao_layer``, which removes the layer's own). A weight that is
+    a torchao tensor subclass (float8 all-gather under FSDP2) casts in every forward: refused."""
+    Float8Linear = _imports.import_quietly("torchao.float8.float8_linear").Float8Linear
+    layers = [] if module is None else [m for m in module.modules()
+                                        if isinstance(m, Float8Linear) or getattr(m, MXFP8_FLAG, False)]
+    if any(type(layer.weight) is not nn.Parameter for layer in layers):
+        raise RuntimeError("eval_precision: the fp8 layers' weights are torchao tensor subclasses (float8 all-gather"
+                           " under FSDP2), which cast to fp8 in every forward: they cannot evaluate in high precision."
+                           " Pass `fsdp_float8_all_gather=False`, or `eval_precision=None` (evaluate in fp8).")
+    classes = [(layer, layer.__class__) for layer in layers]
+    try:
+        for layer, _ in classes:
+            layer.__class__ = nn.Linear
+        yield
+    finally:
+        for layer, cls in classes:
+            layer.__class__ = cls
 
 
 def torchao_config(recipe: Any, emulate: bool) -> Any:

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from lightning_precision._core.fp8.backend import FP8Backend
     from lightning_precision.fp8._plan import PlanLike, PlanRule, PrecisionPlan
 
-__all__ = ["FP8Args", "check_backend_name", "check_fp8_args", "check_plan_formats", "check_precision_args",
-           "decision_format", "shown_layers"]
+__all__ = ["FP8Args", "check_backend_name", "check_eval_gather", "check_fp8_args", "check_plan_formats",
+           "check_precision_args", "decision_format", "shown_layers"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,17 @@ class FP8Args:
     plan_rule: PlanRule | None
     candidates: tuple[str, ...]  # with `layers="auto"`, the formats each layer chooses among
     plan: PrecisionPlan | None  # the plan `layers` gives, loaded
+
+
+def check_eval_gather(owner: str, eval_precision: str | None, fsdp_float8_all_gather: bool | None) -> None:
+    """Evaluation without fp8 runs each fp8 layer as a plain linear layer, which a weight all-gathered in fp8 (a
+    torchao tensor subclass that casts in every forward) cannot."""
+    if eval_precision is not None and fsdp_float8_all_gather is True:
+        raise ValueError(
+            f"`{owner}(fsdp_float8_all_gather=True, eval_precision={eval_precision!r})`: the fp8 layers' weights"
+            " are then torchao tensor subclasses that cast to fp8 in every forward, so evaluation cannot run without"
+            " fp8. Drop one: `eval_precision=None` evaluates in fp8, as it trains."
+        )
 
 
 def check_backend_name(owner: str, name: Any) -> None:

@@ -75,6 +75,10 @@ class FP8Backend(Protocol):
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         """What every forward runs inside, beside autocast."""
 
+    def high_precision_context(self, module: Module | None) -> contextlib.AbstractContextManager[Any]:
+        """While open, ``module``'s converted layers compute in high precision (evaluation without fp8); the forwards
+        then run without ``forward_context``."""
+
     def check_hardware(self, device_type: str, families: Iterable[str], owner: str) -> None:
         """Refuse a device that cannot run these scaling families."""
 

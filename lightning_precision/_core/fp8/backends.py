@@ -29,6 +29,7 @@ from lightning_precision.fp8._te import convert_with_te, import_te, te_recipe, t
 from lightning_precision.fp8._torchao import (
     convert_with_torchao,
     float8_all_gather_possible,
+    high_precision_layers,
     layer_format,
     recipe_format,
     run_outside_inference_mode,
@@ -152,6 +153,9 @@ class TorchaoBackend(ResolvedRecipe):
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()  # Float8Linear casts to fp8 by itself
 
+    def high_precision_context(self, module: Module | None) -> contextlib.AbstractContextManager[Any]:
+        return high_precision_layers(module)  # each layer computes as the nn.Linear it is
+
     def movable(self, where: str) -> LayerMover:
         return self
 
@@ -240,6 +244,9 @@ class TEBackend(ResolvedRecipe):
         te, _ = import_te()
         with te.autocast(enabled=True, recipe=self.recipe):
             yield
+
+    def high_precision_context(self, module: Module | None) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # outside `te.autocast` TE's modules compute in their parameters' dtype
 
     def movable(self, where: str) -> LayerMover:
         raise RuntimeError(f"{where}: Transformer Engine layers cannot return to high precision in place, nor change"

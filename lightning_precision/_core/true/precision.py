@@ -25,10 +25,13 @@ from typing_extensions import override
 
 from lightning_precision import _imports
 from lightning_precision._checks import is_positive_int
+from lightning_precision._core import fsdp
+from lightning_precision._core.evaluation import EVAL_TRUE
 from lightning_precision._core.process_effects import STATE_INIT_HOOK
 from lightning_precision._core.scaled import ScaledPrecision
 from lightning_precision._core.scaling.scaler import InStepScaler, ScalerConfig
 from lightning_precision._core.scaling.step_policy import GuardedStep, closure_driven
+from lightning_precision._core.true.fp32_eval import FP32Evaluation
 from lightning_precision._core.true.rounding import UPDATES
 from lightning_precision._core.true.step import OPTIMIZER_STATES, ClipRequest, TrueStep, is_stepping
 from lightning_precision._upstream.lightning import convert_fp_tensor
@@ -78,6 +81,7 @@ class TruePrecision(ScaledPrecision):
     autocasts = False
     reads_encoded_states = True
     clips_in_step = True
+    eval_precisions = EVAL_TRUE
 
     def __init__(
         self,
@@ -92,6 +96,7 @@ class TruePrecision(ScaledPrecision):
         skip_schedulers_on_overflow: bool,
         device: str | None,
         max_consecutive_skips: int | None,
+        eval_precision: str | None = None,
     ) -> None:
         owner = type(self).__name__
         if update not in UPDATES:
@@ -113,7 +118,8 @@ class TruePrecision(ScaledPrecision):
             raise ValueError(f"`{owner}(step_chunk={step_chunk!r})`: pass a positive int (elements widened to fp32"
                              f" at once in the optimizer step), e.g. {DEFAULT_STEP_CHUNK} (the default).")
         super().__init__(compute_dtype, scaler, skip_schedulers_on_overflow, device, None, torch.float32,
-                         skip_nonfinite=True, max_consecutive_skips=max_consecutive_skips)
+                         skip_nonfinite=True, max_consecutive_skips=max_consecutive_skips,
+                         eval_precision=eval_precision)
         self.update: str = update
         self.optimizer_states: str = optimizer_states
         self.keep_fp32: tuple[type[nn.Module], ...] = keep_fp32
@@ -126,6 +132,7 @@ class TruePrecision(ScaledPrecision):
         # (``unscale_for_hooks``).
         self._shown: dict[int, tuple[dict[Tensor, Tensor], dict[Tensor, tuple[Tensor, int]]]] = {}
         self._kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._keep_hooks: _KeepFP32 = _KeepFP32(compute_dtype)  # every kept layer's: fp32 evaluation retargets it
 
     # --- the model ------------------------------------------------------------------------------------------------
 
@@ -135,7 +142,7 @@ class TruePrecision(ScaledPrecision):
         module.to(dtype=self.compute_dtype)
         STATE_INIT_HOOK.hold(self)  # a process-wide effect (`_core/process_effects.py`), until `teardown`
         if self.keep_fp32:
-            hooks = _KeepFP32(self.compute_dtype)
+            hooks = self._keep_hooks
             for layer in module.modules():
                 if isinstance(layer, self.keep_fp32):
                     layer.float()
@@ -155,6 +162,8 @@ class TruePrecision(ScaledPrecision):
 
     @override
     def forward_context(self) -> Any:
+        if self._eval_depth:
+            return self._eval_forward_context()
         # Resolved at the first forward (as the autocast plugins resolve in their autocast): Fabric's one moment
         # after the model is set up, sharded and moved; the Trainer resolves at `connect`, before it.
         self.resolve_device()
@@ -162,7 +171,44 @@ class TruePrecision(ScaledPrecision):
 
     @override
     def convert_input(self, data: Any) -> Any:
+        if self._eval_depth:
+            return _to_fp32(data)
         return apply_to_collection(data, function=convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
+
+    # --- evaluation in fp32 (`eval_precision="32-true"`) ------------------------------------------------------------
+
+    @override
+    def _eval_forward_context(self) -> Any:
+        self.resolve_device()
+        return default_dtype(torch.float32)
+
+    @override
+    def _eval_input(self, data: Any) -> Any:
+        return _to_fp32(data)  # an fp32 batch is not rounded to 16 bits first
+
+    @override
+    @contextmanager
+    def _evaluation_scope(self) -> Generator[None, None, None]:
+        module = self._module_ref() if self._module_ref is not None else None
+        owner = type(self).__name__
+        if module is None:
+            raise RuntimeError(f"`{owner}.eval_context()`: no model is set up yet. Set it up first"
+                               " (`fabric.setup(model)`), then evaluate inside the context.")
+        if fsdp.is_sharded(module):
+            self._refuse_sharded_fp32_eval()
+        self._keep_hooks.dtype = torch.float32  # a kept layer's output stays fp32 too
+        try:
+            with FP32Evaluation(module, owner, self.compute_dtype):
+                yield
+        finally:
+            self._keep_hooks.dtype = self.compute_dtype
+
+    def _refuse_sharded_fp32_eval(self) -> None:
+        raise ValueError(
+            f"`{type(self).__name__}(eval_precision='32-true')` widens each layer's weights to fp32 for its forward,"
+            " which FSDP2's sharded parameters do not allow (they are gathered inside the forward). Evaluate as the"
+            " model trains: `eval_precision=None`."
+        )
 
     @property
     @override
@@ -176,8 +222,8 @@ class TruePrecision(ScaledPrecision):
 
     @override
     def _on_sharded(self, module: nn.Module) -> None:
-        from lightning_precision._core import fsdp
-
+        if self.eval_precision == "32-true":  # before training, not at the first validation
+            self._refuse_sharded_fp32_eval()
         fsdp.check_gloo_averages()
         if self.keep_fp32:
             self._check_kept_layers_sharded_apart(module)
@@ -185,8 +231,6 @@ class TruePrecision(ScaledPrecision):
     def _check_kept_layers_sharded_apart(self, module: nn.Module) -> None:
         """FSDP2 refuses, at the first forward, a sharded module whose own trainable parameters mix dtypes ("FSDP
         expects uniform original parameter dtype"): a layer kept in fp32 must be sharded apart from 16-bit ones."""
-        from lightning_precision._core import fsdp
-
         mixed = []
         sharded = {id(m) for m in fsdp.fsdp_modules(module)}
         for name, m in module.named_modules():
