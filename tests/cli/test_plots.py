@@ -125,3 +125,22 @@ def test_amax_plot_names_every_layer_and_cuts_no_text(figures, tmp_path):
     assert _fits(fig)
     table = fig.axes[-1].texts[0].get_text()
     assert "input       delayed      1.000%    1.000%" in table and "grad_output" in table
+
+
+def test_throughput_labels_carry_the_tables_marks(figures, tmp_path):
+    """throughput.png wrote a bare `0.96x` under a bar the table marked "~" (not measurable) and "emulated": each label
+    is now the table's own cell (the same function), a word a line, and a "~" bar is hatched."""
+    from lightning_precision.cli.compare import report as lp_report
+
+    timed = {"median_step_ms": 80.0}
+    rows = [_row("32-true", [1.0], speedup=1.0, speedup_resolved=None, **timed),
+            _row("bf16-mixed", [1.0], speedup=0.96, speedup_q1=0.66, speedup_q3=1.05, speedup_resolved=False, **timed),
+            _row("fp8", [1.0], speedup=0.4, speedup_q1=0.36, speedup_q3=0.48, speedup_resolved=True, emulated=True,
+                 **timed)]
+    lp_plots.plot_compare(rows, tmp_path, META)
+    ax = figures["throughput.png"].axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["32-true\n1.00x", "bf16-mixed\n~0.96x\n[0.66-1.05]", "fp8\n0.40x\n[0.36-0.48]\nemulated"]
+    assert [label.split("\n", 1)[1].replace("\n", " ") for label in labels] == [lp_report.cells(r)[3] for r in rows]
+    assert [bar.get_hatch() for bar in ax.patches] == [None, "//", None]
+    assert "~ and hatched: not" in ax.get_xlabel() and "emulated: no hardware arithmetic" in ax.get_xlabel()

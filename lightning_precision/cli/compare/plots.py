@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_precision._imports import MATPLOTLIB_AVAILABLE, require
-from lightning_precision.cli.compare.rows import Row, rate_text
+from lightning_precision.cli.compare.rows import Row, rate_text, speedup_text
 
 __all__ = ["plot_compare"]
 
@@ -32,9 +32,10 @@ def _label(r: Row) -> str:
 
 def plot_compare(rows: Sequence[Row], out: Path, meta: Mapping[str, Any]) -> list[str]:
     """``loss.png`` (training loss per precision, and its difference from 32-true, where overlapping curves part),
-    ``throughput.png`` (samples/s from the table's ms/step, with the interquartile range over turns and the table's
-    speedup) and ``memory.png`` (with the table's bytes/param); failed and interrupted precisions are drawn with what
-    they reached and marked, not dropped."""
+    ``throughput.png`` (samples/s from the table's ms/step, with the interquartile range over turns, and the table's
+    speedup cell under each name, its "~" and "emulated" marks included; a "~" bar hatched) and ``memory.png``
+    (with the table's bytes/param); failed and interrupted precisions are drawn with what they reached and marked,
+    not dropped."""
     require(MATPLOTLIB_AVAILABLE, "matplotlib", "Plotting")
     import matplotlib
 
@@ -97,7 +98,7 @@ def _bar_plot(plt: Any, rows: Sequence[Row], out: Path, meta: Mapping[str, Any],
     names = [r.precision for r in rows]
     figures = [r.samples_per_s if key == "samples_per_s" else r.peak_memory_mb for r in rows]
     values = [v or 0.0 for v in figures]
-    errors = None
+    errors, hatches = None, None
     labels = ["failed" if r.failed and not v else "interrupted" if r.interrupted and not v
               else rate_text(v) if key == "samples_per_s" else f"{v:.0f}" for r, v in zip(rows, values, strict=True)]
     if key == "samples_per_s":
@@ -107,15 +108,24 @@ def _bar_plot(plt: Any, rows: Sequence[Row], out: Path, meta: Mapping[str, Any],
                    for v, r in zip(values, rows, strict=True)],
                   [max(0.0, meta["batch_size"] * 1e3 / r.turn_ms_q1 - v) if r.turn_ms_q1 is not None else 0.0
                    for v, r in zip(values, rows, strict=True)]]
-        names = [n + (f"\n{r.speedup:.2f}x" if r.speedup is not None else "") for n, r in zip(names, rows, strict=True)]
-        ax.set_xlabel("under each name its speedup: 32-true's ms/step over its own, as in the table\nms/step: the"
-                      " median of the turns' median step times; whiskers: the middle half of the turns", fontsize=8)
+        # the table's own cell, marks included, a word a line so that neighbouring labels do not run together
+        names = [n + ("\n" + speedup_text(r).replace(" ", "\n") if r.speedup is not None else "")
+                 for n, r in zip(names, rows, strict=True)]
+        hatches = ["//" if r.speedup_resolved is False else "" for r in rows]
+        ax.set_xlabel("under each name its speedup as in the table: the median paired ratio over 32-true [their"
+                      " interquartile range]; ~ and hatched: not\nmeasurably different from 32-true; emulated: no"
+                      " hardware arithmetic for it here. bars: batch / ms/step, the median of the turns' median step"
+                      " times;\nwhiskers: the middle half of the turns", fontsize=7)
     elif any(r.bytes_per_param is not None for r in rows):
         names = [n + (f"\n{r.bytes_per_param:.1f} B/param" if r.bytes_per_param is not None else "")
                  for n, r in zip(names, rows, strict=True)]
         ax.set_xlabel("under each name its bytes/param, as in the table: weights, gradients and optimizer states"
                       " per parameter", fontsize=8)
     bars = ax.bar(names, values, yerr=errors, capsize=4, color=[_precision_color(r.precision) for r in rows])
+    for bar, hatch in zip(bars, hatches or [], strict=False):
+        if hatch:  # set bar by bar, as every matplotlib the extra allows (>=3.7) does
+            bar.set_hatch(hatch)
+            bar.set_edgecolor("black")
     ax.bar_label(bars, label_type="center", labels=labels)
     ax.set_ylabel(ylabel, fontsize=9)
     ax.set_title(_title(meta, what), fontsize=10)

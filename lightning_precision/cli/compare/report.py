@@ -9,12 +9,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from lightning_precision._core.true.precision import DEFAULT_STEP_CHUNK
 from lightning_precision._io import json_safe
 from lightning_precision._launches import launch_floor_ms
 from lightning_precision._warnings import warn
 from lightning_precision.cli.compare.args import BASELINES
 from lightning_precision.cli.compare.outdir import replace_folder
-from lightning_precision.cli.compare.rows import NOISY, Row, rate_text
+from lightning_precision.cli.compare.rows import MIN_PAIRS, NOISY, Row, rate_text, speedup_text
+from lightning_precision.cli.compare.widths import fit_columns, table_width
 
 __all__ = ["FILES", "NOISY", "failed", "print_table", "verdict", "write_reports"]
 
@@ -23,6 +25,11 @@ FILES = ("report.md", "report.json", "report.csv", "loss.png", "throughput.png",
 
 COLUMNS = ("precision", "ms/step", "spread", "speedup", "samples/s", "units/s", "MFU", "peak mem MB", "bytes/param",
            "final loss", "val acc", "fp16 underflow, unscaled", "at loss scale", "skipped")
+# The terminal's table leaves columns out in this order where it is too wide for the console (``widths``): what
+# another column already says (units/s beside samples/s), what is n/a or 0 on most runs, then what is read less.
+# precision and speedup are always shown.
+LEAST_IMPORTANT = ("units/s", "MFU", "at loss scale", "fp16 underflow, unscaled", "spread", "skipped", "samples/s",
+                   "bytes/param", "ms/step", "peak mem MB", "final loss", "val acc")
 CSV_COLUMNS = ["precision", "median_step_ms", "step_ms_q1", "step_ms_q3", "turn_ms_q1", "turn_ms_q3", "turns",
                "timed_steps", "untimed_steps", "samples_per_s", "units_per_s", "achieved_tflops", "mfu", "peak_tflops",
                "speedup", "speedup_q1", "speedup_q3", "speedup_paired", "speedup_pairs", "speedup_resolved",
@@ -60,15 +67,11 @@ def cells(row: Row) -> list[str]:
     status = _status(row)
     if row.median_step_ms is None:
         return [row.precision, f"{status} (see notes)" if status else "-", *[""] * (len(COLUMNS) - 2)]
-    speedup = row.speedup
-    mark = "~" if row.speedup_resolved is False else ""
     return [
         row.precision + (f" ({status})" if status else ""),
         _fmt(row.median_step_ms, ".1f"),
         _fmt(row.spread * 100 if row.spread is not None else None, ".0f", "%") + _spread_flag(row),
-        mark + _fmt(speedup, ".2f", "x")
-        + (f" [{row.speedup_q1:.2f}-{row.speedup_q3:.2f}]" if row.speedup_q1 is not None else "")
-        + (" emulated" if row.emulated and speedup is not None else ""),
+        speedup_text(row),
         rate_text(row.samples_per_s),
         rate_text(row.units_per_s),
         _fmt(row.mfu * 100, ".1f", "%") if row.mfu is not None else "n/a",
@@ -118,6 +121,40 @@ def memory_note(device: str) -> str:
             " process.")
 
 
+# The rows that step in fp32 on 16-bit weights (``_core.true.step``), with the plugins' default arguments: 16-bit
+# states, ``step_chunk`` elements widened at a time. Lightning's own bf16-true steps the bf16 weights as they are.
+FP32_STEP_ROWS = ("bf16-true", "16-true")
+
+
+def fp32_step_notes(rows: list[Row]) -> list[str]:
+    """Where a true row's peak memory exceeds 32-true's, though it holds half the bytes a parameter: why, with the
+    figure of its optimizer step's fp32 transient, counted from what the row holds (a constant would be wrong for
+    another model or optimizer)."""
+    base = next((r for r in rows if r.precision == "32-true" and r.peak_memory_mb is not None), None)
+    lines = []
+    for r in rows:
+        held = r.training_bytes
+        if (base is None or r.precision not in FP32_STEP_ROWS or not held or not held.get("weights")
+                or r.peak_memory_mb is None or base.peak_memory_mb is None or r.peak_memory_mb <= base.peak_memory_mb):
+            continue
+        # each 16-bit weight, gradient and state has an fp32 stand-in during the step: 4 bytes for every
+        # weight-sized value held (16 with Adam's two states)
+        per_element = 4 * (held["weights"] + held["gradients"] + held["optimizer_states"]) / held["weights"]
+        parameters, chunk = held["parameters"], min(held["parameters"], DEFAULT_STEP_CHUNK)
+        transient = chunk * per_element / 2**20
+        cap = f"{DEFAULT_STEP_CHUNK * per_element / 2**20:.0f}"
+        why = (f"this model's {parameters:,} parameters fit one step_chunk ({DEFAULT_STEP_CHUNK:,} elements), so its"
+               " weights, gradients and states are widened at once" if parameters <= DEFAULT_STEP_CHUNK else
+               f"they are widened step_chunk ({DEFAULT_STEP_CHUNK:,}) elements at a time")
+        lines.append(f"{r.precision}: peak mem {r.peak_memory_mb:.0f} MB against 32-true's {base.peak_memory_mb:.0f}"
+                     f" MB, though it holds {r.bytes_per_param or 0:.1f} bytes a parameter to 32-true's"
+                     f" {base.bytes_per_param or 0:.1f}: its optimizer step runs in fp32 ({per_element:.0f} bytes an"
+                     f" element widened), and {why}: at least {transient:.0f} MB of fp32 copies during the step (the"
+                     " optimizer's temporaries on them come on top). On models larger than a chunk the copies stay at"
+                     f" step_chunk elements ({cap} MB), while the bytes held keep shrinking with the model.")
+    return lines
+
+
 def notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
     """The lines under the table: every failure's and interruption's whole reason, which statistic each column is, what
     each flag means where it appears."""
@@ -141,10 +178,11 @@ def _timing_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
     if any(r.timed for r in rows):
         unit = meta.get("unit") or "units"
         lines.append(f"ms/step: the median over turns of each turn's median step time ({meta['schedule']}); samples/s,"
-                     f" {unit}/s and MFU follow from it. speedup: 32-true's ms/step over this one's, so these columns"
-                     " and throughput.png rank the precisions alike; [brackets]: the interquartile range over turns of"
-                     " the paired ratio (32-true's turn over this one's in the same round, measured back to back)."
-                     " spread: the interquartile range of the timed step times over their median.")
+                     f" {unit}/s and MFU follow from it. speedup: the median over rounds of the paired ratio (32-true's"
+                     " turn over this one's in the same round, measured back to back, so a change of the machine's"
+                     " speed hits both), [brackets]: those ratios' interquartile range, which always holds the"
+                     " speedup; the ~ mark, the verdict and throughput.png read the same figures. spread: the"
+                     " interquartile range of the timed step times over their median.")
     if any(r.noisy and not r.launch_bound for r in rows):
         lines.append(f"busy: step times varied by more than {NOISY:.0%} of their median; something else was using the"
                      " machine. The paired brackets are the figures to trust; rerun when it is idle.")
@@ -155,15 +193,16 @@ def _timing_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
                      " first steps), the other rows eager: fp8's casts are fused only when compiled, and eager fp8 is"
                      " slower than bf16.")
     if any(r.speedup_resolved is False for r in rows):
-        lines.append("~: speedup not resolved: fewer than 3 turns were paired, or the paired ratios' interquartile"
-                     " range includes 1x or lies on the other side of it, so it is not measurably different from"
-                     " 32-true.")
+        lines.append(f"~: speedup not resolved: fewer than {MIN_PAIRS} turns were paired, or its bracket includes 1x,"
+                     " or ms/step ranks it on the other side of 32-true (a note says so), so it is not measurably"
+                     " different from 32-true.")
+    base = next((r for r in rows if r.precision == "32-true" and r.timed), None)
     for r in rows:
-        if r.speedup_drift:
+        if r.speedup_drift and base is not None and base.median_step_ms and r.median_step_ms:
             lines.append(f"{r.precision}: the paired turns put it at {r.speedup_q1:.2f}-{r.speedup_q3:.2f}x"
-                         f" the speed of 32-true, the medians at {r.speedup:.2f}x: they disagree on which is faster"
-                         " because the machine's speed changed during the run (paired turns cancel that, medians do"
-                         " not); rerun when it is idle.")
+                         f" the speed of 32-true, the ms/step medians at {base.median_step_ms / r.median_step_ms:.2f}x:"
+                         " they disagree on which is faster because the machine's speed changed during the run"
+                         " (paired turns cancel that, medians do not), so neither is claimed; rerun when it is idle.")
     emulated = [r.precision for r in rows if r.emulated and r.timed]
     if emulated:
         lines.append(f"emulated: no hardware arithmetic for {', '.join(emulated)} on this machine (torch emulates"
@@ -198,6 +237,7 @@ def _figure_notes(rows: list[Row], meta: dict[str, Any]) -> list[str]:
                      " a column with itself.")
     lines += _accuracy_note(rows, meta)
     lines.append(memory_note(meta["device"]))
+    lines += fp32_step_notes(rows)
     if any(r.bytes_per_param is not None for r in rows):
         lines.append(BYTES_NOTE)
     for r in rows:
@@ -328,12 +368,26 @@ def print_table(rows: list[Row], meta: dict[str, Any], console: Any) -> None:
     title = f"{meta['recipe']}: {meta['task']} | {steps}, batch {meta['batch_size']}, {meta['device']}"
     title += f"\nworkload: {meta['workload']}" if meta.get("workload") else ""
     table = Table(title=title + (" | INTERRUPTED: partial results" if meta.get("interrupted") else ""))
-    for column in columns(meta):
-        table.add_column(column, justify="left" if column == "precision" else "right")
-    for row in rows:
+    headers, texts = columns(meta), [cells(row) for row in rows]
+    kept, widths = fit_columns(headers, texts, console.width, [COLUMNS.index(c) for c in LEAST_IMPORTANT])
+    for i, width in zip(kept, widths, strict=True):
+        table.add_column(headers[i], justify="left" if i == 0 else "right", width=width)
+    for row, text in zip(rows, texts, strict=True):
         style = "red" if row.failed else "yellow" if row.interrupted else ""
-        table.add_row(*(Text(c, style=style if i < 2 else "") for i, c in enumerate(cells(row))))
-    console.print(table)
+        table.add_row(*(Text(text[i], style=style if i < 2 else "") for i in kept))
+    width = console.width
+    wide = table_width(widths) > width  # too narrow even for the kept columns: lines the terminal wraps, never cut
+    if wide:
+        console.width = table_width(widths)
+    try:
+        console.print(table, crop=False)
+    finally:
+        if wide:
+            console.width = width
+    if len(kept) < len(headers):
+        left_out = "; ".join(h for i, h in enumerate(headers) if i not in kept)  # a header may hold a comma
+        console.print(Text(f"not shown at {width} columns: {left_out}. Every column is in report.md and"
+                           " report.csv.", style="dim"))
     for line in notes(rows, meta):
         console.print(Text(line, style="red" if " failed: " in line else "dim"))
     console.print(Text(meta["verdict"], style="bold"))

@@ -26,7 +26,8 @@ from lightning_precision.cli.compare.args import (
 if TYPE_CHECKING:
     from lightning_precision.cli.compare.runner import Run
 
-__all__ = ["MIN_PAIRS", "NOISY", "Row", "add_mfu", "add_speedups", "make_row", "rate_text", "schedule"]
+__all__ = ["MIN_PAIRS", "NOISY", "Row", "add_mfu", "add_speedups", "make_row", "rate_text", "schedule",
+           "speedup_text"]
 
 MIN_PAIRS = 3  # paired turns needed before a speedup can count as resolved
 # Interquartile range / median of a run's step times above which it is flagged as measured on a busy machine. Steps
@@ -255,11 +256,13 @@ def add_mfu(rows: list[Row], meta: dict[str, Any], args: argparse.Namespace) -> 
 
 
 def add_speedups(rows: list[Row], runs: Mapping[str, Run], steps: int) -> None:
-    """Speedup over 32-true: 32-true's ms/step over this one's, so that the speedup, ms/step, samples/s and the
-    throughput plot rank the precisions alike. Its bracket is the interquartile range of the paired ratios (32-true's
-    turn median over this one's, in the same round: measured back to back, so a machine whose speed drifts affects
-    both); it is resolved when at least ``MIN_PAIRS`` pairs put the whole range on the speedup's side of 1x. A range
-    wholly on the other side (``speedup_drift``) means the machine's speed changed during the run."""
+    """Speedup over 32-true: one statistic for the cell, its bracket, the "~" mark and the verdict. It is the median
+    of the paired ratios (32-true's turn median over this one's, in the same round: measured back to back, so a
+    machine whose speed drifts affects both), its bracket their interquartile range, so the figure always lies in its
+    bracket; it is resolved when at least ``MIN_PAIRS`` pairs put the whole bracket on one side of 1x and ms/step does
+    not rank the row on the other side (``speedup_drift``: the machine's speed changed during the run; paired turns
+    cancel that, medians do not, and the report claims neither). With no pair (turns that never met) it falls back to
+    32-true's ms/step over this one's, unbracketed and unresolved."""
     base_row = next((r for r in rows if r.precision == "32-true" and r.median_step_ms is not None), None)
     if base_row is None or base_row.median_step_ms is None:
         return
@@ -270,16 +273,27 @@ def add_speedups(rows: list[Row], runs: Mapping[str, Run], steps: int) -> None:
         if row is base_row:
             row.speedup, row.speedup_resolved = 1.0, None  # the reference itself
             continue
-        speedup = base_row.median_step_ms / row.median_step_ms
-        row.speedup, row.speedup_resolved, row.speedup_pairs = speedup, False, 0
+        by_medians = base_row.median_step_ms / row.median_step_ms
+        row.speedup, row.speedup_resolved, row.speedup_pairs = by_medians, False, 0
         ratios = [b / m for b, m in zip(base, _turn_medians(runs[row.precision], steps), strict=False) if b and m]
         if not ratios:
             continue
         q1, median, q3 = _quartiles(ratios)
         above, below = q1 > 1, q3 < 1
-        row.speedup_q1, row.speedup_q3, row.speedup_paired, row.speedup_pairs = q1, q3, median, len(ratios)
-        row.speedup_resolved = len(ratios) >= MIN_PAIRS and ((above and speedup > 1) or (below and speedup < 1))
-        row.speedup_drift = (above and speedup < 1) or (below and speedup > 1)
+        row.speedup, row.speedup_q1, row.speedup_q3, row.speedup_pairs = median, q1, q3, len(ratios)
+        row.speedup_paired = median
+        row.speedup_drift = (above and by_medians < 1) or (below and by_medians > 1)
+        row.speedup_resolved = len(ratios) >= MIN_PAIRS and (above or below) and not row.speedup_drift
+
+
+def speedup_text(row: Row) -> str:
+    """The speedup as the table's cell and the throughput plot's label show it: "~" where it is not resolved, the
+    paired ratios' interquartile range in brackets, "emulated" where the format has no hardware arithmetic here."""
+    if row.speedup is None:
+        return "-"
+    mark = "~" if row.speedup_resolved is False else ""
+    bracket = f" [{row.speedup_q1:.2f}-{row.speedup_q3:.2f}]" if row.speedup_q1 is not None else ""
+    return f"{mark}{row.speedup:.2f}x{bracket}" + (" emulated" if row.emulated else "")
 
 
 def rate_text(value: float | None) -> str:
