@@ -99,11 +99,22 @@ _NEEDS_A_RECIPE = ("(a precision config sets only the precision: combine it with
                    " distilbert --config precision-bf16-mixed`, or name --model and --data)")
 
 
+def _what_fit_takes() -> str:
+    """``fit`` named no model (no argument, or no config): what it takes, with a command that runs as it is."""
+    return ("fit trains a model on its data, both named by a config: a recipe shipped with lightning-precision"
+            " (`lightning-precision fit --config distilbert --precision bf16-mixed`; "
+            f"{_config_names()}), a LightningCLI YAML file of your own, or --model and --data")
+
+
 # Lines of jsonargparse's union errors that say nothing to a user (the subtypes tried, the None alternative).
 _NOISE = ("Subtypes:", "Errors:", "Given value", "- Expected a <class 'NoneType'>")
 
 
-def _parser_error(message: str) -> str:
+def _names_a_config(argv: list[str]) -> bool:
+    return any(arg in ("-c", "--config") or arg.startswith("--config=") for arg in argv)
+
+
+def _parser_error(message: str, argv: list[str]) -> str:
     """jsonargparse's error (several lines for a bad value of a class) as one line, with the fix where we know it."""
     text = ""
     for line in (line.strip() for line in message.splitlines()):
@@ -111,7 +122,8 @@ def _parser_error(message: str) -> str:
             text += (" " if text.endswith(":") else "; " if text else "") + line
     missing = re.search(r"the following arguments are required: (.*)", text)
     if missing and {"model", "data"} & {name.strip() for name in missing.group(1).split(",")}:
-        text = f"{text} {_NEEDS_A_RECIPE}"
+        # a config that names no model is a precision config; with none at all, the user has yet to learn what fit takes
+        text = f"{text} {_NEEDS_A_RECIPE}" if _names_a_config(argv) else f"{text}; {_what_fit_takes()}"
     return text
 
 
@@ -122,8 +134,10 @@ _FIT_PRECISIONS = {
     "bf16-mixed": ("lightning_precision.BF16MixedPrecision", {}),
     "bf16-true": ("lightning_precision.BF16TruePrecision", {}),
     "16-mixed": ("lightning_precision.FP16MixedPrecision", {}),
+    "16-true": ("lightning_precision.FP16TruePrecision", {}),
     "fp8": ("lightning_precision.FP8Precision", {}),
     "fp8-emulated": ("lightning_precision.FP8Precision", {"emulate": True, "skip_small_layers": False}),
+    "nvfp4": ("lightning_precision.NVFP4Precision", {}),
 }
 
 
@@ -164,12 +178,8 @@ def _choose_precision(config: Any, precision: str | None) -> None:
                 f" lightning-precision's plugin (one of {', '.join(_FIT_PRECISIONS)})."
             )
         return
-    if precision == "fp8":
-        from lightning_precision.fp8._hardware import fp8_gpu_available
-
-        if not fp8_gpu_available():  # said now, not as a traceback from inside the fit
-            raise _ConfigError("--precision fp8 needs a CUDA GPU of compute capability >= 8.9; use --precision"
-                               " fp8-emulated to run its numerics emulated here.")
+    if precision in ("fp8", "nvfp4"):  # said now, not as a traceback from inside the fit
+        _check_fp8_machine(precision)
     if trainer.get("precision") is not None:
         raise _ConfigError(f"--precision {precision} and trainer.precision={trainer['precision']!r} both choose the"
                            " precision: pass only --precision.")
@@ -180,7 +190,46 @@ def _choose_precision(config: Any, precision: str | None) -> None:
     trainer["plugins"] = others or None
 
 
+def _check_fp8_machine(precision: str) -> None:
+    """A ``_ConfigError`` where ``--precision fp8`` or ``nvfp4`` cannot run: no GPU of the compute capability it needs
+    (NVFP4, no emulation: Transformer Engine on a Blackwell GPU), or no Transformer Engine for NVFP4."""
+    import torch
+
+    from lightning_precision import _imports
+    from lightning_precision.fp8._hardware import FP8_MIN_CAPABILITY, MXFP8_MIN_CAPABILITY
+
+    need = FP8_MIN_CAPABILITY if precision == "fp8" else MXFP8_MIN_CAPABILITY
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= need):
+        instead = ("use --precision fp8-emulated to run its numerics emulated here" if precision == "fp8" else
+                   "NVFP4 has no emulation: --precision bf16-mixed trains here, and GradientUnderflowMonitor(formats="
+                   "['nvfp4']) measures what NVFP4 would lose")
+        raise _ConfigError(f"--precision {precision} needs a CUDA GPU of compute capability >= {need[0]}.{need[1]};"
+                           f" {instead}.")
+    if precision == "nvfp4" and not _imports.TRANSFORMER_ENGINE_AVAILABLE:
+        raise _ConfigError(f"--precision nvfp4 runs through Transformer Engine, not installed here: install it with"
+                           f" `{_imports.install_command('transformer-engine')}`.")
+
+
+def _fit_error(message: str) -> int:
+    say(f"lightning-precision fit: error: {message.rstrip('.')}; `lightning-precision fit --help` lists the options")
+    return 2
+
+
+def _precision_help() -> str:
+    """``--precision``'s help: what each name puts in ``trainer.plugins``, from ``_FIT_PRECISIONS``."""
+    default = "none (Lightning's default, fp32)"
+    built = [f"{name}: {default if chosen is None else _call(*chosen)}" for name, chosen in _FIT_PRECISIONS.items()]
+    return ("train in this precision with lightning-precision's plugin, replacing the one the configuration sets"
+            f" (null: keep the configuration's). The plugin each puts in trainer.plugins: {'; '.join(built)}")
+
+
+def _call(class_path: str, init_args: dict[str, Any]) -> str:
+    return f"{class_path.rpartition('.')[2]}({', '.join(f'{k}={v!r}' for k, v in init_args.items())})"
+
+
 def _fit(argv: list[str]) -> int:
+    if not argv:  # said before Lightning's seconds of imports
+        return _fit_error(_what_fit_takes())
     from argparse import ArgumentError
 
     from lightning.pytorch.cli import LightningCLI
@@ -191,9 +240,7 @@ def _fit(argv: list[str]) -> int:
 
     class CLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
-            parser.add_argument("--precision", choices=list(_FIT_PRECISIONS), default=None,
-                                help="train in this precision with lightning-precision's plugin, replacing the one the"
-                                     " configuration sets (null: keep the configuration's)")
+            parser.add_argument("--precision", choices=list(_FIT_PRECISIONS), default=None, help=_precision_help())
             parser.add_argument("--ckpt_path", default=None, help="checkpoint to resume from")
 
         def before_instantiate_classes(self) -> None:
@@ -221,10 +268,7 @@ def _fit(argv: list[str]) -> int:
                                                 " [--config precision-16-mixed | --precision bf16-mixed]"},
                   save_config_kwargs={"overwrite": True})
     except (_ConfigError, ArgumentError) as err:
-        message = str(err) if isinstance(err, _ConfigError) else _parser_error(str(err))
-        say(f"lightning-precision fit: error: {message.rstrip('.')}; `lightning-precision fit --help` lists the"
-            " options")
-        return 2
+        return _fit_error(str(err) if isinstance(err, _ConfigError) else _parser_error(str(err), argv))
     finally:
         sys.argv = argv0
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))

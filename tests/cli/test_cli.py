@@ -138,7 +138,9 @@ def test_fit_usage_lists_only_what_the_tool_accepts(capsys):
     assert cli.main(["fit", "--help"]) == 0
     out = capsys.readouterr().out
     assert "[options] fit" not in out and "{fit,validate,test,predict}" not in out
-    assert "--precision {32-true,bf16-mixed,bf16-true,16-mixed,fp8,fp8-emulated}" in out
+    assert "--precision {32-true,bf16-mixed,bf16-true,16-mixed,16-true,fp8,fp8-emulated,nvfp4}" in out
+    # what each name puts in trainer.plugins
+    assert "16-true: FP16TruePrecision();" in " ".join(out.split()) and "nvfp4: NVFP4Precision()" in " ".join(out.split())
 
 
 def test_compare_help_shows_every_default(capsys):
@@ -193,6 +195,7 @@ def _fit_quick(config, *extra):
     ("bf16-mixed", "BF16MixedPrecision"),
     ("bf16-true", "BF16TruePrecision"),
     ("16-mixed", "FP16MixedPrecision"),
+    ("16-true", "FP16TruePrecision"),
     ("fp8-emulated", "FP8Precision"),
 ])
 def test_fit_precision_option_replaces_the_configs_plugin(precision, expected, tmp_path, monkeypatch):
@@ -224,11 +227,35 @@ def test_fit_trainer_precision_conflict_is_a_one_line_hint(tmp_path, capsys, mon
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without an fp8 GPU")
-def test_fit_precision_fp8_without_an_fp8_gpu_is_a_one_line_hint(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(("precision", "says"), [
+    ("fp8", "compute capability >= 8.9; use --precision fp8-emulated"),
+    ("nvfp4", "compute capability >= 10.0; NVFP4 has no emulation: --precision bf16-mixed trains here"),
+])
+def test_fit_precision_fp8_without_an_fp8_gpu_is_a_one_line_hint(precision, says, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert _fit_quick("vit.yaml", "--precision", "fp8") == 2
+    assert _fit_quick("vit.yaml", "--precision", precision) == 2
     err = capsys.readouterr().err.strip()
-    assert err.splitlines() == [err] and "use --precision fp8-emulated" in err
+    assert err.splitlines() == [err] and says in err
+
+
+def test_fit_precision_nvfp4_on_a_blackwell_gpu(monkeypatch):
+    """--precision nvfp4 puts NVFP4Precision() in trainer.plugins where it can run, and names the one install line
+    where Transformer Engine is missing. No Blackwell GPU here: its compute capability is mocked."""
+    import torch
+    from jsonargparse import Namespace
+
+    from lightning_precision import _imports
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    monkeypatch.setattr(_imports, "TRANSFORMER_ENGINE_AVAILABLE", True)
+    config = Namespace(trainer=Namespace(precision=None, plugins=None))
+    cli._choose_precision(config, "nvfp4")
+    assert [p.class_path for p in config["trainer"]["plugins"]] == ["lightning_precision.NVFP4Precision"]
+    monkeypatch.setattr(_imports, "TRANSFORMER_ENGINE_AVAILABLE", False)
+    with pytest.raises(cli._ConfigError, match=r"Transformer Engine, not installed here: install it with `pip install"
+                                                r" 'lightning-precision\[te\]'`"):
+        cli._choose_precision(Namespace(trainer=Namespace(precision=None, plugins=None)), "nvfp4")
 
 
 def test_plan_measures_a_recipe_and_writes_the_plan(tmp_path, capsys):
@@ -375,6 +402,9 @@ def test_the_shipped_configs_are_the_checkouts_recipes():
 
 
 @pytest.mark.parametrize(("args", "says"), [
+    ([], ["fit trains a model on its data, both named by a config",
+          "`lightning-precision fit --config distilbert --precision bf16-mixed`", "recipes distilbert, resnet50, vit",
+          "--model and --data"]),
     (["--config", "precision-bf16-mixed"],
      ["required: model", "combine it with a recipe config, e.g. `--config distilbert --config precision-bf16-mixed`"]),
     (["--config", "nope"], ["--config nope: no such file", "distilbert, resnet50, vit", "precision-bf16-mixed"]),

@@ -74,9 +74,10 @@ def test_compare_writes_table_markdown_json_csv_and_plots(tmp_path, capsys):
         assert (r["grad_underflow_fp16_scaled"] is not None) == (r["precision"] == "16-mixed")
     assert "| fp16 underflow, unscaled | at loss scale |" in md
     assert "fp16 underflow, unscaled: the fraction of nonzero parameter gradients" in md
-    # ... and every timing figure from the same turn medians: the speedup is the ratio of the ms/step column
+    # ... and every timing figure from the same turn medians: the speedup is the median paired ratio, in its bracket
+    for r in rows[1:]:
+        assert r["speedup_q1"] <= r["speedup"] == r["speedup_paired"] <= r["speedup_q3"]
     for r in rows:
-        assert r["speedup"] == pytest.approx(rows[0]["median_step_ms"] / r["median_step_ms"])
         assert r["samples_per_s"] == pytest.approx(8 / (r["median_step_ms"] / 1e3))
         assert r["turn_ms_q1"] <= r["median_step_ms"] <= r["turn_ms_q3"]
 
@@ -224,6 +225,7 @@ def test_an_exception_in_a_run_reaches_the_parent_whole(monkeypatch):
     args = argparse.Namespace(seed=0, batch_size=8, data_dir=None, steps=2, emulate=False, accelerator="cpu",
                               val_batches=0)
     child.run_child(child_end, "vit", "bf16-mixed", args)
+    assert parent.recv() == ("threads", torch.get_num_threads())  # first, before the run: torch's threads there
     kind, line, trace = parent.recv()
     assert kind == "error" and line == "NotImplementedError: " + " ".join(message.split())
     assert "Traceback" in trace and "NotImplementedError" in trace
@@ -732,38 +734,35 @@ def test_a_rate_under_10_keeps_its_decimals():
 
 
 @pytest.mark.slow
-def test_speedup_ms_per_step_and_throughput_rank_the_precisions_alike():
-    """The speedup was the median of the paired turn ratios and ms/step the median of all steps: with these turns
-    bf16-mixed's paired median is 1.07x (faster) while its ms/step, samples/s and throughput bar say slower (25 ms
-    against 20). Every figure now comes from the turn medians, and the speedup is 32-true's ms/step over this one's:
-    the columns and the plot rank alike; the paired ratios give the bracket, which here includes 1x (not resolved)."""
+def test_the_speedup_is_the_paired_median_and_claims_nothing_its_bracket_does_not():
+    """With these turns bf16-mixed's paired median is 1.07x while its ms/step says slower (25 ms against 20). The
+    speedup was 32-true's ms/step over this one's (0.80x), printed beside a bracket that need not hold it (issue 39:
+    `0.96x [0.66-0.85]` beside "measurably slower"); it is the paired median now, inside its bracket, which includes
+    1x here: not resolved, "~" (tests/cli/test_compare_report.py checks this over many timings)."""
     rows = _rows_of({"32-true": _run_of("32-true", [10, 20, 30] * 2),
                      "bf16-mixed": _run_of("bf16-mixed", [25, 15, 28] * 2),
                      "16-mixed": _run_of("16-mixed", [12] * 6)})
     bf16 = rows["bf16-mixed"]
-    assert bf16.speedup_paired == pytest.approx(30 / 28) and bf16.median_step_ms == pytest.approx(25)
-    assert bf16.speedup == pytest.approx(20 / 25) and bf16.speedup_resolved is False
-    by_speedup = sorted(rows, key=lambda p: -rows[p].speedup)
-    assert by_speedup == sorted(rows, key=lambda p: rows[p].median_step_ms) == \
-        sorted(rows, key=lambda p: -rows[p].samples_per_s) == ["16-mixed", "32-true", "bf16-mixed"]
-    assert lp_report.cells(bf16)[3] == f"~0.80x [{bf16.speedup_q1:.2f}-{bf16.speedup_q3:.2f}]"
+    assert bf16.speedup == bf16.speedup_paired == pytest.approx(30 / 28) and bf16.median_step_ms == pytest.approx(25)
+    assert bf16.speedup_q1 < 1 < bf16.speedup_q3 and bf16.speedup_resolved is False
+    assert lp_report.cells(bf16)[3] == f"~1.07x [{bf16.speedup_q1:.2f}-{bf16.speedup_q3:.2f}]"
 
 
 @pytest.mark.slow
 def test_when_the_paired_turns_and_the_medians_disagree_the_report_says_why():
     """A machine whose speed changed during the run: paired turn by turn bf16-mixed is faster (the middle half of the
-    ratios lies above 1x), the medians say slower. The speedup (the medians' ratio, as ms/step) is not called
-    resolved, and a note says the two disagree and why."""
+    ratios lies above 1x), the ms/step medians say slower. Neither is claimed: the speedup (the paired median, above
+    1x) is not called resolved, and a note says the two disagree and why."""
     rows = _rows_of({"32-true": _run_of("32-true", [40, 10, 10, 40, 10, 10]),
                      "bf16-mixed": _run_of("bf16-mixed", [39, 9, 45, 19, 9, 9])})
     bf16 = rows["bf16-mixed"]
-    assert bf16.speedup_q1 > 1 > bf16.speedup and bf16.speedup_drift is True
-    assert bf16.speedup_resolved is False and lp_report.cells(bf16)[3].startswith("~0.71x")
+    assert bf16.speedup > bf16.speedup_q1 > 1 > rows["32-true"].median_step_ms / bf16.median_step_ms
+    assert bf16.speedup_drift is True and bf16.speedup_resolved is False
+    assert lp_report.cells(bf16)[3].startswith(f"~{bf16.speedup:.2f}x")
     meta = {**META, "schedule": "interleaved"}
     note = next(n for n in lp_report.notes(list(rows.values()), meta) if n.startswith("bf16-mixed: the paired turns"))
     assert "they disagree on which is faster because the machine's speed changed during the run" in note
-    assert "32-true's ms/step over this one's, so these columns and throughput.png rank the precisions alike" in \
-        " ".join(lp_report.notes(list(rows.values()), meta))
+    assert "the ms/step medians at 0.71x" in note and "so neither is claimed" in note
     assert "faster" not in lp_report.verdict(list(rows.values()), meta).split("No precision was measurably faster")[1]
 
 

@@ -172,6 +172,7 @@ def test_a_precisions_process_runs_in_the_parents_environment_of_now(monkeypatch
     process = ctx.Process(target=_environ_after_run_child, args=(end, args, dict(os.environ)), daemon=True)
     process.start()
     assert parent.poll(120)
+    assert parent.recv()[0] == "threads"  # what each process says first
     assert parent.recv()[0] == "error"  # the run failed, as asked
     started, ran = parent.recv()
     process.join(timeout=60)

@@ -16,9 +16,10 @@ from lightning_precision.cli.console import quiet_lightning
 from lightning_precision.cli.recipes import RECIPES
 
 __all__ = [
-    "BASELINES", "FP8_PRECISIONS", "PRECISIONS", "QUICK_STEPS", "QUICK_VAL_BATCHES", "WARMUP", "UsageError",
-    "block_size", "calibration_steps", "check_accelerator", "compiled", "default_precisions", "emulated", "make_plugin",
-    "on_gpu", "one_line", "parse_args", "precheck", "untimed_steps",
+    "BASELINES", "EVAL_PRECISIONS", "FP8_PRECISIONS", "LIGHTNINGS_OWN", "PRECISIONS", "QUICK_STEPS",
+    "QUICK_VAL_BATCHES", "WARMUP", "UsageError", "block_size", "calibration_steps", "check_accelerator",
+    "check_eval_precision", "compiled", "default_precisions", "emulated", "eval_note", "eval_of", "make_plugin",
+    "on_gpu", "one_line", "parse_args", "precheck", "threads_note", "untimed_steps",
 ]
 
 DESCRIPTION = ("``lightning-precision compare``: one recipe, or your own model (--model/--data or --config), under"
@@ -27,7 +28,11 @@ PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "fp8"
 FP8_PRECISIONS = ("fp8", "fp8-auto")  # fp8-auto: FP8Precision(layers="auto"), layers chosen from measured numerics
 # Lightning's own plugins, run only when named, for comparison with ours: the verdict never recommends one.
 BASELINES = ("lightning-bf16-true",)
+# Rows of Lightning's own precision, no plugin of ours: they take no eval_precision, and evaluate as they train.
+LIGHTNINGS_OWN = ("32-true", *BASELINES)
 _BF16 = ("bf16-mixed", "bf16-true", "lightning-bf16-true")  # what bf16 hardware support decides
+# --eval-precision: as-trained, or the plugins' eval_precision= values
+EVAL_PRECISIONS = ("as-trained", "32-true", "bf16-mixed", "16-mixed")
 WARMUP = 3  # first steps left out of every timing (allocation, autotuning, lazy init)
 QUICK_STEPS, QUICK_VAL_BATCHES = 30, 2
 MAX_SEED = 2**32 - 1  # Lightning's seed_everything (numpy's bound) refuses a seed outside [0, 2**32 - 1]
@@ -57,9 +62,11 @@ def block_size(steps: int) -> int:
     return max(1, steps // 10)
 
 
-def make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
+def make_plugin(precision: str, emulate: bool, steps: int = 100, eval_precision: str | None = None) -> Any:
     """The Trainer plugin a precision name stands for (None for 32-true, the Trainer's default): ours, each with its
-    default arguments, and for ``lightning-bf16-true`` Lightning's own ``precision="bf16-true"``."""
+    default arguments and ``eval_precision`` (given only when not None), and for ``lightning-bf16-true`` Lightning's
+    own ``precision="bf16-true"``. Lightning's rows (``LIGHTNINGS_OWN``) take no ``eval_precision``: ``eval_note`` says
+    so."""
     from lightning_precision import (
         BF16MixedPrecision,
         BF16TruePrecision,
@@ -71,24 +78,84 @@ def make_plugin(precision: str, emulate: bool, steps: int = 100) -> Any:
 
     if precision == "32-true":
         return None
-    if precision == "bf16-mixed":
-        return BF16MixedPrecision()
-    if precision == "bf16-true":
-        return BF16TruePrecision()
-    if precision == "16-mixed":
-        return FP16MixedPrecision()
-    if precision == "16-true":
-        return FP16TruePrecision()
     if precision == "lightning-bf16-true":
         from lightning.pytorch.plugins.precision import HalfPrecision
 
         return HalfPrecision("bf16-true")
+    evaluation: dict[str, Any] = {} if eval_precision is None else {"eval_precision": eval_precision}
+    if precision == "bf16-mixed":
+        return BF16MixedPrecision(**evaluation)
+    if precision == "bf16-true":
+        return BF16TruePrecision(**evaluation)
+    if precision == "16-mixed":
+        return FP16MixedPrecision(**evaluation)
+    if precision == "16-true":
+        return FP16TruePrecision(**evaluation)
     # Emulated fp8 is for numerics on small models: run every eligible layer in fp8, not only the large ones.
     emulated_fp8 = emulate and not fp8_gpu_available()
     if precision == "fp8-auto":
         return FP8Precision(emulate=emulated_fp8, skip_small_layers=not emulate, layers="auto",
-                            calibration_batches=calibration_steps(steps))
-    return FP8Precision(emulate=emulated_fp8, skip_small_layers=not emulate)
+                            calibration_batches=calibration_steps(steps), **evaluation)
+    return FP8Precision(emulate=emulated_fp8, skip_small_layers=not emulate, **evaluation)
+
+
+def eval_of(args: argparse.Namespace) -> str | None:
+    """The plugins' ``eval_precision=`` that ``--eval-precision`` asks for: None to evaluate as trained."""
+    chosen = getattr(args, "eval_precision", "as-trained")  # a Namespace a script built may lack it
+    return None if chosen == "as-trained" else chosen
+
+
+def check_eval_precision(precisions: list[str], args: argparse.Namespace) -> None:
+    """A ``UsageError`` naming every row of ours whose plugin cannot evaluate in ``--eval-precision`` (a true plugin
+    in bf16-mixed): said before any training, not as a failed row after minutes of it. A plugin that cannot be built
+    here for another reason (hardware, a package) is ``precheck``'s to report."""
+    wanted = eval_of(args)
+    if wanted is None:
+        return
+    refused: dict[str, str] = {}
+    for p in precisions:
+        if p in LIGHTNINGS_OWN:
+            continue
+        try:
+            make_plugin(p, args.emulate, args.steps, wanted)
+        except (TypeError, ValueError) as err:  # TypeError: a plugin that takes no eval_precision at all
+            if "eval_precision" in str(err):
+                refused[p] = one_line(err)
+        except Exception:  # precheck builds it again and reports why
+            pass
+    if refused:
+        first = next(iter(refused.values()))
+        raise UsageError(f"--eval-precision {wanted}: {', '.join(refused)} cannot evaluate in {wanted} ({first});"
+                         f" leave {'them' if len(refused) > 1 else 'it'} out of --precisions, or choose another"
+                         f" --eval-precision ({', '.join(EVAL_PRECISIONS)}).")
+
+
+def eval_note(precisions: list[str], args: argparse.Namespace) -> str | None:
+    """The report's line on the precision of the validation behind "val acc"; None when no validation runs."""
+    if not args.val_batches:
+        return None
+    wanted = eval_of(args)
+    if wanted is None:
+        return "val acc: each precision evaluated as it trains (--eval-precision as-trained)."
+    # Lightning's own 32-true evaluates in fp32 as it trains: already what 32-true asks
+    asked = [p for p in precisions if p not in LIGHTNINGS_OWN or p == wanted]
+    own = [p for p in precisions if p not in asked]
+    if not own:
+        return f"val acc: evaluated in {wanted} for every precision (--eval-precision {wanted})."
+    where = f"in {wanted} for {', '.join(asked)}" if asked else "in no other precision"
+    return (f"val acc: evaluated {where} (--eval-precision {wanted}); {', '.join(own)} as trained: Lightning's own"
+            " precision takes no eval_precision.")
+
+
+def threads_note(threads: int | None) -> str | None:
+    """A warning where ``--threads`` asks for more threads than this process may run on."""
+    from lightning_precision.cli.compare.threads import usable_cpus
+
+    cpus = usable_cpus()
+    if threads is None or threads <= cpus:
+        return None
+    return (f"--threads {threads} is more than the {cpus} CPUs this process may run on: the threads take turns on"
+            " them, which slows every step.")
 
 
 def on_gpu(args: argparse.Namespace) -> bool:
@@ -154,7 +221,7 @@ def precheck(precision: str, args: argparse.Namespace) -> str | None:
         except RuntimeError as err:
             return one_line(err)
     try:
-        make_plugin(precision, args.emulate, args.steps)
+        make_plugin(precision, args.emulate, args.steps, eval_of(args))
     except Exception as err:  # a constructor's own check (hardware, versions): its message is the reason
         return f"{type(err).__name__}: {one_line(err)}"
     return None
@@ -190,6 +257,12 @@ def _parser() -> argparse.ArgumentParser:
                              " measured fp8 numerics (FP8Precision(layers='auto'); its measured steps are left out of"
                              " the timings). lightning-bf16-true: Lightning's own precision='bf16-true', a baseline"
                              " (only when named)")
+    _add_run_options(parser)
+    return parser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """How each precision runs: steps, batch, size, validation, seed, machine, output."""
     parser.add_argument("--steps", type=int, default=None,
                         help=f"training steps per precision (default: 100; {QUICK_STEPS} with --quick)")
     parser.add_argument("--batch-size", type=int, default=None,
@@ -212,12 +285,21 @@ def _parser() -> argparse.ArgumentParser:
                              " (default: the recipe's embedded generated task)")
     parser.add_argument("--emulate", action="store_true",
                         help="allow fp8 without fp8 hardware (torchao emulation: numerics, not speed)")
+    parser.add_argument("--eval-precision", default="as-trained", choices=EVAL_PRECISIONS,
+                        help="the precision of the validation behind val acc: as-trained (each precision evaluates as"
+                             " it trains), or one for every plugin of ours: 32-true, bf16-mixed, 16-mixed (their"
+                             " eval_precision=; Lightning's own rows, 32-true and lightning-bf16-true, evaluate as they"
+                             " train, which for 32-true is fp32; a row whose plugin cannot evaluate so is refused"
+                             " before any training) (default: as-trained)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads each precision's process may use (torch's threads, OMP_NUM_THREADS,"
+                             " MKL_NUM_THREADS), for a machine shared with other work (default: torch's own choice,"
+                             " one per physical core)")
     parser.add_argument("--out", default="compare-report", help="output folder (default: ./compare-report)")
     parser.add_argument("--peak-tflops", default=None,
                         help="the device's peak for MFU, instead of the built-in table of GPUs: one number in TFLOP/s"
                              " for every precision, or kind=number pairs (kinds fp32, tf32, bf16, fp16, fp8), e.g."
                              " bf16=989,fp8=1979")
-    return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -259,6 +341,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError(str(err)) from None
     if args.steps < 1 or (args.batch_size is not None and args.batch_size < 1) or args.val_batches < 0:
         raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: give a number of threads >= 1, or leave it out for torch's own"
+                         " choice.")
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {MAX_SEED} (2**32 - 1).")
     if args.accelerator != "auto":

@@ -22,7 +22,8 @@ from lightning_precision._launches import host_launch_us
 from lightning_precision._mfu import plugin_compute_dtype
 from lightning_precision._upstream.torch import DispatchCounter
 from lightning_precision.cli.compare import user_model
-from lightning_precision.cli.compare.args import block_size, compiled, make_plugin, one_line, untimed_steps
+from lightning_precision.cli.compare.args import block_size, compiled, eval_of, make_plugin, one_line, untimed_steps
+from lightning_precision.cli.compare.threads import bound_threads
 from lightning_precision.cli.console import quiet_lightning
 from lightning_precision.cli.recipes import RECIPES
 from lightning_precision.cli.stop import STOP_SIGNALS, signals_blocked
@@ -177,7 +178,7 @@ def train(recipe: str, precision: str, args: argparse.Namespace, gate: Gate = _n
                      count_step=None if compile_model else _counted_step(precision, args.steps, measure_every))
     monitor = GradientUnderflowMonitor(formats=("fp16",), top_k=0, warn_threshold=1.0,
                                        measure_every_n_steps=measure_every, log_every_n_steps=args.steps)
-    plugin = make_plugin(precision, args.emulate, args.steps)
+    plugin = make_plugin(precision, args.emulate, args.steps, eval_of(args))
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, plugins=[plugin] if plugin else None,
         callbacks=[stats, monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -257,12 +258,16 @@ def _fp8_layers(plugin: Any) -> dict[str, Any]:
 def run_child(conn: Any, recipe: str, precision: str, args: argparse.Namespace,
               environ: dict[str, str] | None = None) -> None:
     """A precision's process's whole life: one precision's run, taking turns when the parent says "go". Messages to the
-    parent: ``("yield",)`` at each turn's end, ``("block", times, losses, peak_mb)``, then ``("done", figures)`` or
-    ``("error", line, traceback)``. ``environ``: the parent's environment, taken as this process's own before anything
-    reads it (a process forked from the fork server starts with the server's)."""
+    parent: ``("threads", n)`` first (torch's threads here), ``("yield",)`` at each turn's end, ``("block", times,
+    losses, peak_mb)``, then ``("done", figures)`` or ``("error", line, traceback)``. ``environ``: the parent's
+    environment, taken as this process's own before anything reads it (a process forked from the fork server starts
+    with the server's)."""
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+    if getattr(args, "threads", None) is not None:  # before torch does any work here
+        bound_threads(args.threads)
+    conn.send(("threads", torch.get_num_threads()))
     # Ctrl-C and SIGTERM are the parent's to handle: it stops every run at once and writes what they reached. Ignored,
     # and blocked (from the process's start, ``runner.start``, and again here): Lightning's SIGTERM handler, installed
     # at every fit, never runs either (it would end this run as an error, or swallow the signal and keep running).

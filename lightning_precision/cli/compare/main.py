@@ -3,10 +3,10 @@
 Each precision trains in its own process, and the processes take turns: a block of steps each, in an order that
 rotates every round, so a machine that slows down or speeds up during the comparison slows every precision alike, and
 each precision's memory is its own process's, whatever the run order. Every timing figure rests on each turn's median
-step time: ms/step is their median, samples/s and MFU follow from it, and the speedup is 32-true's ms/step over this
-precision's, so they rank the precisions alike. The speedup's bracket is the interquartile range of the paired ratios
-(32-true's turn over this precision's in the same round, measured back to back); a speedup whose bracket includes 1x,
-or lies on its other side (the machine's speed changed), is flagged as not resolved.
+step time: ms/step is their median, and samples/s and MFU follow from it. The speedup is one statistic: the median of
+the paired ratios (32-true's turn over this precision's in the same round, measured back to back), printed with their
+interquartile range as its bracket, which the verdict reads too; a speedup whose bracket includes 1x, or that ms/step
+puts on the other side of 1x (the machine's speed changed), is flagged as not resolved (``rows.speedup_text``).
 
 Per precision: step time (median and spread), samples/s, speedup, peak memory, final loss, validation accuracy,
 gradient underflow in fp16 (unscaled, and at the loss scale for 16-mixed) and skipped steps. A table on the terminal
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import signal
 import warnings
@@ -31,16 +32,20 @@ from lightning_precision.cli.compare import runner, sizing, user_model
 from lightning_precision.cli.compare.args import (
     PRECISIONS,
     UsageError,
+    check_eval_precision,
     compiled,
     default_precisions,
+    eval_note,
     on_gpu,
     one_line,
     parse_args,
     precheck,
+    threads_note,
 )
 from lightning_precision.cli.compare.outdir import claim_folder
 from lightning_precision.cli.compare.report import FILES
 from lightning_precision.cli.compare.rows import Row, add_mfu, add_speedups, make_row, schedule
+from lightning_precision.cli.compare.threads import threads_bounded
 from lightning_precision.cli.console import lightning_quieted, say
 from lightning_precision.cli.recipes import RECIPES, training_loss
 from lightning_precision.cli.spawn import exit_if_importing_main
@@ -92,6 +97,8 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
     notes: list[str] = []
     if args.precisions is None:
         args.precisions, notes = default_precisions(machine, args)
+    check_eval_precision(args.precisions, args)  # a row that cannot evaluate as asked: refused before any training
+    notes += [note for note in (threads_note(args.threads), eval_note(args.precisions, args)) if note]
     if args.user is not None:  # the report names the classes it trained, with their init args
         notes += args.user.notes()
         trained = {"task": args.user.describe(), "chance": None, "model": args.user.model.call(),
@@ -105,11 +112,13 @@ def _prepare(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, Any],
     gpu = on_gpu(args)
     meta = {"recipe": args.recipe, **trained,
             "steps": args.steps, "batch_size": args.batch_size, "seed": args.seed, "val_batches": args.val_batches,
-            "quick": args.quick, "device": torch.cuda.get_device_name() if gpu else "cpu",
+            "quick": args.quick, "eval_precision": args.eval_precision, "threads": args.threads,
+            "device": torch.cuda.get_device_name() if gpu else "cpu",
             "machine_line": describe(machine, "cuda" if gpu else "cpu"), "machine": machine, "notes": notes,
             "interrupted": False, "command": shlex.join(["lightning-precision", "compare", *argv])}
     meta["compiled"] = [p for p in args.precisions if compiled(p, args)]
-    meta.update(measure_batch(args))  # first: data that every run would refuse is one line, with nothing before it
+    with threads_bounded(args.threads):  # this process's one measured step keeps to --threads too
+        meta.update(measure_batch(args))  # first: data that every run would refuse is one line, nothing before it
     out = console(outlive_reader=True)  # `compare | head` must not end the comparison: the report is written
     out.print(f"[bold]{args.recipe}[/bold] on {meta['machine_line']}", highlight=False)
     if "workload" in meta:
@@ -153,6 +162,7 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
         else:
             rows.append(make_row(runs[p], args, machine, stopped_by))
     meta["schedule"] = schedule(rows, args)
+    _record_threads(meta, runs)
     add_speedups(rows, runs, args.steps)
     add_mfu(rows, meta, args)
     meta["verdict"] = report.verdict(rows, meta)
@@ -173,6 +183,21 @@ def _compare(args: argparse.Namespace, argv: list[str], folder: Path, stop: Stop
     shown = Path(args.out) if where == folder else where  # the folder as the user named it
     out.print("wrote " + ", ".join(str(shown / name) for name in names), highlight=False, markup=False, soft_wrap=True)
     return 1 if where != folder or any(r.error is not None for r in rows) else 0
+
+
+def _record_threads(meta: dict[str, Any], runs: dict[str, runner.Run]) -> None:
+    """The torch threads each precision's process ran with, as it counted them (``torch_threads``), on the machine
+    line: what bounds a CPU's speed, whether --threads set it or torch chose."""
+    counted = {p: run.threads for p, run in runs.items() if run.threads is not None}
+    meta["torch_threads"] = counted
+    if not counted:
+        return
+    values = set(counted.values())
+    figure = str(values.pop()) if len(values) == 1 else ", ".join(f"{p} {n}" for p, n in counted.items())
+    omp = os.environ.get("OMP_NUM_THREADS")  # what torch's default follows where it is set
+    given = (f"--threads {meta['threads']}" if meta.get("threads") else f"OMP_NUM_THREADS={omp}" if omp else
+             "torch's default")
+    meta["machine_line"] += f"; torch threads per precision's process: {figure} ({given})"
 
 
 def choose_workload(args: argparse.Namespace) -> sizing.Workload:

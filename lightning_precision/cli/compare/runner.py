@@ -58,6 +58,7 @@ class Run:
         self.error: str | None = None
         self.detail: str | None = None
         self.no_main_guard = False  # it ended as it started: the calling script lacks the __main__ guard
+        self.threads: int | None = None  # torch's intra-op threads in the process, as it counted them at its start
 
     @property
     def finished(self) -> bool:
@@ -101,6 +102,9 @@ class Run:
             self.losses += losses
             self.blocks.append(times)
             on_step(len(times))
+            return False
+        if kind == "threads":
+            self.threads = message[1]
             return False
         if kind == "done":
             self.result = message[1]
