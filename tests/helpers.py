@@ -52,7 +52,7 @@ class LitNet(L.LightningModule):
         out = self(x)
         self.output_dtypes.append(out.dtype)
         loss = nn.functional.cross_entropy(out, y)
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))  # a float of a tensor that needs grad warns
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

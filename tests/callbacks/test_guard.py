@@ -180,13 +180,14 @@ def test_fabric_uses_the_same_three_calls(tmp_path):
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     lit = Lit()
     model, optimizer = fabric.setup(lit.net, torch.optim.SGD(lit.net.parameters(), lr=0.05, momentum=0.9))
-    for step, (x, y) in enumerate(loader(45)):
-        lit.net.grad_scale = 1e-21 if step >= INJECT else 1.0
-        guard.watch(plugin, step)
-        fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
-        guard.check(plugin, step)
-        optimizer.step()
-        optimizer.zero_grad()
+    with pytest.warns(UserWarning, match=r"FP8Guard: step 39: 1 layer\(s\) moved one rung down: b tensorwise -> bf16"):
+        for step, (x, y) in enumerate(loader(45)):
+            lit.net.grad_scale = 1e-21 if step >= INJECT else 1.0
+            guard.watch(plugin, step)
+            fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
+            guard.check(plugin, step)
+            optimizer.step()
+            optimizer.zero_grad()
     assert guard.save(plugin) == tmp_path / "plan.json"
     assert [(e.step, e.fqn) for e in guard.events] == [(39, "b")]
     assert type(lit.net.b) is nn.Linear and PrecisionPlan.load(tmp_path / "plan.json").fp8_layers == {"a", "head"}
@@ -380,8 +381,9 @@ def test_a_plan_file_that_cannot_be_written_after_setup_warns_and_the_fit_finish
 
     plugin, module = FP8Precision(**FP8_KW), Lit(inject_at=0)
     guard = FP8Guard(every_n_steps=2, plan_path=tmp_path / "plans" / "plan.yaml")
-    with pytest.warns(UserWarning, match=r"FP8Guard: could not write the fp8 plan to '.*plans/plan.yaml' \(.*File"
-                                         r" exists.*trainer.precision_plugin.plan_in_force\(\).save") as record:
+    demoted = pytest.warns(UserWarning, match=r"FP8Guard: step 1: 1 layer\(s\) moved one rung down: net.b")
+    with demoted, pytest.warns(UserWarning, match=r"FP8Guard: could not write the fp8 plan to '.*plans/plan.yaml' \(.*"
+                                                  r"File exists.*trainer.precision_plugin.plan_in_force\(\).save") as record:
         fit(plugin, 4, [guard, TakeTheFolder()], module=module)
     assert len(module.losses) == 4
     assert [(e.step, e.fqn) for e in guard.events] == [(1, "net.b")]
@@ -500,5 +502,6 @@ def test_the_guard_measures_what_the_layer_produced_not_what_a_later_hook_made_o
     x, y = torch.randn(16, 32), torch.randint(0, 16, (16,))
     guard.watch(plugin, 0)
     fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
-    events = guard.check(plugin, 0)
+    with pytest.warns(UserWarning, match=r"FP8Guard: step 0: 1 layer\(s\) moved one rung down: b tensorwise -> bf16"):
+        events = guard.check(plugin, 0)
     assert [e.fqn for e in events] == ["b"] and "grad_output" in events[0].reason

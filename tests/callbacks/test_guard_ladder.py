@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_precision import FP8Precision, PlanRule
+from lightning_precision import FP8Precision, NoEffectWarning, PlanRule
 from lightning_precision import fabric as lp_fabric
 from lightning_precision.callbacks import FP8Guard
 from lightning_precision.callbacks.guard import GuardEvent
@@ -150,7 +150,8 @@ def test_step_down_by_another_name_and_of_a_layer_not_run_yet():
     plugin, net = lp_fabric.FP8Precision(recipe="mxfp8", **FP8_KW), Net2()
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = fabric.setup_module(net)
-    fabric.backward(model(torch.randn(32, 64)).float().sum())
+    with pytest.warns(NoEffectWarning, match=r"did not run their forward in the first training step: expert\."):
+        fabric.backward(model(torch.randn(32, 64)).float().sum())
     assert plugin.step_down({"alias": "by the other name", "expert": "not run yet"}) == {
         "a": "tensorwise", "expert": "tensorwise"}
     assert layer_format(net.a) == layer_format(net.expert) == "tensorwise"
@@ -178,7 +179,9 @@ def test_a_failing_layer_steps_down_one_rung_per_measured_step_under_the_trainer
     plugin, module = FP8Precision(recipe="mxfp8", **FP8_KW), Lit()
     guard = FP8Guard(every_n_steps=2, rule=FAIL_ALL)
     fit = trainer(plugin, 6, [guard], default_root_dir=tmp_path)
-    fit.fit(module, loader(6))
+    with pytest.warns(UserWarning, match=r"FP8Guard: step 1: 3 layer\(s\) moved one rung down: net.a mxfp8 -> tensorwise"), \
+            pytest.warns(UserWarning, match=r"FP8Guard: step 3: 3 layer\(s\) moved one rung down: net.a tensorwise -> bf16"):
+        fit.fit(module, loader(6))
     assert [(e.step, e.fqn, e.to) for e in guard.events] == [
         *((1, f"net.{n}", "tensorwise") for n in ("a", "b", "head")),
         *((3, f"net.{n}", "bf16") for n in ("a", "b", "head"))]
@@ -192,7 +195,8 @@ def test_a_failing_layer_steps_down_one_rung_per_measured_step_under_the_trainer
 def test_without_the_ladder_a_failing_layer_goes_straight_to_high_precision(tmp_path):
     plugin, module = FP8Precision(recipe="mxfp8", **FP8_KW), Lit()
     guard = FP8Guard(every_n_steps=2, rule=FAIL_ALL, ladder=False)
-    trainer(plugin, 4, [guard], default_root_dir=tmp_path).fit(module, loader(4))
+    with pytest.warns(UserWarning, match=r"FP8Guard: step 1: 3 layer\(s\) moved back to torch.bfloat16: net.a mxfp8 -> bf16"):
+        trainer(plugin, 4, [guard], default_root_dir=tmp_path).fit(module, loader(4))
     assert [(e.step, e.to) for e in guard.events] == [(1, "bf16")] * 3
     assert formats(module.net) == {"a": None, "b": None, "head": None}
 
@@ -202,7 +206,8 @@ def test_without_the_ladder_the_guard_demotes(tmp_path):
     either way; the MXFP8 case above is where they differ)."""
     plugin, module = FP8Precision(**FP8_KW), Lit()
     guard = FP8Guard(every_n_steps=2, rule=FAIL_ALL, ladder=False)
-    trainer(plugin, 2, [guard], default_root_dir=tmp_path).fit(module, loader(2))
+    with pytest.warns(UserWarning, match=r"FP8Guard: step 1: 3 layer\(s\) moved back to torch.bfloat16: net.a tensorwise"):
+        trainer(plugin, 2, [guard], default_root_dir=tmp_path).fit(module, loader(2))
     assert [(e.step, e.fqn, e.to) for e in guard.events] == [(1, f"net.{n}", "bf16") for n in ("a", "b", "head")]
     assert plugin.plan.fp8_layers == frozenset()
 
@@ -264,7 +269,8 @@ def test_max_kurtosis_steps_down_a_layer_fed_heavy_tailed_inputs_and_not_one_fed
 
     # The rule is loosened for underflow, which such inputs also raise: the signal alone judges here.
     guard = FP8Guard(every_n_steps=2, rule=PlanRule(max_underflow=1.0), max_kurtosis=10)
-    plugin, net, signals = fabric_loop(guard, inputs)
+    with pytest.warns(UserWarning, match=r"FP8Guard: step 1: 1 layer\(s\) moved one rung down: heavy .*input kurtosis"):
+        plugin, net, signals = fabric_loop(guard, inputs)
     assert [(e.step, e.fqn, e.to) for e in guard.events] == [(1, "heavy", "bf16")]
     assert guard.events[0].reason.startswith("input kurtosis ") and guard.events[0].reason.endswith(" > 10")
     assert signals[0] == {} and signals[2] == {}  # unmeasured steps: nothing read, nothing logged
@@ -281,7 +287,8 @@ def test_max_amax_growth_steps_down_a_layer_whose_input_grows():
         return torch.randn(32, 64, generator=g) * (100.0 if step >= 3 else 1.0), torch.randn(32, 64, generator=g)
 
     guard = FP8Guard(every_n_steps=2, max_amax_growth=20)
-    _, net, signals = fabric_loop(guard, inputs)
+    with pytest.warns(UserWarning, match=r"FP8Guard: step 3: 1 layer\(s\) moved one rung down: heavy .*input amax growth"):
+        _, net, signals = fabric_loop(guard, inputs)
     assert [(e.step, e.fqn) for e in guard.events] == [(3, "heavy")]
     assert "input amax growth" in guard.events[0].reason
     assert signals[1]["precision/fp8_amax_growth/heavy"] == 1.0

@@ -396,7 +396,8 @@ def test_a_probe_that_saw_other_values_costs_only_the_lost_count():
     monitor = GradientUnderflowMonitor(formats="fp16", top_k=0)
     w = torch.nn.Parameter(torch.ones(6))
     monitor.probe_backward((w * 1e-3).sum(), [("w", w)], loss_scale=1.0)
-    real = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([2.0**-30, 1.0]), (6,))  # 2 stored values
+    real = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([2.0**-30, 1.0]), (6,),  # 2 stored values
+                                   check_invariants=True)  # checked: torch warns when the check is left implicit
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         monitor.measure_gradients({"w": real}, loss_scale=1.0)
@@ -540,7 +541,8 @@ def test_fp8_scaling_keys_activations_and_layers_and_stays_unscaled_elsewhere():
     for plugin, kwargs in ((BF16MixedPrecision(), {}), (FP8Precision(emulate=True, skip_small_layers=False), {
             "fp8_scaling": None})):
         t = trainer(plugin, max_steps=2, log_every_n_steps=2, callbacks=[GradientUnderflowMonitor(**kwargs)])
-        t.fit(TinyGrads(), loader(make_data(2)))
+        with pytest.warns(UserWarning, match="of gradients flush to zero in fp16 without loss scaling"):  # TinyGrads'
+            t.fit(TinyGrads(), loader(make_data(2)))
         assert "precision/underflow/e4m3fn" in t.callback_metrics
         assert not any("/dynamic" in k for k in t.callback_metrics)
     with pytest.raises(ValueError, match=r"fp8_scaling='per-tensor'.*'auto'.*None.*scaling_family"):

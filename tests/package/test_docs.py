@@ -166,3 +166,19 @@ def test_readme_examples_run_with_each_plugin_swapped_in(heading, plugin, tmp_pa
     module = "lightning_precision.fabric" if heading == "## Fabric" else "lightning_precision"
     code = f"from {module} import {plugin}\n" + code
     test_doc_block_runs(doc, first_line - 1, code, tmp_path, monkeypatch)
+
+
+def test_each_readme_block_builds_one_trainer_or_fabric():
+    """A block that builds two Trainers leaves whoever pastes it with the last one, whatever its comments say: the
+    README's Trainer example once fitted with its second Trainer (fp16) under a line that showed bf16 first."""
+    for param in (p for p in BLOCKS if p.id.startswith("README.md:")):
+        built = re.findall(r"\b(?:Trainer|Fabric)\(", param.values[2])
+        assert len(built) <= 1, f"{param.id} builds {len(built)} Trainers/Fabrics: show one, name the others in a comment"
+
+
+def test_readme_fabric_example_prints_the_plugins_metrics(tmp_path, monkeypatch, capsys):
+    """The Fabric example shows what the plugin reports on the terminal, not only through `log_dict`, which writes
+    nothing without a logger."""
+    doc, first_line, code = _readme_block("## Fabric").values
+    test_doc_block_runs(doc, first_line, code, tmp_path, monkeypatch)
+    assert "0 {'precision/loss_scale': 65536.0, 'precision/skipped_steps': 0.0}" in capsys.readouterr().out

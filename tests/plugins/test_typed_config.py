@@ -98,6 +98,11 @@ def test_layer_policy_and_changed_flat_arguments_are_refused_together():
         FP8LayerPolicy(skip_small_layers="no").validate("FP8Precision")  # type: ignore[arg-type]
 
 
+def _instantiate(parser, config):
+    """jsonargparse's `instantiate` (4.49 on; it deprecates `instantiate_classes`, which the cli extra's oldest has)."""
+    return (getattr(parser, "instantiate", None) or parser.instantiate_classes)(config)
+
+
 def test_lightning_cli_parser_sees_and_builds_the_typed_configs():
     # LightningCLI parses plugin arguments with jsonargparse from the signature: a `*args, **kwargs` Trainer class
     # would give it nothing to parse, and the frozen configs arrive as nested mappings.
@@ -106,10 +111,10 @@ def test_lightning_cli_parser_sees_and_builds_the_typed_configs():
     parser = ArgumentParser()
     parser.add_class_arguments(FP16MixedPrecision, "plugin")
     config = parser.parse_args(["--plugin.scaler", '{"init_scale": 1024.0, "growth_interval": 7}'])
-    plugin = parser.instantiate_classes(config).plugin
+    plugin = _instantiate(parser, config).plugin
     assert type(plugin) is FP16MixedPrecision
     assert plugin.scaler_config == ScalerConfig(init_scale=1024.0, growth_interval=7)
     parser = ArgumentParser()
     parser.add_class_arguments(FP8Precision, "plugin")
     config = parser.parse_args(["--plugin.emulate", "true", "--plugin.layer_policy", '{"skip_first_last": false}'])
-    assert parser.instantiate_classes(config).plugin.layer_policy == FP8LayerPolicy(skip_first_last=False)
+    assert _instantiate(parser, config).plugin.layer_policy == FP8LayerPolicy(skip_first_last=False)
