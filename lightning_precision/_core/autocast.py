@@ -9,6 +9,7 @@ Scaling, fp8 and XPU specifics live in the small modules beside it.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -89,6 +90,7 @@ class AutocastPrecision(FabricPrecision):
     # Class defaults too: a plugin made without `__init__` (an old pickle) evaluates as it trains.
     eval_precision: str | None = None
     _eval_depth = 0  # how many `eval_context`s are open: the one attribute the forward's hot path reads
+    _eval_thread: int | None = None  # the thread that opened them
 
     def __init__(
         self,
@@ -220,6 +222,21 @@ class AutocastPrecision(FabricPrecision):
         """Once, for a model that FSDP2 has sharded, before its first step."""
         fsdp.check_gloo_averages()
         fsdp.check_gather_dtype(type(self).__name__, module, self.compute_dtype)
+        self._check_sharded_fp32_eval(module)
+
+    def _check_sharded_fp32_eval(self, module: Module) -> None:
+        """FSDP2 all-gathers the weights in its policy's dtype inside the forward, where no autocast widens them back:
+        an fp32 evaluation would meet 16-bit weights at its first matmul (a crash at the first validation)."""
+        if self.eval_precision != "32-true":
+            return
+        narrow = sorted({str(dtype).replace("torch.", "") for _, dtype in fsdp.gather_dtypes(module)} - {"float32"})
+        if narrow:
+            raise ValueError(
+                f"`{type(self).__name__}(eval_precision='32-true')`: FSDP2 all-gathers the weights in"
+                f" {' and '.join(narrow)} (the `mp_policy`'s `param_dtype`) inside the forward, where they cannot be"
+                " widened to fp32. Evaluate in a 16-bit autocast (`eval_precision='bf16-mixed'`) or as the model"
+                " trains (`eval_precision=None`), or shard with `MixedPrecisionPolicy(param_dtype=torch.float32)`."
+            )
 
     @override
     def convert_module(self, module: Module) -> Module:
@@ -292,12 +309,24 @@ class AutocastPrecision(FabricPrecision):
         if self.eval_precision is None:
             yield
             return
+        self._check_eval_thread()
         with self._evaluation_scope() if not self._eval_depth else contextlib.nullcontext():
+            self._eval_thread = threading.get_ident()
             self._eval_depth += 1
             try:
                 yield
             finally:
                 self._eval_depth -= 1
+
+    def _check_eval_thread(self) -> None:
+        # The evaluation changes the model itself (fp8 layers' classes, hooks) until the outermost context closes, in
+        # whichever thread opened it: another thread's would end in fp8 or half-restored weights.
+        if self._eval_depth and self._eval_thread != threading.get_ident():
+            raise RuntimeError(
+                f"`{type(self).__name__}.eval_context()` is open in another thread: the evaluation changes the shared"
+                " model until that one closes. Evaluate from one thread at a time (or give each thread its own model"
+                " and plugin)."
+            )
 
     def _evaluation_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Hook: what the model needs for the whole of an evaluation (the outermost ``eval_context``)."""

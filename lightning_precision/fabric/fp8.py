@@ -7,7 +7,9 @@ book (``_core.fp8.layers``: what each layer runs and why, the plan in force, mov
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, cast
@@ -156,6 +158,7 @@ class FP8Precision(ScaledPrecision):
         self._calibration: Calibration | None = None
         self._compile_watch: CompileWatch | None = None  # whether the model runs compiled: seen at its first forward
         self._compiled = False
+        self._models: list[weakref.ref[Module]] = []  # every model set up (a GAN's two): evaluated without fp8
 
     # Read-only: what the backend resolved, the checked layer arguments, the layer book's records, `layer_policy`'s.
     backend = property(lambda self: self._backend.name, _set_backend)
@@ -196,6 +199,7 @@ class FP8Precision(ScaledPrecision):
         ``self.trainer.precision_plugin.convert_module(self)`` at the top of ``configure_model``."""
         if not getattr(module, CONVERTED, False):  # validate/test after fit: converting twice would nest
             module = self._convert(module)
+        self._models = [ref for ref in self._models if ref() not in (None, module)] + [weakref.ref(module)]
         return super().convert_module(module)
 
     def _convert(self, module: Module) -> Module:
@@ -313,8 +317,12 @@ class FP8Precision(ScaledPrecision):
                 yield
 
     @override
-    def _evaluation_scope(self) -> Any:
-        return self._backend.high_precision_context(self._book.root())
+    @contextmanager
+    def _evaluation_scope(self) -> Generator[None, None, None]:
+        with contextlib.ExitStack() as stack:
+            for model in [ref() for ref in self._models]:
+                stack.enter_context(self._backend.high_precision_context(model))
+            yield
 
     @override
     def _repr_kept(self) -> dict[str, Any]:
@@ -449,6 +457,7 @@ class FP8Precision(ScaledPrecision):
         state = super().__getstate__()
         state["_calibration"] = None  # hooks too; a spawned process starts measuring at its own setup
         state["_compile_watch"] = None  # a hook of this process's model
+        state["_models"] = []  # weak references do not pickle: the copy knows the models it sets up
         return state
 
 

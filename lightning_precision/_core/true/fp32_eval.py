@@ -8,12 +8,14 @@ API; only the evaluation pays its per-op Python cost)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -30,6 +32,10 @@ _METADATA = frozenset({
     "element_size", "is_floating_point", "is_complex", "get_device", "untyped_storage", "__len__", "__hash__",
     "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__", "requires_grad_", "is_set_to",
 })
+
+# Ops that update the running statistics they are given (BatchNorm and InstanceNorm in train mode, as
+# `torch.optim.swa_utils.update_bn` runs them under no_grad): computed on widened copies, written back into the model's.
+_RUNNING_STATS = frozenset({F.batch_norm, F.instance_norm})
 
 
 class _WidenReads(TorchFunctionMode):
@@ -48,11 +54,27 @@ class _WidenReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "__get__" or name in _METADATA or "out" in kwargs:
             return func(*args, **kwargs)
+        if func in _RUNNING_STATS:
+            return self._keeping_running_stats(func, args, kwargs)
         # `x.add_(w)`, `x[i] = w`, `x += w`: the written tensor stays itself; what it reads is widened.
         writes = (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or name.startswith("__i")
         kept, read = (args[:1], args[1:]) if writes else ((), args)
         read = apply_to_collection(read, Tensor, self._widen)
         return func(*kept, *read, **apply_to_collection(kwargs, Tensor, self._widen))
+
+    def _keeping_running_stats(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        written = []
+        for name in ("running_mean", "running_var"):
+            stat = bound.arguments.get(name)
+            if isinstance(stat, Tensor) and stat.dtype == self.dtype:
+                bound.arguments[name] = wide = stat.float()
+                written.append((stat, wide))
+        out = func(*apply_to_collection(bound.args, Tensor, self._widen),
+                   **apply_to_collection(bound.kwargs, Tensor, self._widen))
+        for stat, wide in written:  # unchanged in eval mode: the round trip through fp32 is exact
+            stat.copy_(wide)
+        return out
 
 
 class FP32Evaluation:
