@@ -23,6 +23,11 @@ def check_bf16_supported(device_type: str) -> None:
     """Refuse bf16 autocast on a CUDA GPU without bf16 arithmetic, naming the GPU and the plugin to use instead."""
     if device_type != "cuda":
         return
+    if not torch.cuda.is_available():  # (asked for the capability, torch would fail with a bare assertion)
+        raise RuntimeError(
+            "bf16 on device 'cuda': this process has no CUDA GPU (`torch.cuda.is_available()` is False, torch"
+            f" {torch.__version__}). Pass the device the model trains on, or `device=None` (where the model lives)."
+        )
     found = torch.cuda.get_device_capability()
     if not bf16_capable(found):
         name = torch.cuda.get_device_name()

@@ -78,7 +78,7 @@ class ScaledPrecision(AutocastPrecision):
                                  " this"
                                  " plugin skips nothing unless asked, so the limit would have no effect. Pass"
                                  " `skip_nonfinite=True` too, or leave `max_consecutive_skips` out.")
-        self.step_policy: StepPolicy = make_step_policy(owner, scaler, skip_nonfinite, max_consecutive_skips, device,
+        self.step_policy: StepPolicy = make_step_policy(owner, scaler, skip_nonfinite, max_consecutive_skips,
                                                        reads_skips=skip_schedulers_on_overflow,
                                                        scaler_class=self.scaler_class)
 

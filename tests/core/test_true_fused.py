@@ -415,3 +415,14 @@ def test_the_true_plugins_errors_say_what_they_are():
         fabric.backward(model(torch.randn(2, 2)).sum())
         optimizer.step()
     assert "autocast" not in str(e.value)
+
+
+def test_an_explicit_cuda_device_without_cuda_is_refused_in_words_and_builds_no_disabled_scaler(recwarn):
+    """torch's scaler built for a device this process lacks warns and disables itself; the bf16 check asked torch for
+    a capability it cannot give (a bare AssertionError)."""
+    plugin = lp.BF16TruePrecision(device="cuda")
+    assert not [w for w in recwarn if "GradScaler" in str(w.message)]
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the device exists")
+    with pytest.raises(RuntimeError, match=r"this process has no CUDA GPU.*device=None"):
+        plugin.resolve_device()

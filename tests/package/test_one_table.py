@@ -126,6 +126,7 @@ def test_doctor_and_the_plugin_share_the_bf16_threshold(monkeypatch, threshold, 
     here: torch.cuda's answers are stand-ins."""
     monkeypatch.setattr(devices, "BF16_MIN_CAPABILITY", threshold)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=16 * 2**30))

@@ -294,6 +294,7 @@ def test_reading_the_device_type_runs_no_hardware_check(monkeypatch):
     """No GPU exists here: torch.cuda answers as a T4 (no bf16) and counts its questions. A property read asks the
     hardware nothing; the explicit resolution (Fabric's first forward, the Trainer's connect) raises as before."""
     asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: asked.append("capability") or (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     plugin = lightning_precision.fabric.BF16MixedPrecision(device="cuda")

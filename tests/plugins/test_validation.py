@@ -60,6 +60,7 @@ def test_bf16_rejects_a_scaler_and_bad_device(cls):
 
 def test_bf16_on_a_cuda_gpu_without_bf16_says_use_fp16(monkeypatch):
     """No CUDA device exists here: torch.cuda's answers are stubbed to those of a pre-Ampere GPU (a V100)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-16GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))

@@ -285,14 +285,15 @@ class LossScaledStep(GuardedStep):
 
 
 def make_step_policy(owner: str, scaler: ScalerConfig | None, skip_nonfinite: bool, max_consecutive_skips: int | None,
-                     device: str | None, reads_skips: bool,
+                     reads_skips: bool,
                      scaler_class: type[TrackingGradScaler] = TrackingGradScaler) -> StepPolicy:
     """The step of a plugin built with these arguments: loss-scaled with a ``ScalerConfig``, else guarded when
-    ``skip_nonfinite``, else plain. Its scaler is built for ``device`` (cpu until the model's device is known; then
-    ``on_device`` rebuilds it there with its state). ``reads_skips``: each step learns whether it was skipped (the
-    plugin holds schedulers then)."""
+    ``skip_nonfinite``, else plain. Its scaler is built on the cpu, even for an explicit ``device``, until the model's
+    device is resolved and checked (``on_device`` then rebuilds it there with its state): built for a device this
+    process has not got, torch's scaler would warn and disable itself. ``reads_skips``: each step learns whether it
+    was skipped (the plugin holds schedulers then)."""
     if scaler is not None:
-        return LossScaledStep(owner, scaler_class(device or "cpu", scaler, owner=owner), reads_skips)
+        return LossScaledStep(owner, scaler_class("cpu", scaler, owner=owner), reads_skips)
     if skip_nonfinite:
-        return GuardedStep(owner, NonFiniteGuard(device or "cpu", max_consecutive_skips, owner=owner), reads_skips)
+        return GuardedStep(owner, NonFiniteGuard("cpu", max_consecutive_skips, owner=owner), reads_skips)
     return PlainStep(owner)
