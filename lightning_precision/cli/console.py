@@ -61,8 +61,11 @@ def console(outlive_reader: bool = False) -> Console:
     was closed. rich is imported here: `echo`'s users (plan) do not pay for it."""
     from rich.console import Console
 
-    # A pipe or a log file reports width 80, which folds every column of a wide table: use a readable width there.
-    return (_outliving() if outlive_reader else Console)(width=None if sys.stdout.isatty() else 150)
+    # A pipe or a log file reports width 80, which folds every column of a wide table: use a readable width there,
+    # unless COLUMNS says the width (rich reads it, as on a terminal): the user's choice for a log or a pager.
+    columns = os.environ.get("COLUMNS", "")
+    chosen = sys.stdout.isatty() or (columns.isdigit() and int(columns) > 0)
+    return (_outliving() if outlive_reader else Console)(width=None if chosen else 150)
 
 
 def say(text: str) -> bool:

@@ -84,8 +84,9 @@ def test_a_console_narrower_than_the_kept_columns_wraps_and_cuts_nothing():
     assert "…" not in table and "lightning-bf16-true" in table and "[0.66-0.85]" in table
 
 
-def test_a_piped_report_gets_the_readable_width_and_cuts_nothing(capsys):
+def test_a_piped_report_gets_the_readable_width_and_cuts_nothing(capsys, monkeypatch):
     """stdout a pipe (pytest's capture here, as under `| tee` or in a batch job): the console's 150 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # set, it says the width (test_compare_edges39)
     console = cli_console.console(outlive_reader=True)
     assert console.width == 150
     lp_report.print_table(_table_rows(), META, console)

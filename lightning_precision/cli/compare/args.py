@@ -124,7 +124,7 @@ def check_eval_precision(precisions: list[str], args: argparse.Namespace) -> Non
         except Exception:  # precheck builds it again and reports why
             pass
     if refused:
-        first = next(iter(refused.values()))
+        first = next(iter(refused.values())).rstrip(".")  # it goes in parentheses
         raise UsageError(f"--eval-precision {wanted}: {', '.join(refused)} cannot evaluate in {wanted} ({first});"
                          f" leave {'them' if len(refused) > 1 else 'it'} out of --precisions, or choose another"
                          f" --eval-precision ({', '.join(EVAL_PRECISIONS)}).")
@@ -145,6 +145,24 @@ def eval_note(precisions: list[str], args: argparse.Namespace) -> str | None:
     where = f"in {wanted} for {', '.join(asked)}" if asked else "in no other precision"
     return (f"val acc: evaluated {where} (--eval-precision {wanted}); {', '.join(own)} as trained: Lightning's own"
             " precision takes no eval_precision.")
+
+
+# --threads above this many a CPU is refused: threads beyond the CPUs only take turns on them, and in the thousands
+# OpenMP fails to start them (libgomp aborts the process; 10**5 crashed it; 2**63 overflows torch's argument).
+MAX_THREADS_PER_CPU = 8
+
+
+def _check_threads(threads: int) -> None:
+    from lightning_precision.cli.compare.threads import usable_cpus
+
+    if threads < 1:
+        raise UsageError(f"--threads {threads}: give a number of threads >= 1, or leave it out for torch's own choice.")
+    cpus = usable_cpus()
+    most = MAX_THREADS_PER_CPU * cpus
+    if threads > most:
+        raise UsageError(f"--threads {threads} is more than {most}, {MAX_THREADS_PER_CPU} for each of the {cpus} CPUs"
+                         " this process may run on: threads beyond the CPUs only take turns on them, and thousands"
+                         f" cannot be started; give at most {cpus}, or leave it out for torch's own choice.")
 
 
 def threads_note(threads: int | None) -> str | None:
@@ -341,9 +359,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError(str(err)) from None
     if args.steps < 1 or (args.batch_size is not None and args.batch_size < 1) or args.val_batches < 0:
         raise UsageError("--steps and --batch-size must be positive, --val-batches not negative")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads {args.threads}: give a number of threads >= 1, or leave it out for torch's own"
-                         " choice.")
+    if args.threads is not None:
+        _check_threads(args.threads)
     if not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed {args.seed} is out of range: seeds go from 0 to {MAX_SEED} (2**32 - 1).")
     if args.accelerator != "auto":

@@ -43,6 +43,12 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 
 
+def _loss(value: float | None) -> str:
+    """A loss as the report prints it: 3 decimals, or e-notation from 1e5 up, where fixed decimals would make a
+    diverging run's loss (up to 3e38 in fp32) a column of 40 digits, most of them float noise, wider than a console."""
+    return _fmt(value, ".3f" if value is not None and abs(value) < 1e5 else ".3e")
+
+
 def columns(meta: dict[str, Any]) -> tuple[str, ...]:
     """The table's headers: the throughput column is named after the recipe's unit (tokens/s, images/s)."""
     return tuple(f"{meta.get('unit') or 'units'}/s" if c == "units/s" else c for c in COLUMNS)
@@ -77,7 +83,7 @@ def cells(row: Row) -> list[str]:
         _fmt(row.mfu * 100, ".1f", "%") if row.mfu is not None else "n/a",
         _fmt(row.peak_memory_mb, ".0f"),
         _fmt(row.bytes_per_param, ".1f"),
-        _fmt(row.final_loss, ".3f"),
+        _loss(row.final_loss),
         _fmt(row.val_acc, ".3f"),
         _fmt(row.grad_underflow_fp16, ".2e"),
         _fmt(row.grad_underflow_fp16_scaled, ".2e"),
@@ -303,7 +309,7 @@ def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
         return prefix + "No 32-true step was timed: speedups are not computed." + tail
     # a run whose loss is nan or inf trained nothing worth its speed: never recommended, and said so
     diverged = [r for r in rows if not r.failed and r.final_loss is not None and not math.isfinite(r.final_loss)]
-    losses = ", ".join(f"{r.precision} (final loss {_fmt(r.final_loss, '.3f')})" for r in diverged)
+    losses = ", ".join(f"{r.precision} (final loss {_loss(r.final_loss)})" for r in diverged)
     if any(r is base for r in diverged):
         return (prefix + f"Nothing is recommended: the loss diverged in {losses}, 32-true among them, so no run here"
                 " trained soundly enough to compare with; check the model's numerics first." + tail)
@@ -321,7 +327,7 @@ def verdict(rows: list[Row], meta: dict[str, Any]) -> str:
 
     def accuracy(r: Row) -> str:
         if r.val_acc is None or base.val_acc is None:
-            return f"final loss {_fmt(r.final_loss, '.3f')} vs {_fmt(base.final_loss, '.3f')}"
+            return f"final loss {_loss(r.final_loss)} vs {_loss(base.final_loss)}"
         return f"validation accuracy {r.val_acc:.3f} vs {base.val_acc:.3f}"
 
     def differs(r: Row) -> str:
@@ -376,21 +382,23 @@ def print_table(rows: list[Row], meta: dict[str, Any], console: Any) -> None:
         style = "red" if row.failed else "yellow" if row.interrupted else ""
         table.add_row(*(Text(text[i], style=style if i < 2 else "") for i in kept))
     width = console.width
-    wide = table_width(widths) > width  # too narrow even for the kept columns: lines the terminal wraps, never cut
+    # too narrow even for the kept columns: lines the terminal wraps, never cut; the lines under the table too, which
+    # rich would otherwise fold a character a line at a width of 1
+    wide = table_width(widths) > width
     if wide:
         console.width = table_width(widths)
     try:
         console.print(table, crop=False)
+        if len(kept) < len(headers):
+            left_out = "; ".join(h for i, h in enumerate(headers) if i not in kept)  # a header may hold a comma
+            console.print(Text(f"not shown at {width} columns: {left_out}. Every column is in report.md and"
+                               " report.csv.", style="dim"))
+        for line in notes(rows, meta):
+            console.print(Text(line, style="red" if " failed: " in line else "dim"))
+        console.print(Text(meta["verdict"], style="bold"))
     finally:
         if wide:
             console.width = width
-    if len(kept) < len(headers):
-        left_out = "; ".join(h for i, h in enumerate(headers) if i not in kept)  # a header may hold a comma
-        console.print(Text(f"not shown at {width} columns: {left_out}. Every column is in report.md and"
-                           " report.csv.", style="dim"))
-    for line in notes(rows, meta):
-        console.print(Text(line, style="red" if " failed: " in line else "dim"))
-    console.print(Text(meta["verdict"], style="bold"))
 
 
 def markdown(rows: list[Row], meta: dict[str, Any], images: list[str]) -> str:
