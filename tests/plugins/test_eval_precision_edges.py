@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_precision import fabric as lpf
+from tests.helpers import fp8_recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -122,3 +123,27 @@ def test_eval_context_from_a_second_thread_is_refused_while_one_is_open():
     thread.start()
     thread.join()
     assert len(errors) == 1
+
+
+
+@pytest.mark.parametrize("recipe", [fp8_recipe("rowwise"), fp8_recipe("mxfp8")])
+def test_fp8_formats_beside_tensorwise_evaluate_in_fp32_as_the_plain_layers_do(recipe):
+    """rowwise and torchao's MXFP8 layer (dims divisible by 32) go through the same class swap as tensorwise: in
+    "32-true" each computes as the plain fp32 linear it is, bit for bit, and is that format again afterwards."""
+    plugin = lpf.FP8Precision(recipe=recipe, emulate=True, skip_small_layers=False, skip_first_last=False,
+                              eval_precision="32-true")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    twin = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    twin.load_state_dict(net.state_dict())
+    model = fabric.setup(net)
+    converted = [type(m) for m in net.modules()]
+    assert plugin.fp8_modules() and converted[1] is not nn.Linear
+    x = torch.randn(32, 32)
+    with torch.no_grad(), plugin.eval_context():
+        out = model(x)
+    with torch.no_grad():
+        assert torch.equal(out, twin(x))
+        assert not torch.equal(model(x), out)  # its format again
+    assert [type(m) for m in net.modules()] == converted

@@ -5,8 +5,9 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
-from lightning_precision import BF16MixedPrecision, FP16MixedPrecision
+from lightning_precision import BF16MixedPrecision, BF16TruePrecision, FP16MixedPrecision
 from tests.distributed import fit_spawned
 from tests.helpers import LitNet, loader, make_data, make_net, trainer
 
@@ -96,3 +97,45 @@ def test_the_fp16_probe_runs_under_ddp_and_every_rank_logs_the_same(tmp_path):
     # DDP's gradients are the same on every rank: they enter the histogram once (from rank zero), not once per rank.
     n_params = sum(p.numel() for p in make_net().parameters())
     assert 0 < sum(reports[0]["histogram"]) <= 2 * n_params
+
+
+class EvalRank(LitNet):
+    """Validates twice during a DDP fit; every rank writes the dtypes its validation saw (the batch as the step got it,
+    the output, a weight outside its layer's forward) and its weights."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+        self.seen: list[list[str]] = []
+
+    def val_dataloader(self):
+        return loader(make_data(2, seed=7))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.seen.append([str(x.dtype), str(out.dtype), str(self.net[0].weight.dtype)])
+        self.log("val_loss", nn.functional.cross_entropy(out.float(), y), sync_dist=True)
+
+    def on_train_end(self):
+        report = {"seen": self.seen, "dtypes": sorted({str(p.dtype) for p in self.parameters()}),
+                  "weights": [p.detach().double().sum().item() for p in self.parameters()]}
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump(report, f)
+
+
+@pytest.mark.slow  # two spawned ranks: the DDP wrapper's own behaviour, not the torch version's
+def test_ddp_validation_runs_in_eval_precision_on_every_rank_and_training_stays_16_bit(tmp_path):
+    """``eval_precision="32-true"`` under ``ddp_spawn``: the plugin is pickled into each rank and finds the
+    LightningModule inside DDP's wrapper at ``connect``, so the batch reaches the validation step in fp32 (not rounded
+    through bf16), the step computes in fp32 on the bf16 weights, and the weights stay bf16 and identical on both
+    ranks."""
+    t = trainer(BF16TruePrecision(eval_precision="32-true"), strategy="ddp_spawn", devices=2, max_steps=4,
+                val_check_interval=2, limit_val_batches=1)
+    reports = fit_spawned(t, EvalRank(str(tmp_path)), loader(make_data(10)), tmp_path)
+    for report in reports:
+        # the batch and the output fp32; a weight read outside its layer's forward bf16: one layer widened at a time
+        assert report["seen"] and all(seen == ["torch.float32", "torch.float32", "torch.bfloat16"]
+                                      for seen in report["seen"]), report["seen"]
+        assert report["dtypes"] == ["torch.bfloat16"]
+    assert reports[0]["weights"] == reports[1]["weights"]
