@@ -189,6 +189,8 @@ def test_a_true_row_above_32_trues_peak_says_why_with_its_transient():
     assert lp_report.fp32_step_notes(_memory_rows(90.0)) == []  # below 32-true's: nothing to explain
     assert lp_report.fp32_step_notes(_memory_rows(145.0, "lightning-bf16-true")) == []  # no fp32 step
     assert lp_report.fp32_step_notes(_memory_rows(145.0, "16-true"))[0].startswith("16-true: peak mem 145 MB")
+    tiny = {k: v // 4000 for k, v in HELD.items()}  # 500 parameters: copies of 8 KB, 2 MB over 32-true is noise
+    assert lp_report.fp32_step_notes(_memory_rows(95.0, held=tiny)) == []
     large = {k: v * 20 for k, v in HELD.items()}  # 40M parameters: three chunks
     assert "widened step_chunk (16,777,216) elements at a time: at least 256 MB of fp32 copies" in \
         lp_report.fp32_step_notes(_memory_rows(2000.0, held=large))[0]

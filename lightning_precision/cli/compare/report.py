@@ -148,6 +148,8 @@ def fp32_step_notes(rows: list[Row]) -> list[str]:
         per_element = 4 * (held["weights"] + held["gradients"] + held["optimizer_states"]) / held["weights"]
         parameters, chunk = held["parameters"], min(held["parameters"], DEFAULT_STEP_CHUNK)
         transient = chunk * per_element / 2**20
+        if transient < 1:  # copies under a MB explain nothing: the excess is the allocator's noise (the peak mem note)
+            continue
         cap = f"{DEFAULT_STEP_CHUNK * per_element / 2**20:.0f}"
         why = (f"this model's {parameters:,} parameters fit one step_chunk ({DEFAULT_STEP_CHUNK:,} elements), so its"
                " weights, gradients and states are widened at once" if parameters <= DEFAULT_STEP_CHUNK else
