@@ -33,18 +33,8 @@ from contextlib import contextmanager
 
 from lightning_precision.fp8 import _speed
 from lightning_precision.fp8._speed import KERNEL_SECONDS, MEMORY_EFFICIENCY, high_time, predicted_saving, speed_device
-from lightning_precision.fp8._speed_data import (
-    GPU_MD_H200_VIT_H,
-    TORCHAO_B200_LLAMA3_8B,
-    TORCHAO_H100_LLAMA3_8B,
-    TORCHAO_H100_ROWWISE,
-    TORCHAO_H100_TENSORWISE,
-    SpeedMeasurement,
-)
-
-SETS = {"torchao H100 rowwise": TORCHAO_H100_ROWWISE, "torchao H100 tensorwise": TORCHAO_H100_TENSORWISE,
-        "torchao Llama3-8B H100": TORCHAO_H100_LLAMA3_8B, "torchao Llama3-8B B200": TORCHAO_B200_LLAMA3_8B,
-        "GPU.md ViT-H H200": GPU_MD_H200_VIT_H}
+from lightning_precision.fp8._speed_data import MEASUREMENT_SETS as SETS
+from lightning_precision.fp8._speed_data import SpeedMeasurement
 
 
 def predict(row: SpeedMeasurement) -> tuple[float, float, bool]:

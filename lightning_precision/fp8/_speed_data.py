@@ -13,6 +13,7 @@ from dataclasses import dataclass
 __all__ = [
     "GPU_MD_H200_VIT_H",
     "MEASUREMENTS",
+    "MEASUREMENT_SETS",
     "TORCHAO_B200_LLAMA3_8B",
     "TORCHAO_H100_LLAMA3_8B",
     "TORCHAO_H100_ROWWISE",
@@ -105,8 +106,13 @@ GPU_MD_H200_VIT_H: tuple[SpeedMeasurement, ...] = (
         17.0 / 18.5),
 )
 
-MEASUREMENTS: tuple[SpeedMeasurement, ...] = (TORCHAO_H100_ROWWISE + TORCHAO_H100_TENSORWISE + TORCHAO_H100_LLAMA3_8B
-                                              + TORCHAO_B200_LLAMA3_8B + GPU_MD_H200_VIT_H)
+# Each set by the name the benchmark prints it under, and all of them.
+MEASUREMENT_SETS: dict[str, tuple[SpeedMeasurement, ...]] = {
+    "torchao H100 rowwise": TORCHAO_H100_ROWWISE, "torchao H100 tensorwise": TORCHAO_H100_TENSORWISE,
+    "torchao Llama3-8B H100": TORCHAO_H100_LLAMA3_8B, "torchao Llama3-8B B200": TORCHAO_B200_LLAMA3_8B,
+    "GPU.md ViT-H H200": GPU_MD_H200_VIT_H,
+}
+MEASUREMENTS: tuple[SpeedMeasurement, ...] = tuple(row for rows in MEASUREMENT_SETS.values() for row in rows)
 # What, beyond the rows above, each device's figures rest on (the H200's raw GEMM rates set the GEMM efficiencies).
 _EXTRA = {"H200 SXM": "its raw GEMMs (8192^3: bf16 783, fp8 1453 TFLOP/s; ../shared/GPU.md)"}
 

@@ -42,13 +42,18 @@ class LitOver(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.fixture
-def fake_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> FakeTimer:
-    timer = FakeTimer()
+def on_fake_gpu(timer: FakeTimer, tmp_path, monkeypatch: pytest.MonkeyPatch) -> FakeTimer:
+    """``timer`` as this process's CUDA GPU with real fp8 (the one seam, ``_timing.cuda_timer``), with a cache of its
+    own in ``tmp_path``."""
     monkeypatch.setenv("LIGHTNING_PRECISION_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_timing, "_MEMORY", {})
-    monkeypatch.setattr(_timing, "cuda_timer", lambda emulate: timer)  # "a CUDA GPU with real fp8"
+    monkeypatch.setattr(_timing, "cuda_timer", lambda emulate: timer)
     return timer
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> FakeTimer:
+    return on_fake_gpu(FakeTimer(), tmp_path, monkeypatch)
 
 
 def fit(plugin, compiled: bool = False, steps: int = 2) -> nn.Module:

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_precision import fabric as lp_fabric
 from lightning_precision._warnings import NoEffectWarning
 from lightning_precision.fp8 import _timing
-from tests.fp8.test_measured_speed import LitOver
+from tests.fp8.test_measured_speed import LitOver, on_fake_gpu
 from tests.fp8.test_timing import FakeTimer
 
 pytest.importorskip("torchao")
@@ -33,11 +33,7 @@ class BigFaster(FakeTimer):
 
 @pytest.fixture
 def gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> BigFaster:
-    timer = BigFaster()
-    monkeypatch.setenv("LIGHTNING_PRECISION_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_timing, "_MEMORY", {})
-    monkeypatch.setattr(_timing, "cuda_timer", lambda emulate: timer)  # "a CUDA GPU with real fp8"
-    return timer
+    return on_fake_gpu(BigFaster(), tmp_path, monkeypatch)
 
 
 def mlp(out: int = 32) -> nn.Sequential:
