@@ -14,7 +14,6 @@ from torch import nn
 
 import lightning_precision as lp
 from lightning_precision import fabric as lpf
-from lightning_precision._core.true import precision as true_precision
 from tests import te_standin
 from tests.helpers import assert_same_bits, make_net
 
@@ -182,17 +181,6 @@ def test_true_precision_refuses_fp32_evaluation_with_gradients_on():
     with pytest.raises(RuntimeError, match=r"eval_precision='32-true'.*torch.no_grad\(\)"), plugin.eval_context():
         model(torch.randn(2, 16))
     _assert_unchanged(net, optimizer, before)
-
-
-def test_true_precision_refuses_fp32_evaluation_of_a_sharded_model_before_training(monkeypatch):
-    """FSDP2 needs a process group (a subprocess here): the check that the model is sharded is stood in for."""
-    monkeypatch.setattr("lightning_precision._core.autocast.fsdp.is_sharded", lambda module: True)
-    monkeypatch.setattr(true_precision.fsdp, "check_gloo_averages", lambda: None)
-    plugin = lpf.BF16TruePrecision(eval_precision="32-true")
-    net = plugin.convert_module(make_net())  # (held: the plugin keeps a weak reference)
-    with pytest.raises(ValueError, match=r"BF16TruePrecision\(eval_precision='32-true'\)`.*FSDP2.*eval_precision=None"):
-        plugin.resolve_device()
-    assert net is not None
 
 
 def test_a_copy_made_mid_evaluation_starts_outside_it():
