@@ -52,25 +52,28 @@ def check_writable_file(path: str | os.PathLike[str], owner: str) -> Path:
     return target
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, follow_links: bool = True) -> Path:
     """Write ``text`` to ``path`` whole or not at all: to a uniquely named temporary file beside it, flushed to disk,
-    then renamed over it. A symbolic link stays a link (its target is replaced); two processes writing the same path
-    each write their own temporary file, and one whole text wins. A new file gets the usual permissions (an existing
-    one keeps its own). Returns ``path``."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
+    then renamed over it. A symbolic link stays a link (its target is replaced); with ``follow_links=False`` the link
+    itself is replaced and what it points to never written (a file of ours, such as a cache, where a link is nobody's
+    intent). Two processes writing the same path each write their own temporary file, and one whole text wins. A new
+    file gets the usual permissions (an existing one keeps its own). Returns ``path``."""
+    return atomic_write_bytes(path, text.encode("utf-8"), follow_links=follow_links)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, follow_links: bool = True) -> Path:
     """``atomic_write_text`` for bytes (a plot, an archive): the same guarantees."""
     path = Path(path)
-    target = Path(os.path.realpath(path.expanduser()))
+    expanded = path.expanduser()
+    target = Path(os.path.realpath(expanded) if follow_links else os.path.abspath(expanded))
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
+        kept = target.exists() and not target.is_symlink()  # (a link not followed: its target's mode is not ours)
+        os.chmod(tmp, target.stat().st_mode & 0o7777 if kept else 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         try:

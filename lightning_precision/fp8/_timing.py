@@ -23,10 +23,9 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_precision._imports import installed_version
+from lightning_precision._io import atomic_write_text
 from lightning_precision._warnings import warn
 from lightning_precision.fp8._plan_types import DTYPE_OF_HIGH, HIGH, HIGH_LABELS, MeasuredSpeed
 from lightning_precision.fp8._selection import TORCHAO_RECIPES, LayerDecision
@@ -248,8 +248,9 @@ class TimingCache:
                 if disk is None:
                     return  # not ours: said, left alone
                 merged = {**disk, **timings}
-                _write_atomically(path, json.dumps(
-                    {"format": CACHE_FORMAT, "version": _CACHE_VERSION, "timings": merged}, indent=0))
+                # a link made meanwhile is replaced, never followed: no file of the user's is written
+                text = json.dumps({"format": CACHE_FORMAT, "version": _CACHE_VERSION, "timings": merged}, indent=0)
+                atomic_write_text(path, text, follow_links=False)
             self._disk = merged
         except OSError as err:
             _say_once(path, "write", f"cannot be written ({err.strerror or err}); the timings stay in this process"
@@ -259,19 +260,6 @@ class TimingCache:
 def _is_timing(value: object) -> bool:
     """Seconds a timer can measure: a positive finite number (NaN, inf or <= 0 would decide a layer wrongly)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``text`` into ``path``, whole or not at all: a temporary file beside it, then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)  # a link made meanwhile is replaced, never followed
-    except BaseException:
-        with suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _acquire(fcntl: Any, fd: int) -> bool | None:

@@ -211,3 +211,21 @@ def test_benchmark_saving_needs_cuda() -> None:
 
     with pytest.raises(RuntimeError, match=r"benchmark_saving\('tensorwise'\): needs a CUDA GPU.*predicted_saving"):
         _timing.benchmark_saving(nn.Linear(64, 64), "tensorwise", 64)
+
+
+def test_the_cache_writer_replaces_a_link_made_after_its_check_and_never_writes_through_it(tmp_path: Path) -> None:
+    """The cache's write (``_io.atomic_write_text(..., follow_links=False)``): a link that appears at the path after the
+    reader refused links (another process, a user) is replaced by the cache file; what it pointed to stays as it was.
+    The default (``follow_links=True``) keeps a user's link and writes its target, as the report files do."""
+    from lightning_precision._io import atomic_write_text
+
+    mine = tmp_path / "mine.txt"
+    mine.write_text("the user's")
+    link = tmp_path / "timings.json"
+    os.symlink(mine, link)
+    atomic_write_text(link, "{}", follow_links=False)
+    assert not link.is_symlink() and link.read_text() == "{}" and mine.read_text() == "the user's"
+    link.unlink()
+    os.symlink(mine, link)
+    atomic_write_text(link, "theirs")
+    assert link.is_symlink() and mine.read_text() == "theirs"
