@@ -6,6 +6,7 @@ import re
 from io import StringIO
 
 import pytest
+import torch
 from rich.console import Console
 
 import lightning_precision.cli as cli
@@ -110,3 +111,18 @@ def test_the_eval_precision_refusal_quotes_the_plugins_reason_without_doubled_st
     assert cli.main([*argv, "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert "evaluate as it trains)); leave it out of --precisions" in err and ".)" not in err, err
+
+
+def test_a_step_without_a_loss_keeps_its_nan_on_the_device_the_other_losses_are_on():
+    """A user's ``training_step`` may return None: its NaN joins the block's losses, which ``flush`` stacks. Made on the
+    CPU it failed beside CUDA losses on a GPU; the meta device stands in for the GPU here (no CUDA on this machine)."""
+    from types import SimpleNamespace
+
+    from lightning_precision.cli.compare.child import RunStats
+
+    stats = RunStats(4, lambda: None, lambda *a: None)
+    module = SimpleNamespace(device=torch.device("meta"))
+    for outputs in (None, {"loss": None}, {"loss": torch.zeros((), device="meta")}):
+        stats.on_train_batch_end(None, module, outputs)
+    assert [t.device.type for t in stats._losses] == ["meta"] * 3
+    torch.stack(stats._losses)  # what `flush` does: one device

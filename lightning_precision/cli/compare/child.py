@@ -123,7 +123,9 @@ class RunStats(Callback):
             self.ops_per_step, self._counter = len(self._counter.names), None
         # read at the block's end: no device read inside a step. A user's step may return no loss (None skips it)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float("nan")))
+        # (its NaN where the others are: `flush` stacks them, and a CPU tensor among CUDA ones fails there)
+        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor)
+                            else torch.full((), float("nan"), device=pl_module.device))
 
     @override
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *args: Any) -> None:
