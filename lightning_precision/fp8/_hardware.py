@@ -6,7 +6,8 @@ import torch
 
 from lightning_precision.fp8._selection import BLOCK_SCALED, TE_NVFP4
 
-__all__ = ["FP8_MIN_CAPABILITY", "MXFP8_MIN_CAPABILITY", "check_fp8_hardware", "fp8_capable", "fp8_gpu_available"]
+__all__ = ["FP8_MIN_CAPABILITY", "MXFP8_MIN_CAPABILITY", "check_fp8_hardware", "fp8_capable", "fp8_gpu_available",
+           "required_capability"]
 
 # fp8 tensor cores: Ada and Hopper (8.9, 9.0); MXFP8 and NVFP4 block scaling: Blackwell (10.0).
 FP8_MIN_CAPABILITY = (8, 9)
@@ -22,6 +23,12 @@ def fp8_gpu_available() -> bool:
     return torch.cuda.is_available() and fp8_capable(torch.cuda.get_device_capability())
 
 
+def required_capability(scaling_family: str) -> tuple[int, int]:
+    """The CUDA compute capability a scaling family's GEMMs need: block-scaled (MXFP8, NVFP4) Blackwell's, the rest
+    fp8's."""
+    return MXFP8_MIN_CAPABILITY if scaling_family in BLOCK_SCALED else FP8_MIN_CAPABILITY
+
+
 def check_fp8_hardware(device_type: str, backend: str, scaling_family: str, emulate: bool,
                        owner: str = "FP8Precision") -> None:
     """fp8 GEMMs need CUDA compute capability >= 8.9 (Ada, Hopper), MXFP8 and NVFP4 >= 10.0 (Blackwell);
@@ -33,7 +40,7 @@ def check_fp8_hardware(device_type: str, backend: str, scaling_family: str, emul
                 " Use `backend='torchao'` to emulate fp8 numerics without an fp8 GPU."
             )
         return
-    need = MXFP8_MIN_CAPABILITY if scaling_family in BLOCK_SCALED else FP8_MIN_CAPABILITY
+    need = required_capability(scaling_family)
     if device_type != "cuda":
         emulation = " Pass `emulate=True` (torchao backend) to run the fp8 numerics emulated here." \
             if scaling_family != TE_NVFP4 else " NVFP4 has no emulation here: measure what it would lose with" \

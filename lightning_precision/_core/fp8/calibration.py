@@ -23,9 +23,8 @@ from lightning_precision._core import fsdp
 from lightning_precision._core.accumulator import all_reduce
 from lightning_precision._warnings import NoEffectWarning, warn
 from lightning_precision.fp8._edges import EdgeRecorder
-from lightning_precision.fp8._hardware import FP8_MIN_CAPABILITY, MXFP8_MIN_CAPABILITY
+from lightning_precision.fp8._hardware import required_capability
 from lightning_precision.fp8._selection import (
-    BLOCK_SCALED,
     FP8LayerPolicy,
     LayerDecision,
     ScalingFamily,
@@ -116,8 +115,7 @@ def runs_here(fmt: str) -> bool:
     """Whether this process's CUDA GPU runs torchao's ``fmt`` for real, by its own compute capability
     (``fp8._hardware``'s thresholds: MXFP8 needs 10.0), not by the speed table's entry, which stands an H100 in for a
     GPU it lacks: only such formats are timed, and only timed formats can be chosen."""
-    need = MXFP8_MIN_CAPABILITY if format_family(fmt) in BLOCK_SCALED else FP8_MIN_CAPABILITY
-    return gpu_capability() >= need
+    return gpu_capability() >= required_capability(format_family(fmt))
 
 
 def gpu_capability() -> tuple[int, int]:
